@@ -1,0 +1,75 @@
+/* The CPU Metal device: compiles MSL source as C++ against the shim in shim/ and runs kernels with
+ * Metal's execution model (threadgroups on worker threads, GPU threads as fibers, 32-lane
+ * SIMD-groups). Mirrors newLibraryWithSource:options: and dispatchThreadgroups. */
+#ifndef MCPU_DEVICE_H
+#define MCPU_DEVICE_H
+
+#include "../fa_core.h"
+#include "shim/msl_abi.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mcpu_library mcpu_library; /* cached for the life of the process, never freed */
+
+typedef struct mcpu_macro {
+    const char *name;
+    const char *value; /* NULL or "" defines the macro as 1 */
+} mcpu_macro;
+
+/* Compile (or fetch from the in-process cache, then the on-disk cache) a library.
+ * source_name names the source in diagnostics ("fa_simple.metal"). On a compile error returns
+ * FA_ERR_COMPILE with the compiler's message, MSL file and line in st->message. Thread-safe and
+ * safe across processes sharing the disk cache. */
+int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
+                             uint32_t n_macros, mcpu_library **out, fa_status *st);
+
+/* Kernel names (host names) the library defines, NULL-terminated; valid for the process life. */
+const char *const *mcpu_library_kernels(const mcpu_library *lib);
+
+/* Launch entry of a kernel, or NULL if the library has no kernel of that name. */
+typedef void (*mcpu_kernel_fn)(void);
+mcpu_kernel_fn mcpu_library_kernel(const mcpu_library *lib, const char *name);
+
+/* Run one dispatch synchronously: grid counts threadgroups. buffers[i] binds [[buffer(i)]] (host
+ * addresses with offsets applied); threadgroup_arg_lengths[i] sizes [[threadgroup(i)]];
+ * constants[i] is function constant i (kind MSL_CONSTANT_UNDEFINED where not set).
+ * Fails with FA_ERR_VALUE on bad geometry (more than 1024 threads, a zero dimension, more than
+ * 32 KiB of threadgroup memory) and FA_ERR_RUNTIME on a divergence, deadlock or kernel failure,
+ * naming the kernel, source line and threads. Thread-safe. */
+typedef struct mcpu_dispatch_args {
+    const char *kernel;
+    uint32_t grid[3];
+    uint32_t threadgroup[3];
+    void *const *buffers;
+    uint32_t n_buffers;
+    const uint64_t *threadgroup_arg_lengths;
+    uint32_t n_threadgroup_args;
+    const msl_constant_value *constants;
+    uint32_t n_constants;
+} mcpu_dispatch_args;
+
+int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *args, fa_status *st);
+
+/* Runs one prepared launch (used by mcpu_dispatch after validation; defined in runtime.c). */
+int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, fa_status *st);
+
+/* The runtime's function table that compiled libraries bind to (runtime.c). */
+const msl_runtime_api *mcpu_runtime_api(void);
+
+/* Threadgroup memory a threadgroup may use, as on Apple7-9 GPUs. */
+enum { MCPU_MAX_THREADGROUP_MEMORY = 32768 };
+
+/* Where compiled libraries are cached: $FLASHATTN_MPS_CACHE, else $XDG_CACHE_HOME/flashattn_mps,
+ * else ~/.cache/flashattn_mps. */
+int32_t mcpu_cache_dir(char *out, size_t out_len, fa_status *st);
+
+/* Rewrite MSL source into C++ for the shim (strict = 0) or for the address-space-strict syntax
+ * check (strict = 1). Returns a malloc'ed string or NULL with st set. */
+char *mcpu_preprocess(const char *source, const char *source_name, int32_t strict, fa_status *st);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

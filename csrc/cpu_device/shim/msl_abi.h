@@ -1,0 +1,116 @@
+/* The ABI between a kernel library compiled for the CPU Metal device and the runtime that runs it.
+ *
+ * A compiled library (a shared object built from MSL source by compile.c) exports:
+ *   void __msl_bind_runtime(const msl_runtime_api *api);   called once, right after dlopen
+ *   void __msl_launch_<host_name>(void);                    one per kernel: runs the kernel body for
+ *                                                          the GPU thread api->current() describes
+ * The runtime (runtime.c) runs every GPU thread of a threadgroup as a fiber on one OS thread and
+ * hands kernels everything through the structs below. Plain C so both sides agree on layout. */
+#ifndef MSL_ABI_H
+#define MSL_ABI_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MSL_ABI_VERSION 1u
+#ifdef __cplusplus
+#define MSL_ALIGN16 alignas(16)
+#else
+#define MSL_ALIGN16 _Alignas(16)
+#endif
+#define MSL_SIMD_WIDTH 32u
+#define MSL_MAX_THREADS_PER_THREADGROUP 1024u
+/* Bytes a lane may publish in one SIMD-group exchange (simd_shuffle of the widest vector, or the
+ * elements a simdgroup_matrix operation gathers). */
+#define MSL_XCHG_BYTES 64u
+#define MSL_MAX_BUFFERS 31u
+#define MSL_MAX_THREADGROUP_ARGS 31u
+#define MSL_MAX_FUNCTION_CONSTANTS 64u
+
+typedef enum msl_constant_kind {
+    MSL_CONSTANT_UNDEFINED = 0,
+    MSL_CONSTANT_BOOL = 1,
+    MSL_CONSTANT_INT = 2,   /* value in .i */
+    MSL_CONSTANT_FLOAT = 3  /* value in .f */
+} msl_constant_kind;
+
+typedef struct msl_constant_value {
+    int32_t kind; /* msl_constant_kind */
+    int64_t i;
+    double f;
+} msl_constant_value;
+
+/* What one dispatch binds: the same for every thread of every threadgroup. */
+typedef struct msl_launch {
+    const char *kernel_name;
+    void *const *buffers;        /* [[buffer(n)]]: host address, storage offset already applied */
+    uint32_t n_buffers;
+    uint32_t n_threadgroup_args; /* [[threadgroup(n)]] arguments bound */
+    const uint64_t *threadgroup_arg_lengths;
+    const msl_constant_value *constants; /* indexed by function-constant index */
+    uint32_t n_constants;
+    uint32_t threadgroups_per_grid[3];
+    uint32_t threads_per_threadgroup[3];
+} msl_launch;
+
+/* One SIMD-group's exchange area: lanes publish into slot[parity][lane], synchronise, then read.
+ * Two parities let consecutive collectives proceed with one synchronisation each. */
+typedef struct msl_simd_exchange {
+    MSL_ALIGN16 unsigned char slot[2][MSL_SIMD_WIDTH][MSL_XCHG_BYTES];
+    uint32_t live_lanes; /* bit i set while lane i has not returned; kept by the runtime */
+} msl_simd_exchange;
+
+/* Per threadgroup state the kernel side may touch. */
+typedef struct msl_group {
+    void *const *threadgroup_args; /* base of each [[threadgroup(n)]] allocation */
+    uint32_t threadgroup_position[3];
+} msl_group;
+
+/* One GPU thread (one fiber). Values are Metal's compute builtins. */
+typedef struct msl_thread {
+    uint32_t thread_position_in_grid[3];
+    uint32_t threadgroup_position_in_grid[3];
+    uint32_t thread_position_in_threadgroup[3];
+    uint32_t threads_per_threadgroup[3];
+    uint32_t threadgroups_per_grid[3];
+    uint32_t thread_index_in_threadgroup;
+    uint32_t thread_index_in_simdgroup;
+    uint32_t simdgroup_index_in_threadgroup;
+    uint32_t threads_per_simdgroup;
+    uint32_t simdgroups_per_threadgroup;
+    uint32_t xchg_parity; /* flips at every SIMD-group exchange this lane takes part in */
+    msl_simd_exchange *simd_exchange; /* this thread's SIMD-group's area */
+    const msl_launch *launch;
+    const msl_group *group;
+} msl_thread;
+
+/* Sync kinds, for diagnostics: which construct a thread is waiting in. */
+typedef enum msl_sync_kind {
+    MSL_SYNC_THREADGROUP_BARRIER = 1,
+    MSL_SYNC_SIMDGROUP_BARRIER = 2,
+    MSL_SYNC_SIMD_COLLECTIVE = 3
+} msl_sync_kind;
+
+typedef struct msl_runtime_api {
+    uint32_t abi_version; /* MSL_ABI_VERSION */
+    /* The GPU thread running now on this OS thread. */
+    msl_thread *(*current)(void);
+    /* Block until every live thread of the caller's SIMD-group (kind SIMDGROUP_BARRIER or
+     * SIMD_COLLECTIVE) or threadgroup (THREADGROUP_BARRIER) waits at the same construct and
+     * source line; otherwise the dispatch fails with a divergence diagnostic. `what` names the
+     * construct ("simd_sum", "threadgroup_barrier", ...). Does not return if the dispatch fails. */
+    void (*sync)(msl_thread *t, int32_t kind, const char *what, const char *file, uint32_t line);
+    /* Storage for a kernel-scope `threadgroup T a[N];`: one block per threadgroup and site_key,
+     * zero-initialised is NOT promised (Metal does not), shared by the threadgroup's threads. */
+    void *(*threadgroup_static)(msl_thread *t, const void *site_key, uint64_t size, uint64_t align);
+    /* Fail the dispatch with a message (e.g. a shim precondition); does not return. */
+    void (*fail)(msl_thread *t, const char *message, const char *file, uint32_t line);
+} msl_runtime_api;
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,74 @@
+/* The interface every backend implements (the CPU Metal device, Metal on macOS): get-or-compile a
+ * pipeline, and dispatch it. Planning happens before, in fa_plan.c; backends never see tensors. */
+#ifndef FA_BACKEND_H
+#define FA_BACKEND_H
+
+#include "fa_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { FA_MAX_MACROS = 24, FA_MAX_CONSTANTS = 16, FA_MAX_BINDINGS = 16, FA_MAX_TG_ARGS = 4 };
+
+typedef struct fa_macro {
+    char name[48];
+    char value[48];
+} fa_macro;
+
+typedef enum fa_constant_kind { FA_CONST_BOOL = 1, FA_CONST_INT = 2, FA_CONST_FLOAT = 3 } fa_constant_kind;
+
+typedef struct fa_constant {
+    uint32_t index; /* [[function_constant(index)]] */
+    int32_t kind;   /* fa_constant_kind */
+    int64_t i;
+    double f;
+} fa_constant;
+
+/* What to build: a function of a registered source, specialised by macros (compile time) and
+ * function constants (pipeline creation). */
+typedef struct fa_pipeline_key {
+    const char *source_name;
+    const char *function;
+    const fa_macro *macros;
+    uint32_t n_macros;
+    const fa_constant *constants;
+    uint32_t n_constants;
+} fa_pipeline_key;
+
+/* One [[buffer(n)]] binding: a storage (handle as in fa_tensor) plus byte offset, or inline bytes
+ * (setBytes) when bytes != NULL. */
+typedef struct fa_binding {
+    void *storage;
+    int64_t byte_offset;
+    const void *bytes;
+    int64_t length;
+} fa_binding;
+
+typedef struct fa_dispatch {
+    fa_binding bindings[FA_MAX_BINDINGS];
+    uint32_t n_bindings;
+    uint64_t threadgroup_bytes[FA_MAX_TG_ARGS]; /* [[threadgroup(n)]] lengths */
+    uint32_t n_threadgroup_args;
+    uint32_t grid[3];        /* threadgroups per grid */
+    uint32_t threadgroup[3]; /* threads per threadgroup */
+} fa_dispatch;
+
+typedef struct fa_pipeline fa_pipeline; /* backend-owned, cached, never freed by callers */
+
+typedef struct fa_backend {
+    const char *name;
+    /* Cached by (source text, function, macros, constants); safe to call from several threads. */
+    fa_pipeline *(*get_pipeline)(const fa_pipeline_key *key, fa_status *st);
+    int32_t (*dispatch)(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st);
+} fa_backend;
+
+/* The CPU Metal device (always present). */
+const fa_backend *fa_cpu_backend(void);
+/* Metal (macOS builds only); returns NULL with st set elsewhere. */
+const fa_backend *fa_metal_backend(fa_status *st);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

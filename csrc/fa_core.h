@@ -1,0 +1,88 @@
+/* flashattn-mps C core: the contract between the Python layer and the core.
+ *
+ * Everything crosses as plain integers: tensors are described by their storage handle, a byte
+ * offset, dtype, sizes and strides (in elements), all 64-bit. The core validates every descriptor
+ * (dtype, rank, shape agreement, that every addressed element lies inside the storage) before any
+ * kernel runs, so malformed input is rejected with a message instead of crashing. */
+#ifndef FA_CORE_H
+#define FA_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { FA_STATUS_MESSAGE_BYTES = 8192 };
+
+typedef enum fa_code {
+    FA_OK = 0,
+    FA_ERR_VALUE = 1,    /* bad argument: shapes, strides, sizes, flags (Python ValueError) */
+    FA_ERR_TYPE = 2,     /* bad dtype or device (Python TypeError) */
+    FA_ERR_COMPILE = 3,  /* a kernel failed to compile */
+    FA_ERR_RUNTIME = 4,  /* a dispatch failed (divergence, deadlock, backend error) */
+    FA_ERR_UNSUPPORTED = 5 /* the backend is not available in this build or on this machine */
+} fa_code;
+
+typedef struct fa_status {
+    int32_t code; /* fa_code */
+    char message[FA_STATUS_MESSAGE_BYTES];
+} fa_status;
+
+/* Sets *st and returns code; message is printf-formatted and truncated to fit. */
+int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2 } fa_dtype;
+
+typedef enum fa_device { FA_DEVICE_CPU = 0, FA_DEVICE_MPS = 1 } fa_device;
+
+enum { FA_MAX_DIMS = 4 };
+
+/* A strided view of a storage. For FA_DEVICE_CPU `storage` is the host address of the storage's
+ * first byte; for FA_DEVICE_MPS it is the storage's id<MTLBuffer>. */
+typedef struct fa_tensor {
+    void *storage;
+    int64_t storage_bytes; /* size of the whole storage, for bounds checks */
+    int64_t byte_offset;   /* offset of element [0,...,0] from the storage start */
+    int32_t dtype;         /* fa_dtype */
+    int32_t ndim;
+    int64_t sizes[FA_MAX_DIMS];
+    int64_t strides[FA_MAX_DIMS]; /* in elements; any sign-free layout, overlapping views allowed
+                                     for inputs */
+} fa_tensor;
+
+typedef enum fa_kernel_choice {
+    FA_KERNEL_AUTO = 0,   /* let the planner choose */
+    FA_KERNEL_SIMPLE = 1  /* one query row per SIMD-group: the reference baseline */
+} fa_kernel_choice;
+
+/* Forward attention, SDPA semantics: q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev),
+ * out (B,Hq,L,Ev), query head h reads kv head h / (Hq/Hkv); causal is the top-left mask
+ * tril(ones(L,S)). lse, when lse.storage is not NULL, is (B,Hq,L) float32 and receives the
+ * natural-log log-sum-exp of each row's scaled scores. */
+typedef struct fa_forward_args {
+    int32_t device; /* fa_device: which backend runs it */
+    fa_tensor q, k, v, out, lse;
+    double scale;
+    int32_t causal;
+    int32_t kernel; /* fa_kernel_choice */
+} fa_forward_args;
+
+/* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
+int32_t fa_forward(const fa_forward_args *args, fa_status *st);
+
+/* Kernel sources are registered by the Python layer (which reads metal/*.metal and inlines their
+ * #includes) before the first call; the core keeps its own copy. Thread-safe. */
+int32_t fa_register_source(const char *name, const char *text, fa_status *st);
+/* Returns the registered text, or NULL. The pointer stays valid for the life of the process. */
+const char *fa_lookup_source(const char *name);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,12 @@
+"""FlashAttention for PyTorch on Apple silicon.
+
+`flash_attention(q, k, v, causal=False, scale=None)` computes what
+`torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+enable_gqa=True)` computes, without ever forming the L x S score matrix. MPS tensors run on Metal;
+CPU tensors run the same Metal kernels on the CPU Metal device (see `flashattn_mps.metal_cpu`).
+"""
+from ._C import MetalCompileError, MetalDispatchError
+from ._api import flash_attention
+
+__version__ = "0.1.0"
+__all__ = ["flash_attention", "MetalCompileError", "MetalDispatchError", "__version__"]

@@ -1,0 +1,137 @@
+"""The public attention function: validation with clear messages, then one call into the C core."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _C, _sources
+
+_DTYPE_CODES = {
+    torch.float32: _C.DTYPE_FLOAT32,
+    torch.float16: _C.DTYPE_FLOAT16,
+    torch.bfloat16: _C.DTYPE_BFLOAT16,
+}
+_DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
+_KERNELS = {"auto": _C.KERNEL_AUTO, "simple": _C.KERNEL_SIMPLE}
+
+
+def describe(t: torch.Tensor) -> tuple:
+    """The C core's view of a tensor: (storage, storage bytes, byte offset, dtype, sizes, strides).
+
+    The storage handle is the host address for CPU tensors and the id<MTLBuffer> for MPS tensors
+    (PyTorch's MPS allocator hands out the buffer object as the storage's data pointer)."""
+    storage = t.untyped_storage()
+    return (
+        storage.data_ptr(),
+        storage.nbytes(),
+        t.storage_offset() * t.element_size(),
+        _DTYPE_CODES[t.dtype],
+        tuple(t.shape),
+        tuple(t.stride()),
+    )
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type not in _DEVICE_CODES:
+            raise ValueError(
+                f"flash_attention: {name} is on device '{t.device}'; supported devices are mps (Metal) "
+                "and cpu (the CPU Metal device)"
+            )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _DTYPE_CODES:
+            raise TypeError(
+                f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            "flash_attention: q, k, v must all be 4-D (B, H, L, E) or all 3-D (H, L, E), got "
+            f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
+    shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+    if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"flash_attention: batch sizes differ: {shapes}")
+    if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"flash_attention: k and v must have the same heads and sequence length: {shapes}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"flash_attention: q and k must have the same head dim: {shapes}")
+    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0:
+        raise ValueError(
+            f"flash_attention: the number of query heads ({q.shape[-3]}) must be a multiple of the number "
+            f"of key/value heads ({k.shape[-3]}): {shapes}"
+        )
+    for name, t in (("q", q), ("v", v)):
+        if t.shape[-1] > 256:
+            raise ValueError(f"flash_attention: head dims up to 256 are supported, {name} has {t.shape[-1]}: {shapes}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"flash_attention: causal must be a bool, got {type(causal).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"flash_attention: scale must be a float or None, got {type(scale).__name__}")
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(
+            "flash_attention: gradients are not implemented yet; call it under torch.no_grad() or on "
+            "tensors that do not require grad"
+        )
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    *,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Scaled dot-product attention, exactly as
+    `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+    enable_gqa=True)`, without materialising the L x S score matrix.
+
+    Args:
+        q: (B, Hq, L, E) or (Hq, L, E); any strides and storage offset (nothing is copied).
+        k: (B, Hkv, S, E) or (Hkv, S, E); Hq must be a multiple of Hkv (GQA/MQA): query head h
+            attends with key/value head h // (Hq // Hkv).
+        v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 256.
+        causal: SDPA's top-left mask tril(ones(L, S)): query i sees keys 0..i.
+        scale: multiplies q.k; default 1/sqrt(E).
+        kernel: "auto" (the planner's choice) or "simple" (the one-row-per-SIMD-group reference
+            kernel, for benchmarks).
+
+    q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
+    runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
+    Returns a new contiguous (B, Hq, L, Ev) (or (Hq, L, Ev)) tensor of q's dtype.
+    """
+    _validate(q, k, v, causal, scale)
+    if kernel not in _KERNELS:
+        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {kernel!r}")
+    unbatched = q.dim() == 3
+    if unbatched:  # views, not copies
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    if out.numel() > 0:
+        _sources.ensure_registered()
+        _C.forward(
+            _DEVICE_CODES[q.device.type],
+            describe(q),
+            describe(k),
+            describe(v),
+            describe(out),
+            None,
+            float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale) if q.shape[-1] else 0.0,
+            causal,
+            _KERNELS[kernel],
+        )
+    return out.squeeze(0) if unbatched else out

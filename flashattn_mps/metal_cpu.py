@@ -1,0 +1,122 @@
+"""The CPU Metal device, for tests and experiments: compile MSL source, dispatch its kernels on CPU
+tensors with Metal's execution model. The same runtime the C core uses for CPU tensors.
+
+    lib = compile_library(source, macros={"N": 64})
+    lib.dispatch("my_kernel", grid=(4, 1, 1), threadgroup=(128, 1, 1), buffers=[x, y, struct.pack("I", n)])
+
+`grid` counts threadgroups (as `dispatchThreadgroups`); `buffers[i]` binds `[[buffer(i)]]` and is a
+CPU tensor (device memory, written in place, its storage offset honoured) or bytes (`setBytes`);
+`threadgroup_memory[i]` is the byte length of `[[threadgroup(i)]]`; `constants` maps
+function-constant indices to bool, int or float values.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from . import _C
+
+MetalCompileError = _C.MetalCompileError
+MetalDispatchError = _C.MetalDispatchError
+MAX_THREADS_PER_THREADGROUP = 1024
+MAX_THREADGROUP_MEMORY = _C.MAX_THREADGROUP_MEMORY
+
+
+def _size3(name: str, value) -> tuple:
+    """An MTLSize: 1 to 3 positive ints (missing dims are 1)."""
+    dims = (value,) if isinstance(value, int) else tuple(value)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"{name} must be an int or a tuple of 1 to 3 ints, got {value!r}")
+    if any(d < 1 or d >= 2**32 for d in dims):
+        raise ValueError(f"{name} dimensions must be in 1..2^32-1, got {value!r}")
+    return dims + (1,) * (3 - len(dims))
+
+
+def _constant(index, value) -> tuple:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise TypeError(f"constants: keys are function-constant indices (ints >= 0), got {index!r}")
+    if isinstance(value, bool):
+        return (index, _C.CONSTANT_BOOL, int(value), 0.0)
+    if isinstance(value, int):
+        return (index, _C.CONSTANT_INT, value, 0.0)
+    if isinstance(value, float):
+        return (index, _C.CONSTANT_FLOAT, 0, value)
+    raise TypeError(f"constants[{index}] must be a bool, int or float, got {type(value).__name__}")
+
+
+def _buffer(index: int, value):
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"buffers[{index}] must be a CPU torch.Tensor or bytes, got {type(value).__name__}")
+    if value.device.type != "cpu":
+        raise ValueError(f"buffers[{index}] is on {value.device}; the CPU Metal device takes CPU tensors")
+    return value.data_ptr()  # address of element 0: the storage offset is already applied
+
+
+class Library:
+    """A compiled MSL library (like MTLLibrary). Create with `compile_library`."""
+
+    def __init__(self, handle, source_name: str):
+        self._handle = handle
+        self.source_name = source_name
+        self.kernels = tuple(handle.kernels())
+
+    def dispatch(
+        self,
+        kernel: str,
+        grid,
+        threadgroup,
+        buffers: Sequence[Union[torch.Tensor, bytes]],
+        threadgroup_memory: Sequence[int] = (),
+        constants: Optional[Mapping[int, Union[bool, int, float]]] = None,
+    ) -> None:
+        """Run `kernel` on grid x threadgroup threads and wait for it (like dispatchThreadgroups
+        followed by waitUntilCompleted). Raises MetalDispatchError on a divergent barrier or
+        collective, a deadlock or a kernel failure, naming the kernel, source line and threads."""
+        if kernel not in self.kernels:
+            raise ValueError(f"kernel {kernel!r} is not in this library; it has {list(self.kernels)}")
+        grid3 = _size3("grid", grid)
+        group3 = _size3("threadgroup", threadgroup)
+        threads = group3[0] * group3[1] * group3[2]
+        if threads > MAX_THREADS_PER_THREADGROUP:
+            raise ValueError(
+                f"threadgroup {group3} has {threads} threads; at most {MAX_THREADS_PER_THREADGROUP} are allowed"
+            )
+        bound = [_buffer(i, b) for i, b in enumerate(buffers)]
+        lengths = []
+        for i, n in enumerate(threadgroup_memory):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise TypeError(f"threadgroup_memory[{i}] must be a byte count (int >= 0), got {n!r}")
+            lengths.append(n)
+        if sum(lengths) > MAX_THREADGROUP_MEMORY:
+            raise ValueError(
+                f"threadgroup_memory {tuple(lengths)} totals {sum(lengths)} bytes; Apple GPUs allow "
+                f"{MAX_THREADGROUP_MEMORY}"
+            )
+        values = [_constant(i, v) for i, v in (constants or {}).items()]
+        self._handle.dispatch(kernel, grid3, group3, bound, lengths, values)
+
+
+def compile_library(
+    source: str, macros: Optional[Mapping[str, object]] = None, name: str = "library.metal"
+) -> Library:
+    """Compile MSL source (like newLibraryWithSource:options: with preprocessorMacros).
+
+    Macro values are converted with str() (None and True define the macro as 1, False as 0). Compiled libraries
+    are cached in memory and on disk (see `cache_dir()`). Raises MetalCompileError carrying the
+    compiler's message with the MSL file and line."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, got {type(source).__name__}")
+    pairs = []
+    for key, value in (macros or {}).items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"macros: {key!r} is not a valid macro name")
+        pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
+    return Library(_C.compile_library(source, name, pairs), name)
+
+
+def cache_dir() -> str:
+    """Where compiled libraries are cached ($FLASHATTN_MPS_CACHE overrides)."""
+    return _C.cache_dir()

@@ -1,0 +1,92 @@
+// The simple kernel: one query row per SIMD-group, online softmax, any head dim up to 256.
+// It is the correctness baseline and the reference point of the benchmarks, not the fast path.
+//
+// Lane l keeps columns l, l + 32, ... of the query row and of the output row, so one build serves
+// every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 256 (columns past E or Ev are predicated off).
+// Specialisation: the dtype (host names below) and function constants FA_FC_CAUSAL and
+// FA_FC_WRITE_LSE. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
+// 32 * FA_SIMPLE_ROWS_PER_GROUP threads (the planner reads both constants from fa_params.h).
+#include <metal_stdlib>
+#include "fa_params.h"
+#include "fa_softmax.h"
+
+using namespace metal;
+
+constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
+constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
+
+template <typename T>
+[[kernel]] void fa_simple(
+    const device T *q [[buffer(0)]],
+    const device T *k [[buffer(1)]],
+    const device T *v [[buffer(2)]],
+    device T *out [[buffer(3)]],
+    device float *lse [[buffer(4)]],
+    constant fa_params &p [[buffer(5)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint simd_group [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const int row = int(group.x) * FA_SIMPLE_ROWS_PER_GROUP + int(simd_group);
+  if (row >= p.q_len) {
+    return; // whole SIMD-group leaves together: no collective is split
+  }
+  const fa_i64 b = group.z;
+  const fa_i64 h = group.y;
+  const fa_i64 kv_h = h / p.gqa_factor;
+
+  const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + row * p.q_strides[2];
+  const device T *k_head = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
+  const device T *v_head = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
+
+  // Lane d-slices: element c of this lane is column lane + 32 * c.
+  float q_reg[FA_SIMPLE_MAX_PER_LANE];
+  for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
+    const int col = int(lane) + 32 * c;
+    q_reg[c] = col < p.head_dim ? float(q_row[col * p.q_strides[3]]) : 0.0f;
+  }
+  float acc[FA_SIMPLE_MAX_PER_LANE];
+  for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
+    acc[c] = 0.0f;
+  }
+  fa_online_softmax state = fa_softmax_init();
+
+  // Top-left causal: row i sees keys 0..i.
+  const int keys = fa_causal ? min(p.kv_len, row + 1) : p.kv_len;
+  for (int j = 0; j < keys; ++j) {
+    const device T *k_row = k_head + j * p.k_strides[2];
+    float partial = 0.0f;
+    for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
+      const int col = int(lane) + 32 * c;
+      if (col < p.head_dim) {
+        partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
+      }
+    }
+    const float score = simd_sum(partial) * p.scale_log2;
+    const fa_softmax_step step = fa_softmax_push(state, score);
+    const device T *v_row = v_head + j * p.v_strides[2];
+    for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
+      const int col = int(lane) + 32 * c;
+      const float v_val = col < p.v_head_dim ? float(v_row[col * p.v_strides[3]]) : 0.0f;
+      acc[c] = fma(step.weight, v_val, acc[c] * step.rescale);
+    }
+  }
+
+  const float inv_sum = fa_softmax_inverse_sum(state);
+  device T *o_row = out + b * p.o_strides[0] + h * p.o_strides[1] + row * p.o_strides[2];
+  for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
+    const int col = int(lane) + 32 * c;
+    if (col < p.v_head_dim) {
+      o_row[col * p.o_strides[3]] = static_cast<T>(acc[c] * inv_sum);
+    }
+  }
+  if (fa_write_lse && lane == 0) {
+    lse[b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2]] =
+        fa_softmax_lse(state);
+  }
+}
+
+template [[host_name("fa_simple_float")]] [[kernel]] decltype(fa_simple<float>) fa_simple<float>;
+template [[host_name("fa_simple_half")]] [[kernel]] decltype(fa_simple<half>) fa_simple<half>;
+#if defined(__HAVE_BFLOAT__)
+template [[host_name("fa_simple_bfloat")]] [[kernel]] decltype(fa_simple<bfloat>) fa_simple<bfloat>;
+#endif

@@ -1,0 +1,148 @@
+"""Bad input: clear errors naming the argument and the shapes; malformed descriptors rejected by
+the C layer without crashing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashattn_mps import _C, flash_attention
+from flashattn_mps._api import describe
+
+
+def qkv(b=1, hq=2, hkv=2, lq=4, lk=5, e=8, ev=8, dtype=torch.float32):
+    return torch.randn(b, hq, lq, e, dtype=dtype), torch.randn(b, hkv, lk, e, dtype=dtype), torch.randn(b, hkv, lk, ev, dtype=dtype)
+
+
+def test_not_a_tensor():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="k must be a torch.Tensor"):
+        flash_attention(q, k.numpy(), v)
+
+
+def test_unsupported_dtype():
+    q, k, v = qkv(dtype=torch.float64)
+    with pytest.raises(TypeError, match="q has dtype torch.float64"):
+        flash_attention(q, k, v)
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="v has dtype torch.int32"):
+        flash_attention(q, k, v.to(torch.int32))
+
+
+def test_mixed_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="share one dtype"):
+        flash_attention(q, k.half(), v)
+
+
+def test_unsupported_device():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="q is on device 'meta'"):
+        flash_attention(q.to("meta"), k.to("meta"), v.to("meta"))
+
+
+def test_mixed_devices():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="k is on device 'meta'"):
+        flash_attention(q, k.to("meta"), v)
+
+
+@pytest.mark.parametrize(
+    "shapes,message",
+    [
+        (((1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 6, 8)), r"k and v must have the same heads and sequence length: q \(1, 2, 4, 8\)"),
+        (((1, 2, 4, 8), (1, 2, 5, 16), (1, 2, 5, 8)), r"q and k must have the same head dim"),
+        (((2, 2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"batch sizes differ"),
+        (((1, 3, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"query heads \(3\) must be a multiple of the number of key/value heads \(2\)"),
+        (((1, 2, 4, 8), (1, 3, 5, 8), (1, 2, 5, 8)), r"k and v must have the same heads"),
+        (((2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"all 4-D \(B, H, L, E\) or all 3-D"),
+        (((1, 1, 2, 4, 8),) * 3, r"all 4-D"),
+        (((1, 2, 4, 300), (1, 2, 5, 300), (1, 2, 5, 8)), r"head dims up to 256 are supported, q has 300"),
+    ],
+)
+def test_bad_shapes(shapes, message):
+    q, k, v = (torch.randn(*s) for s in shapes)
+    with pytest.raises(ValueError, match=message):
+        flash_attention(q, k, v)
+
+
+def test_bad_flags():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="scale must be a float or None"):
+        flash_attention(q, k, v, scale="0.5")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        flash_attention(q, k, v, kernel="fastest")
+
+
+def test_requires_grad_is_refused_not_ignored():
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="gradients are not implemented"):
+        flash_attention(q.requires_grad_(), k, v)
+    with torch.no_grad():
+        flash_attention(q, k, v)
+
+
+# --- the C layer, called directly with malformed descriptors -------------------------------------
+
+def good_descriptors():
+    q, k, v = qkv()
+    out = torch.empty(1, 2, 4, 8)
+    return [q, k, v, out], [describe(t) for t in (q, k, v, out)]
+
+
+def call_c(descs, lse=None, device=_C.DEVICE_CPU, kernel=_C.KERNEL_AUTO):
+    _C.forward(device, *descs, lse, 0.5, False, kernel)
+
+
+def test_c_layer_accepts_good_descriptors():
+    keep, descs = good_descriptors()
+    call_c(descs)
+
+
+@pytest.mark.parametrize(
+    "index,field,value,error,message",
+    [
+        (0, 0, 0, ValueError, "q: the view"),                # NULL storage
+        (1, 1, 16, ValueError, "k: the view .* does not fit its storage of 16 bytes"),
+        (2, 2, 1 << 40, ValueError, "v: the view"),          # offset past the end
+        (0, 2, -4, ValueError, "q: the view"),               # negative offset
+        (3, 3, 7, TypeError, "out: unknown dtype code 7"),
+        (0, 4, (1, 2, 4), ValueError, "q: expected a 4-D descriptor"),
+        (1, 5, (80, 40, 8, -1), ValueError, "k: negative size or stride"),
+        (2, 5, (1 << 62, 1 << 62, 1 << 62, 1), ValueError, "v: strides overflow"),
+        (3, 4, (1, 2, 4, 9), ValueError, r"out \(1, 2, 4, 9\) must be \(B, Hq, L, Ev\)"),
+        (1, 3, _C.DTYPE_FLOAT16, TypeError, "share one dtype"),
+        (0, 4, (1, 2, 4, 8, 1), ValueError, "at most 4"),
+    ],
+)
+def test_c_layer_rejects_malformed(index, field, value, error, message):
+    keep, descs = good_descriptors()
+    d = list(descs[index])
+    d[field] = value
+    if field == 4 and len(value) != len(d[5]):
+        d[5] = tuple(d[5]) + (1,) * (len(value) - len(d[5])) if len(value) > len(d[5]) else tuple(d[5])[: len(value)]
+    descs[index] = tuple(d)
+    with pytest.raises(error, match=message):
+        call_c(descs)
+
+
+def test_c_layer_rejects_bad_codes_and_arity():
+    keep, descs = good_descriptors()
+    with pytest.raises(TypeError, match="unknown device code 9"):
+        call_c(descs, device=9)
+    with pytest.raises(ValueError, match="unknown kernel choice 42"):
+        call_c(descs, kernel=42)
+    with pytest.raises(ValueError, match="a descriptor has 6 fields"):
+        call_c([descs[0][:5]] + descs[1:])
+    with pytest.raises(TypeError, match="lse: must be float32"):
+        lse = torch.empty(1, 2, 4, dtype=torch.float16)
+        call_c(descs, lse=describe(lse))
+
+
+def test_mps_device_code_without_metal():
+    if _C.HAS_METAL_BACKEND:
+        pytest.skip("this build has the Metal backend")
+    keep, descs = good_descriptors()
+    with pytest.raises(RuntimeError, match="Metal backend exists only in macOS builds"):
+        call_c(descs, device=_C.DEVICE_MPS)
