@@ -58,7 +58,8 @@ typedef struct fa_tensor {
 
 typedef enum fa_kernel_choice {
     FA_KERNEL_AUTO = 0,   /* let the planner choose */
-    FA_KERNEL_SIMPLE = 1  /* one query row per SIMD-group: the reference baseline */
+    FA_KERNEL_SIMPLE = 1, /* one query row per SIMD-group: the reference baseline */
+    FA_KERNEL_FORWARD = 2 /* FlashAttention-2 on simdgroup matrices: the prefill kernel */
 } fa_kernel_choice;
 
 /* Forward attention, SDPA semantics: q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev),
@@ -76,7 +77,7 @@ typedef struct fa_forward_args {
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
 int32_t fa_forward(const fa_forward_args *args, fa_status *st);
 
-/* Kernel sources are registered by the Python layer (which reads metal/*.metal and inlines their
+/* Kernel sources are registered by the Python layer (which reads the metal/ sources and inlines their
  * #includes) before the first call; the core keeps its own copy. Thread-safe. */
 int32_t fa_register_source(const char *name, const char *text, fa_status *st);
 /* Returns the registered text, or NULL. The pointer stays valid for the life of the process. */

@@ -3,8 +3,11 @@
 
 #include <string.h>
 
-static fa_binding tensor_binding(const fa_tensor *t) {
-    fa_binding b = {t->storage, t->byte_offset, NULL, 0};
+/* An empty tensor (S == 0, say) may have no storage at all; Metal still wants every buffer
+ * argument bound, and the kernel reads none of its elements, so bind `fallback` in its place. */
+static fa_binding tensor_binding(const fa_tensor *t, const fa_tensor *fallback) {
+    const fa_tensor *bound = t->storage != NULL ? t : fallback;
+    fa_binding b = {bound->storage, bound->byte_offset, NULL, 0};
     return b;
 }
 
@@ -26,12 +29,12 @@ int32_t fa_forward(const fa_forward_args *args, fa_status *st) {
 
     fa_dispatch d;
     memset(&d, 0, sizeof d);
-    d.bindings[0] = tensor_binding(&args->q);
-    d.bindings[1] = tensor_binding(&args->k);
-    d.bindings[2] = tensor_binding(&args->v);
-    d.bindings[3] = tensor_binding(&args->out);
-    /* Metal wants every buffer argument bound; without an lse the kernel never touches slot 4. */
-    d.bindings[4] = tensor_binding(args->lse.storage != NULL ? &args->lse : &args->out);
+    const fa_tensor *present = args->out.storage != NULL ? &args->out : &args->lse;
+    d.bindings[0] = tensor_binding(&args->q, present);
+    d.bindings[1] = tensor_binding(&args->k, present);
+    d.bindings[2] = tensor_binding(&args->v, present);
+    d.bindings[3] = tensor_binding(&args->out, present);
+    d.bindings[4] = tensor_binding(&args->lse, present); /* untouched unless FA_FC_WRITE_LSE */
     d.bindings[5].bytes = &plan.params;
     d.bindings[5].length = (int64_t)sizeof plan.params;
     d.n_bindings = 6;

@@ -9,6 +9,48 @@ static const char *const kernel_type_names[] = {"float", "half", "bfloat"};
 static const int64_t dtype_bytes[] = {4, 2, 2};
 
 static const char *simple_source = "fa_simple.metal";
+static const char *forward_source = "fa_forward.metal";
+
+/* The forward kernel's tile table.
+ *
+ * Head dims are padded (inside the kernel, never by copying) to one of these widths, so a handful of
+ * specialisations cover every E and Ev in 0..256: steps of 16 up to 128, where common models live,
+ * then 32.
+ *
+ * Keys per tile (BK) by element size and the wider padded head dim, max(BD, BDV). Each entry keeps
+ * the K and V tiles, BK * (BD + 8 + BDV + 8) elements of threadgroup memory, under Apple7-9's 32 KiB
+ * (the largest use is 18 KiB, leaving room for a second resident threadgroup at D <= 64):
+ *   4-byte elements: D <= 64: BK 32 (18.0 KiB); D <= 128: BK 16 (17.0 KiB); D <= 256: BK 8 (16.5 KiB)
+ *   2-byte elements: D <= 128: BK 32 (17.0 KiB); D <= 256: BK 16 (16.5 KiB)
+ * Registers per thread: BD/4 (Q) + BDV/4 (O) + BK/4 (S) floats, at most 64 + 64 + 8 at D = 256,
+ * which is where spilling may start on Apple GPUs (to be measured on a Mac).
+ * WM = 4 SIMD-groups, so 32 query rows per threadgroup (MLX uses the same), 128 threads. */
+static const int32_t padded_head_dims[] = {16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256};
+enum { N_PADDED_HEAD_DIMS = sizeof padded_head_dims / sizeof padded_head_dims[0], FORWARD_WM = 4 };
+
+typedef struct forward_tiles {
+    int32_t bd, bdv, bk, wm;
+} forward_tiles;
+
+static int32_t padded_head_dim(int64_t d) {
+    for (int32_t i = 0; i < N_PADDED_HEAD_DIMS; ++i) {
+        if (d <= padded_head_dims[i]) {
+            return padded_head_dims[i];
+        }
+    }
+    return -1; /* validated away before */
+}
+
+static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_bytes) {
+    forward_tiles t = {padded_head_dim(e), padded_head_dim(ev), 0, FORWARD_WM};
+    const int32_t widest = t.bd > t.bdv ? t.bd : t.bdv;
+    if (element_bytes == 4) {
+        t.bk = widest <= 64 ? 32 : widest <= 128 ? 16 : 8;
+    } else {
+        t.bk = widest <= 128 ? 32 : 16;
+    }
+    return t;
+}
 
 enum { FA_MAX_HEAD_DIM = 256 };
 
@@ -122,17 +164,43 @@ static void add_constant_bool(fa_plan *plan, uint32_t index, int32_t value) {
     c->i = value != 0;
 }
 
+static void add_macro(fa_plan *plan, const char *name, int32_t value) {
+    fa_macro *m = &plan->macros[plan->n_macros++];
+    snprintf(m->name, sizeof m->name, "%s", name);
+    snprintf(m->value, sizeof m->value, "%d", value);
+}
+
+static void set_forward_macros(fa_plan *plan, forward_tiles t) {
+    add_macro(plan, "FA_BD", t.bd);
+    add_macro(plan, "FA_BDV", t.bdv);
+    add_macro(plan, "FA_BK", t.bk);
+    add_macro(plan, "FA_WM", t.wm);
+}
+
+static void set_launch(fa_plan *plan, const fa_forward_args *a, int64_t rows_per_group, uint32_t threads) {
+    plan->grid[0] = (uint32_t)((a->q.sizes[2] + rows_per_group - 1) / rows_per_group);
+    plan->grid[1] = (uint32_t)a->q.sizes[1];
+    plan->grid[2] = (uint32_t)a->q.sizes[0];
+    plan->threadgroup[0] = threads;
+    plan->threadgroup[1] = 1;
+    plan->threadgroup[2] = 1;
+    add_constant_bool(plan, FA_FC_CAUSAL, a->causal);
+    add_constant_bool(plan, FA_FC_WRITE_LSE, a->lse.storage != NULL);
+}
+
+static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
+    const forward_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
+    snprintf(plan->source_name, sizeof plan->source_name, "%s", forward_source);
+    snprintf(plan->function, sizeof plan->function, "fa_forward_%s", kernel_type_names[a->q.dtype]);
+    set_forward_macros(plan, t);
+    set_launch(plan, a, 8 * t.wm, 32u * (uint32_t)t.wm);
+    return FA_OK;
+}
+
 static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
     snprintf(plan->source_name, sizeof plan->source_name, "%s", simple_source);
     snprintf(plan->function, sizeof plan->function, "fa_simple_%s", kernel_type_names[a->q.dtype]);
-    add_constant_bool(plan, FA_FC_CAUSAL, a->causal);
-    add_constant_bool(plan, FA_FC_WRITE_LSE, a->lse.storage != NULL);
-    plan->grid[0] = (uint32_t)((a->q.sizes[2] + FA_SIMPLE_ROWS_PER_GROUP - 1) / FA_SIMPLE_ROWS_PER_GROUP);
-    plan->grid[1] = (uint32_t)a->q.sizes[1];
-    plan->grid[2] = (uint32_t)a->q.sizes[0];
-    plan->threadgroup[0] = 32u * FA_SIMPLE_ROWS_PER_GROUP;
-    plan->threadgroup[1] = 1;
-    plan->threadgroup[2] = 1;
+    set_launch(plan, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
     return FA_OK;
 }
 
@@ -144,7 +212,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->device != FA_DEVICE_CPU && a->device != FA_DEVICE_MPS) {
         return fa_fail(st, FA_ERR_TYPE, "unknown device code %d", a->device);
     }
-    if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_SIMPLE) {
+    if (a->kernel < FA_KERNEL_AUTO || a->kernel > FA_KERNEL_FORWARD) {
         return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->kernel);
     }
     int32_t rc;
@@ -175,8 +243,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
      * the default scale 1/sqrt(0) = inf), so the scale must not turn 0 into NaN. */
     p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->scale * 1.4426950408889634);
 
-    plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0 || p->v_head_dim == 0;
-    return plan_simple(a, plan);
+    plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
+    return a->kernel == FA_KERNEL_SIMPLE ? plan_simple(a, plan) : plan_forward(a, plan);
 }
 
 fa_pipeline_key fa_plan_pipeline_key(const fa_plan *plan) {
@@ -185,15 +253,22 @@ fa_pipeline_key fa_plan_pipeline_key(const fa_plan *plan) {
     return key;
 }
 
+/* Macros decide what a library contains; every dtype's kernel is in each library, so the strict
+ * check visits one key per (source, macro set), naming the float kernel. */
 int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx) {
-    for (int32_t dtype = FA_F32; dtype <= FA_BF16; ++dtype) {
-        char function[64];
-        snprintf(function, sizeof function, "fa_simple_%s", kernel_type_names[dtype]);
-        fa_pipeline_key key = {simple_source, function, NULL, 0, NULL, 0};
-        int32_t rc = visit(&key, ctx);
-        if (rc != 0) {
-            return rc;
+    fa_pipeline_key simple = {simple_source, "fa_simple_float", NULL, 0, NULL, 0};
+    int32_t rc = visit(&simple, ctx);
+    for (int32_t i = 0; rc == 0 && i < N_PADDED_HEAD_DIMS; ++i) {
+        for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
+            for (int32_t element_bytes = 2; rc == 0 && element_bytes <= 4; element_bytes += 2) {
+                fa_plan plan;
+                memset(&plan, 0, sizeof plan);
+                const forward_tiles t = choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], element_bytes);
+                set_forward_macros(&plan, t);
+                fa_pipeline_key key = {forward_source, "fa_forward_float", plan.macros, plan.n_macros, NULL, 0};
+                rc = visit(&key, ctx);
+            }
         }
     }
-    return 0;
+    return rc;
 }

@@ -14,7 +14,22 @@ _DTYPE_CODES = {
     torch.bfloat16: _C.DTYPE_BFLOAT16,
 }
 _DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
-_KERNELS = {"auto": _C.KERNEL_AUTO, "simple": _C.KERNEL_SIMPLE}
+_metal_stream_mode = None  # decided on the first MPS call
+
+
+def _prepare_mps() -> None:
+    """Encode on PyTorch's MPS stream where that is safe (torch >= 2.9); before that a new encoder
+    on torch's command buffer can collide with its coalesced encoder, so older torch gets the
+    backend's own queue after a torch.mps.synchronize() (the backend then waits for its work)."""
+    global _metal_stream_mode
+    if _metal_stream_mode is None:
+        major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+        _metal_stream_mode = _C.metal_set_stream_mode(1 if (major, minor) >= (2, 9) else 0)
+    if _metal_stream_mode == 0:
+        torch.mps.synchronize()
+
+
+_KERNELS = {"auto": _C.KERNEL_AUTO, "simple": _C.KERNEL_SIMPLE, "forward": _C.KERNEL_FORWARD}
 
 
 def describe(t: torch.Tensor) -> tuple:
@@ -95,7 +110,8 @@ def flash_attention(
     scale: Optional[float] = None,
     *,
     kernel: str = "auto",
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
     enable_gqa=True)`, without materialising the L x S score matrix.
@@ -107,31 +123,49 @@ def flash_attention(
         v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 256.
         causal: SDPA's top-left mask tril(ones(L, S)): query i sees keys 0..i.
         scale: multiplies q.k; default 1/sqrt(E).
-        kernel: "auto" (the planner's choice) or "simple" (the one-row-per-SIMD-group reference
-            kernel, for benchmarks).
+        kernel: "auto" (the planner's choice), "forward" (the FlashAttention-2 prefill kernel) or
+            "simple" (the one-row-per-SIMD-group reference kernel), for tests and benchmarks.
+        return_lse: also return the float32 log-sum-exp of each row's scaled scores,
+            (B, Hq, L) or (Hq, L): log(sum_j exp(scale * q_i . k_j)), -inf for a row with no key.
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
-    Returns a new contiguous (B, Hq, L, Ev) (or (Hq, L, Ev)) tensor of q's dtype.
+    Returns a new contiguous (B, Hq, L, Ev) (or (Hq, L, Ev)) tensor of q's dtype, and the
+    log-sum-exp when return_lse is set.
     """
     _validate(q, k, v, causal, scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"flash_attention: return_lse must be a bool, got {type(return_lse).__name__}")
     if kernel not in _KERNELS:
         raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {kernel!r}")
     unbatched = q.dim() == 3
     if unbatched:  # views, not copies
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
-    if out.numel() > 0:
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
+    if out.numel() > 0 or (lse is not None and lse.numel() > 0):
         _sources.ensure_registered()
+        if q.device.type == "mps":
+            _prepare_mps()
         _C.forward(
             _DEVICE_CODES[q.device.type],
             describe(q),
             describe(k),
             describe(v),
             describe(out),
-            None,
-            float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale) if q.shape[-1] else 0.0,
+            None if lse is None else describe(lse),
+            _scale_value(q.shape[-1], scale),
             causal,
             _KERNELS[kernel],
         )
-    return out.squeeze(0) if unbatched else out
+    if unbatched:
+        out = out.squeeze(0)
+        lse = None if lse is None else lse.squeeze(0)
+    return (out, lse) if return_lse else out
+
+
+def _scale_value(head_dim: int, scale) -> float:
+    """SDPA's default 1/sqrt(E); with E == 0 every score is 0 and the core ignores the scale."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 0.0

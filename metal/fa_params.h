@@ -40,4 +40,10 @@ typedef struct fa_params {
     float pad0;
 } fa_params;
 
+#ifdef __METAL_VERSION__
+// The kernels' view of the function constants above.
+constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
+constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
+#endif
+
 #endif

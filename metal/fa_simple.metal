@@ -12,9 +12,6 @@
 
 using namespace metal;
 
-constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
-constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
-
 template <typename T>
 [[kernel]] void fa_simple(
     const device T *q [[buffer(0)]],

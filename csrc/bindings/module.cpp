@@ -230,6 +230,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DEVICE_MPS") = static_cast<int>(FA_DEVICE_MPS);
     m.attr("KERNEL_AUTO") = static_cast<int>(FA_KERNEL_AUTO);
     m.attr("KERNEL_SIMPLE") = static_cast<int>(FA_KERNEL_SIMPLE);
+    m.attr("KERNEL_FORWARD") = static_cast<int>(FA_KERNEL_FORWARD);
     m.attr("CONSTANT_BOOL") = static_cast<int>(MSL_CONSTANT_BOOL);
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
@@ -247,6 +248,12 @@ PYBIND11_MODULE(_C, m) {
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
     m.def("cache_dir", &cache_dir);
+
+#if defined(__APPLE__)
+    m.def("metal_set_stream_mode", &fa_metal_set_stream_mode, py::arg("use_torch_stream"),
+          "1: encode on PyTorch's MPS stream (torch >= 2.9); 0: own queue, commit and wait. "
+          "Returns the mode in effect.");
+#endif
 
     py::class_<Library>(m, "CpuLibrary")
         .def("kernels", &library_kernels)

@@ -1,0 +1,162 @@
+// The FlashAttention-2 forward body on simdgroup_matrix fragments.
+//
+// A threadgroup of WM SIMD-groups owns BQ = 8 * WM query rows of one (batch, head); each SIMD-group
+// owns 8 of them and keeps their Q fragments (pre-scaled by scale * log2(e)) and their output
+// accumulator in registers. K and V stream through threadgroup memory BK keys at a time; the score
+// tile S = Q K^T (8 x BK per SIMD-group) lives and dies in registers; softmax is online in base 2
+// with float32 statistics; O is normalised and written once.
+//
+// Template parameters (the planner picks them per head dim and dtype, see fa_plan.c):
+//   T    element type of q, k, v, out       BD, BDV  E and Ev rounded up to a multiple of 8
+//   BK   keys per tile                      WM       SIMD-groups per threadgroup
+#ifndef FA_FORWARD_H
+#define FA_FORWARD_H
+
+#include <metal_stdlib>
+#include "fa_fragments.h"
+#include "fa_loader.h"
+#include "fa_params.h"
+#include "fa_softmax.h"
+
+using namespace metal;
+
+// Threadgroup tiles get 8 spare elements per row, which keeps rows 16-byte aligned and staggers them
+// across memory banks.
+#define FA_TILE_PAD 8
+
+template <typename T, int BD, int BDV, int BK, int WM>
+[[kernel]] void fa_forward(
+    const device T *q [[buffer(0)]],
+    const device T *k [[buffer(1)]],
+    const device T *v [[buffer(2)]],
+    device T *out [[buffer(3)]],
+    device float *lse [[buffer(4)]],
+    constant fa_params &p [[buffer(5)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  constexpr int BQ = 8 * WM;
+  constexpr int K_PITCH = BD + FA_TILE_PAD;
+  constexpr int V_PITCH = BDV + FA_TILE_PAD;
+  threadgroup T k_tile[BK * K_PITCH];
+  threadgroup T v_tile[BK * V_PITCH];
+
+  const long b = group.z;
+  const long h = group.y;
+  const long kv_h = h / p.gqa_factor;
+  const int q_block = int(group.x) * BQ;
+  const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
+  const ushort2 at = fa_frag_coord(lane);
+  const int my_row = row0 + at.y;         // the one row whose elements this lane holds
+
+  // Q fragments straight from device memory (each SIMD-group reads only its own rows), scaled into
+  // the base-2 domain once instead of scaling every score tile.
+  fa_frag q_frag[BD / 8];
+  {
+    const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2];
+    for (int d = 0; d < BD / 8; ++d) {
+      for (int e = 0; e < 2; ++e) {
+        const int col = 8 * d + at.x + e;
+        const bool inside = my_row < p.q_len && col < p.head_dim;
+        q_frag[d].thread_elements()[e] = inside ? float(q_row[col * p.q_strides[3]]) * p.scale_log2 : 0.0f;
+      }
+    }
+  }
+
+  fa_frag o_frag[BDV / 8];
+  for (int d = 0; d < BDV / 8; ++d) {
+    fa_frag_fill(o_frag[d], 0.0f);
+  }
+  fa_online_softmax row_state = fa_softmax_init();
+
+  const device T *k_head = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
+  const device T *v_head = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
+  // Top-left causal: no row of this block sees a key at or past q_block + BQ, so those tiles are
+  // never loaded.
+  const int kv_end = fa_causal ? min(p.kv_len, q_block + BQ) : p.kv_len;
+
+  for (int k0 = 0; k0 < kv_end; k0 += BK) {
+    const int valid_keys = min(BK, p.kv_len - k0);
+    threadgroup_barrier(mem_flags::mem_threadgroup); // the previous tiles are consumed
+    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_head + long(k0) * p.k_strides[2], p.k_strides[2],
+                                     p.k_strides[3], valid_keys, p.head_dim, tid);
+    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_head + long(k0) * p.v_strides[2], p.v_strides[2],
+                                      p.v_strides[3], valid_keys, p.v_head_dim, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // S = Q K^T for this SIMD-group's 8 rows and the tile's BK keys.
+    fa_frag s_frag[BK / 8];
+    for (int j = 0; j < BK / 8; ++j) {
+      fa_frag_fill(s_frag[j], 0.0f);
+      for (int d = 0; d < BD / 8; ++d) {
+        fa_frag k_frag;
+        fa_frag_load_transposed(k_frag, k_tile, K_PITCH, 8 * d, 8 * j, at);
+        simdgroup_multiply_accumulate(s_frag[j], q_frag[d], k_frag, s_frag[j]);
+      }
+    }
+
+    // Mask only tiles that need it: the ragged last tile, and tiles crossing the diagonal.
+    const bool ragged = valid_keys < BK;
+    const bool crosses_diagonal = fa_causal && k0 + BK - 1 > row0;
+    if (ragged || crosses_diagonal) {
+      for (int j = 0; j < BK / 8; ++j) {
+        for (int e = 0; e < 2; ++e) {
+          const int key = k0 + 8 * j + at.x + e;
+          if (key >= p.kv_len || (fa_causal && key > my_row)) {
+            s_frag[j].thread_elements()[e] = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax over the tile, one row per lane (shared with three other lanes).
+    float tile_max = -INFINITY;
+    for (int j = 0; j < BK / 8; ++j) {
+      tile_max = max(tile_max, max(s_frag[j].thread_elements()[0], s_frag[j].thread_elements()[1]));
+    }
+    tile_max = fa_row_max(tile_max);
+    const float new_max = max(row_state.max, tile_max);
+    const float rescale = fa_softmax_rescale(row_state.max, new_max);
+    float tile_sum = 0.0f;
+    for (int j = 0; j < BK / 8; ++j) {
+      for (int e = 0; e < 2; ++e) {
+        const float weight = fa_softmax_weight(s_frag[j].thread_elements()[e], new_max);
+        s_frag[j].thread_elements()[e] = weight;
+        tile_sum += weight;
+      }
+    }
+    row_state.sum = row_state.sum * rescale + fa_row_sum(tile_sum);
+    row_state.max = new_max;
+
+    // O = O * rescale + P V.
+    for (int d = 0; d < BDV / 8; ++d) {
+      o_frag[d].thread_elements()[0] *= rescale;
+      o_frag[d].thread_elements()[1] *= rescale;
+      for (int j = 0; j < BK / 8; ++j) {
+        fa_frag v_frag;
+        fa_frag_load(v_frag, v_tile, V_PITCH, 8 * j, 8 * d, at);
+        simdgroup_multiply_accumulate(o_frag[d], s_frag[j], v_frag, o_frag[d]);
+      }
+    }
+  }
+
+  if (my_row >= p.q_len) {
+    return; // padding rows of the last block: computed alongside, never stored
+  }
+  const float inv_sum = fa_softmax_inverse_sum(row_state);
+  device T *o_row = out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2];
+  for (int d = 0; d < BDV / 8; ++d) {
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * d + at.x + e;
+      if (col < p.v_head_dim) {
+        o_row[col * p.o_strides[3]] = static_cast<T>(o_frag[d].thread_elements()[e] * inv_sum);
+      }
+    }
+  }
+  if (fa_write_lse && at.x == 0) { // one lane of the four that share the row
+    lse[b * p.lse_strides[0] + h * p.lse_strides[1] + long(my_row) * p.lse_strides[2]] = fa_softmax_lse(row_state);
+  }
+}
+
+#endif

@@ -1,0 +1,136 @@
+"""The FlashAttention-2 forward kernel: parity over a sampled product of shapes, layouts and flags,
+a hypothesis fuzz test, the log-sum-exp, and memory that grows linearly with L."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashattn_mps import flash_attention
+from conftest import ALL_DTYPES, assert_matches_sdpa, randn
+
+HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
+LENGTHS = [(113, 203), (128, 217), (203, 113), (1023, 1024), (1, 147), (37, 37)]
+GQA = [1, 3, 8]
+LAYOUTS = ["bhld", "blhd", "sliced"]
+
+
+def layout_tensor(gen, layout, b, h, n, d, dtype):
+    """A (b, h, n, d) tensor in the given memory layout, never copied afterwards."""
+    if layout == "bhld":
+        return randn(gen, b, h, n, d, dtype=dtype)
+    if layout == "blhd":
+        return randn(gen, b, n, h, d, dtype=dtype).transpose(1, 2)
+    base = randn(gen, b + 1, h + 1, n + 3, d + 5, dtype=dtype)  # sliced view with a storage offset
+    return base[1:, 1:, 2:n + 2, 3:d + 3]
+
+
+def case_cost(lengths, e, ev, gqa):
+    return lengths[0] * lengths[1] * (e + ev) * gqa
+
+
+def sampled_cases(count, seed):
+    """A fixed sample of the product, cheap cases preferred so CI stays fast; every head dim, length
+    pair, GQA ratio, dtype, layout and flag appears at least once."""
+    rng = random.Random(seed)
+    full = list(itertools.product(LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]))
+    chosen = []
+    for axis in range(7):  # cover every value of every axis
+        for value in {c[axis] for c in full}:
+            pool = [c for c in full if c[axis] == value]
+            chosen.append(min(rng.sample(pool, 12), key=lambda c: case_cost(c[0], c[1], c[1], c[2])))
+    rest = [c for c in full if case_cost(c[0], c[1], c[1], c[2]) < 4e7]
+    chosen += rng.sample(rest, count - len(chosen))
+    return sorted(set(chosen), key=str)
+
+
+@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sampled_cases(70, 4))
+def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
+    lq, lk = lengths
+    ev = max(1, (e * 3) // 4) if ev_differs else e
+    hkv = 2 if gqa < 8 else 1
+    q = layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype)
+    k = layout_tensor(gen, layout, 1, hkv, lk, e, dtype)
+    v = layout_tensor(gen, layout, 1, hkv, lk, ev, dtype)
+    out = flash_attention(q, k, v, causal=causal, kernel="forward")
+    assert_matches_sdpa(out, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_log_sum_exp(gen, dtype, causal):
+    q, k, v = randn(gen, 2, 4, 45, 64, dtype=dtype), randn(gen, 2, 2, 70, 64, dtype=dtype), randn(gen, 2, 2, 70, 32, dtype=dtype)
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 8.0
+    if causal:
+        scores = scores.masked_fill(torch.ones(45, 70, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    expected = torch.logsumexp(scores, dim=-1)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 45)
+    torch.testing.assert_close(lse.double(), expected, rtol=1e-5, atol=1e-4 if dtype == torch.float32 else 2e-3)
+    assert_matches_sdpa(out, q, k, v, causal)
+
+
+def test_log_sum_exp_without_keys(gen):
+    q, k, v = randn(gen, 1, 1, 3, 8), randn(gen, 1, 1, 0, 8), randn(gen, 1, 1, 0, 8)
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 80), lk=st.integers(0, 80),
+    e=st.sampled_from([1, 8, 16, 24, 33, 64, 72, 100, 128, 200]),
+    ev=st.sampled_from([1, 16, 40, 64, 128]),
+    dtype=st.sampled_from(ALL_DTYPES), causal=st.booleans(),
+    layout=st.sampled_from(LAYOUTS), scale=st.sampled_from([None, 0.3, -1.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_against_sdpa(b, hkv, group, lq, lk, e, ev, dtype, causal, layout, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = layout_tensor(gen, layout, b, hkv * group, lq, e, dtype)
+    k = layout_tensor(gen, layout, b, hkv, lk, e, dtype)
+    v = layout_tensor(gen, layout, b, hkv, lk, ev, dtype)
+    out = flash_attention(q, k, v, causal=causal, scale=scale, kernel="forward")
+    assert_matches_sdpa(out, q, k, v, causal, scale)
+
+
+PEAK_RSS = textwrap.dedent("""
+    import json, sys, torch
+    from flashattn_mps import flash_attention
+    n = int(sys.argv[1])
+    small = torch.randn(1, 2, 64, 64)
+    flash_attention(small, small, small, causal=True)  # compile/load, start the worker pool
+    def rss(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    base = rss("VmRSS:")
+    q = torch.randn(1, 2, n, 64)
+    out = flash_attention(q, q, q, causal=True)
+    print(json.dumps({"base": base, "peak": rss("VmHWM:"), "inputs": q.nbytes * 2}))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from /proc")
+def test_memory_grows_linearly_with_length():
+    def extra_bytes(n):
+        result = subprocess.run([sys.executable, "-c", PEAK_RSS, str(n)], capture_output=True, text=True, check=True)
+        r = json.loads(result.stdout)
+        return r["peak"] - r["base"], r["inputs"]
+
+    small, small_io = extra_bytes(1024)
+    large, large_io = extra_bytes(4096)
+    score_matrix = 2 * 4096 * 4096 * 4  # what one float32 L x S matrix per head would need: 128 MiB
+    assert large < score_matrix / 8, f"peak grew by {large} bytes at L=4096"
+    # 4x the length: linear growth is ~4x (inputs and output), quadratic would be 16x.
+    assert large - large_io <= 6 * max(small - small_io, 1 << 20), (small, large)
