@@ -175,7 +175,8 @@ def test_simdgroup_matrix_lane_layout():
 @pytest.mark.parametrize("dtype,tname", [(torch.float32, "float"), (torch.float16, "half"), (torch.bfloat16, "bfloat")])
 def test_simdgroup_matrix_gemm(dtype, tname):
     # C (16x16) = A (16x24) * B (24x16) + C0 with 8x8 tiles, a strided store, origin offsets and a
-    # transposed load of B from its (16x24) transpose.
+    # transposed load of B from its (16x24) transpose. matrix_origin is (column, row) of the loaded
+    # matrix (metal-flash-attention's reading; the MSL specification does not spell it out).
     lib = build(f"""
         kernel void gemm(const device {tname} *a [[buffer(0)]], const device {tname} *bt [[buffer(1)]],
                          device float *c [[buffer(2)]], uint lane [[thread_index_in_simdgroup]],
@@ -186,7 +187,7 @@ def test_simdgroup_matrix_gemm(dtype, tname):
           for (uint kk = 0; kk < 24; kk += 8) {{
             simdgroup_matrix<{tname}, 8, 8> ma, mb;
             simdgroup_load(ma, a, 24, ulong2(kk, tile_row * 8));
-            simdgroup_load(mb, bt, 24, ulong2(kk, tile_col * 8), true);
+            simdgroup_load(mb, bt, 24, ulong2(tile_col * 8, kk), true);
             simdgroup_multiply_accumulate(acc, ma, mb, acc);
           }}
           simdgroup_store(acc, c, 16, ulong2(tile_col * 8, tile_row * 8));

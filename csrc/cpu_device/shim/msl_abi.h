@@ -61,6 +61,14 @@ typedef struct msl_launch {
 typedef struct msl_simd_exchange {
     MSL_ALIGN16 unsigned char slot[2][MSL_SIMD_WIDTH][MSL_XCHG_BYTES];
     uint32_t live_lanes; /* bit i set while lane i has not returned; kept by the runtime */
+    /* live_lanes when the SIMD-group's latest sync completed: the lanes whose slots a collective
+     * reads. Set by the runtime; unlike live_lanes it stays put while released lanes read, even if
+     * one of them returns first. */
+    uint32_t sync_lanes;
+    /* A reduction's result per parity: the first lane to read the exchange computes it, the others
+     * copy it. A lane publishing into parity p clears reduced[p]. Kernel side only. */
+    MSL_ALIGN16 unsigned char result[2][MSL_XCHG_BYTES];
+    uint32_t reduced[2];
 } msl_simd_exchange;
 
 /* Per threadgroup state the kernel side may touch. */

@@ -1,0 +1,463 @@
+/* Metal's synchronisation functions for kernels compiled for the CPU Metal device: barriers,
+ * SIMD-group collectives, simdgroup_matrix and atomics. Included by msl_shim.h after msl_types.h and
+ * msl_math.h (it uses vec, ulong2, half, bfloat, max and min).
+ *
+ * Every GPU thread is a fiber; a barrier or collective calls api->sync, which returns once every
+ * live thread of the scope waits at the same construct and line (and fails the dispatch on
+ * divergence). Each function takes the caller's line and file as trailing default arguments so that
+ * diagnostics name the kernel's source line. */
+#ifndef MSL_SYNC_H
+#define MSL_SYNC_H
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "msl_abi.h"
+
+#ifndef MSL_RT_API_DEFINED
+#define MSL_RT_API_DEFINED
+namespace msl_rt {
+/* The runtime's table, set by the library's __msl_bind_runtime. */
+inline const msl_runtime_api *api = nullptr;
+} // namespace msl_rt
+#endif
+
+#define MSL_CALLER unsigned line = __builtin_LINE(), const char *file = __builtin_FILE()
+
+namespace msl_rt {
+
+/* One SIMD-group exchange, seen after its sync: the value each participating lane published.
+ *
+ * One sync per collective is enough with two parities. A lane publishes collective k into
+ * slot[k % 2] and reads collective k's slots before it arrives at the sync of collective k + 1.
+ * It writes slot[k % 2] again only in collective k + 2, after passing the sync of collective k + 1,
+ * which completes only when every live lane has arrived there, that is, has finished reading
+ * collective k. A lane that returns in between reads nothing more; its last value stays readable
+ * and `lanes` (the runtime's snapshot at the sync) still counts it. The cached reduction result[p]
+ * lives as slot[p] does: cleared by collective k's publishers, written by its first reader, read by
+ * the others before they reach collective k + 1. */
+template <class T> struct gathered {
+    msl_simd_exchange *x;
+    uint32_t parity;
+    uint32_t lanes; /* bit i: lane i took part */
+    uint32_t self;
+
+    T get(uint32_t lane) const { /* lane must have taken part */
+        T v;
+        std::memcpy(&v, x->slot[parity][lane], sizeof v);
+        return v;
+    }
+    /* A lane that did not take part (exited, beyond a partial SIMD-group, or >= 32) yields the
+     * bytes 0xFF (NaN, -1): Metal leaves the value undefined, garbage makes the bug visible. */
+    T from(uint32_t lane) const {
+        if (lane < MSL_SIMD_WIDTH && (lanes >> lane & 1u)) return get(lane);
+        T v;
+        std::memset(&v, 0xFF, sizeof v);
+        return v;
+    }
+};
+
+template <class T>
+gathered<T> exchange(const T &value, const char *what, const char *file, unsigned line) {
+    static_assert(sizeof(T) <= MSL_XCHG_BYTES, "value too wide for a SIMD-group exchange");
+    static_assert(std::is_trivially_copyable<T>::value, "SIMD-group functions move plain values");
+    msl_thread *t = api->current();
+    msl_simd_exchange *x = t->simd_exchange;
+    uint32_t parity = t->xchg_parity, lane = t->thread_index_in_simdgroup;
+    std::memcpy(x->slot[parity][lane], &value, sizeof value);
+    x->reduced[parity] = 0;
+    api->sync(t, MSL_SYNC_SIMD_COLLECTIVE, what, file, line);
+    t->xchg_parity = parity ^ 1u;
+    return {x, parity, x->sync_lanes, lane};
+}
+
+/* A SIMD-group sync without values; returns the lanes that took part. */
+inline uint32_t simd_sync(int32_t kind, const char *what, const char *file, unsigned line) {
+    msl_thread *t = api->current();
+    api->sync(t, kind, what, file, line);
+    return t->simd_exchange->sync_lanes;
+}
+
+inline uint32_t lowest(uint32_t lanes) { return (uint32_t)__builtin_ctz(lanes); }
+
+/* A tree over the participating lanes, as a butterfly would: the upper half is combined into the
+ * lower half (lane i with lane i + 16, then + 8, ...). Each op is T's own, so half and bfloat round
+ * after every addition. The first lane to get here computes it; the others copy its result. */
+template <class T, class Op> T fold(const gathered<T> &g, Op op) {
+    unsigned char *result = g.x->result[g.parity];
+    T v[MSL_SIMD_WIDTH];
+    if (g.x->reduced[g.parity]) {
+        std::memcpy(v, result, sizeof v[0]);
+        return v[0];
+    }
+    uint32_t n = 0;
+    if (g.lanes == 0xFFFFFFFFu)
+        for (; n < MSL_SIMD_WIDTH; n++) v[n] = g.get(n);
+    else
+        for (uint32_t m = g.lanes; m; m &= m - 1) v[n++] = g.get(lowest(m));
+    for (uint32_t half = MSL_SIMD_WIDTH / 2; half; half /= 2)
+        for (uint32_t i = 0, end = n <= half ? 0 : n - half < half ? n - half : half; i < end; i++)
+            v[i] = op(v[i], v[i + half]);
+    std::memcpy(result, v, sizeof v[0]);
+    g.x->reduced[g.parity] = 1;
+    return v[0];
+}
+
+/* Sequential over the participating lanes in `mask`, for prefix scans. */
+template <class T, class Op> T scan(const gathered<T> &g, uint32_t mask, T acc, Op op) {
+    for (uint32_t m = g.lanes & mask; m; m &= m - 1) acc = op(acc, g.get(lowest(m)));
+    return acc;
+}
+
+inline uint32_t below(uint32_t lane) { return (1u << lane) - 1u; }
+
+/* Apple's simdgroup_matrix<T, 8, 8> layout: lane L holds row frag_row(L), columns frag_col(L) and
+ * frag_col(L) + 1. */
+inline uint32_t frag_row(uint32_t lane) { return lane / 16 * 4 + lane / 2 % 4; }
+inline uint32_t frag_col(uint32_t lane) { return lane / 8 % 2 * 4 + lane % 2 * 2; }
+inline uint32_t frag_lane(uint32_t row, uint32_t col) {
+    return row / 4 * 16 + col / 4 * 8 + row % 4 * 2 + col % 4 / 2;
+}
+
+inline uint32_t lane_id() { return api->current()->thread_index_in_simdgroup; }
+
+} // namespace msl_rt
+
+namespace metal {
+
+/* ---- barriers ---- */
+
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
+
+/* One OS thread runs a threadgroup's fibers, so memory needs no fence: only execution syncs. */
+inline void threadgroup_barrier(mem_flags, MSL_CALLER) {
+    msl_thread *t = msl_rt::api->current();
+    msl_rt::api->sync(t, MSL_SYNC_THREADGROUP_BARRIER, "threadgroup_barrier", file, line);
+}
+
+inline void simdgroup_barrier(mem_flags, MSL_CALLER) {
+    msl_rt::simd_sync(MSL_SYNC_SIMDGROUP_BARRIER, "simdgroup_barrier", file, line);
+}
+
+/* ---- SIMD-group collectives, over the lanes that have not returned ---- */
+
+template <class T> T simd_sum(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_sum", file, line), [](T a, T b) { return T(a + b); });
+}
+template <class T> T simd_product(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_product", file, line), [](T a, T b) { return T(a * b); });
+}
+template <class T> T simd_max(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_max", file, line), [](T a, T b) { return T(max(a, b)); });
+}
+template <class T> T simd_min(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_min", file, line), [](T a, T b) { return T(min(a, b)); });
+}
+template <class T> T simd_and(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_and", file, line), [](T a, T b) { return T(a & b); });
+}
+template <class T> T simd_or(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_or", file, line), [](T a, T b) { return T(a | b); });
+}
+template <class T> T simd_xor(T x, MSL_CALLER) {
+    return msl_rt::fold(msl_rt::exchange(x, "simd_xor", file, line), [](T a, T b) { return T(a ^ b); });
+}
+
+template <class T> T simd_prefix_exclusive_sum(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_prefix_exclusive_sum", file, line);
+    return msl_rt::scan(g, msl_rt::below(g.self), T(0), [](T a, T b) { return T(a + b); });
+}
+template <class T> T simd_prefix_inclusive_sum(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_prefix_inclusive_sum", file, line);
+    return T(msl_rt::scan(g, msl_rt::below(g.self), T(0), [](T a, T b) { return T(a + b); }) + x);
+}
+template <class T> T simd_prefix_exclusive_product(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_prefix_exclusive_product", file, line);
+    return msl_rt::scan(g, msl_rt::below(g.self), T(1), [](T a, T b) { return T(a * b); });
+}
+template <class T> T simd_prefix_inclusive_product(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_prefix_inclusive_product", file, line);
+    return T(msl_rt::scan(g, msl_rt::below(g.self), T(1), [](T a, T b) { return T(a * b); }) * x);
+}
+
+/* Shuffles: a source lane outside the SIMD-group keeps the caller's value for the _up and _down
+ * forms (they do not wrap: MSL spec, table 6.14); any other lane that did not take part yields
+ * garbage. */
+template <class T> T simd_shuffle(T x, uint16_t lane, MSL_CALLER) {
+    return msl_rt::exchange(x, "simd_shuffle", file, line).from(lane);
+}
+template <class T> T simd_broadcast(T x, uint16_t lane, MSL_CALLER) {
+    return msl_rt::exchange(x, "simd_broadcast", file, line).from(lane);
+}
+template <class T> T simd_shuffle_xor(T x, uint16_t mask, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_shuffle_xor", file, line);
+    return g.from(g.self ^ mask);
+}
+template <class T> T simd_shuffle_down(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_shuffle_down", file, line);
+    return g.self + delta < MSL_SIMD_WIDTH ? g.from(g.self + delta) : x;
+}
+template <class T> T simd_shuffle_up(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_shuffle_up", file, line);
+    return delta <= g.self ? g.from(g.self - delta) : x;
+}
+template <class T> T simd_shuffle_rotate_down(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_shuffle_rotate_down", file, line);
+    return g.from((g.self + delta) % MSL_SIMD_WIDTH);
+}
+template <class T> T simd_shuffle_rotate_up(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_shuffle_rotate_up", file, line);
+    return g.from((g.self + MSL_SIMD_WIDTH - delta % MSL_SIMD_WIDTH) % MSL_SIMD_WIDTH);
+}
+template <class T> T simd_broadcast_first(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "simd_broadcast_first", file, line);
+    return g.get(msl_rt::lowest(g.lanes));
+}
+
+/* Bit i stands for lane i. */
+class simd_vote {
+  public:
+    typedef uint64_t vote_t;
+    explicit constexpr simd_vote(vote_t v = 0) : v(v) {}
+    explicit constexpr operator vote_t() const { return v; }
+    bool all() const { return v == 0xFFFFFFFFu; } /* every lane of the SIMD-group, active or not */
+    bool any() const { return v != 0; }
+
+  private:
+    vote_t v;
+};
+
+inline simd_vote simd_ballot(bool expr, MSL_CALLER) {
+    uint32_t vote = uint32_t(expr) << msl_rt::lane_id();
+    auto g = msl_rt::exchange(vote, "simd_ballot", file, line);
+    return simd_vote(msl_rt::fold(g, [](uint32_t a, uint32_t b) { return a | b; }));
+}
+inline bool simd_all(bool expr, MSL_CALLER) {
+    auto g = msl_rt::exchange(expr, "simd_all", file, line);
+    return msl_rt::fold(g, [](bool a, bool b) { return a && b; });
+}
+inline bool simd_any(bool expr, MSL_CALLER) {
+    auto g = msl_rt::exchange(expr, "simd_any", file, line);
+    return msl_rt::fold(g, [](bool a, bool b) { return a || b; });
+}
+inline simd_vote simd_active_threads_mask(MSL_CALLER) {
+    uint32_t lanes = msl_rt::simd_sync(MSL_SYNC_SIMD_COLLECTIVE, "simd_active_threads_mask", file, line);
+    return simd_vote(lanes);
+}
+inline bool simd_is_first(MSL_CALLER) {
+    uint32_t lanes = msl_rt::simd_sync(MSL_SYNC_SIMD_COLLECTIVE, "simd_is_first", file, line);
+    return msl_rt::lane_id() == msl_rt::lowest(lanes);
+}
+
+/* ---- simdgroup_matrix ---- */
+
+template <class T, int Cols, int Rows> struct simdgroup_matrix {
+    static_assert(Cols == 8 && Rows == 8, "only 8x8 SIMD-group matrices exist");
+    simdgroup_matrix() = default;
+    simdgroup_matrix(T diagonal) { /* a diagonal matrix */
+        uint32_t lane = msl_rt::lane_id(), row = msl_rt::frag_row(lane), col = msl_rt::frag_col(lane);
+        elements[0] = row == col ? diagonal : T(0);
+        elements[1] = row == col + 1 ? diagonal : T(0);
+    }
+    vec<T, 2> &thread_elements() { return elements; }
+    const vec<T, 2> &thread_elements() const { return elements; }
+
+    vec<T, 2> elements; /* (row, col) and (row, col + 1) of this lane */
+};
+
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+#ifdef __HAVE_BFLOAT__
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+#endif
+
+template <class T, int Cols, int Rows>
+simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+    simdgroup_matrix<T, Cols, Rows> m;
+    m.elements[0] = m.elements[1] = value;
+    return m;
+}
+
+/* Element (r, c) of the matrix is src[(origin.y + r) * elements_per_row + origin.x + c], or with
+ * transpose_matrix src[(origin.x + c) * elements_per_row + origin.y + r]: the origin is (column,
+ * row) of the matrix, as in metal-flash-attention's simdgroup_matrix_storage. Each lane moves its
+ * own two elements, so loads and stores need no sync. Pointers to any address space. */
+template <class T, int Cols, int Rows, class U>
+void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const U *src, uint64_t elements_per_row = Cols,
+                    ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
+    uint32_t lane = msl_rt::lane_id();
+    uint64_t row = matrix_origin.y + msl_rt::frag_row(lane);
+    uint64_t col = matrix_origin.x + msl_rt::frag_col(lane);
+    for (int j = 0; j < 2; j++) {
+        uint64_t at = transpose_matrix ? (col + j) * elements_per_row + row : row * elements_per_row + col + j;
+        d.elements[j] = T(src[at]);
+    }
+}
+
+template <class T, int Cols, int Rows, class U>
+void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, U *dst, uint64_t elements_per_row = Cols,
+                     ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
+    uint32_t lane = msl_rt::lane_id();
+    uint64_t row = matrix_origin.y + msl_rt::frag_row(lane);
+    uint64_t col = matrix_origin.x + msl_rt::frag_col(lane);
+    for (int j = 0; j < 2; j++) {
+        uint64_t at = transpose_matrix ? (col + j) * elements_per_row + row : row * elements_per_row + col + j;
+        dst[at] = a.elements[j];
+    }
+}
+
+} // namespace metal
+
+namespace msl_rt {
+
+/* d = a * b (+ c): one exchange gathers a's and b's elements (as float: exact for half and bfloat);
+ * each lane then computes its own two outputs in float, rounded once to d's type. d may alias. */
+template <class TD, class TA, class TB, class TC>
+void mma(metal::simdgroup_matrix<TD, 8, 8> &d, const metal::simdgroup_matrix<TA, 8, 8> &a,
+         const metal::simdgroup_matrix<TB, 8, 8> &b, const metal::simdgroup_matrix<TC, 8, 8> *c,
+         const char *what, const char *file, unsigned line) {
+    struct operands {
+        float a[2], b[2];
+    } mine = {{float(a.elements[0]), float(a.elements[1])},
+              {float(b.elements[0]), float(b.elements[1])}};
+    auto g = exchange(mine, what, file, line);
+    if (g.lanes != 0xFFFFFFFFu)
+        api->fail(api->current(), "simdgroup_matrix operation without all 32 lanes of the SIMD-group",
+                  file, line);
+    uint32_t row = frag_row(g.self), col = frag_col(g.self);
+    float acc[2];
+    for (uint32_t j = 0; j < 2; j++) {
+        acc[j] = c ? float(c->elements[j]) : 0.0f;
+        for (uint32_t k = 0; k < 8; k++)
+            acc[j] += g.get(frag_lane(row, k)).a[k % 2] * g.get(frag_lane(k, col + j)).b[(col + j) % 2];
+    }
+    d.elements[0] = TD(acc[0]);
+    d.elements[1] = TD(acc[1]);
+}
+
+} // namespace msl_rt
+
+namespace metal {
+
+template <class TD, class TA, class TB, int Cols, int Rows, int K>
+void simdgroup_multiply(simdgroup_matrix<TD, Cols, Rows> &d, const simdgroup_matrix<TA, K, Rows> &a,
+                        const simdgroup_matrix<TB, Cols, K> &b, MSL_CALLER) {
+    const simdgroup_matrix<TD, Cols, Rows> *no_c = nullptr;
+    msl_rt::mma(d, a, b, no_c, "simdgroup_multiply", file, line);
+}
+
+template <class TD, class TA, class TB, class TC, int Cols, int Rows, int K>
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, const simdgroup_matrix<TA, K, Rows> &a,
+                                   const simdgroup_matrix<TB, Cols, K> &b, const simdgroup_matrix<TC, Cols, Rows> &c,
+                                   MSL_CALLER) {
+    msl_rt::mma(d, a, b, &c, "simdgroup_multiply_accumulate", file, line);
+}
+
+/* ---- atomics: real atomics, since threadgroups run concurrently on several OS threads ---- */
+
+enum memory_order {
+    memory_order_relaxed = __ATOMIC_RELAXED,
+    memory_order_acquire = __ATOMIC_ACQUIRE,
+    memory_order_release = __ATOMIC_RELEASE,
+    memory_order_acq_rel = __ATOMIC_ACQ_REL,
+    memory_order_seq_cst = __ATOMIC_SEQ_CST
+};
+
+/* Holds the value's 32 bits, so every operation is one on a uint32_t. */
+template <class T> struct atomic {
+    static_assert(std::is_same<T, int>::value || std::is_same<T, unsigned>::value ||
+                      std::is_same<T, float>::value,
+                  "Metal atomics hold int, uint or float");
+    typedef T value_type;
+    uint32_t bits;
+};
+typedef atomic<int> atomic_int;
+typedef atomic<unsigned> atomic_uint;
+typedef atomic<float> atomic_float;
+
+} // namespace metal
+
+namespace msl_rt {
+
+/* A's value type; A may carry volatile and an address space. */
+template <class A> using atomic_value = typename std::remove_cv_t<A>::value_type;
+
+template <class A> uint32_t *atomic_bits(A *object) { return (uint32_t *)&object->bits; }
+
+template <class T> uint32_t to_bits(T v) {
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    return b;
+}
+template <class T> T from_bits(uint32_t b) {
+    T v;
+    std::memcpy(&v, &b, sizeof v);
+    return v;
+}
+
+/* Read-modify-write by compare-and-swap, for what the builtins lack (float add, min, max). */
+template <class A, class F> atomic_value<A> atomic_update(A *object, int order, F f) {
+    using V = atomic_value<A>;
+    uint32_t *p = atomic_bits(object), old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(p, &old, to_bits(V(f(from_bits<V>(old)))), true, order, __ATOMIC_RELAXED))
+        continue;
+    return from_bits<V>(old);
+}
+
+} // namespace msl_rt
+
+namespace metal {
+
+template <class A> msl_rt::atomic_value<A> atomic_load_explicit(A *object, memory_order order) {
+    return msl_rt::from_bits<msl_rt::atomic_value<A>>(__atomic_load_n(msl_rt::atomic_bits(object), order));
+}
+template <class A> void atomic_store_explicit(A *object, msl_rt::atomic_value<A> desired, memory_order order) {
+    __atomic_store_n(msl_rt::atomic_bits(object), msl_rt::to_bits(desired), order);
+}
+template <class A>
+msl_rt::atomic_value<A> atomic_exchange_explicit(A *object, msl_rt::atomic_value<A> desired, memory_order order) {
+    uint32_t old = __atomic_exchange_n(msl_rt::atomic_bits(object), msl_rt::to_bits(desired), order);
+    return msl_rt::from_bits<msl_rt::atomic_value<A>>(old);
+}
+template <class A>
+bool atomic_compare_exchange_weak_explicit(A *object, msl_rt::atomic_value<A> *expected,
+                                           msl_rt::atomic_value<A> desired, memory_order success,
+                                           memory_order failure) {
+    uint32_t seen = msl_rt::to_bits(*expected);
+    bool ok = __atomic_compare_exchange_n(msl_rt::atomic_bits(object), &seen, msl_rt::to_bits(desired), true,
+                                          success, failure);
+    if (!ok) *expected = msl_rt::from_bits<msl_rt::atomic_value<A>>(seen);
+    return ok;
+}
+
+/* int and uint add, subtract and combine bits alike in two's complement: one builtin on the bits. */
+#define MSL_ATOMIC_FETCH(name, builtin, op)                                                                     \
+    template <class A, class V = msl_rt::atomic_value<A>>                                                       \
+    V atomic_fetch_##name##_explicit(A *object, msl_rt::atomic_value<A> operand, memory_order order) {          \
+        if constexpr (std::is_floating_point<V>::value)                                                         \
+            return msl_rt::atomic_update(object, order, [operand](V v) { return v op operand; });               \
+        else                                                                                                    \
+            return msl_rt::from_bits<V>(builtin(msl_rt::atomic_bits(object), msl_rt::to_bits(operand), order)); \
+    }
+MSL_ATOMIC_FETCH(add, __atomic_fetch_add, +)
+MSL_ATOMIC_FETCH(sub, __atomic_fetch_sub, -)
+MSL_ATOMIC_FETCH(and, __atomic_fetch_and, &)
+MSL_ATOMIC_FETCH(or, __atomic_fetch_or, |)
+MSL_ATOMIC_FETCH(xor, __atomic_fetch_xor, ^)
+#undef MSL_ATOMIC_FETCH
+
+template <class A, class V = msl_rt::atomic_value<A>>
+V atomic_fetch_min_explicit(A *object, msl_rt::atomic_value<A> operand, memory_order order) {
+    return msl_rt::atomic_update(object, order, [operand](V v) { return operand < v ? operand : v; });
+}
+template <class A, class V = msl_rt::atomic_value<A>>
+V atomic_fetch_max_explicit(A *object, msl_rt::atomic_value<A> operand, memory_order order) {
+    return msl_rt::atomic_update(object, order, [operand](V v) { return operand > v ? operand : v; });
+}
+
+} // namespace metal
+
+#undef MSL_CALLER
+#endif
