@@ -65,6 +65,10 @@ enum { MCPU_MAX_THREADGROUP_MEMORY = 32768 };
  * else ~/.cache/flashattn_mps. */
 int32_t mcpu_cache_dir(char *out, size_t out_len, fa_status *st);
 
+/* The directory holding the shim headers (msl_shim.h, ...) and include/ with empty <metal_*>
+ * stubs, written into the cache on first use: what the strict MSL check compiles against. */
+int32_t mcpu_shim_dir(char *out, size_t out_len, fa_status *st);
+
 /* Rewrite MSL source into C++ for the shim (strict = 0) or for the address-space-strict syntax
  * check (strict = 1). Returns a malloc'ed string or NULL with st set. */
 char *mcpu_preprocess(const char *source, const char *source_name, int32_t strict, fa_status *st);

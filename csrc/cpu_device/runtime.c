@@ -290,9 +290,13 @@ static void rt_fail(msl_thread *t, const char *message, const char *file, uint32
                t->thread_index_in_threadgroup);
 }
 
+static void rt_fail_argument(msl_thread *t, const char *message, const char *file, uint32_t line) {
+    group_fail(((gthread *)t)->w, FA_ERR_VALUE, -2, "%s (%s:%u)", message, file, line);
+}
+
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
-                                        rt_fail};
+                                        rt_fail, rt_fail_argument};
     return &api;
 }
 

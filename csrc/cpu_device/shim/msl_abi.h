@@ -116,6 +116,9 @@ typedef struct msl_runtime_api {
     void *(*threadgroup_static)(msl_thread *t, const void *site_key, uint64_t size, uint64_t align);
     /* Fail the dispatch with a message (e.g. a shim precondition); does not return. */
     void (*fail)(msl_thread *t, const char *message, const char *file, uint32_t line);
+    /* Like fail, for a dispatch whose arguments do not fit the kernel (an unbound [[buffer(n)]]):
+     * reported as a bad argument (FA_ERR_VALUE), not a kernel failure. */
+    void (*fail_argument)(msl_thread *t, const char *message, const char *file, uint32_t line);
 } msl_runtime_api;
 
 #ifdef __cplusplus

@@ -1,0 +1,1024 @@
+/* Rewrites preprocessed MSL into C++ for the shim (ARCHITECTURE.md, "Compilation pipeline", step 3).
+ *
+ * A hand-written scanner: tokens carry their .metal line (from `# N "file"` line markers), a walk
+ * over namespace/class scopes and function bodies finds the constructs, and in-place edits rewrite
+ * them without adding or removing a line, so compiler diagnostics keep the .metal line numbers.
+ * Launchers are appended at the end, each after a #line naming its kernel's line. The generated
+ * shapes are documented in shim/msl_kernel.h, which defines what they use. */
+#include "cpu_device.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sbuf {
+    char *p;
+    uint64_t n, cap;
+    int32_t oom;
+} sbuf;
+
+static void sb_put(sbuf *b, const char *s, uint64_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        uint64_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *q = realloc(b->p, (size_t)cap);
+        if (!q) {
+            b->oom = 1;
+            return;
+        }
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, (size_t)n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static void sb_puts(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
+
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int32_t n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if ((uint64_t)n < sizeof tmp) {
+        sb_put(b, tmp, (uint64_t)n);
+        return;
+    }
+    char *big = malloc((size_t)n + 1);
+    if (!big) {
+        b->oom = 1;
+        return;
+    }
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    sb_put(b, big, (uint64_t)n);
+    free(big);
+}
+
+/* k: 'w' word, 'n' number, 's' string, 'c' character literal, 'D' "::", 'A' "->", else the
+ * punctuation character itself. line and file are the .metal position the line markers give. */
+typedef struct tok {
+    uint64_t a, b;
+    uint32_t line, col, file;
+    char k;
+} tok;
+
+/* Replace [a, b) by text followed by the span's newlines; text NULL blanks the span to spaces. */
+typedef struct edit {
+    uint64_t a, b;
+    char *text;
+} edit;
+
+typedef struct tmpl {
+    char *name, *args; /* a kernel template's name and the launcher arguments its parameters need */
+} tmpl;
+
+typedef struct pp {
+    const char *src;
+    uint64_t len;
+    int32_t strict;
+    tok *t;
+    uint64_t n, tcap;
+    char **files; /* file names as written in the markers (C string contents, still escaped) */
+    uint64_t nfiles, fcap;
+    edit *ed;
+    uint64_t ned, edcap;
+    char **ns; /* openers of the enclosing namespaces ("namespace a", "inline namespace b") */
+    uint64_t nns, nscap;
+    tmpl *tm;
+    uint64_t ntm, tmcap;
+    char **fc; /* function constants and constants computed from them */
+    uint64_t nfc, fccap;
+    char **hosts; /* kernel host names, in order */
+    uint64_t nhosts, hcap;
+    sbuf launchers;
+    int32_t failed;
+    char err[1024];
+} pp;
+
+static void oom(pp *P) {
+    if (!P->failed) snprintf(P->err, sizeof P->err, "out of memory in the MSL prepass");
+    P->failed = 1;
+}
+
+/* arr reallocated for twice its capacity, or unchanged (capacity too) when out of memory. */
+static void *grown(pp *P, void *arr, uint64_t *cap, uint64_t size) {
+    uint64_t c = *cap ? *cap * 2 : 16;
+    void *q = realloc(arr, (size_t)(c * size));
+    if (!q) {
+        oom(P);
+        return arr;
+    }
+    *cap = c;
+    return q;
+}
+/* Whether the growable array arr (n used of cap) has room for one more element. */
+#define ROOM(P, arr, n, cap) ((n) < (cap) || ((arr) = grown((P), (arr), &(cap), sizeof *(arr)), (n) < (cap)))
+
+static void fail_at(pp *P, uint64_t i, const char *fmt, ...) {
+    if (P->failed) return;
+    P->failed = 1;
+    tok t = {0, 0, 1, 1, 0, 0};
+    if (P->n) t = P->t[i < P->n ? i : P->n - 1];
+    int32_t n = snprintf(P->err, sizeof P->err, "%s:%u:%u: error: ", P->files[t.file], t.line, t.col);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (uint64_t)n < sizeof P->err) vsnprintf(P->err + n, sizeof P->err - (uint64_t)n, fmt, ap);
+    va_end(ap);
+}
+
+static char *dup_n(pp *P, const char *s, uint64_t n) {
+    char *d = malloc((size_t)n + 1);
+    if (!d) {
+        oom(P);
+        return NULL;
+    }
+    memcpy(d, s, (size_t)n);
+    d[n] = 0;
+    return d;
+}
+
+/* Source text of tokens [i, j), on one line. */
+static char *text(pp *P, uint64_t i, uint64_t j) {
+    if (i >= j) return dup_n(P, "", 0);
+    char *d = dup_n(P, P->src + P->t[i].a, P->t[j - 1].b - P->t[i].a);
+    for (char *c = d; c && *c; c++)
+        if (*c == '\n' || *c == '\r') *c = ' ';
+    return d;
+}
+
+static void add_edit(pp *P, uint64_t a, uint64_t b, char *text_or_null) {
+    if (!ROOM(P, P->ed, P->ned, P->edcap)) {
+        free(text_or_null);
+        return;
+    }
+    P->ed[P->ned++] = (edit){a, b, text_or_null};
+}
+
+static void push_str(pp *P, char ***arr, uint64_t *n, uint64_t *cap, char *s) {
+    if (!s) return;
+    if (!ROOM(P, *arr, *n, *cap)) {
+        free(s);
+        return;
+    }
+    (*arr)[(*n)++] = s;
+}
+
+/* ---- tokenizer ---- */
+
+static int32_t is_ident(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+static int32_t is_digit(char c) { return c >= '0' && c <= '9'; }
+
+static uint32_t file_index(pp *P, const char *s, uint64_t n) {
+    for (uint64_t i = 0; i < P->nfiles; i++)
+        if (strlen(P->files[i]) == n && !memcmp(P->files[i], s, (size_t)n)) return (uint32_t)i;
+    push_str(P, &P->files, &P->nfiles, &P->fcap, dup_n(P, s, n));
+    return P->failed ? 0 : (uint32_t)(P->nfiles - 1);
+}
+
+/* A directive line from i (at '#') to its end: `# N "file" ...` and `#line N "file"` set where
+ * the next line comes from; anything else (#pragma) is skipped. */
+static uint64_t directive(pp *P, uint64_t i, uint32_t *line, uint32_t *file) {
+    const char *s = P->src;
+    uint64_t n = P->len, e = i;
+    for (; e < n && s[e] != '\n'; e++)
+        if (s[e] == '\\' && e + 1 < n && s[e + 1] == '\n') e++, (*line)++; /* continued */
+    i++;
+    while (i < e && (s[i] == ' ' || s[i] == '\t')) i++;
+    if (e - i > 4 && !memcmp(s + i, "line", 4) && !is_ident(s[i + 4])) i += 4;
+    while (i < e && (s[i] == ' ' || s[i] == '\t')) i++;
+    if (i >= e || !is_digit(s[i])) return e;
+    uint64_t num = 0;
+    while (i < e && is_digit(s[i])) num = num * 10 + (uint64_t)(s[i++] - '0');
+    while (i < e && (s[i] == ' ' || s[i] == '\t')) i++;
+    if (i < e && s[i] == '"') {
+        uint64_t a = ++i;
+        while (i < e && s[i] != '"') i += s[i] == '\\' ? 2 : 1;
+        *file = file_index(P, s + a, (i < e ? i : e) - a);
+    }
+    *line = (uint32_t)num - 1; /* the directive's own newline advances to num */
+    return e;
+}
+
+static int32_t encoding_prefix(const char *w, uint64_t n) {
+    return (n == 1 && strchr("LuU", w[0])) || (n == 2 && w[0] == 'u' && w[1] == '8');
+}
+
+/* Past a quoted literal starting at i (the quote); stops at an unterminated line's end. */
+static uint64_t quoted(const char *s, uint64_t n, uint64_t i) {
+    char q = s[i++];
+    while (i < n && s[i] != q && s[i] != '\n') i += (s[i] == '\\' && i + 1 < n) ? 2 : 1;
+    return i < n && s[i] == q ? i + 1 : i;
+}
+
+static void tokenize(pp *P) {
+    const char *s = P->src;
+    uint64_t n = P->len, i = 0, bol = 0; /* bol: offset of the current line's start */
+    uint32_t line = 1, file = 0;
+    int32_t line_start = 1; /* only blanks so far on this line */
+    while (i < n && !P->failed) {
+        char c = s[i];
+        if (c == '\n') {
+            line++;
+            bol = ++i;
+            line_start = 1;
+            continue;
+        }
+        if (c == ' ' || c == '\t' || c == '\r' || c == '\f' || c == '\v') {
+            i++;
+            continue;
+        }
+        if (c == '#' && line_start) {
+            i = directive(P, i, &line, &file);
+            continue;
+        }
+        line_start = 0;
+        if (c == '/' && i + 1 < n && s[i + 1] == '/') {
+            while (i < n && s[i] != '\n') i++;
+            continue;
+        }
+        if (c == '/' && i + 1 < n && s[i + 1] == '*') {
+            for (i += 2; i < n && !(s[i] == '*' && i + 1 < n && s[i + 1] == '/'); i++)
+                if (s[i] == '\n') line++, bol = i + 1;
+            i = i < n ? i + 2 : n;
+            continue;
+        }
+        tok t = {i, 0, line, (uint32_t)(i - bol + 1), file, 0};
+        if (is_ident(c) && !is_digit(c)) {
+            while (i < n && is_ident(s[i])) i++;
+            uint64_t w = i - t.a;
+            int32_t prefix = encoding_prefix(s + t.a, w); /* u8"x", L'x' */
+            int32_t raw = s[i - 1] == 'R' && (w == 1 || encoding_prefix(s + t.a, w - 1));
+            if (i < n && s[i] == '"' && raw) {
+                /* raw string: R"delim( ... )delim" */
+                uint64_t d = i + 1;
+                while (d < n && s[d] != '(' && d - i < 18) d++;
+                uint64_t dl = d - i - 1, k = d + 1;
+                for (; k < n; k++) {
+                    if (s[k] == '\n') line++, bol = k + 1;
+                    if (s[k] == ')' && k + dl + 1 < n && !memcmp(s + k + 1, s + i + 1, (size_t)dl) &&
+                        s[k + 1 + dl] == '"')
+                        break;
+                }
+                i = k < n ? k + dl + 2 : n;
+                t.k = 's';
+            } else if (i < n && (s[i] == '"' || s[i] == '\'') && prefix) {
+                t.k = s[i] == '"' ? 's' : 'c';
+                i = quoted(s, n, i);
+            } else {
+                t.k = 'w';
+            }
+        } else if (is_digit(c) || (c == '.' && i + 1 < n && is_digit(s[i + 1]))) {
+            for (i++; i < n; i++) {
+                char d = s[i];
+                if ((d == '+' || d == '-') && strchr("eEpP", s[i - 1])) continue;
+                if (!is_ident(d) && d != '.' && !(d == '\'' && i + 1 < n && is_ident(s[i + 1]))) break;
+            }
+            t.k = 'n';
+        } else if (c == '"' || c == '\'') {
+            t.k = c == '"' ? 's' : 'c';
+            i = quoted(s, n, i);
+        } else if (c == ':' && i + 1 < n && s[i + 1] == ':') {
+            t.k = 'D';
+            i += 2;
+        } else if (c == '-' && i + 1 < n && s[i + 1] == '>') {
+            t.k = 'A';
+            i += 2;
+        } else {
+            t.k = c;
+            i++;
+        }
+        t.b = i;
+        if (!ROOM(P, P->t, P->n, P->tcap)) return;
+        P->t[P->n++] = t;
+    }
+}
+
+/* ---- token helpers ---- */
+
+static int32_t is(const pp *P, uint64_t i, char k) { return i < P->n && P->t[i].k == k; }
+
+static int32_t word(const pp *P, uint64_t i, const char *w) {
+    uint64_t n = strlen(w);
+    return is(P, i, 'w') && P->t[i].b - P->t[i].a == n && !memcmp(P->src + P->t[i].a, w, (size_t)n);
+}
+
+static int32_t opens(const pp *P, uint64_t i) { return is(P, i, '(') || is(P, i, '[') || is(P, i, '{'); }
+
+/* i at ( [ or {: index after the matching close (counting all three kinds), or P->n. */
+static uint64_t skip_group(const pp *P, uint64_t i) {
+    uint64_t depth = 0;
+    for (; i < P->n; i++) {
+        char k = P->t[i].k;
+        if (k == '(' || k == '[' || k == '{') depth++;
+        if ((k == ')' || k == ']' || k == '}') && --depth == 0) return i + 1;
+    }
+    return P->n;
+}
+
+/* i at '<': index after the matching '>' (groups skipped), or P->n. */
+static uint64_t skip_angles(const pp *P, uint64_t i) {
+    uint64_t depth = 0;
+    while (i < P->n) {
+        if (opens(P, i)) {
+            i = skip_group(P, i);
+            continue;
+        }
+        if (is(P, i, '<')) depth++;
+        if (is(P, i, '>') && --depth == 0) return i + 1;
+        if (is(P, i, ';') || is(P, i, '}')) return P->n;
+        i++;
+    }
+    return P->n;
+}
+
+static int32_t attr_at(const pp *P, uint64_t i) { return is(P, i, '[') && is(P, i + 1, '['); }
+
+/* One item of an attribute list: its name token, and its argument tokens [a, b) if it has (...). */
+typedef struct item {
+    uint64_t name, a, b;
+} item;
+
+enum { MAX_ITEMS = 8 };
+
+/* Items of the attribute list [[...]] starting at i; *end gets the index after it. */
+static uint32_t attr_items(const pp *P, uint64_t i, uint64_t *end, item *it) {
+    uint64_t e = skip_group(P, i), last = e - 2, k = i + 2;
+    uint32_t n = 0;
+    *end = e;
+    while (k < last) {
+        while (is(P, k, 'w') && is(P, k + 1, 'D') && is(P, k + 2, 'w')) k += 2; /* ns::name */
+        item x = {k, 0, 0};
+        k++;
+        if (is(P, k, '(')) {
+            uint64_t c = skip_group(P, k);
+            x.a = k + 1;
+            x.b = c - 1;
+            k = c;
+        }
+        if (n < MAX_ITEMS && is(P, x.name, 'w')) it[n++] = x;
+        while (k < last && !is(P, k, ',')) k = opens(P, k) ? skip_group(P, k) : k + 1;
+        k++;
+    }
+    return n;
+}
+
+/* The string-literal arguments of host_name(...) concatenated ("a" "b" -> ab). */
+static char *string_args(pp *P, uint64_t a, uint64_t b) {
+    sbuf s = {0};
+    sb_puts(&s, "");
+    for (uint64_t i = a; i < b; i++) {
+        if (!is(P, i, 's')) {
+            fail_at(P, i, "host_name expects a string literal");
+            break;
+        }
+        const char *q = memchr(P->src + P->t[i].a, '"', (size_t)(P->t[i].b - P->t[i].a));
+        uint64_t from = (uint64_t)(q - P->src) + 1, to = P->t[i].b - 1;
+        if (to < from || P->src[to] != '"') {
+            fail_at(P, i, "unterminated string");
+            break;
+        }
+        sb_put(&s, P->src + from, to - from);
+    }
+    if (s.oom) oom(P);
+    if (P->failed || s.oom) {
+        free(s.p);
+        return NULL;
+    }
+    return s.p;
+}
+
+/* ---- kernels ---- */
+
+/* What the head of a declaration [s, e) says, up to its first parameter list. */
+typedef struct head {
+    int32_t kernel, is_template, explicit_inst;
+    uint64_t paren; /* first top-level '(' outside attributes and decltype(...), or e */
+    char *host;     /* [[host_name("x")]], or NULL */
+} head;
+
+static void scan_head(pp *P, uint64_t s, uint64_t e, head *h) {
+    memset(h, 0, sizeof *h);
+    h->paren = e;
+    uint64_t i = s;
+    if (word(P, s, "template")) {
+        h->is_template = is(P, s + 1, '<');
+        h->explicit_inst = !h->is_template;
+        i = h->is_template ? skip_angles(P, s + 1) : s + 1;
+    }
+    while (i < e && !P->failed) {
+        if (attr_at(P, i)) {
+            item it[MAX_ITEMS];
+            uint64_t end;
+            uint32_t n = attr_items(P, i, &end, it);
+            for (uint32_t k = 0; k < n; k++) {
+                if (word(P, it[k].name, "kernel")) h->kernel = 1;
+                if (word(P, it[k].name, "host_name") && it[k].b > it[k].a && !h->host)
+                    h->host = string_args(P, it[k].a, it[k].b);
+            }
+            i = end;
+        } else if (word(P, i, "decltype") && is(P, i + 1, '(')) {
+            i = skip_group(P, i + 1);
+        } else if (is(P, i, '(')) {
+            h->paren = i;
+            return;
+        } else {
+            if (word(P, i, "kernel")) h->kernel = 1;
+            i = opens(P, i) ? skip_group(P, i) : i + 1;
+        }
+    }
+}
+
+/* Blanks every [[...]] in [i, e) at this level (attributes the shim would misread). */
+static void blank_attrs(pp *P, uint64_t i, uint64_t e) {
+    while (i < e) {
+        if (attr_at(P, i)) {
+            uint64_t end = skip_group(P, i);
+            add_edit(P, P->t[i].a, P->t[end - 1].b, NULL);
+            i = end;
+        } else {
+            i = opens(P, i) ? skip_group(P, i) : i + 1;
+        }
+    }
+}
+
+/* Buffer and threadgroup parameters without an index attribute take the one after the previous
+ * parameter's of their kind (0 first), as Metal assigns them (MLX relies on it). */
+typedef struct slots {
+    char *last[2];    /* the last explicit index of buffers [0] and threadgroup memory [1] */
+    uint32_t next[2]; /* parameters of that kind since */
+} slots;
+
+/* One kernel parameter [a, b): appends its launcher argument and blanks its attributes. */
+static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn, slots *sl, sbuf *out) {
+    int32_t ptr = 0, ref = 0, optional = 0, angle = 0, bound = 0, tg = 0;
+    const char *role = NULL; /* "buffer", "threadgroup", or NULL for a builtin */
+    uint64_t role_item = 0, role_a = 0, role_b = 0;
+    for (uint64_t k = a; k < b && !P->failed;) {
+        if (attr_at(P, k)) {
+            item it[MAX_ITEMS];
+            uint64_t end;
+            uint32_t n = attr_items(P, k, &end, it);
+            for (uint32_t m = 0; m < n; m++) {
+                uint64_t w = it[m].name;
+                if (word(P, w, "function_constant")) {
+                    optional = 1; /* bound only when the constant is true */
+                    continue;
+                }
+                int32_t args = it[m].b > it[m].a;
+                if (args && !word(P, w, "buffer") && !word(P, w, "threadgroup")) {
+                    fail_at(P, w,
+                            "kernel '%s': unsupported parameter attribute '%.*s' on the CPU Metal device", fn,
+                            (int)(P->t[w].b - P->t[w].a), P->src + P->t[w].a);
+                    return;
+                }
+                if (bound++) {
+                    fail_at(P, w, "kernel '%s': parameter %u has more than one binding attribute", fn, index);
+                    return;
+                }
+                role = !args ? NULL : word(P, w, "buffer") ? "buffer" : "threadgroup";
+                role_item = w;
+                role_a = it[m].a;
+                role_b = it[m].b;
+            }
+            add_edit(P, P->t[k].a, P->t[end - 1].b, NULL);
+            k = end;
+            continue;
+        }
+        if (is(P, k, '<')) angle++;
+        if (is(P, k, '>') && angle > 0) angle--;
+        if (!angle && is(P, k, '*')) ptr = 1;
+        if (!angle && is(P, k, '&')) ref = 1;
+        if (word(P, k, "threadgroup")) tg = 1;
+        k = opens(P, k) ? skip_group(P, k) : k + 1;
+    }
+    if (P->failed) return;
+    sb_puts(out, index ? ", " : "");
+    if (bound && !role) {
+        sb_printf(out, "::msl_rt::builtin::%.*s(__t)", (int)(P->t[role_item].b - P->t[role_item].a),
+                  P->src + P->t[role_item].a);
+        return;
+    }
+    int32_t kind = bound ? role[0] == 't' : tg;
+    char *n = NULL;
+    if (bound) {
+        free(sl->last[kind]);
+        sl->last[kind] = n = text(P, role_a, role_b);
+        sl->next[kind] = 0;
+    }
+    uint32_t plus = bound ? 0 : ++sl->next[kind];
+    /* value parameters bind like references: the proxy's T& converts to T */
+    sb_printf(out, "::msl_rt::%s_%s(__t, ", kind ? "threadgroup" : "buffer", ptr && !ref ? "ptr" : "ref");
+    if (n)
+        sb_puts(out, n);
+    else if (sl->last[kind])
+        sb_printf(out, "(%s) + %u", sl->last[kind], plus);
+    else
+        sb_printf(out, "%u", plus - 1);
+    sb_puts(out, optional && !kind ? ", true)" : ")");
+}
+
+/* Launcher arguments for the parameter list at p (its '('). */
+static char *params(pp *P, uint64_t p, const char *fn) {
+    uint64_t close = skip_group(P, p) - 1;
+    if (!is(P, close, ')')) {
+        fail_at(P, p, "kernel '%s': unterminated parameter list", fn);
+        return NULL;
+    }
+    sbuf out = {0};
+    sb_puts(&out, "");
+    slots sl = {{NULL, NULL}, {0, 0}};
+    uint64_t a = p + 1;
+    uint32_t index = 0;
+    if (word(P, a, "void") && a + 1 == close) a = close;
+    while (a < close && !P->failed) {
+        uint64_t b = a;
+        int32_t angle = 0;
+        while (b < close && !(angle == 0 && is(P, b, ','))) {
+            if (opens(P, b)) {
+                b = skip_group(P, b);
+                continue;
+            }
+            if (is(P, b, '<')) angle++;
+            if (is(P, b, '>') && angle > 0) angle--;
+            b++;
+        }
+        param(P, a, b, index++, fn, &sl, &out);
+        a = b + 1;
+    }
+    free(sl.last[0]);
+    free(sl.last[1]);
+    if (out.oom) oom(P);
+    if (P->failed) {
+        free(out.p);
+        return NULL;
+    }
+    return out.p;
+}
+
+/* Appends the launcher `__msl_launch_<host>` calling `call(args)`, inside the kernel's namespaces. */
+static void launcher(pp *P, uint64_t at, const char *host, const char *call, const char *args) {
+    int32_t ident = host[0] && !is_digit(host[0]);
+    for (const char *c = host; *c; c++) ident &= is_ident(*c);
+    if (!ident) {
+        fail_at(P, at, "kernel host name '%s' is not an identifier", host);
+        return;
+    }
+    for (uint64_t i = 0; i < P->nhosts; i++)
+        if (!strcmp(P->hosts[i], host)) {
+            fail_at(P, at, "kernel host name '%s' is defined twice", host);
+            return;
+        }
+    push_str(P, &P->hosts, &P->nhosts, &P->hcap, dup_n(P, host, strlen(host)));
+    if (P->strict) return;
+    sbuf *L = &P->launchers;
+    sb_printf(L, "#line %u \"%s\"\n", P->t[at].line, P->files[P->t[at].file]);
+    for (uint64_t i = 0; i < P->nns; i++) sb_printf(L, "%s { ", P->ns[i]);
+    /* A global kernel is called as ::name: `using namespace metal;` would make a kernel named like
+     * a metal:: entity (vec, min, ...) ambiguous, while Metal itself never names it in a call. */
+    const char *scope = P->nns == 0 && (is_ident(call[0]) && !is_digit(call[0])) ? "::" : "";
+    sb_printf(
+        L, "extern \"C\" void __msl_launch_%s(void) { msl_thread *__t = ::msl_rt::api->current(); %s%s(%s); }",
+        host, scope, call, args);
+    for (uint64_t i = 0; i < P->nns; i++) sb_puts(L, " }");
+    sb_puts(L, "\n");
+}
+
+/* A kernel declaration or definition [s, e) (e at '{' or ';'). */
+static void kernel_fn(pp *P, uint64_t s, uint64_t e, head *h, int32_t definition) {
+    uint64_t name = h->paren - 1;
+    if (h->paren >= e || h->paren == s || !is(P, name, 'w')) {
+        fail_at(P, s, "cannot find the kernel's name and parameter list");
+        return;
+    }
+    char *fn = text(P, name, name + 1);
+    if (!fn) return;
+    blank_attrs(P, s, h->paren);
+    char *args = params(P, h->paren, fn);
+    if (args && h->is_template) {
+        if (ROOM(P, P->tm, P->ntm, P->tmcap)) {
+            P->tm[P->ntm++] = (tmpl){fn, args};
+            return;
+        }
+    } else if (args && definition) {
+        launcher(P, name, h->host ? h->host : fn, fn, args);
+    }
+    free(fn);
+    free(args);
+}
+
+/* Tokens [i, j) on one line, without attribute lists (and without `const` if drop_const). */
+static char *joined(pp *P, uint64_t i, uint64_t j, int32_t drop_const) {
+    sbuf r = {0};
+    sb_puts(&r, "");
+    for (uint64_t k = i; k < j;) {
+        if (attr_at(P, k) || (drop_const && word(P, k, "const"))) {
+            k = attr_at(P, k) ? skip_group(P, k) : k + 1;
+            continue;
+        }
+        char *w = text(P, k, k + 1);
+        if (w) sb_printf(&r, "%s%s", r.n ? " " : "", w);
+        free(w);
+        k++;
+    }
+    if (r.oom) oom(P);
+    return r.p;
+}
+
+/* `template [[host_name("x")]] [[kernel]] decltype(f<A, B>) f<A, B>;`: becomes blank, and a
+ * launcher calls `(&f<A, B>)`, which names the specialization even when defaulted template
+ * arguments are left out. The older form with f's signature (`void f<A>(params);`, template
+ * arguments possibly deduced) calls `(static_cast<void (*)(params)>(&f<A>))`. In strict mode only
+ * the attributes go. */
+static void instantiation(pp *P, uint64_t s, uint64_t e, head *h) {
+    if (!h->host) {
+        fail_at(P, s, "explicit kernel instantiation without [[host_name(\"...\")]]");
+        return;
+    }
+    uint64_t q = h->paren - 1, name = q; /* walk back over f<...> */
+    int32_t angle = 0, paren = 0;
+    if (is(P, q, '>')) {
+        for (uint64_t k = q + 1; k-- > s && name == q;) {
+            char c = P->t[k].k;
+            if (c == ')' || c == ']') paren++;
+            if ((c == '(' || c == '[') && paren) paren--;
+            if (paren) continue;
+            if (c == '>') angle++;
+            if (c == '<' && --angle == 0) name = k - 1;
+        }
+    }
+    if (name <= s || !is(P, name, 'w') || (name == q && h->paren == e)) {
+        fail_at(P, s, "cannot parse the kernel instantiation (expected decltype(f<...>) f<...>)");
+        return;
+    }
+    uint64_t start = name;
+    while (start >= s + 2 && is(P, start - 1, 'D') && is(P, start - 2, 'w')) start -= 2;
+    char *callee = text(P, start, q + 1), *tname = text(P, name, name + 1), *args = NULL, *sig = NULL;
+    sbuf call = {0};
+    for (uint64_t i = P->ntm; tname && i-- > 0;)
+        if (!strcmp(P->tm[i].name, tname)) {
+            args = dup_n(P, P->tm[i].args, strlen(P->tm[i].args));
+            break;
+        }
+    if (tname && h->paren < e) {
+        if (!args || P->strict) { /* the signature's own attributes go too */
+            char *own = params(P, h->paren, tname);
+            if (args)
+                free(own);
+            else
+                args = own;
+        }
+        sig = joined(P, h->paren + 1, skip_group(P, h->paren) - 1, 0);
+    }
+    if (!args && !P->failed)
+        fail_at(P, s, "kernel template '%s' (for host_name \"%s\") is not defined before its instantiation",
+                tname ? tname : "", h->host);
+    if (args && callee) {
+        if (sig)
+            sb_printf(&call, "(static_cast<void (*)(%s)>(&%s))", sig, callee);
+        else
+            sb_printf(&call, "(&%s)", callee);
+        if (call.oom)
+            oom(P);
+        else
+            launcher(P, s, h->host, call.p, args);
+        if (P->strict) /* kept as a plain explicit instantiation, so clang checks the body */
+            blank_attrs(P, s, h->paren);
+        else
+            add_edit(P, P->t[s].a, P->t[e].b, NULL);
+    }
+    free(callee);
+    free(tname);
+    free(args);
+    free(sig);
+    free(call.p);
+}
+
+/* ---- function constants ---- */
+
+static int32_t known_constant(const pp *P, uint64_t i, uint64_t e) {
+    for (; i < e; i++)
+        for (uint64_t k = 0; is(P, i, 'w') && k < P->nfc; k++)
+            if (word(P, i, P->fc[k]) && !is(P, i - 1, '.') && !is(P, i - 1, 'A')) return 1;
+    return 0;
+}
+
+/* A namespace-scope `constant ...;` statement [s, e): a function constant, or a constant computed
+ * from function constants; anything else stays. */
+static void constant_decl(pp *P, uint64_t s, uint64_t e) {
+    uint64_t eq = e, attr = e;
+    for (uint64_t i = s + 1; i < e; i = opens(P, i) ? skip_group(P, i) : i + 1) {
+        if (attr_at(P, i) && attr == e) attr = i;
+        if (is(P, i, '=') && eq == e) eq = i;
+    }
+    if (attr < e && attr < eq) {
+        item it[MAX_ITEMS];
+        uint64_t end;
+        uint32_t n = attr_items(P, attr, &end, it);
+        if (n != 1 || !word(P, it[0].name, "function_constant") || it[0].b <= it[0].a) return;
+        if (attr < s + 3 || !is(P, attr - 1, 'w') || end != e) {
+            fail_at(P, s, "expected `constant T name [[function_constant(n)]];`");
+            return;
+        }
+        char *type = joined(P, s + 1, attr - 1, 1), *name = text(P, attr - 1, attr),
+             *index = text(P, it[0].a, it[0].b);
+        if (type && name && index) {
+            sbuf r = {0};
+            sb_printf(&r, "const ::msl_rt::function_constant<%s, %s> %s{\"%s\", __FILE__, __LINE__};", type,
+                      index, name, name);
+            if (r.oom) oom(P);
+            add_edit(P, P->t[s].a, P->t[e].b, r.p);
+            push_str(P, &P->fc, &P->nfc, &P->fccap, name);
+            name = NULL;
+        }
+        free(type);
+        free(name);
+        free(index);
+        return;
+    }
+    if (eq >= e || eq < s + 3 || !is(P, eq - 1, 'w') || !known_constant(P, eq + 1, e)) return;
+    char *type = joined(P, s + 1, eq - 1, 1), *name = text(P, eq - 1, eq);
+    if (type && name) {
+        sbuf r = {0};
+        sb_printf(&r, "const auto %s = ::msl_rt::make_derived_constant<%s>([] { return (", name, type);
+        if (r.oom) oom(P);
+        add_edit(P, P->t[s].a, P->t[eq].b, r.p);
+        add_edit(P, P->t[e].a, P->t[e].b, dup_n(P, "); });", 6));
+        push_str(P, &P->fc, &P->nfc, &P->fccap, name);
+        name = NULL;
+    }
+    free(type);
+    free(name);
+}
+
+/* ---- scopes ---- */
+
+/* Kernel-scope `threadgroup T a[N][M], b;` at i: storage per threadgroup instead of per thread
+ * (strict mode: `static`, which clang accepts in an address space). Pointer declarations
+ * (`threadgroup T *p = ...;`) stay. Returns the index to continue from. */
+static uint64_t threadgroup_decl(pp *P, uint64_t i) {
+    uint64_t e = i + 1;
+    while (e < P->n && !is(P, e, ';') && !is(P, e, '{') && !is(P, e, '}'))
+        e = opens(P, e) ? skip_group(P, e) : e + 1;
+    if (!is(P, e, ';')) return i;
+    /* declarators: type name dims, then ", name dims" ... */
+    sbuf r = {0};
+    uint64_t a = i + 1;
+    int32_t first = 1, stays = 0;
+    char *type = NULL;
+    while (a < e && !stays) {
+        uint64_t b = a, name = 0, dims = 0;
+        int32_t angle = 0;
+        for (; b < e && !(angle == 0 && is(P, b, ',')); b = opens(P, b) ? skip_group(P, b) : b + 1) {
+            if (is(P, b, '<')) angle++;
+            if (is(P, b, '>') && angle > 0) angle--;
+            if (angle || dims) continue;
+            if (is(P, b, '*') || is(P, b, '&') || is(P, b, '=') || is(P, b, '(')) stays = 1;
+            if (is(P, b, 'w')) name = b;
+            if (is(P, b, '[')) dims = b;
+        }
+        if (!dims) dims = b;
+        if (stays || !name || (first && name == a) || (!first && name != a)) {
+            if (!first) fail_at(P, a, "declare each kernel-scope threadgroup variable separately");
+            stays = 1;
+            break;
+        }
+        if (first) type = text(P, i + 1, name);
+        char *nm = text(P, name, name + 1), *dm = text(P, dims, b);
+        if (type && nm && dm)
+            sb_printf(&r, "%sauto &%s = ::msl_rt::threadgroup_static<%s%s>([] {});", first ? "" : " ", nm,
+                      type, dm);
+        free(nm);
+        free(dm);
+        first = 0;
+        a = b + 1;
+    }
+    free(type);
+    if (stays || P->failed) {
+        free(r.p);
+        return e;
+    }
+    if (r.oom) oom(P);
+    if (P->strict) {
+        free(r.p);
+        add_edit(P, P->t[i].a, P->t[i].a, dup_n(P, "static ", 7));
+    } else {
+        add_edit(P, P->t[i].a, P->t[e].b, r.p);
+    }
+    return e;
+}
+
+/* A function body from just after its '{'; returns the index after its '}'. */
+static uint64_t walk_body(pp *P, uint64_t i) {
+    uint64_t depth = 1;
+    for (; i < P->n && !P->failed; i++) {
+        char k = P->t[i].k;
+        if (k == '{') depth++;
+        if (k == '}' && --depth == 0) return i + 1;
+        if (word(P, i, "threadgroup") && (is(P, i - 1, ';') || is(P, i - 1, '{') || is(P, i - 1, '}')))
+            i = threadgroup_decl(P, i);
+    }
+    return i;
+}
+
+enum { SC_NAMESPACE, SC_LINKAGE, SC_CLASS, SC_FUNCTION, SC_INIT };
+
+/* What the '{' at e opens, given the statement [s, e) before it. */
+static int32_t classify(const pp *P, uint64_t s, uint64_t e) {
+    uint64_t i = s;
+    int32_t paren = 0;
+    if (word(P, i, "template") && is(P, i + 1, '<')) i = skip_angles(P, i + 1);
+    for (uint64_t k = i; k < e; k = opens(P, k) ? skip_group(P, k) : k + 1) {
+        if (word(P, k, "namespace")) return SC_NAMESPACE;
+        if (!paren &&
+            (word(P, k, "struct") || word(P, k, "class") || word(P, k, "union") || word(P, k, "enum")))
+            return SC_CLASS;
+        if (is(P, k, '=') && k > i && !word(P, k - 1, "operator") && !strchr("=!<>+-*/%&|^", P->t[k - 1].k))
+            return SC_INIT;
+        if (is(P, k, '(')) paren = 1;
+    }
+    if (paren) return SC_FUNCTION;
+    return word(P, s, "extern") ? SC_LINKAGE : SC_INIT;
+}
+
+/* A namespace-scope statement [s, e) ended by ';'. */
+static void statement(pp *P, uint64_t s, uint64_t e) {
+    head h;
+    scan_head(P, s, e, &h);
+    if (h.kernel && h.explicit_inst)
+        instantiation(P, s, e, &h);
+    else if (h.kernel)
+        kernel_fn(P, s, e, &h, 0);
+    else if (word(P, s, "constant"))
+        constant_decl(P, s, e);
+    free(h.host);
+}
+
+/* Declarations of a namespace (or class) body from i; returns the index after its '}'. */
+static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
+    while (i < P->n && !P->failed) {
+        if (is(P, i, '}')) return i + 1;
+        if (is(P, i, ';')) {
+            i++;
+            continue;
+        }
+        uint64_t s = i, j = i;
+        for (;;) {
+            if (j >= P->n) return j;
+            if (is(P, j, '(') || is(P, j, '[')) {
+                j = skip_group(P, j);
+                continue;
+            }
+            if (is(P, j, '}')) return j + 1; /* unbalanced: leave it to the compiler */
+            if (is(P, j, ';')) {
+                if (!in_class) statement(P, s, j);
+                i = j + 1;
+                break;
+            }
+            if (!is(P, j, '{')) {
+                j++;
+                continue;
+            }
+            int32_t kind = classify(P, s, j);
+            if (kind == SC_INIT) {
+                j = skip_group(P, j); /* an initializer: the statement goes on */
+                continue;
+            }
+            if (kind == SC_NAMESPACE) {
+                uint64_t o = s;
+                while (!word(P, o, "namespace")) o++;
+                if (o > s && word(P, o - 1, "inline")) o--;
+                push_str(P, &P->ns, &P->nns, &P->nscap, text(P, o, j));
+                i = walk_scope(P, j + 1, 0);
+                if (P->nns) free(P->ns[--P->nns]);
+            } else if (kind == SC_LINKAGE || kind == SC_CLASS) {
+                i = walk_scope(P, j + 1, kind == SC_CLASS);
+            } else {
+                if (!in_class) {
+                    head h;
+                    scan_head(P, s, j, &h);
+                    if (h.kernel && !h.explicit_inst) kernel_fn(P, s, j, &h, 1);
+                    free(h.host);
+                }
+                i = walk_body(P, j + 1);
+            }
+            break;
+        }
+    }
+    return i;
+}
+
+/* Attributes and qualifiers the shim's macros would break, anywhere in the source:
+ * `[[threadgroup(n)]]` on helper functions' parameters (MLX writes them; Metal ignores them), and,
+ * unless strict, `const constant T` (or `constant const T`, `f() const constant`), which reads
+ * `const const` once constant is const and g++ rejects: such a `constant` goes. */
+static void clashes(pp *P) {
+    for (uint64_t i = 0; i < P->n; i++) {
+        if (attr_at(P, i)) {
+            item it[MAX_ITEMS];
+            uint64_t end;
+            uint32_t n = attr_items(P, i, &end, it);
+            for (uint32_t k = 0; k < n; k++)
+                if (word(P, it[k].name, "threadgroup")) {
+                    add_edit(P, P->t[i].a, P->t[end - 1].b, NULL);
+                    break;
+                }
+        }
+        if (P->strict || !word(P, i, "constant")) continue;
+        uint64_t a = i, b = i + 1;
+        while (a > 0 && (is(P, a - 1, 'w') || is(P, a - 1, 'D'))) a--;
+        while (b < P->n && (is(P, b, 'w') || is(P, b, 'D'))) b++;
+        for (uint64_t k = a; k < b; k++)
+            if (word(P, k, "const")) {
+                add_edit(P, P->t[i].a, P->t[i].b, NULL);
+                break;
+            }
+    }
+}
+
+/* ---- output ---- */
+
+static int cmp_edit(const void *x, const void *y) {
+    const edit *a = x, *b = y;
+    return a->a != b->a ? (a->a < b->a ? -1 : 1) : (a->b > b->b ? -1 : a->b < b->b); /* longer first */
+}
+
+static char *render(pp *P) {
+    sbuf out = {0};
+    uint64_t pos = 0;
+    if (P->ned) qsort(P->ed, (size_t)P->ned, sizeof *P->ed, cmp_edit);
+    for (uint64_t i = 0; i < P->ned; i++) {
+        edit *d = &P->ed[i];
+        if (d->a < pos) continue; /* inside a rewritten statement (its parameters' attributes) */
+        sb_put(&out, P->src + pos, d->a - pos);
+        if (d->text) sb_puts(&out, d->text);
+        for (uint64_t k = d->a; k < d->b; k++)
+            if (P->src[k] == '\n' || !d->text) sb_put(&out, P->src[k] == '\n' ? "\n" : " ", 1);
+        pos = d->b;
+    }
+    sb_put(&out, P->src + pos, P->len - pos);
+    if (!P->strict) {
+        if (out.n && out.p[out.n - 1] != '\n') sb_puts(&out, "\n");
+        sb_puts(&out, "#line 1 \"<msl launchers>\"\n");
+        if (P->launchers.n) sb_put(&out, P->launchers.p, P->launchers.n);
+        if (P->launchers.oom) out.oom = 1;
+        sb_puts(&out,
+                "#line 1 \"<msl kernel names>\"\nextern \"C\" const char *const __msl_kernel_names[] = {");
+        for (uint64_t i = 0; i < P->nhosts; i++) sb_printf(&out, "\"%s\", ", P->hosts[i]);
+        sb_puts(&out, "NULL};\n");
+    }
+    if (out.oom) {
+        free(out.p);
+        oom(P);
+        return NULL;
+    }
+    return out.p;
+}
+
+static void free_strs(char **a, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) free(a[i]);
+    free(a);
+}
+
+char *mcpu_preprocess(const char *source, const char *source_name, int32_t strict, fa_status *st) {
+    if (!source) {
+        fa_fail(st, FA_ERR_VALUE, "mcpu_preprocess: source is NULL");
+        return NULL;
+    }
+    pp P = {0};
+    P.src = source;
+    P.len = strlen(source);
+    P.strict = strict;
+    /* the file name before any line marker, escaped as a string literal's contents */
+    sbuf name = {0};
+    for (const char *c = source_name && *source_name ? source_name : "<source>"; *c; c++) {
+        if (*c == '"' || *c == '\\') sb_put(&name, "\\", 1);
+        sb_put(&name, c, 1);
+    }
+    push_str(&P, &P.files, &P.nfiles, &P.fcap, name.oom ? NULL : name.p);
+    if (P.nfiles != 1) oom(&P);
+    if (!P.failed) tokenize(&P);
+    if (!P.failed) walk_scope(&P, 0, 0);
+    if (!P.failed) clashes(&P);
+    char *out = P.failed ? NULL : render(&P);
+    if (P.failed) fa_fail(st, FA_ERR_COMPILE, "%s", P.err);
+    free(P.t);
+    for (uint64_t i = 0; i < P.ned; i++) free(P.ed[i].text);
+    free(P.ed);
+    for (uint64_t i = 0; i < P.ntm; i++) free(P.tm[i].name), free(P.tm[i].args);
+    free(P.tm);
+    free_strs(P.files, P.nfiles);
+    free_strs(P.ns, P.nns);
+    free_strs(P.fc, P.nfc);
+    free_strs(P.hosts, P.nhosts);
+    free(P.launchers.p);
+    return out;
+}

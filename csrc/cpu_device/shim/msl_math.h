@@ -1,0 +1,258 @@
+/* MSL's math library (metal::, metal::fast::, metal::precise::) for the CPU Metal device.
+ *
+ * Every function works on scalars and, lane by lane, on vectors. Arguments of different types meet
+ * in one type as in MSL's arithmetic (half and int give half, half and float give float, a scalar
+ * with a vector gives the vector), so max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) all
+ * resolve. half and bfloat are computed in float and rounded once. fast:: and precise:: are the
+ * same functions: the CPU does not reproduce the GPU's fast-math error.
+ * NaN follows the MSL specification: fmax, fmin, max, min return the other argument when exactly
+ * one is NaN (NaN when both are); clamp(x, lo, hi) is fmin(fmax(x, lo), hi). */
+#ifndef MSL_MATH_H
+#define MSL_MATH_H
+
+#include <cmath>
+#include <type_traits>
+
+#include "msl_types.h"
+
+/* MSL's constants */
+#define M_E_F 2.71828182845904523536f
+#define M_LOG2E_F 1.44269504088896340736f
+#define M_LOG10E_F 0.434294481903251827651f
+#define M_LN2_F 0.693147180559945309417f
+#define M_LN10_F 2.30258509299404568402f
+#define M_PI_F 3.14159265358979323846f
+#define M_PI_2_F 1.57079632679489661923f
+#define M_PI_4_F 0.785398163397448309616f
+#define M_1_PI_F 0.318309886183790671538f
+#define M_2_PI_F 0.636619772367581343076f
+#define M_2_SQRTPI_F 1.12837916709551257390f
+#define M_SQRT2_F 1.41421356237309504880f
+#define M_SQRT1_2_F 0.707106781186547524401f
+#define HALF_MAX 65504.0h
+#define HALF_MIN 6.103515625e-05h
+#define HALF_EPSILON 9.765625e-04h
+#define MAXHALF HALF_MAX
+
+#ifdef MSL_STRICT
+
+/* Type checking only: loose declarations returning the first argument's type. */
+namespace metal {
+#define MSL_DECLARE(name) template <class T, class... U> T name(T, U...);
+MSL_DECLARE(exp) MSL_DECLARE(exp2) MSL_DECLARE(exp10) MSL_DECLARE(log) MSL_DECLARE(log2) MSL_DECLARE(log10)
+MSL_DECLARE(pow) MSL_DECLARE(powr) MSL_DECLARE(sqrt) MSL_DECLARE(rsqrt) MSL_DECLARE(fma) MSL_DECLARE(mad)
+MSL_DECLARE(fmax) MSL_DECLARE(fmin) MSL_DECLARE(clamp) MSL_DECLARE(saturate)
+MSL_DECLARE(select) MSL_DECLARE(abs) MSL_DECLARE(fabs) MSL_DECLARE(sign) MSL_DECLARE(floor) MSL_DECLARE(ceil)
+MSL_DECLARE(round) MSL_DECLARE(rint) MSL_DECLARE(trunc) MSL_DECLARE(fract) MSL_DECLARE(fmod) MSL_DECLARE(sin)
+MSL_DECLARE(cos) MSL_DECLARE(tan) MSL_DECLARE(tanh) MSL_DECLARE(sinh) MSL_DECLARE(cosh) MSL_DECLARE(atan)
+MSL_DECLARE(atan2) MSL_DECLARE(asin) MSL_DECLARE(acos) MSL_DECLARE(copysign) MSL_DECLARE(mix) MSL_DECLARE(step)
+MSL_DECLARE(normalize) MSL_DECLARE(divide) MSL_DECLARE(popcount) MSL_DECLARE(clz) MSL_DECLARE(ctz)
+MSL_DECLARE(mulhi) MSL_DECLARE(max) MSL_DECLARE(min)
+#undef MSL_DECLARE
+/* defined, so that constant expressions such as max(BK, 8) work */
+template <class T> constexpr std::enable_if_t<std::is_arithmetic_v<T>, T> max(T a, T b) { return a < b ? b : a; }
+template <class T> constexpr std::enable_if_t<std::is_arithmetic_v<T>, T> min(T a, T b) { return b < a ? b : a; }
+template <class T> auto isnan(T x) -> decltype(x != x);
+template <class T> auto isinf(T x) -> decltype(x != x);
+template <class T> auto isfinite(T x) -> decltype(x != x);
+template <class T> auto signbit(T x) -> decltype(x != x);
+template <class T> auto dot(T a, T b) -> decltype(a.x);
+template <class T> auto length(T a) -> decltype(a.x);
+} // namespace metal
+
+#else /* !MSL_STRICT */
+
+namespace metal {
+namespace detail {
+
+/* The type arguments meet in (see arith in msl_types.h); undefined when they do not meet. */
+template <class A, class B, class = void> struct common : arith<A, B> {};
+template <class T, int N> struct common<vec<T, N>, vec<T, N>> { using type = vec<T, N>; };
+template <class T, int N, class S> struct common<vec<T, N>, S, std::enable_if_t<scalar_v<S>>> {
+    using type = vec<T, N>;
+};
+template <class S, class T, int N> struct common<S, vec<T, N>, std::enable_if_t<scalar_v<S>>> {
+    using type = vec<T, N>;
+};
+template <class A, class... B> struct common_of { using type = value_t<A>; };
+template <class A, class B, class... C>
+struct common_of<A, B, C...> : common_of<typename common<value_t<A>, value_t<B>>::type, C...> {};
+template <class... X> using common_t = typename common_of<X...>::type;
+/* the same, restricted to floating-point or integer elements */
+template <class... X>
+using floating_t = std::enable_if_t<is_floating_point_v<elem_t<common_t<X...>>>, common_t<X...>>;
+template <class... X> using int_t = std::enable_if_t<is_integral_v<elem_t<common_t<X...>>>, common_t<X...>>;
+template <class X> struct bools { using type = bool; };
+template <class T, int N> struct bools<vec<T, N>> { using type = vec<bool, N>; };
+template <class X> using bool_t = typename bools<X>::type;
+
+/* R from f applied lane by lane; each x is a scalar (used for every lane) or a vector of R's
+ * lanes. f's result is converted to R's element type: the one rounding of half and bfloat. */
+template <class T, int N> constexpr const T &lane(const vec<T, N> &v, int i) { return v[i]; }
+template <class S> constexpr const S &lane(const S &s, int) { return s; }
+template <class R, class F, class... X> constexpr R map(F f, const X &...x) {
+    if constexpr (info<R>::n == 1) {
+        return R(f(x...));
+    } else {
+        R r{};
+        for (int i = 0; i < info<R>::n; i++) r[i] = elem_t<R>(f(lane(x, i)...));
+        return r;
+    }
+}
+
+/* one lane of max and min (not named max and min: half's operators bring metal::detail into
+ * argument-dependent lookup) */
+template <class E> constexpr bool lane_isnan(E x) { return is_floating_point_v<E> && !(float(x) == float(x)); }
+template <class E> constexpr E lane_max(E x, E y) { return lane_isnan(x) ? y : lane_isnan(y) ? x : x < y ? y : x; }
+template <class E> constexpr E lane_min(E x, E y) { return lane_isnan(x) ? y : lane_isnan(y) ? x : y < x ? y : x; }
+
+template <class T, int N> constexpr float sum_of_products(const vec<T, N> &a, const vec<T, N> &b) {
+    float s = 0;
+    for (int i = 0; i < N; i++) s += float(a[i]) * float(b[i]);
+    return s;
+}
+
+/* an integer type holding the full product of two E */
+template <class E>
+using wide_t = std::conditional_t<sizeof(E) <= 4, std::conditional_t<std::is_signed_v<E>, int64_t, uint64_t>,
+                                  std::conditional_t<std::is_signed_v<E>, __int128, unsigned __int128>>;
+
+} // namespace detail
+
+/* The lambdas see one lane: x, y, z as float (F1, F2, TEST) or as the element type E. */
+#define MSL_F1(name, ...)                                                                                         \
+    template <class A, class R = detail::floating_t<A>> constexpr R name(const A &a) {                            \
+        return detail::map<R>([](auto e) { float x = e; return __VA_ARGS__; }, R(a));                             \
+    }
+#define MSL_F2(name, ...)                                                                                         \
+    template <class A, class B, class R = detail::floating_t<A, B>> constexpr R name(const A &a, const B &b) {    \
+        return detail::map<R>([](float x, float y) { return __VA_ARGS__; }, R(a), R(b));                          \
+    }
+#define MSL_F3(name, ...)                                                                                         \
+    template <class A, class B, class C, class R = detail::floating_t<A, B, C>>                                   \
+    constexpr R name(const A &a, const B &b, const C &c) {                                                        \
+        auto f = [](auto x, auto y, auto z) { using E [[maybe_unused]] = decltype(x); return __VA_ARGS__; };      \
+        return detail::map<R>(f, R(a), R(b), R(c));                                                               \
+    }
+#define MSL_TEST(name, ...)                                                                                       \
+    template <class A, class R = detail::floating_t<A>> constexpr detail::bool_t<R> name(const A &a) {            \
+        return detail::map<detail::bool_t<R>>([](float x) { return __VA_ARGS__; }, R(a));                         \
+    }
+#define MSL_ANY(name, T, ...)                                                                                     \
+    template <class A, class R = detail::T##_t<A>> constexpr R name(const A &a) {                                 \
+        return detail::map<R>([](auto x) { using E = decltype(x); return __VA_ARGS__; }, R(a));                   \
+    }
+#define MSL_ANY2(name, T, ...)                                                                                    \
+    template <class A, class B, class R = detail::T##_t<A, B>> constexpr R name(const A &a, const B &b) {         \
+        auto f = [](auto x, auto y) { using E [[maybe_unused]] = decltype(x); return __VA_ARGS__; };              \
+        return detail::map<R>(f, R(a), R(b));                                                                     \
+    }
+
+MSL_F1(exp, std::exp(x))
+MSL_F1(exp2, std::exp2(x))
+MSL_F1(exp10, std::pow(10.0f, x))
+MSL_F1(log, std::log(x))
+MSL_F1(log2, std::log2(x))
+MSL_F1(log10, std::log10(x))
+MSL_F1(sqrt, std::sqrt(x))
+MSL_F1(rsqrt, 1.0f / std::sqrt(x))
+MSL_F1(fabs, std::fabs(x))
+MSL_F1(floor, std::floor(x))
+MSL_F1(ceil, std::ceil(x))
+MSL_F1(round, std::round(x))
+MSL_F1(rint, std::nearbyint(x))
+MSL_F1(trunc, std::trunc(x))
+MSL_F1(sin, std::sin(x))
+MSL_F1(cos, std::cos(x))
+MSL_F1(tan, std::tan(x))
+MSL_F1(sinh, std::sinh(x))
+MSL_F1(cosh, std::cosh(x))
+MSL_F1(tanh, std::tanh(x))
+MSL_F1(asin, std::asin(x))
+MSL_F1(acos, std::acos(x))
+MSL_F1(atan, std::atan(x))
+/* 1.0 if x > 0, -1.0 if x < 0, x itself for +-0, 0 for NaN */
+MSL_F1(sign, x > 0 ? 1.0f : x < 0 ? -1.0f : x == x ? x : 0.0f)
+/* fmin(x - floor(x), the largest E below 1) */
+MSL_F1(fract, std::fmin(x - std::floor(x), 1.0f - float(numeric_limits<decltype(e)>::epsilon()) / 2))
+MSL_F1(saturate, detail::lane_min(detail::lane_max(x, 0.0f), 1.0f))
+
+MSL_F2(pow, std::pow(x, y))
+MSL_F2(powr, std::pow(x, y))
+MSL_F2(fmod, std::fmod(x, y))
+MSL_F2(atan2, std::atan2(x, y))
+MSL_F2(copysign, std::copysign(x, y))
+MSL_F2(fmax, detail::lane_max(x, y))
+MSL_F2(fmin, detail::lane_min(x, y))
+MSL_F2(step, y < x ? 0.0f : 1.0f) /* step(edge, x) */
+MSL_F2(divide, x / y)
+
+/* half: the product is exact in double and so is its sum with z (within half's range), rounded
+ * once; a float sum would round twice. float and bfloat: in float. */
+MSL_F3(fma, std::is_same_v<E, half> ? E(std::fma(double(x), double(y), double(z)))
+                                    : E(std::fma(float(x), float(y), float(z))))
+MSL_F3(mad, fma(x, y, z))
+MSL_F3(mix, float(x) + (float(y) - float(x)) * float(z))
+
+MSL_TEST(isnan, std::isnan(x))
+MSL_TEST(isinf, std::isinf(x))
+MSL_TEST(isfinite, std::isfinite(x))
+MSL_TEST(signbit, std::signbit(x))
+
+MSL_ANY(abs, common, is_floating_point_v<E> ? E(std::fabs(float(x))) : x < 0 ? E(-x) : x)
+MSL_ANY2(max, common, detail::lane_max(x, y))
+MSL_ANY2(min, common, detail::lane_min(x, y))
+template <class A, class B, class C, class R = detail::common_t<A, B, C>>
+constexpr R clamp(const A &x, const B &lo, const C &hi) {
+    auto f = [](auto v, auto l, auto h) { return detail::lane_min(detail::lane_max(v, l), h); };
+    return detail::map<R>(f, R(x), R(lo), R(hi));
+}
+
+/* select(a, b, c): c ? b : a, with c a bool or a bool vector of the operands' lanes */
+template <class A, class B, class C, class R = detail::common_t<A, B>,
+          std::enable_if_t<std::is_same_v<detail::elem_t<C>, bool>, int> = 0>
+constexpr R select(const A &a, const B &b, const C &c) {
+    return detail::map<R>([](auto x, auto y, bool s) { return s ? y : x; }, R(a), R(b), detail::value_t<C>(c));
+}
+
+MSL_ANY(popcount, int, E(__builtin_popcountll(std::make_unsigned_t<E>(x))))
+/* clz(0) and ctz(0) are the bit width */
+MSL_ANY(clz, int, E(x ? __builtin_clzll(std::make_unsigned_t<E>(x)) - (64 - 8 * int(sizeof(E))) : 8 * int(sizeof(E))))
+MSL_ANY(ctz, int, E(x ? __builtin_ctzll(std::make_unsigned_t<E>(x)) : 8 * int(sizeof(E))))
+/* the high half of the full product */
+MSL_ANY2(mulhi, int, E((detail::wide_t<E>(x) * y) >> (8 * sizeof(E))))
+
+#undef MSL_F1
+#undef MSL_F2
+#undef MSL_F3
+#undef MSL_TEST
+#undef MSL_ANY
+#undef MSL_ANY2
+
+/* Geometric functions of float, half or bfloat vectors, summed in float. */
+template <class A, class B, class V = detail::floating_t<A, B>>
+constexpr detail::elem_t<V> dot(const A &a, const B &b) {
+    return detail::elem_t<V>(detail::sum_of_products(V(a), V(b)));
+}
+template <class A, class V = detail::floating_t<A>> constexpr detail::elem_t<V> length(const A &a) {
+    return detail::elem_t<V>(std::sqrt(detail::sum_of_products(V(a), V(a))));
+}
+template <class A, class V = detail::floating_t<A>> constexpr V normalize(const A &a) {
+    float s = 1.0f / std::sqrt(detail::sum_of_products(V(a), V(a)));
+    return detail::map<V>([s](float x) { return x * s; }, V(a));
+}
+
+} // namespace metal
+
+#endif /* MSL_STRICT */
+
+namespace metal {
+namespace fast {
+using namespace metal;
+}
+namespace precise {
+using namespace metal;
+}
+} // namespace metal
+
+#endif

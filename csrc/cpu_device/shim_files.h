@@ -1,0 +1,16 @@
+/* The files of csrc/cpu_device/shim/ as text, embedded at build time by
+ * tools/embed_shim.py, which writes the same struct definition into the generated C file. */
+#ifndef MCPU_SHIM_FILES_H
+#define MCPU_SHIM_FILES_H
+
+#include <stdint.h>
+
+typedef struct mcpu_shim_file {
+    const char *name; /* file name, e.g. "msl_shim.h" */
+    const char *text; /* its exact contents */
+} mcpu_shim_file;
+
+extern const mcpu_shim_file mcpu_shim_files[];
+extern const uint32_t mcpu_shim_file_count;
+
+#endif

@@ -1,0 +1,355 @@
+// The Metal backend: compiles the registered MSL sources into cached pipelines and encodes
+// dispatches on the MTLBuffers behind PyTorch MPS tensors. macOS only, compiled with -fobjc-arc.
+// Written against Apple's documentation without hardware access: see README.md for what is unproven.
+#import <Foundation/Foundation.h>
+#import <Metal/Metal.h>
+
+#include <dlfcn.h>
+#include <mach-o/dyld.h>
+#include <malloc/malloc.h>
+#include <os/lock.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <string.h>
+
+#include "../fa_backend.h"
+#include "metal_backend.h"
+
+static id<MTLDevice> g_device;
+static id<MTLCommandQueue> g_queue; // fallback stream mode only
+// Caches live for the process; keys are serialized strings (see library_key, get_pipeline).
+static NSMutableDictionary<NSString *, id<MTLLibrary>> *g_libraries;
+static NSMutableDictionary<NSString *, id<MTLComputePipelineState>> *g_pipelines;
+static os_unfair_lock g_lock = OS_UNFAIR_LOCK_INIT; // guards the caches and the torch symbols
+
+// torch::mps::get_command_buffer() / get_dispatch_queue() from torch/mps.h. Their return types
+// (MTLCommandBuffer_t, DispatchQueue_t) are void* in the C++ build of libtorch and are not part
+// of the mangled name; they return borrowed (+0) references, hence __bridge below.
+typedef void *(*torch_getter)(void);
+static torch_getter g_get_command_buffer, g_get_dispatch_queue;
+static atomic_int g_want_torch_stream = 1;
+
+static const char *describe(NSError *e) { return e ? e.localizedDescription.UTF8String : "(no error)"; }
+
+// Looks a symbol up in every loaded image, then in libtorch_cpu by path in case Python loaded
+// torch's libraries RTLD_LOCAL (a local image is only visible through its own handle).
+static void *find_torch_symbol(const char *name) {
+    void *p = dlsym(RTLD_DEFAULT, name);
+    for (uint32_t i = 0; !p && i < _dyld_image_count(); ++i) {
+        const char *path = _dyld_get_image_name(i);
+        const char *base = path ? strrchr(path, '/') : NULL;
+        if (base && strcmp(base, "/libtorch_cpu.dylib") == 0) {
+            void *h = dlopen(path, RTLD_LAZY | RTLD_NOLOAD); // already loaded: no side effects
+            if (h) {
+                p = dlsym(h, name);
+                dlclose(h); // torch keeps the image loaded, so p stays valid
+            }
+        }
+    }
+    return p;
+}
+
+// Resolved once at start-up and again by fa_metal_set_stream_mode (torch may be imported later);
+// never per dispatch, since a miss scans every loaded image.
+static void resolve_torch(void) {
+    os_unfair_lock_lock(&g_lock);
+    if (!g_get_command_buffer || !g_get_dispatch_queue) {
+        g_get_command_buffer = (torch_getter)find_torch_symbol("_ZN5torch3mps18get_command_bufferEv");
+        g_get_dispatch_queue = (torch_getter)find_torch_symbol("_ZN5torch3mps18get_dispatch_queueEv");
+    }
+    os_unfair_lock_unlock(&g_lock);
+}
+
+static int32_t metal_init(fa_status *st) {
+    static dispatch_once_t once;
+    dispatch_once(&once, ^{
+        g_device = MTLCreateSystemDefaultDevice();
+        g_queue = [g_device newCommandQueue]; // nil when g_device is nil
+        g_libraries = [NSMutableDictionary new];
+        g_pipelines = [NSMutableDictionary new];
+        resolve_torch();
+    });
+    if (!g_device || !g_queue) {
+        return fa_fail(st, FA_ERR_UNSUPPORTED, "Metal backend: no Metal device on this machine");
+    }
+    return FA_OK;
+}
+
+static bool use_torch_stream(void) {
+    return atomic_load(&g_want_torch_stream) && g_get_command_buffer && g_get_dispatch_queue;
+}
+
+int32_t fa_metal_set_stream_mode(int32_t use) {
+    atomic_store(&g_want_torch_stream, use ? 1 : 0);
+    resolve_torch();
+    return use_torch_stream() ? 1 : 0;
+}
+
+// Messaging a pointer that is not an object (e.g. buffer contents, if torch's MPS data_ptr ever
+// changes to that) would crash, and no check is safe for every pointer. Ours: malloc_size() is
+// 0 for any pointer that does not start a malloc block (it only consults the zones' bookkeeping,
+// never the pointer's memory), and Objective-C objects such as Metal buffers are malloc blocks;
+// only then is the pointer messaged. A malloc block that is not an object would still crash, so
+// the Python layer additionally checks torch's version/behaviour before handing handles over.
+int32_t fa_metal_check_buffer(void *handle, int64_t needed_bytes, fa_status *st) {
+    if (!handle || malloc_size(handle) == 0) {
+        return fa_fail(st, FA_ERR_TYPE,
+                       "MPS storage handle %p is not an id<MTLBuffer> (torch's MPS data_ptr "
+                       "layout may have changed; this build expects the buffer object)", handle);
+    }
+    @autoreleasepool {
+        id obj = (__bridge id)handle;
+        if (![obj conformsToProtocol:@protocol(MTLBuffer)]) {
+            return fa_fail(st, FA_ERR_TYPE, "MPS storage handle %p is a %s, not an id<MTLBuffer>",
+                           handle, NSStringFromClass([obj class]).UTF8String);
+        }
+        NSUInteger length = ((id<MTLBuffer>)obj).length;
+        if (needed_bytes < 0 || (uint64_t)needed_bytes > length) {
+            return fa_fail(st, FA_ERR_TYPE, "MTLBuffer %p has %llu bytes, %lld are addressed",
+                           handle, (unsigned long long)length, (long long)needed_bytes);
+        }
+    }
+    return FA_OK;
+}
+
+// fa_macro fields are fixed arrays that may fill up without a terminating NUL.
+static NSString *fixed_string(const char *p, size_t max) {
+    return [[NSString alloc] initWithBytes:p length:strnlen(p, max) encoding:NSUTF8StringEncoding];
+}
+
+static uint64_t fnv1a(const char *s) {
+    uint64_t h = 1469598103934665603ull;
+    for (; *s; ++s) h = (h ^ (unsigned char)*s) * 1099511628211ull;
+    return h;
+}
+
+// (source name, hash of its text, macros): re-registering a source under the same name with new
+// text makes a new key. \x1f separates fields; names never contain it.
+static NSString *library_key(const fa_pipeline_key *key, const char *text) {
+    NSMutableString *s = [NSMutableString stringWithFormat:@"%s#%016llx", key->source_name,
+                                                           (unsigned long long)fnv1a(text)];
+    for (uint32_t i = 0; i < key->n_macros; ++i) {
+        NSString *name = fixed_string(key->macros[i].name, sizeof key->macros[i].name);
+        NSString *value = fixed_string(key->macros[i].value, sizeof key->macros[i].value);
+        if (!name || !value) return nil;
+        [s appendFormat:@"\x1f%@=%@", name, value];
+    }
+    return s;
+}
+
+static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
+    MTLCompileOptions *opts = [MTLCompileOptions new];
+    NSMutableDictionary<NSString *, NSObject *> *macros = [NSMutableDictionary new];
+    for (uint32_t i = 0; i < key->n_macros; ++i) {
+        NSString *value = fixed_string(key->macros[i].value, sizeof key->macros[i].value);
+        // An empty value means "defined", as on the CPU device (which defines it as 1).
+        macros[fixed_string(key->macros[i].name, sizeof key->macros[i].name)] = value.length ? value : @"1";
+    }
+    opts.preprocessorMacros = macros;
+    // bfloat needs MSL 3.1 (macOS 14); kernels guard it with __HAVE_BFLOAT__.
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 140000
+    if (@available(macOS 14.0, *)) {
+        opts.languageVersion = MTLLanguageVersion3_1;
+    } else
+#endif
+    if (@available(macOS 13.0, *)) {
+        opts.languageVersion = MTLLanguageVersion3_0;
+    }
+    // No fast math: masked scores are -inf (exp2(-inf) == 0), fully masked rows and NaN inputs
+    // must propagate as SDPA does, and fast math lets the compiler assume no inf/NaN exist.
+    // macOS 15 replaced fastMathEnabled with mathMode; fastMathEnabled = NO is documented as
+    // mathMode safe + precise FP32 functions, so set the same pair.
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+    if (@available(macOS 15.0, *)) {
+        opts.mathMode = MTLMathModeSafe;
+        opts.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+    } else
+#endif
+    {
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+        opts.fastMathEnabled = NO;
+#pragma clang diagnostic pop
+    }
+    return opts;
+}
+
+// Called with g_lock held: one compile at a time, and never the same pipeline twice.
+static id<MTLComputePipelineState> build_pipeline(const fa_pipeline_key *key, const char *text,
+                                                  NSString *lib_key, NSString *pipe_key, fa_status *st) {
+    NSError *err = nil;
+    id<MTLLibrary> lib = g_libraries[lib_key];
+    if (!lib) {
+        NSString *src = [NSString stringWithUTF8String:text];
+        lib = src ? [g_device newLibraryWithSource:src options:compile_options(key) error:&err] : nil;
+        if (!lib) { // a library with only warnings is not nil and is fine
+            fa_fail(st, FA_ERR_COMPILE, "Metal compile of %s failed: %s", key->source_name,
+                    src ? describe(err) : "source is not UTF-8");
+            return nil;
+        }
+        g_libraries[lib_key] = lib;
+    }
+    MTLFunctionConstantValues *values = [MTLFunctionConstantValues new];
+    for (uint32_t i = 0; i < key->n_constants; ++i) {
+        const fa_constant *c = &key->constants[i];
+        bool b = c->i != 0;
+        int32_t n = (int32_t)c->i;
+        float f = (float)c->f;
+        switch (c->kind) {
+        case FA_CONST_BOOL: [values setConstantValue:&b type:MTLDataTypeBool atIndex:c->index]; break;
+        case FA_CONST_INT: [values setConstantValue:&n type:MTLDataTypeInt atIndex:c->index]; break;
+        case FA_CONST_FLOAT: [values setConstantValue:&f type:MTLDataTypeFloat atIndex:c->index]; break;
+        default:
+            fa_fail(st, FA_ERR_VALUE, "function constant %u has unknown kind %d", c->index, c->kind);
+            return nil;
+        }
+    }
+    NSString *name = [NSString stringWithUTF8String:key->function];
+    id<MTLFunction> fn = name ? [lib newFunctionWithName:name constantValues:values error:&err] : nil;
+    if (!fn) {
+        fa_fail(st, FA_ERR_COMPILE, "Metal function %s of %s: %s", key->function, key->source_name,
+                [lib.functionNames containsObject:name] ? describe(err) : "no such function");
+        return nil;
+    }
+    id<MTLComputePipelineState> pso = [g_device newComputePipelineStateWithFunction:fn error:&err];
+    if (!pso) {
+        fa_fail(st, FA_ERR_COMPILE, "Metal pipeline %s of %s: %s", key->function, key->source_name,
+                describe(err));
+        return nil;
+    }
+    g_pipelines[pipe_key] = pso;
+    return pso;
+}
+
+static fa_pipeline *metal_get_pipeline(const fa_pipeline_key *key, fa_status *st) {
+    if (metal_init(st) != FA_OK) return NULL;
+    if (!key || !key->source_name || !key->function || key->n_macros > FA_MAX_MACROS ||
+        key->n_constants > FA_MAX_CONSTANTS || (key->n_macros && !key->macros) ||
+        (key->n_constants && !key->constants)) {
+        fa_fail(st, FA_ERR_VALUE, "Metal backend: malformed pipeline key");
+        return NULL;
+    }
+    const char *text = fa_lookup_source(key->source_name);
+    if (!text) {
+        fa_fail(st, FA_ERR_COMPILE, "no kernel source registered as %s", key->source_name);
+        return NULL;
+    }
+    @autoreleasepool {
+        NSString *lib_key = library_key(key, text);
+        if (!lib_key) {
+            fa_fail(st, FA_ERR_VALUE, "a macro of %s is not UTF-8", key->source_name);
+            return NULL;
+        }
+        NSMutableString *pipe_key = [NSMutableString stringWithFormat:@"%@\x1e%s", lib_key, key->function];
+        for (uint32_t i = 0; i < key->n_constants; ++i) { // %a: floats round-trip exactly
+            const fa_constant *c = &key->constants[i];
+            [pipe_key appendFormat:@"\x1f%u:%d:%lld:%a", c->index, c->kind, (long long)c->i, c->f];
+        }
+        os_unfair_lock_lock(&g_lock);
+        id<MTLComputePipelineState> pso = g_pipelines[pipe_key];
+        if (!pso) pso = build_pipeline(key, text, lib_key, pipe_key, st);
+        os_unfair_lock_unlock(&g_lock);
+        // Borrowed pointer: g_pipelines keeps the object alive for the life of the process.
+        return pso ? (fa_pipeline *)(__bridge void *)pso : NULL;
+    }
+}
+
+static NSUInteger round16(uint64_t n) { return (NSUInteger)((n + 15) & ~(uint64_t)15); }
+
+static void encode(id<MTLComputeCommandEncoder> enc, id<MTLComputePipelineState> pso, const fa_dispatch *d) {
+    [enc setComputePipelineState:pso];
+    for (uint32_t i = 0; i < d->n_bindings; ++i) {
+        const fa_binding *b = &d->bindings[i];
+        if (b->bytes) {
+            [enc setBytes:b->bytes length:(NSUInteger)b->length atIndex:i];
+        } else {
+            [enc setBuffer:(__bridge id<MTLBuffer>)b->storage offset:(NSUInteger)b->byte_offset atIndex:i];
+        }
+    }
+    for (uint32_t i = 0; i < d->n_threadgroup_args; ++i) {
+        [enc setThreadgroupMemoryLength:round16(d->threadgroup_bytes[i]) atIndex:i];
+    }
+    [enc dispatchThreadgroups:MTLSizeMake(d->grid[0], d->grid[1], d->grid[2])
+        threadsPerThreadgroup:MTLSizeMake(d->threadgroup[0], d->threadgroup[1], d->threadgroup[2])];
+    [enc endEncoding];
+}
+
+// Geometry and bindings are checked before encoding, so a bad one never leaves a half-encoded
+// command in torch's command buffer.
+static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch *d, fa_status *st) {
+    uint64_t threads = (uint64_t)d->threadgroup[0] * d->threadgroup[1] * d->threadgroup[2];
+    if (threads == 0 || threads > pso.maxTotalThreadsPerThreadgroup) {
+        return fa_fail(st, FA_ERR_VALUE, "threadgroup of %llu threads; this pipeline allows 1 to %lu",
+                       (unsigned long long)threads, (unsigned long)pso.maxTotalThreadsPerThreadgroup);
+    }
+    uint64_t tg_bytes = pso.staticThreadgroupMemoryLength; // kernel-scope threadgroup arrays
+    for (uint32_t i = 0; i < d->n_threadgroup_args; ++i) tg_bytes += round16(d->threadgroup_bytes[i]);
+    if (tg_bytes > g_device.maxThreadgroupMemoryLength) {
+        return fa_fail(st, FA_ERR_VALUE, "%llu bytes of threadgroup memory; the device allows %lu",
+                       (unsigned long long)tg_bytes, (unsigned long)g_device.maxThreadgroupMemoryLength);
+    }
+    for (uint32_t i = 0; i < d->n_bindings; ++i) {
+        const fa_binding *b = &d->bindings[i];
+        if (b->bytes ? b->length <= 0 : b->byte_offset < 0) {
+            return fa_fail(st, FA_ERR_VALUE, "binding %u: bad length or offset", i);
+        }
+        if (b->bytes || !b->storage) continue; // a NULL storage binds nil (an unused argument)
+        // For a storage binding, length (if > 0) counts the bytes addressed from byte_offset.
+        int64_t end = b->byte_offset + (b->length > 0 ? b->length : 0);
+        if (fa_metal_check_buffer(b->storage, end, st) != FA_OK) return st->code;
+        if (((__bridge id<MTLBuffer>)b->storage).device.registryID != g_device.registryID) {
+            return fa_fail(st, FA_ERR_TYPE, "binding %u: buffer is on another Metal device", i);
+        }
+    }
+    return FA_OK;
+}
+
+static int32_t metal_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st) {
+    if (metal_init(st) != FA_OK) return st->code;
+    if (!pipeline || !d || d->n_bindings > FA_MAX_BINDINGS || d->n_threadgroup_args > FA_MAX_TG_ARGS) {
+        return fa_fail(st, FA_ERR_VALUE, "Metal backend: malformed dispatch");
+    }
+    @autoreleasepool {
+        id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
+        if (check_dispatch(pso, d, st) != FA_OK) return st->code;
+        if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return FA_OK; // nothing to run
+
+        if (use_torch_stream()) {
+            // PyTorch's pattern (test/cpp_extensions/mps_extension.mm): take the stream's command
+            // buffer while holding its serial queue, encode, end; torch commits it with its work.
+            dispatch_queue_t queue = (__bridge dispatch_queue_t)g_get_dispatch_queue();
+            if (!queue) return fa_fail(st, FA_ERR_RUNTIME, "torch returned no MPS dispatch queue");
+            __block int32_t rc = FA_OK;
+            dispatch_sync(queue, ^{
+                @autoreleasepool {
+                    id<MTLCommandBuffer> cb = (__bridge id<MTLCommandBuffer>)g_get_command_buffer();
+                    id<MTLComputeCommandEncoder> enc =
+                        cb.device.registryID == g_device.registryID ? [cb computeCommandEncoder] : nil;
+                    if (!enc) {
+                        rc = fa_fail(st, FA_ERR_RUNTIME, "no compute encoder on torch's MPS command buffer");
+                        return;
+                    }
+                    encode(enc, pso, d);
+                }
+            });
+            return rc;
+        }
+        // Fallback (torch < 2.9): own queue; the caller ran torch.mps.synchronize() before.
+        id<MTLCommandBuffer> cb = [g_queue commandBuffer];
+        id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoder];
+        if (!enc) return fa_fail(st, FA_ERR_RUNTIME, "could not create a Metal compute encoder");
+        encode(enc, pso, d);
+        [cb commit];
+        [cb waitUntilCompleted];
+        if (cb.status != MTLCommandBufferStatusCompleted) {
+            return fa_fail(st, FA_ERR_RUNTIME, "Metal command buffer failed: %s", describe(cb.error));
+        }
+        return FA_OK;
+    }
+}
+
+static const fa_backend k_metal_backend = {"metal", metal_get_pipeline, metal_dispatch};
+
+const fa_backend *fa_metal_backend(fa_status *st) {
+    return metal_init(st) == FA_OK ? &k_metal_backend : NULL;
+}
