@@ -46,9 +46,10 @@ static char *g_cxx, *g_cxx_id; /* the compiler last asked for and its --version 
 
 static const char *const PRE_FLAGS[] = {
     "-E", "-x", "c++", "-std=gnu++17", "-nostdinc", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1"};
-/* Kernels view buffers through other types (half* as half4*): no type-based alias analysis. */
+/* Kernels view buffers through other types (half* as half4*): no type-based alias analysis.
+ * MSL's char is signed, which aarch64 Linux's is not by default. */
 static const char *const CC_FLAGS[] = {"-x",    "c++",    "-std=gnu++17", "-O2", "-fno-strict-aliasing",
-                                       "-fPIC", "-shared"};
+                                       "-fsigned-char", "-fPIC", "-shared"};
 static const char *const STUBS[] = {"metal_stdlib", "metal_simdgroup", "metal_simdgroup_matrix",
                                     "metal_atomic", "metal_math",      "metal_compute",
                                     "metal_integer"};
