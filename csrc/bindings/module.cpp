@@ -74,8 +74,8 @@ fa_tensor to_tensor(const py::handle &obj, const char *name) {
     return t;
 }
 
-fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                             py::handle lse, double scale, bool causal, int32_t kernel) {
+void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+             double scale, bool causal, int32_t kernel) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -87,13 +87,6 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.scale = scale;
     args.causal = causal;
     args.kernel = kernel;
-    return args;
-}
-
-void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-             double scale, bool causal, int32_t kernel, py::handle workspace) {
-    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel);
-    args.workspace = to_tensor(workspace, "workspace");
     fa_status st;
     int32_t rc;
     {
@@ -101,42 +94,6 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
         rc = fa_forward(&args, &st);
     }
     check(rc, st);
-}
-
-int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                                py::handle lse, double scale, bool causal, int32_t kernel) {
-    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel);
-    fa_status st;
-    const int64_t bytes = fa_forward_workspace_bytes(&args, &st);
-    if (bytes < 0) {
-        raise_status(st);
-    }
-    return bytes;
-}
-
-// The planner's decision, for tests and curiosity: kernels with their grids, the split count and
-// the workspace size.
-py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-                      double scale, bool causal, int32_t kernel) {
-    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel);
-    fa_plan plan;
-    fa_status st;
-    check(fa_plan_forward(&args, &plan, &st), st);
-    py::list dispatches;
-    for (uint32_t i = 0; i < plan.n_dispatches; ++i) {
-        const fa_plan_dispatch &d = plan.dispatches[i];
-        py::dict macros;
-        for (uint32_t m = 0; m < d.n_macros; ++m) {
-            macros[d.macros[m].name] = d.macros[m].value;
-        }
-        dispatches.append(py::dict(py::arg("function") = d.function, py::arg("macros") = macros,
-                                   py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
-                                   py::arg("threadgroup") =
-                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
-    }
-    return py::dict(py::arg("dispatches") = dispatches, py::arg("empty") = plan.empty != 0,
-                    py::arg("split_count") = plan.params.split_count,
-                    py::arg("workspace_bytes") = plan.workspace_bytes);
 }
 
 void register_source(const std::string &name, const std::string &text) {
@@ -281,7 +238,6 @@ PYBIND11_MODULE(_C, m) {
     m.attr("KERNEL_AUTO") = static_cast<int>(FA_KERNEL_AUTO);
     m.attr("KERNEL_SIMPLE") = static_cast<int>(FA_KERNEL_SIMPLE);
     m.attr("KERNEL_FORWARD") = static_cast<int>(FA_KERNEL_FORWARD);
-    m.attr("KERNEL_DECODE") = static_cast<int>(FA_KERNEL_DECODE);
     m.attr("CONSTANT_BOOL") = static_cast<int>(MSL_CONSTANT_BOOL);
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
@@ -294,14 +250,7 @@ PYBIND11_MODULE(_C, m) {
 
     m.def("forward", &forward, "Validate, plan and run attention (descriptors as tuples)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-          py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none());
-    m.def("forward_workspace_bytes", &forward_workspace_bytes,
-          "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
-          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
           py::arg("causal"), py::arg("kernel"));
-    m.def("plan_forward", &plan_forward, "The plan forward would run: dispatches, split count, workspace bytes",
-          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-          py::arg("scale"), py::arg("causal"), py::arg("kernel"));
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
