@@ -14,6 +14,7 @@ test: $(VENV)/.built
 	$(PY) -m pytest -q tests
 
 bench: $(VENV)/.built
+	$(PY) -m pip install -q matplotlib
 	$(PY) benchmarks/bench_attention.py
 	$(PY) benchmarks/bench_cpu_device.py
 
