@@ -16,6 +16,8 @@ C_SOURCES = [
     "csrc/fa_core.c",
     "csrc/fa_plan.c",
     "csrc/fa_forward.c",
+    "csrc/fa_backward_plan.c",
+    "csrc/fa_backward.c",
     "csrc/cpu_backend.c",
     "csrc/cpu_device/compile.c",
     "csrc/cpu_device/prepass.c",

@@ -3,9 +3,13 @@
     python benchmarks/bench_attention.py [--quick] [--out benchmarks/results]
 
 On a Mac with MPS it sweeps L = 512..32768, D = 64 and 128, causal and not, fp16/bf16/fp32, and
-reports ms, TFLOPS and peak memory per implementation. Elsewhere it runs the CPU Metal device on
-small shapes: those timings are NOT GPU timings; they show the benchmark works and how the kernels
-compare on the CPU device. Writes a CSV and, when matplotlib is installed, a plot.
+reports ms, TFLOPS and peak memory per implementation; then decode (L = 1 against a KV cache of
+S = 512..32768, 32 query heads on 4 kv heads, GQA 8), reporting ms and the bandwidth of reading K
+and V once (the decode kernel's goal: >= 80 % of the chip's bandwidth); then forward+backward steps
+(gradients of q, k and v) against SDPA's autograd and MLX's value_and_grad of its fused SDPA (goal:
+>= 60 % of the chip's FP16 peak at L >= 4096). Elsewhere it runs the CPU Metal device on small
+shapes: those timings are NOT GPU timings; they show the benchmark works and how the kernels
+compare on the CPU device. Writes CSVs and, when matplotlib is installed, a plot.
 """
 from __future__ import annotations
 
@@ -59,6 +63,91 @@ def implementations(device):
         "simple_kernel": lambda q, k, v, c: lambda: flash_attention(q, k, v, causal=c, kernel="simple"),
         "torch_sdpa": lambda q, k, v, c: lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c),
     }
+    mlx_sdpa = mlx_implementation(device)
+    if mlx_sdpa is not None:
+        impls["mlx_fused_sdpa"] = mlx_sdpa
+    return impls
+
+
+def mlx_implementation(device):
+    """MLX's fused SDPA as make(q, k, v, causal) (GQA included), or None without MPS or MLX."""
+    if device.type != "mps":
+        return None
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return None
+    mlx_dtypes = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}
+
+    def mlx_sdpa(q, k, v, c):
+        a = [mx.array(t.cpu().float().numpy()).astype(mlx_dtypes[t.dtype]) for t in (q, k, v)]
+        mx.eval(*a)
+        scale = q.shape[-1] ** -0.5
+        return lambda: mx.eval(mx.fast.scaled_dot_product_attention(*a, scale=scale, mask="causal" if c else None))
+
+    return mlx_sdpa
+
+
+def decode_implementations(device):
+    """name -> make(q, k, v) for one decode step (L = 1, GQA, no mask)."""
+    impls = {
+        "flash_attention": lambda q, k, v: lambda: flash_attention(q, k, v, kernel="decode"),
+        "torch_sdpa": lambda q, k, v: lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+    }
+    mlx_sdpa = mlx_implementation(device)
+    if mlx_sdpa is not None:
+        impls["mlx_fused_sdpa"] = lambda q, k, v: mlx_sdpa(q, k, v, False)
+    return impls
+
+
+def decode_sweep(quick: bool, device):
+    """(batch, q heads, kv heads, kv length, head dim, dtype) of L = 1 decode steps, GQA 8."""
+    if device.type == "mps":
+        lengths = [1024, 4096, 16384] if quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
+        return [(1, 32, 4, s, d, "float16") for s in lengths for d in (64, 128)]
+    lengths = [512, 4096] if quick else [512, 4096, 16384]
+    return [(1, 8, 1, s, 64, "float16") for s in lengths]
+
+
+def run_decode(quick: bool, device, where: str, repeats: int):
+    rows = []
+    print("\ndecode, L = 1: K and V read once at the bandwidth shown")
+    print(f"{'impl':>16} {'B':>2} {'Hq':>3} {'Hkv':>3} {'S':>6} {'D':>4} {'dtype':>9} {'ms':>10} {'GB/s':>8}")
+    for b, hq, hkv, s, d, dtype_name in decode_sweep(quick, device):
+        gen = torch.Generator().manual_seed(0)
+        dtype = DTYPES[dtype_name]
+        q = torch.randn(b, hq, 1, d, generator=gen).to(device, dtype)
+        k, v = (torch.randn(b, hkv, s, d, generator=gen).to(device, dtype) for _ in range(2))
+        kv_bytes = k.nbytes + v.nbytes
+        for name, make in decode_implementations(device).items():
+            seconds = timed(make(q, k, v), device, repeats)
+            row = dict(device=where, impl=name, batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, head_dim=d,
+                       dtype=dtype_name, ms=seconds * 1e3, kv_gb_per_s=kv_bytes / seconds / 1e9)
+            rows.append(row)
+            print(f"{name:>16} {b:>2} {hq:>3} {hkv:>3} {s:>6} {d:>4} {dtype_name:>9} {row['ms']:>10.3f} "
+                  f"{row['kv_gb_per_s']:>8.2f}")
+    return rows
+
+
+def training_implementations(device):
+    """name -> make(q, k, v, dout, causal) returning one forward+backward step (gradients of q, k, v)."""
+    def torch_step(attention):
+        def make(q, k, v, dout, c):
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+            def step():
+                for t in leaves:
+                    t.grad = None
+                attention(*leaves, c).backward(dout)
+
+            return step
+
+        return make
+
+    impls = {
+        "flash_attention": torch_step(lambda q, k, v, c: flash_attention(q, k, v, causal=c)),
+        "torch_sdpa": torch_step(lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)),
+    }
     if device.type == "mps":
         try:
             import mlx.core as mx
@@ -66,14 +155,57 @@ def implementations(device):
             return impls
         mlx_dtypes = {torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.float32: mx.float32}
 
-        def mlx_sdpa(q, k, v, c):
-            a = [mx.array(t.cpu().float().numpy()).astype(mlx_dtypes[t.dtype]) for t in (q, k, v)]
+        def mlx_value_and_grad(q, k, v, dout, c):
+            a = [mx.array(t.cpu().float().numpy()).astype(mlx_dtypes[t.dtype]) for t in (q, k, v, dout)]
             mx.eval(*a)
             scale = q.shape[-1] ** -0.5
-            return lambda: mx.eval(mx.fast.scaled_dot_product_attention(*a, scale=scale, mask="causal" if c else None))
 
-        impls["mlx_fused_sdpa"] = mlx_sdpa
+            def loss(q, k, v):
+                out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if c else None)
+                return (out * a[3]).sum()
+
+            step = mx.value_and_grad(loss, argnums=(0, 1, 2))
+            return lambda: mx.eval(step(*a[:3]))
+
+        impls["mlx_value_and_grad"] = mlx_value_and_grad
     return impls
+
+
+def training_sweep(quick: bool, device):
+    """(batch, heads, length, head dim, causal, dtype) of forward+backward steps."""
+    if device.type == "mps":
+        lengths = [1024, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+        return [(1, 16, n, d, c, "float16") for n in lengths for d in (64, 128) for c in (False, True)]
+    lengths = [128] if quick else [128, 256]
+    return [(1, 4, n, 64, c, "float16") for n in lengths for c in (False, True)]
+
+
+def run_training(quick: bool, device, where: str, repeats: int):
+    rows = []
+    print("\nforward+backward: TFLOPS counted as 3.5x the forward's FLOPs (FlashAttention-2's convention)")
+    print(f"{'impl':>18} {'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'dtype':>9} {'ms':>10} {'TFLOPS':>8} {'peak MiB':>9}")
+    for b, h, n, d, causal, dtype_name in training_sweep(quick, device):
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(b, h, n, d, generator=gen).to(device, DTYPES[dtype_name]) for _ in range(4))
+        flops = 3.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+        for name, make in training_implementations(device).items():
+            step = make(q, k, v, dout, causal)
+            seconds = timed(step, device, repeats)
+            row = dict(device=where, impl=name, batch=b, heads=h, seq=n, head_dim=d, causal=causal,
+                       dtype=dtype_name, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                       peak_mib=peak_memory(step, device) / 2**20)
+            rows.append(row)
+            print(f"{name:>18} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
+                  f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}")
+    return rows
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
 
 
 def sweep(quick: bool, device):
@@ -109,14 +241,13 @@ def main(argv=None):
             rows.append(row)
             print(f"{name:>16} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
                   f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}")
+    decode_rows = run_decode(args.quick, device, where, repeats)
+    training_rows = run_training(args.quick, device, where, repeats)
     os.makedirs(args.out, exist_ok=True)
     tag = "mps" if device.type == "mps" else "cpu_device"
-    path = os.path.join(args.out, f"attention_{tag}.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
+    write_csv(os.path.join(args.out, f"attention_{tag}.csv"), rows)
+    write_csv(os.path.join(args.out, f"decode_{tag}.csv"), decode_rows)
+    write_csv(os.path.join(args.out, f"training_{tag}.csv"), training_rows)
     plot(rows, os.path.join(args.out, f"attention_{tag}.png"), where)
 
 

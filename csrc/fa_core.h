@@ -37,7 +37,8 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...)
 #endif
     ;
 
-typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2 } fa_dtype;
+/* FA_BOOL (one byte, nonzero = true) is for attention masks only. */
+typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2, FA_BOOL = 3 } fa_dtype;
 
 typedef enum fa_device { FA_DEVICE_CPU = 0, FA_DEVICE_MPS = 1 } fa_device;
 
@@ -59,16 +60,25 @@ typedef struct fa_tensor {
 typedef enum fa_kernel_choice {
     FA_KERNEL_AUTO = 0,   /* let the planner choose */
     FA_KERNEL_SIMPLE = 1, /* one query row per SIMD-group: the reference baseline */
-    FA_KERNEL_FORWARD = 2 /* FlashAttention-2 on simdgroup matrices: the prefill kernel */
+    FA_KERNEL_FORWARD = 2, /* FlashAttention-2 on simdgroup matrices: the prefill kernel */
+    FA_KERNEL_DECODE = 3   /* vector kernel for few query rows, keys split over threadgroups when
+                              long (AUTO's choice for small L) */
 } fa_kernel_choice;
 
 /* Forward attention, SDPA semantics: q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev),
  * out (B,Hq,L,Ev), query head h reads kv head h / (Hq/Hkv); causal is the top-left mask
  * tril(ones(L,S)). lse, when lse.storage is not NULL, is (B,Hq,L) float32 and receives the
- * natural-log log-sum-exp of each row's scaled scores. */
+ * natural-log log-sum-exp of each row's scaled scores.
+ * The core allocates nothing: a call that needs scratch memory (split-K partial results) says how
+ * much through fa_forward_workspace_bytes, and the caller passes it as `workspace`, a 1-D float32
+ * tensor on the same device of at least that many bytes (storage NULL when none is needed). */
 typedef struct fa_forward_args {
     int32_t device; /* fa_device: which backend runs it */
     fa_tensor q, k, v, out, lse;
+    fa_tensor workspace;
+    /* Optional attn_mask (ndim 0 when absent) as a (B, Hq, L, S) view, broadcast dims with stride 0:
+     * bool (true takes part) or additive float32 or q's dtype (added to the scaled scores). */
+    fa_tensor mask;
     double scale;
     int32_t causal;
     int32_t kernel; /* fa_kernel_choice */
@@ -76,6 +86,28 @@ typedef struct fa_forward_args {
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
 int32_t fa_forward(const fa_forward_args *args, fa_status *st);
+
+/* Bytes of workspace fa_forward needs for these arguments (their workspace is not looked at), or
+ * -1 with st set when they are invalid. */
+int64_t fa_forward_workspace_bytes(const fa_forward_args *args, fa_status *st);
+
+/* Gradients of attention: given the forward's q, k, v, scale and causal, its out and lse (written by
+ * fa_forward for exactly these arguments) and dout, the gradient of out (B,Hq,L,Ev), writes dq, dk,
+ * dv (the shapes of q, k, v; any strides; all of q's dtype). delta is (B,Hq,L) float32 scratch the
+ * core fills with rowsum(dout * out) and then reads. Neither an L x S matrix nor float atomics:
+ * one kernel parallel over key blocks accumulates dk and dv (over every query head of a GQA group),
+ * another parallel over query blocks accumulates dq. */
+typedef struct fa_backward_args {
+    int32_t device; /* fa_device */
+    fa_tensor q, k, v, out, lse, dout;
+    fa_tensor delta;
+    fa_tensor dq, dk, dv;
+    double scale;
+    int32_t causal;
+} fa_backward_args;
+
+/* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
+int32_t fa_backward(const fa_backward_args *args, fa_status *st);
 
 /* Kernel sources are registered by the Python layer (which reads the metal/ sources and inlines their
  * #includes) before the first call; the core keeps its own copy. Thread-safe. */

@@ -4,12 +4,13 @@
 #include <stdio.h>
 #include <string.h>
 
-static const char *const dtype_names[] = {"float32", "float16", "bfloat16"};
+static const char *const dtype_names[] = {"float32", "float16", "bfloat16", "bool"};
 static const char *const kernel_type_names[] = {"float", "half", "bfloat"};
-static const int64_t dtype_bytes[] = {4, 2, 2};
+static const int64_t dtype_bytes[] = {4, 2, 2, 1};
 
 static const char *simple_source = "fa_simple.metal";
 static const char *forward_source = "fa_forward.metal";
+static const char *decode_source = "fa_decode.metal";
 
 /* The forward kernel's tile table.
  *
@@ -52,9 +53,86 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
     return t;
 }
 
+/* The decode kernel (fa_decode.metal): one threadgroup of FA_DECODE_SIMD_GROUPS SIMD-groups per kv
+ * head serves the rows of every query head sharing it, lanes holding 32-column slices of the head
+ * dims, a simd_sum per score.
+ *
+ * AUTO takes it for L <= DECODE_MAX_QUERY_LEN = 8: below that a prefill block of 8-row fragments is
+ * mostly padding and its one threadgroup per head leaves the GPU idle (MLX and PyTorch switch to
+ * their vector kernels at the same length).
+ *
+ * Specialisation: FA_DECODE_COLS = ceil(max(E, Ev) / 32) columns per lane (one value for both dims
+ * keeps the variants few; the narrower dim's extra columns are predicated off, never loaded), and
+ * FA_DECODE_ROWS rows per threadgroup: the next power of two >= (Hq / Hkv) * L, so a plain
+ * multi-head decode keeps its registers free, capped where a lane's query slices and output
+ * accumulators, 2 * COLS floats per row, would pass DECODE_LANE_FLOATS = 64 (16 rows up to
+ * E = 64, 8 up to 128, 4 beyond). More rows than that take several threadgroups per kv head.
+ *
+ * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
+ * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
+ * core of a 40-core GPU; a 10-core one queues them) the visible keys (S, or min(S, L) under the
+ * causal mask) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
+ * most DECODE_MAX_SPLITS = 128 of them; 256 keys keep the partial results' round trip through the
+ * workspace to about 1/16 of the K/V traffic at 8 rows of Ev = 128. Each share's length is a
+ * multiple of FA_DECODE_SIMD_GROUPS so its SIMD-groups get equal work. These numbers are
+ * estimates to be tuned on a Mac. */
+enum {
+    DECODE_MAX_QUERY_LEN = 8,
+    DECODE_LANE_FLOATS = 64,
+    DECODE_MAX_ROWS = 16,
+    DECODE_TARGET_THREADGROUPS = 160,
+    DECODE_MIN_SPLIT_KEYS = 256,
+    DECODE_MAX_SPLITS = 128,
+};
+
+static int32_t decode_columns(int64_t e, int64_t ev) {
+    const int64_t widest = e > ev ? e : ev;
+    return widest <= 32 ? 1 : (int32_t)((widest + 31) / 32);
+}
+
+/* The most rows per threadgroup COLS columns per lane allow (a power of two). */
+static int32_t decode_row_cap(int32_t cols) {
+    int32_t rows = DECODE_MAX_ROWS;
+    while (rows > 1 && rows * 2 * cols > DECODE_LANE_FLOATS) {
+        rows /= 2;
+    }
+    return rows;
+}
+
+static int32_t decode_rows(int32_t cols, int64_t head_rows) {
+    const int32_t cap = decode_row_cap(cols);
+    int32_t rows = 1;
+    while (rows < cap && rows < head_rows) {
+        rows *= 2;
+    }
+    return rows;
+}
+
+/* Keys per split; *splits receives their number (1: no split). */
+static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *splits) {
+    int64_t n = 1;
+    if (threadgroups < DECODE_TARGET_THREADGROUPS && keys >= 2 * DECODE_MIN_SPLIT_KEYS) {
+        n = (DECODE_TARGET_THREADGROUPS + threadgroups - 1) / threadgroups;
+        n = n < keys / DECODE_MIN_SPLIT_KEYS ? n : keys / DECODE_MIN_SPLIT_KEYS;
+        n = n < DECODE_MAX_SPLITS ? n : DECODE_MAX_SPLITS;
+    }
+    if (n == 1) {
+        *splits = 1;
+        return (int32_t)keys;
+    }
+    const int64_t sg = FA_DECODE_SIMD_GROUPS;
+    const int64_t per_split = ((keys + n - 1) / n + sg - 1) / sg * sg;
+    *splits = (int32_t)((keys + per_split - 1) / per_split);
+    return (int32_t)per_split;
+}
+
 enum { FA_MAX_HEAD_DIM = 256 };
 
-static void describe_shape(const fa_tensor *t, char *out, size_t len) {
+const char *fa_dtype_name(int32_t dtype) { return dtype_names[dtype]; }
+
+const char *fa_kernel_type_name(int32_t dtype) { return kernel_type_names[dtype]; }
+
+void fa_describe_shape(const fa_tensor *t, char *out, size_t len) {
     size_t used = (size_t)snprintf(out, len, "(");
     for (int32_t d = 0; d < t->ndim && d < FA_MAX_DIMS && used < len; ++d) {
         used += (size_t)snprintf(out + used, len - used, d ? ", %lld" : "%lld", (long long)t->sizes[d]);
@@ -66,12 +144,12 @@ static void describe_shape(const fa_tensor *t, char *out, size_t len) {
 
 /* A descriptor is usable when its rank and dtype are as expected and every element it addresses
  * lies inside its storage (checked with overflow-safe 64-bit arithmetic). */
-static int32_t check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only,
-                            fa_status *st) {
+int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only,
+                        fa_status *st) {
     if (t->ndim != ndim) {
         return fa_fail(st, FA_ERR_VALUE, "%s: expected a %d-D descriptor, got ndim=%d", name, ndim, t->ndim);
     }
-    if (t->dtype < FA_F32 || t->dtype > FA_BF16) {
+    if (t->dtype < FA_F32 || t->dtype > FA_BOOL) {
         return fa_fail(st, FA_ERR_TYPE, "%s: unknown dtype code %d", name, t->dtype);
     }
     if (float32_only && t->dtype != FA_F32) {
@@ -110,10 +188,13 @@ static int32_t check_tensor(const fa_tensor *t, const char *name, int32_t ndim, 
 static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
     const int64_t *q = a->q.sizes, *k = a->k.sizes, *v = a->v.sizes, *o = a->out.sizes;
     char qs[96], ks[96], vs[96], os[96];
-    describe_shape(&a->q, qs, sizeof qs);
-    describe_shape(&a->k, ks, sizeof ks);
-    describe_shape(&a->v, vs, sizeof vs);
-    describe_shape(&a->out, os, sizeof os);
+    fa_describe_shape(&a->q, qs, sizeof qs);
+    fa_describe_shape(&a->k, ks, sizeof ks);
+    fa_describe_shape(&a->v, vs, sizeof vs);
+    fa_describe_shape(&a->out, os, sizeof os);
+    if (a->q.dtype == FA_BOOL) {
+        return fa_fail(st, FA_ERR_TYPE, "q: bool is a mask dtype; attention takes float32, float16 or bfloat16");
+    }
     if (a->k.dtype != a->q.dtype || a->v.dtype != a->q.dtype || a->out.dtype != a->q.dtype) {
         return fa_fail(st, FA_ERR_TYPE, "q, k, v and out must share one dtype, got %s, %s, %s, %s",
                        dtype_names[a->q.dtype], dtype_names[a->k.dtype], dtype_names[a->v.dtype],
@@ -150,57 +231,157 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
     return FA_OK;
 }
 
+/* The mask, when present, is a (B, Hq, L, S) view of bool, float32 or q's dtype. */
+static int32_t check_mask(const fa_forward_args *a, fa_status *st) {
+    if (a->mask.ndim == 0) {
+        return FA_OK;
+    }
+    int32_t rc = fa_check_tensor(&a->mask, "mask", 4, 0, st);
+    if (rc != FA_OK) {
+        return rc;
+    }
+    const int64_t *m = a->mask.sizes;
+    if (m[0] != a->q.sizes[0] || m[1] != a->q.sizes[1] || m[2] != a->q.sizes[2] || m[3] != a->k.sizes[2]) {
+        char ms[96], qs[96], ks[96];
+        fa_describe_shape(&a->mask, ms, sizeof ms);
+        fa_describe_shape(&a->q, qs, sizeof qs);
+        fa_describe_shape(&a->k, ks, sizeof ks);
+        return fa_fail(st, FA_ERR_VALUE, "mask %s must be (B, Hq, L, S) for q %s and k %s (broadcast with stride 0)",
+                       ms, qs, ks);
+    }
+    if (a->mask.dtype != FA_BOOL && a->mask.dtype != FA_F32 && a->mask.dtype != a->q.dtype) {
+        return fa_fail(st, FA_ERR_TYPE, "mask: dtype %s; masks are bool, float32 or q's dtype (%s)",
+                       dtype_names[a->mask.dtype], dtype_names[a->q.dtype]);
+    }
+    return FA_OK;
+}
+
+/* FA_FC_MASK_KIND for the arguments' mask. */
+static int32_t mask_kind(const fa_forward_args *a) {
+    if (a->mask.ndim == 0) {
+        return FA_MASK_NONE;
+    }
+    switch (a->mask.dtype) {
+    case FA_BOOL:
+        return FA_MASK_BOOL;
+    case FA_F16:
+        return FA_MASK_HALF;
+    case FA_BF16:
+        return FA_MASK_BFLOAT;
+    default:
+        return FA_MASK_FLOAT;
+    }
+}
+
 static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
     for (int32_t d = 0; d < n; ++d) {
         dst[d] = t->strides[d];
     }
 }
 
-static void add_constant_bool(fa_plan *plan, uint32_t index, int32_t value) {
-    fa_constant *c = &plan->constants[plan->n_constants++];
+static void add_constant(fa_plan_dispatch *d, uint32_t index, int32_t kind, int64_t value) {
+    fa_constant *c = &d->constants[d->n_constants++];
     memset(c, 0, sizeof *c);
     c->index = index;
-    c->kind = FA_CONST_BOOL;
-    c->i = value != 0;
+    c->kind = kind;
+    c->i = value;
 }
 
-static void add_macro(fa_plan *plan, const char *name, int32_t value) {
-    fa_macro *m = &plan->macros[plan->n_macros++];
+static void add_constant_bool(fa_plan_dispatch *d, uint32_t index, int32_t value) {
+    add_constant(d, index, FA_CONST_BOOL, value != 0);
+}
+
+static void add_constant_int(fa_plan_dispatch *d, uint32_t index, int32_t value) {
+    add_constant(d, index, FA_CONST_INT, value);
+}
+
+static void add_macro(fa_plan_dispatch *d, const char *name, int32_t value) {
+    fa_macro *m = &d->macros[d->n_macros++];
     snprintf(m->name, sizeof m->name, "%s", name);
     snprintf(m->value, sizeof m->value, "%d", value);
 }
 
-static void set_forward_macros(fa_plan *plan, forward_tiles t) {
-    add_macro(plan, "FA_BD", t.bd);
-    add_macro(plan, "FA_BDV", t.bdv);
-    add_macro(plan, "FA_BK", t.bk);
-    add_macro(plan, "FA_WM", t.wm);
+static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
+    add_macro(d, "FA_BD", t.bd);
+    add_macro(d, "FA_BDV", t.bdv);
+    add_macro(d, "FA_BK", t.bk);
+    add_macro(d, "FA_WM", t.wm);
 }
 
-static void set_launch(fa_plan *plan, const fa_forward_args *a, int64_t rows_per_group, uint32_t threads) {
-    plan->grid[0] = (uint32_t)((a->q.sizes[2] + rows_per_group - 1) / rows_per_group);
-    plan->grid[1] = (uint32_t)a->q.sizes[1];
-    plan->grid[2] = (uint32_t)a->q.sizes[0];
-    plan->threadgroup[0] = threads;
-    plan->threadgroup[1] = 1;
-    plan->threadgroup[2] = 1;
-    add_constant_bool(plan, FA_FC_CAUSAL, a->causal);
-    add_constant_bool(plan, FA_FC_WRITE_LSE, a->lse.storage != NULL);
+/* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
+static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
+    fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
+    snprintf(d->source_name, sizeof d->source_name, "%s", source);
+    snprintf(d->function, sizeof d->function, "%s_%s", kernel, kernel_type_names[a->q.dtype]);
+    add_constant_bool(d, FA_FC_CAUSAL, a->causal);
+    add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
+    add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
+    return d;
+}
+
+static void set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads) {
+    d->grid[0] = x;
+    d->grid[1] = y;
+    d->grid[2] = z;
+    d->threadgroup[0] = threads;
+    d->threadgroup[1] = 1;
+    d->threadgroup[2] = 1;
+}
+
+/* A grid of (ceil(L / rows_per_group), Hq, B) threadgroups. */
+static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_t rows_per_group, uint32_t threads) {
+    set_geometry(d, (uint32_t)((a->q.sizes[2] + rows_per_group - 1) / rows_per_group), (uint32_t)a->q.sizes[1],
+                 (uint32_t)a->q.sizes[0], threads);
 }
 
 static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
     const forward_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
-    snprintf(plan->source_name, sizeof plan->source_name, "%s", forward_source);
-    snprintf(plan->function, sizeof plan->function, "fa_forward_%s", kernel_type_names[a->q.dtype]);
-    set_forward_macros(plan, t);
-    set_launch(plan, a, 8 * t.wm, 32u * (uint32_t)t.wm);
+    fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
+    set_forward_macros(d, t);
+    set_row_blocks(d, a, 8 * t.wm, 32u * (uint32_t)t.wm);
     return FA_OK;
 }
 
 static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
-    snprintf(plan->source_name, sizeof plan->source_name, "%s", simple_source);
-    snprintf(plan->function, sizeof plan->function, "fa_simple_%s", kernel_type_names[a->q.dtype]);
-    set_launch(plan, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
+    fa_plan_dispatch *d = add_dispatch(plan, a, simple_source, "fa_simple");
+    set_row_blocks(d, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
+    return FA_OK;
+}
+
+static void set_decode_macros(fa_plan_dispatch *d, int32_t cols, int32_t rows) {
+    add_macro(d, "FA_DECODE_COLS", cols);
+    add_macro(d, "FA_DECODE_ROWS", rows);
+}
+
+static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
+    fa_params *p = &plan->params;
+    if (plan->empty) {
+        return FA_OK; /* no rows: nothing to size */
+    }
+    const int64_t head_rows = (int64_t)p->gqa_factor * p->q_len; /* rows sharing one kv head */
+    const int32_t cols = decode_columns(p->head_dim, p->v_head_dim);
+    const int32_t rows = decode_rows(cols, head_rows);
+    const int64_t chunks = (head_rows + rows - 1) / rows;
+    if (head_rows > INT32_MAX || chunks * p->kv_heads > UINT32_MAX) {
+        return fa_fail(st, FA_ERR_VALUE,
+                       "too many query rows for the decode kernel: %lld per kv head (at most 2^31-1) on %d kv heads",
+                       (long long)head_rows, p->kv_heads);
+    }
+    const int64_t keys = a->causal && p->q_len < p->kv_len ? p->q_len : p->kv_len;
+    p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks, keys, &p->split_count);
+
+    fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
+    set_decode_macros(d, cols, rows);
+    set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
+                 32u * FA_DECODE_SIMD_GROUPS);
+    if (p->split_count > 1) {
+        const int64_t partial_rows = (int64_t)p->split_count * p->batch * p->q_heads * p->q_len;
+        p->split_stats_offset = partial_rows * p->v_head_dim;
+        plan->workspace_bytes = partial_rows * (p->v_head_dim + 2) * (int64_t)sizeof(float);
+        fa_plan_dispatch *merge = add_dispatch(plan, a, decode_source, "fa_decode_merge");
+        set_decode_macros(merge, cols, rows);
+        set_row_blocks(merge, a, 1, 32u);
+    }
     return FA_OK;
 }
 
@@ -212,14 +393,14 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->device != FA_DEVICE_CPU && a->device != FA_DEVICE_MPS) {
         return fa_fail(st, FA_ERR_TYPE, "unknown device code %d", a->device);
     }
-    if (a->kernel < FA_KERNEL_AUTO || a->kernel > FA_KERNEL_FORWARD) {
+    if (a->kernel < FA_KERNEL_AUTO || a->kernel > FA_KERNEL_DECODE) {
         return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->kernel);
     }
     int32_t rc;
-    if ((rc = check_tensor(&a->q, "q", 4, 0, st)) || (rc = check_tensor(&a->k, "k", 4, 0, st)) ||
-        (rc = check_tensor(&a->v, "v", 4, 0, st)) || (rc = check_tensor(&a->out, "out", 4, 0, st)) ||
-        (a->lse.storage != NULL && (rc = check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (rc = check_shapes(a, st))) {
+    if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
+        (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
+        (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
+        (rc = check_shapes(a, st)) || (rc = check_mask(a, st))) {
         return rc;
     }
 
@@ -239,17 +420,49 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->lse.storage != NULL) {
         copy_strides(p->lse_strides, &a->lse, 3);
     }
+    if (a->mask.ndim != 0) {
+        copy_strides(p->mask_strides, &a->mask, 4);
+    }
     /* With E == 0 every score is exactly 0 whatever the scale (SDPA gives the mean of v even for
      * the default scale 1/sqrt(0) = inf), so the scale must not turn 0 into NaN. */
     p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->scale * 1.4426950408889634);
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    return a->kernel == FA_KERNEL_SIMPLE ? plan_simple(a, plan) : plan_forward(a, plan);
+    const int32_t kernel = a->kernel != FA_KERNEL_AUTO         ? a->kernel
+                           : p->q_len <= DECODE_MAX_QUERY_LEN ? FA_KERNEL_DECODE
+                                                               : FA_KERNEL_FORWARD;
+    switch (kernel) {
+    case FA_KERNEL_SIMPLE:
+        return plan_simple(a, plan);
+    case FA_KERNEL_DECODE:
+        return plan_decode(a, plan, st);
+    default:
+        return plan_forward(a, plan);
+    }
 }
 
-fa_pipeline_key fa_plan_pipeline_key(const fa_plan *plan) {
-    fa_pipeline_key key = {plan->source_name, plan->function, plan->macros, plan->n_macros,
-                           plan->constants, plan->n_constants};
+int32_t fa_plan_check_workspace(const fa_plan *plan, const fa_forward_args *a, fa_status *st) {
+    if (plan->workspace_bytes == 0) {
+        return FA_OK;
+    }
+    const fa_tensor *w = &a->workspace;
+    if (w->storage == NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "this call needs a workspace of %lld bytes (fa_forward_workspace_bytes)",
+                       (long long)plan->workspace_bytes);
+    }
+    int32_t rc = fa_check_tensor(w, "workspace", 1, 1, st);
+    if (rc == FA_OK && w->sizes[0] * 4 < plan->workspace_bytes) {
+        rc = fa_fail(st, FA_ERR_VALUE, "workspace: %lld bytes, this call needs %lld", (long long)(w->sizes[0] * 4),
+                     (long long)plan->workspace_bytes);
+    }
+    if (rc == FA_OK && w->strides[0] != 1) {
+        rc = fa_fail(st, FA_ERR_VALUE, "workspace: must be contiguous, got stride %lld", (long long)w->strides[0]);
+    }
+    return rc;
+}
+
+fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *d) {
+    fa_pipeline_key key = {d->source_name, d->function, d->macros, d->n_macros, d->constants, d->n_constants};
     return key;
 }
 
@@ -261,13 +474,25 @@ int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx) {
     for (int32_t i = 0; rc == 0 && i < N_PADDED_HEAD_DIMS; ++i) {
         for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
             for (int32_t element_bytes = 2; rc == 0 && element_bytes <= 4; element_bytes += 2) {
-                fa_plan plan;
-                memset(&plan, 0, sizeof plan);
+                fa_plan_dispatch d;
+                memset(&d, 0, sizeof d);
                 const forward_tiles t = choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], element_bytes);
-                set_forward_macros(&plan, t);
-                fa_pipeline_key key = {forward_source, "fa_forward_float", plan.macros, plan.n_macros, NULL, 0};
+                set_forward_macros(&d, t);
+                fa_pipeline_key key = {forward_source, "fa_forward_float", d.macros, d.n_macros, NULL, 0};
                 rc = visit(&key, ctx);
+                /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
+                fa_pipeline_key backward = {fa_backward_source, "fa_backward_dq_float", d.macros, d.n_macros, NULL, 0};
+                rc = rc != 0 ? rc : visit(&backward, ctx);
             }
+        }
+    }
+    for (int32_t cols = 1; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; ++cols) {
+        for (int32_t rows = 1; rc == 0 && rows <= decode_row_cap(cols); rows *= 2) {
+            fa_plan_dispatch d;
+            memset(&d, 0, sizeof d);
+            set_decode_macros(&d, cols, rows);
+            fa_pipeline_key key = {decode_source, "fa_decode_float", d.macros, d.n_macros, NULL, 0};
+            rc = visit(&key, ctx);
         }
     }
     return rc;

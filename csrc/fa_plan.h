@@ -11,7 +11,10 @@
 extern "C" {
 #endif
 
-typedef struct fa_plan {
+enum { FA_MAX_PLAN_DISPATCHES = 2 };
+
+/* One kernel launch of a plan. */
+typedef struct fa_plan_dispatch {
     char source_name[48];
     char function[64];
     fa_macro macros[FA_MAX_MACROS];
@@ -22,15 +25,48 @@ typedef struct fa_plan {
     uint32_t threadgroup[3];
     uint64_t threadgroup_bytes[FA_MAX_TG_ARGS];
     uint32_t n_threadgroup_args;
-    int32_t empty; /* nothing to launch (L == 0 or an empty batch): the output is empty too */
+} fa_plan_dispatch;
+
+/* Dispatches run in order on one stream (a split decode: partial results, then their merge); all
+ * of them bind the same buffers and the same fa_params (fa_forward.c). */
+typedef struct fa_plan {
+    fa_plan_dispatch dispatches[FA_MAX_PLAN_DISPATCHES];
+    uint32_t n_dispatches;
+    int32_t empty;           /* nothing to launch (L == 0 or an empty batch): the output is empty too */
+    int64_t workspace_bytes; /* scratch the dispatches share (fa_forward_workspace_bytes) */
     fa_params params;
 } fa_plan;
 
-/* Validate every descriptor of args and plan the launch. */
+/* Validate every descriptor of args except the workspace, and plan the launches. */
 int32_t fa_plan_forward(const fa_forward_args *args, fa_plan *plan, fa_status *st);
 
-/* The pipeline key a plan asks for (pointers into plan). */
-fa_pipeline_key fa_plan_pipeline_key(const fa_plan *plan);
+/* Checks that args' workspace is a valid float32 descriptor of at least plan->workspace_bytes. */
+int32_t fa_plan_check_workspace(const fa_plan *plan, const fa_forward_args *args, fa_status *st);
+
+/* The pipeline key of one dispatch (pointers into it). */
+fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *dispatch);
+
+/* Helpers the backward planner (fa_backward_plan.c) shares with the forward's. */
+const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages */
+const char *fa_kernel_type_name(int32_t dtype);  /* the MSL type kernels are instantiated for */
+void fa_describe_shape(const fa_tensor *t, char *out, size_t len); /* "(2, 8, 128, 64)" */
+/* A descriptor is usable when its rank and dtype are as expected (float32 when float32_only) and
+ * every element it addresses lies inside its storage. */
+int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only, fa_status *st);
+
+/* The backward pass: three dispatches of fa_backward.metal, in this order, binding the same
+ * buffers and fa_backward_params (fa_backward.c). A dispatch whose grid is empty is skipped. */
+enum { FA_BACKWARD_DELTA = 0, FA_BACKWARD_DKDV = 1, FA_BACKWARD_DQ = 2, FA_BACKWARD_DISPATCHES = 3 };
+
+typedef struct fa_backward_plan {
+    fa_plan_dispatch dispatches[FA_BACKWARD_DISPATCHES];
+    fa_backward_params params;
+} fa_backward_plan;
+
+extern const char fa_backward_source[];
+
+/* Validate every descriptor of args and plan the three launches. */
+int32_t fa_plan_backward(const fa_backward_args *args, fa_backward_plan *plan, fa_status *st);
 
 /* Every (source, function, macros) the planner can emit, for the strict MSL check: calls visit
  * once per specialisation and stops early when visit returns non-zero. */

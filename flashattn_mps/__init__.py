@@ -6,7 +6,8 @@ enable_gqa=True)` computes, without ever forming the L x S score matrix. MPS ten
 CPU tensors run the same Metal kernels on the CPU Metal device (see `flashattn_mps.metal_cpu`).
 """
 from ._C import MetalCompileError, MetalDispatchError
-from ._api import flash_attention
+from ._api import explain_plan, flash_attention
+from . import _autograd  # registers the torch.library ops that make flash_attention differentiable
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "MetalCompileError", "MetalDispatchError", "__version__"]
+__all__ = ["flash_attention", "explain_plan", "MetalCompileError", "MetalDispatchError", "__version__"]

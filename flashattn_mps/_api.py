@@ -29,7 +29,12 @@ def _prepare_mps() -> None:
         torch.mps.synchronize()
 
 
-_KERNELS = {"auto": _C.KERNEL_AUTO, "simple": _C.KERNEL_SIMPLE, "forward": _C.KERNEL_FORWARD}
+_KERNELS = {
+    "auto": _C.KERNEL_AUTO,
+    "simple": _C.KERNEL_SIMPLE,
+    "forward": _C.KERNEL_FORWARD,
+    "decode": _C.KERNEL_DECODE,
+}
 
 
 def describe(t: torch.Tensor) -> tuple:
@@ -95,11 +100,20 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
         raise TypeError(f"flash_attention: causal must be a bool, got {type(causal).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"flash_attention: scale must be a float or None, got {type(scale).__name__}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise RuntimeError(
-            "flash_attention: gradients are not implemented yet; call it under torch.no_grad() or on "
-            "tensors that do not require grad"
-        )
+
+
+def _validate_options(kernel, return_lse) -> None:
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"flash_attention: return_lse must be a bool, got {type(return_lse).__name__}")
+    if kernel not in _KERNELS:
+        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {kernel!r}")
+
+
+def _needs_torch_op(q, k, v) -> bool:
+    """Autograd (some input requires grad) and torch.compile's tracing (fake tensors have no storage
+    to describe) both go through the torch.library ops of flashattn_mps._autograd."""
+    wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    return wants_grad or torch.compiler.is_compiling()
 
 
 def flash_attention(
@@ -123,8 +137,10 @@ def flash_attention(
         v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 256.
         causal: SDPA's top-left mask tril(ones(L, S)): query i sees keys 0..i.
         scale: multiplies q.k; default 1/sqrt(E).
-        kernel: "auto" (the planner's choice), "forward" (the FlashAttention-2 prefill kernel) or
-            "simple" (the one-row-per-SIMD-group reference kernel), for tests and benchmarks.
+        kernel: "auto" (the planner's choice: "decode" for L <= 8, else "forward"), "forward" (the
+            FlashAttention-2 prefill kernel), "decode" (the vector kernel for few query rows, keys
+            split over threadgroups when long) or "simple" (the one-row-per-SIMD-group reference
+            kernel), for tests and benchmarks.
         return_lse: also return the float32 log-sum-exp of each row's scaled scores,
             (B, Hq, L) or (Hq, L): log(sum_j exp(scale * q_i . k_j)), -inf for a row with no key.
 
@@ -132,36 +148,73 @@ def flash_attention(
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
     Returns a new contiguous (B, Hq, L, Ev) (or (Hq, L, Ev)) tensor of q's dtype, and the
     log-sum-exp when return_lse is set.
+
+    Differentiable with respect to q, k and v through a fused backward that never forms L x S either
+    (flashattn_mps._autograd: torch.library ops, so torch.compile traces through it); the
+    log-sum-exp carries no gradient and double backward raises.
     """
-    _validate(q, k, v, causal, scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"flash_attention: return_lse must be a bool, got {type(return_lse).__name__}")
-    if kernel not in _KERNELS:
-        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {kernel!r}")
+    if _needs_torch_op(q, k, v):
+        _validate(q, k, v, causal, scale)
+        _validate_options(kernel, return_lse)
+        if kernel != "auto":
+            raise ValueError(
+                f"flash_attention: kernel={kernel!r} selects a forward kernel for tests and benchmarks of "
+                "the forward; differentiable or compiled calls take kernel='auto'"
+            )
+        out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, causal, _scale_value(q.shape[-1], scale))
+        return (out, lse) if return_lse else out
+    args, out, lse = _core_arguments(q, k, v, causal, scale, kernel, return_lse)
     unbatched = q.dim() == 3
-    if unbatched:  # views, not copies
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
     if out.numel() > 0 or (lse is not None and lse.numel() > 0):
         _sources.ensure_registered()
         if q.device.type == "mps":
             _prepare_mps()
-        _C.forward(
-            _DEVICE_CODES[q.device.type],
-            describe(q),
-            describe(k),
-            describe(v),
-            describe(out),
-            None if lse is None else describe(lse),
-            _scale_value(q.shape[-1], scale),
-            causal,
-            _KERNELS[kernel],
-        )
+        workspace = _workspace(args, q.device)
+        _C.forward(*args, None if workspace is None else describe(workspace))
     if unbatched:
         out = out.squeeze(0)
         lse = None if lse is None else lse.squeeze(0)
     return (out, lse) if return_lse else out
+
+
+def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, kernel: str = "auto") -> dict:
+    """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
+    {"dispatches": [{"function", "macros", "grid", "threadgroup"}, ...], "split_count",
+    "workspace_bytes", "empty"}. split_count > 1 means the keys are split over threadgroups and a
+    second dispatch merges the partial results."""
+    args, _, _ = _core_arguments(q, k, v, causal, scale, kernel, False)
+    return _C.plan_forward(*args)
+
+
+def _core_arguments(q, k, v, causal, scale, kernel, return_lse):
+    """Validates a call and returns the C core's arguments for it (device, descriptors of q, k, v,
+    out, lse, scale, causal, kernel) with the new out and lse tensors they describe (batched even
+    for 3-D inputs)."""
+    _validate(q, k, v, causal, scale)
+    _validate_options(kernel, return_lse)
+    if q.dim() == 3:  # views, not copies
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
+    args = (
+        _DEVICE_CODES[q.device.type],
+        describe(q),
+        describe(k),
+        describe(v),
+        describe(out),
+        None if lse is None else describe(lse),
+        _scale_value(q.shape[-1], scale),
+        causal,
+        _KERNELS[kernel],
+    )
+    return args, out, lse
+
+
+def _workspace(args: tuple, device: torch.device) -> Optional[torch.Tensor]:
+    """The scratch memory a call needs (split-K partial results), as float32 on its device, or None:
+    the C core allocates nothing itself."""
+    nbytes = _C.forward_workspace_bytes(*args)
+    return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device) if nbytes > 0 else None
 
 
 def _scale_value(head_dim: int, scale) -> float:

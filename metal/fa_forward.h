@@ -15,14 +15,11 @@
 #include <metal_stdlib>
 #include "fa_fragments.h"
 #include "fa_loader.h"
+#include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
 
 using namespace metal;
-
-// Threadgroup tiles get 8 spare elements per row, which keeps rows 16-byte aligned and staggers them
-// across memory banks.
-#define FA_TILE_PAD 8
 
 template <typename T, int BD, int BDV, int BK, int WM>
 [[kernel]] void fa_forward(
@@ -32,6 +29,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
+    const device uchar *mask [[buffer(7)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -53,16 +51,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
   // Q fragments straight from device memory (each SIMD-group reads only its own rows), scaled into
   // the base-2 domain once instead of scaling every score tile.
   fa_frag q_frag[BD / 8];
-  {
-    const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2];
-    for (int d = 0; d < BD / 8; ++d) {
-      for (int e = 0; e < 2; ++e) {
-        const int col = 8 * d + at.x + e;
-        const bool inside = my_row < p.q_len && col < p.head_dim;
-        q_frag[d].thread_elements()[e] = inside ? float(q_row[col * p.q_strides[3]]) * p.scale_log2 : 0.0f;
-      }
-    }
-  }
+  fa_frags_load_row<T, BD / 8>(q_frag, q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2],
+                               p.q_strides[3], my_row < p.q_len, p.head_dim, p.scale_log2, at);
 
   fa_frag o_frag[BDV / 8];
   for (int d = 0; d < BDV / 8; ++d) {
@@ -89,24 +79,37 @@ template <typename T, int BD, int BDV, int BK, int WM>
     fa_frag s_frag[BK / 8];
     for (int j = 0; j < BK / 8; ++j) {
       fa_frag_fill(s_frag[j], 0.0f);
-      for (int d = 0; d < BD / 8; ++d) {
-        fa_frag k_frag;
-        fa_frag_load_transposed(k_frag, k_tile, K_PITCH, 8 * d, 8 * j, at);
-        simdgroup_multiply_accumulate(s_frag[j], q_frag[d], k_frag, s_frag[j]);
-      }
     }
+    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, at);
 
-    // Mask only tiles that need it: the ragged last tile, and tiles crossing the diagonal.
+    // Mask only tiles that need it: the ragged last tile, tiles crossing the diagonal, and every
+    // tile under an attn_mask (read through its strides; padding rows read nothing).
     const bool ragged = valid_keys < BK;
     const bool crosses_diagonal = fa_causal && k0 + BK - 1 > row0;
-    if (ragged || crosses_diagonal) {
+    const bool masked_tile = ragged || crosses_diagonal || fa_mask_kind != FA_MASK_NONE;
+    if (masked_tile) {
       for (int j = 0; j < BK / 8; ++j) {
         for (int e = 0; e < 2; ++e) {
           const int key = k0 + 8 * j + at.x + e;
+          const float score = s_frag[j].thread_elements()[e]; // (no references to vector elements in MSL)
           if (key >= p.kv_len || (fa_causal && key > my_row)) {
             s_frag[j].thread_elements()[e] = -INFINITY;
+          } else if (fa_mask_kind != FA_MASK_NONE && my_row < p.q_len) {
+            s_frag[j].thread_elements()[e] = fa_mask_score(score, mask, fa_mask_offset(p, b, h, my_row, key));
           }
         }
+      }
+    }
+
+    // A tile masked out for all 8 rows adds nothing: skip its softmax and P V (NaN is not -inf,
+    // so a NaN score keeps its tile).
+    if (masked_tile) {
+      bool any_visible = false;
+      for (int j = 0; j < BK / 8; ++j) {
+        any_visible |= s_frag[j].thread_elements()[0] != -INFINITY || s_frag[j].thread_elements()[1] != -INFINITY;
+      }
+      if (!simd_any(any_visible)) {
+        continue;
       }
     }
 
@@ -133,27 +136,15 @@ template <typename T, int BD, int BDV, int BK, int WM>
     for (int d = 0; d < BDV / 8; ++d) {
       o_frag[d].thread_elements()[0] *= rescale;
       o_frag[d].thread_elements()[1] *= rescale;
-      for (int j = 0; j < BK / 8; ++j) {
-        fa_frag v_frag;
-        fa_frag_load(v_frag, v_tile, V_PITCH, 8 * j, 8 * d, at);
-        simdgroup_multiply_accumulate(o_frag[d], s_frag[j], v_frag, o_frag[d]);
-      }
     }
+    fa_frags_multiply<T, BK / 8, BDV / 8>(o_frag, s_frag, v_tile, V_PITCH, at);
   }
 
   if (my_row >= p.q_len) {
     return; // padding rows of the last block: computed alongside, never stored
   }
-  const float inv_sum = fa_softmax_inverse_sum(row_state);
-  device T *o_row = out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2];
-  for (int d = 0; d < BDV / 8; ++d) {
-    for (int e = 0; e < 2; ++e) {
-      const int col = 8 * d + at.x + e;
-      if (col < p.v_head_dim) {
-        o_row[col * p.o_strides[3]] = static_cast<T>(o_frag[d].thread_elements()[e] * inv_sum);
-      }
-    }
-  }
+  fa_frags_store_row<T, BDV / 8>(o_frag, out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2],
+                                 p.o_strides[3], p.v_head_dim, fa_softmax_inverse_sum(row_state), at);
   if (fa_write_lse && at.x == 0) { // one lane of the four that share the row
     lse[b * p.lse_strides[0] + h * p.lse_strides[1] + long(my_row) * p.lse_strides[2]] = fa_softmax_lse(row_state);
   }

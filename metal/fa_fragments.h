@@ -41,6 +41,63 @@ inline void fa_frag_load_transposed(thread fa_frag &f, const threadgroup T *tile
   f.thread_elements()[1] = float(p[pitch]);
 }
 
+// The N fragments of an 8-row block along one row of device memory: the lane's row (its
+// columns 8 d + at.x and + 1 of fragment d) times factor, zeros past valid_cols or for a row
+// outside the matrix (row_valid false: nothing is read).
+template <typename T, int N>
+inline void fa_frags_load_row(thread fa_frag *f, const device T *row, long col_stride, bool row_valid, int valid_cols,
+                              float factor, ushort2 at) {
+  for (int d = 0; d < N; ++d) {
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * d + at.x + e;
+      f[d].thread_elements()[e] = row_valid && col < valid_cols ? float(row[col * col_stride]) * factor : 0.0f;
+    }
+  }
+}
+
+// The reverse: the lane's row of N fragments times factor into device memory, columns below
+// valid_cols only (the caller skips rows outside the matrix).
+template <typename T, int N>
+inline void fa_frags_store_row(const thread fa_frag *f, device T *row, long col_stride, int valid_cols, float factor,
+                               ushort2 at) {
+  for (int d = 0; d < N; ++d) {
+    for (int e = 0; e < 2; ++e) {
+      const int col = 8 * d + at.x + e;
+      if (col < valid_cols) {
+        row[col * col_stride] = static_cast<T>(f[d].thread_elements()[e] * factor);
+      }
+    }
+  }
+}
+
+// acc[j] += A B_j^T for j < NB: A is one 8-row block as ND fragments (8 x 8 ND), B_j rows
+// 8 j .. 8 j + 7 of a row-major tile (8 ND columns). Scores Q K^T, and dO V^T in the backward.
+template <typename T, int ND, int NB>
+inline void fa_frags_multiply_transposed(thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile,
+                                         int pitch, ushort2 at) {
+  for (int j = 0; j < NB; ++j) {
+    for (int d = 0; d < ND; ++d) {
+      fa_frag b;
+      fa_frag_load_transposed(b, tile, pitch, 8 * d, 8 * j, at);
+      metal::simdgroup_multiply_accumulate(acc[j], a[d], b, acc[j]);
+    }
+  }
+}
+
+// acc[d] += A B[:, 8 d .. 8 d + 7] for d < ND: A is one 8-row block as NA fragments (8 x 8 NA),
+// B the first 8 NA rows of a row-major tile. P V in the forward, dS K, P^T dO, dS^T Q backward.
+template <typename T, int NA, int ND>
+inline void fa_frags_multiply(thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile, int pitch,
+                              ushort2 at) {
+  for (int d = 0; d < ND; ++d) {
+    for (int j = 0; j < NA; ++j) {
+      fa_frag b;
+      fa_frag_load(b, tile, pitch, 8 * j, 8 * d, at);
+      metal::simdgroup_multiply_accumulate(acc[d], a[j], b, acc[d]);
+    }
+  }
+}
+
 // Max and sum over the 8 columns of a fragment row, across the four lanes that hold it.
 inline float fa_row_max(float v) {
   v = metal::max(v, metal::simd_shuffle_xor(v, ushort(1)));

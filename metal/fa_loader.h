@@ -7,6 +7,10 @@
 
 #include <metal_stdlib>
 
+// Threadgroup tiles get 8 spare elements per row, which keeps rows 16-byte aligned and staggers them
+// across memory banks.
+#define FA_TILE_PAD 8
+
 // tile[r * pitch + c] = src[r * row_stride + c * col_stride] for r < valid_rows, c < valid_cols;
 // 0 elsewhere in the ROWS x COLS block. 64-bit offsets: strides of large views overflow 32 bits.
 template <typename T, int ROWS, int COLS, int THREADS>

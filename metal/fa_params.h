@@ -16,9 +16,19 @@ typedef int32_t fa_i32;
 #define FA_SIMPLE_ROWS_PER_GROUP 4 // query rows (SIMD-groups) per threadgroup
 #define FA_SIMPLE_MAX_PER_LANE 8   // columns per lane: head dims up to 256
 
+// The decode kernel's geometry (fa_decode.metal).
+#define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
+
 // Function-constant indices (specialisation at pipeline creation).
 #define FA_FC_CAUSAL 0    // bool: top-left causal mask tril(ones(L, S))
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
+#define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
+
+#define FA_MASK_NONE 0
+#define FA_MASK_BOOL 1     // bytes, nonzero = takes part; others get score -inf
+#define FA_MASK_FLOAT 2    // float32, added to the scaled scores
+#define FA_MASK_HALF 3     // float16, added
+#define FA_MASK_BFLOAT 4   // bfloat16, added
 
 typedef struct fa_params {
     fa_i32 batch;      // B
@@ -38,12 +48,35 @@ typedef struct fa_params {
     fa_i64 lse_strides[3]; // (batch, head, row) of the float32 log-sum-exp
     float scale_log2;      // scale * log2(e): scores live in base 2 so softmax uses exp2
     float pad0;
+    // Split-K of the decode kernel: each row's keys are shared by split_count threadgroups,
+    // split_keys keys each. With more than one, partial results go to the workspace (layout in
+    // fa_decode.h) and fa_decode_merge combines them.
+    fa_i32 split_count;
+    fa_i32 split_keys;
+    fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
+    fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
 } fa_params;
+
+// Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.
+typedef struct fa_backward_params {
+    fa_params forward;       // shapes, strides of q, k, v, out, lse and scale_log2, as the forward had them
+    fa_i64 do_strides[4];    // dO, the gradient of out (B, Hq, L, Ev)
+    fa_i64 dq_strides[4];    // dQ (B, Hq, L, E)
+    fa_i64 dk_strides[4];    // dK (B, Hkv, S, E)
+    fa_i64 dv_strides[4];    // dV (B, Hkv, S, Ev)
+    fa_i64 delta_strides[3]; // D = rowsum(dO * out), float32 (B, Hq, L)
+    float scale;             // the scale itself: dQ = scale * dS K, dK = scale * dS^T Q
+    float pad0;
+} fa_backward_params;
+
+// The backward pre-pass's geometry: rows (one per SIMD-group) of D per threadgroup.
+#define FA_BACKWARD_DELTA_ROWS 4
 
 #ifdef __METAL_VERSION__
 // The kernels' view of the function constants above.
 constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
 constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
+constant int fa_mask_kind [[function_constant(FA_FC_MASK_KIND)]];
 #endif
 
 #endif

@@ -7,6 +7,7 @@
 // FA_FC_WRITE_LSE. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
 // 32 * FA_SIMPLE_ROWS_PER_GROUP threads (the planner reads both constants from fa_params.h).
 #include <metal_stdlib>
+#include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
 
@@ -20,6 +21,7 @@ template <typename T>
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
+    const device uchar *mask [[buffer(7)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -50,6 +52,10 @@ template <typename T>
   // Top-left causal: row i sees keys 0..i.
   const int keys = fa_causal ? min(p.kv_len, row + 1) : p.kv_len;
   for (int j = 0; j < keys; ++j) {
+    const long mask_at = fa_mask_offset(p, b, h, row, j);
+    if (fa_mask_excludes(mask, mask_at)) {
+      continue; // weight 0, and NaN in the value stays out of the row
+    }
     const device T *k_row = k_head + j * p.k_strides[2];
     float partial = 0.0f;
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
@@ -58,7 +64,7 @@ template <typename T>
         partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
       }
     }
-    const float score = simd_sum(partial) * p.scale_log2;
+    const float score = fa_mask_score(simd_sum(partial) * p.scale_log2, mask, mask_at);
     const fa_softmax_step step = fa_softmax_push(state, score);
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {

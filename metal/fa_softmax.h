@@ -52,9 +52,29 @@ inline fa_softmax_step fa_softmax_push(thread fa_online_softmax &s, float score)
   return step;
 }
 
+// Folds `part`, the state of the same row over other keys, into s (the merge of split-K partial
+// results). The output accumulated with s is to be multiplied by `rescale`, the one accumulated
+// with part by `weight`. A part without keys (max -inf, sum 0) changes nothing; NaN in part's
+// sum propagates.
+inline fa_softmax_step fa_softmax_merge(thread fa_online_softmax &s, fa_online_softmax part) {
+  const float new_max = metal::max(s.max, part.max);
+  fa_softmax_step step;
+  step.rescale = fa_softmax_rescale(s.max, new_max);
+  step.weight = fa_softmax_rescale(part.max, new_max);
+  s.sum = s.sum * step.rescale + part.sum * step.weight;
+  s.max = new_max;
+  return step;
+}
+
 // 1/sum, or 0 for a row with no visible key (SDPA returns zeros there).
 inline float fa_softmax_inverse_sum(fa_online_softmax s) {
   return s.sum == 0.0f ? 0.0f : 1.0f / s.sum;
+}
+
+// The backward pass recomputes each probability from the forward's log-sum-exp instead of keeping
+// P: exp2(score - lse_log2), where lse_log2 = lse * log2(e) and score is in base 2 as above.
+inline float fa_softmax_probability(float score, float lse_log2) {
+  return metal::exp2(score - lse_log2);
 }
 
 // Natural-log log-sum-exp of the scaled scores: ln(sum_j exp(scale * q.k_j)).

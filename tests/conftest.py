@@ -1,15 +1,23 @@
 """Shared helpers: the float64 SDPA golden and PyTorch's tolerance rule."""
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def sdpa(q, k, v, causal=False, scale=None):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
+    """torch's SDPA through its math backend, as PyTorch's own tests take their reference: the
+    default CPU kernel of torch 2.13 returns NaN for causal rows with a negative scale."""
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
+                                              enable_gqa=True)
 
 
 def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
@@ -48,3 +56,40 @@ def randn(gen, *shape, dtype=torch.float32):
 
 
 ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+LAYOUTS = ["bhld", "blhd", "sliced"]
+
+
+def layout_tensor(gen, layout, b, h, n, d, dtype):
+    """A (b, h, n, d) tensor in the given memory layout, never copied afterwards."""
+    if layout == "bhld":
+        return randn(gen, b, h, n, d, dtype=dtype)
+    if layout == "blhd":
+        return randn(gen, b, n, h, d, dtype=dtype).transpose(1, 2)
+    base = randn(gen, b + 1, h + 1, n + 3, d + 5, dtype=dtype)  # sliced view with a storage offset
+    return base[1:, 1:, 2:n + 2, 3:d + 3]
+
+
+PEAK_RSS = """
+import json, sys, torch
+from flashattn_mps import flash_attention
+{run}
+run(64)  # compile/load, start the worker pool
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+base = rss("VmRSS:")
+inputs = run(int(sys.argv[1]))
+print(json.dumps({{"extra": rss("VmHWM:") - base, "inputs": inputs}}))
+"""
+
+
+def peak_memory_growth(run_source: str, n: int):
+    """In a fresh process, after a warm-up run(64): how far run(n) raised the peak RSS (bytes), and
+    the bytes of inputs and outputs run(n) reports. run_source defines run(n)."""
+    script = PEAK_RSS.format(run=run_source)
+    result = subprocess.run([sys.executable, "-c", script, str(n)], capture_output=True, text=True, check=True)
+    measured = json.loads(result.stdout)
+    return measured["extra"], measured["inputs"]

@@ -75,12 +75,13 @@ def test_bad_flags():
         flash_attention(q, k, v, kernel="fastest")
 
 
-def test_requires_grad_is_refused_not_ignored():
+def test_requires_grad_is_differentiated_not_ignored():
     q, k, v = qkv()
-    with pytest.raises(RuntimeError, match="gradients are not implemented"):
-        flash_attention(q.requires_grad_(), k, v)
+    assert flash_attention(q.requires_grad_(), k, v).grad_fn is not None  # gradients: tests/test_backward.py
     with torch.no_grad():
-        flash_attention(q, k, v)
+        assert not flash_attention(q, k, v).requires_grad
+    with pytest.raises(ValueError, match="differentiable or compiled calls take kernel='auto'"):
+        flash_attention(q, k, v, kernel="simple")
 
 
 # --- the C layer, called directly with malformed descriptors -------------------------------------

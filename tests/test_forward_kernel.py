@@ -3,12 +3,8 @@ a hypothesis fuzz test, the log-sum-exp, and memory that grows linearly with L."
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,22 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashattn_mps import flash_attention
-from conftest import ALL_DTYPES, assert_matches_sdpa, randn
+from conftest import ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, peak_memory_growth, randn
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
 LENGTHS = [(113, 203), (128, 217), (203, 113), (1023, 1024), (1, 147), (37, 37)]
 GQA = [1, 3, 8]
-LAYOUTS = ["bhld", "blhd", "sliced"]
-
-
-def layout_tensor(gen, layout, b, h, n, d, dtype):
-    """A (b, h, n, d) tensor in the given memory layout, never copied afterwards."""
-    if layout == "bhld":
-        return randn(gen, b, h, n, d, dtype=dtype)
-    if layout == "blhd":
-        return randn(gen, b, n, h, d, dtype=dtype).transpose(1, 2)
-    base = randn(gen, b + 1, h + 1, n + 3, d + 5, dtype=dtype)  # sliced view with a storage offset
-    return base[1:, 1:, 2:n + 2, 3:d + 3]
 
 
 def case_cost(lengths, e, ev, gqa):
@@ -45,7 +30,7 @@ def sampled_cases(count, seed):
     full = list(itertools.product(LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]))
     chosen = []
     for axis in range(7):  # cover every value of every axis
-        for value in {c[axis] for c in full}:
+        for value in sorted({c[axis] for c in full}, key=str):  # a fixed order: the same sample every run
             pool = [c for c in full if c[axis] == value]
             chosen.append(min(rng.sample(pool, 12), key=lambda c: case_cost(c[0], c[1], c[1], c[2])))
     rest = [c for c in full if case_cost(c[0], c[1], c[1], c[2]) < 4e7]
@@ -104,32 +89,18 @@ def test_fuzz_against_sdpa(b, hkv, group, lq, lk, e, ev, dtype, causal, layout, 
     assert_matches_sdpa(out, q, k, v, causal, scale)
 
 
-PEAK_RSS = textwrap.dedent("""
-    import json, sys, torch
-    from flashattn_mps import flash_attention
-    n = int(sys.argv[1])
-    small = torch.randn(1, 2, 64, 64)
-    flash_attention(small, small, small, causal=True)  # compile/load, start the worker pool
-    def rss(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    base = rss("VmRSS:")
+RUN_FORWARD = """
+def run(n):
     q = torch.randn(1, 2, n, 64)
-    out = flash_attention(q, q, q, causal=True)
-    print(json.dumps({"base": base, "peak": rss("VmHWM:"), "inputs": q.nbytes * 2}))
-""")
+    flash_attention(q, q, q, causal=True)
+    return q.nbytes * 2
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from /proc")
 def test_memory_grows_linearly_with_length():
-    def extra_bytes(n):
-        result = subprocess.run([sys.executable, "-c", PEAK_RSS, str(n)], capture_output=True, text=True, check=True)
-        r = json.loads(result.stdout)
-        return r["peak"] - r["base"], r["inputs"]
-
-    small, small_io = extra_bytes(1024)
-    large, large_io = extra_bytes(4096)
+    small, small_io = peak_memory_growth(RUN_FORWARD, 1024)
+    large, large_io = peak_memory_growth(RUN_FORWARD, 4096)
     score_matrix = 2 * 4096 * 4096 * 4  # what one float32 L x S matrix per head would need: 128 MiB
     assert large < score_matrix / 8, f"peak grew by {large} bytes at L=4096"
     # 4x the length: linear growth is ~4x (inputs and output), quadratic would be 16x.

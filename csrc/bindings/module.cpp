@@ -74,8 +74,8 @@ fa_tensor to_tensor(const py::handle &obj, const char *name) {
     return t;
 }
 
-void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-             double scale, bool causal, int32_t kernel) {
+fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
+                             py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -84,14 +84,85 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
     args.v = to_tensor(v, "v");
     args.out = to_tensor(out, "out");
     args.lse = to_tensor(lse, "lse");
+    args.mask = to_tensor(mask, "mask");
     args.scale = scale;
     args.causal = causal;
     args.kernel = kernel;
+    return args;
+}
+
+void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+             double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask) {
+    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
+    args.workspace = to_tensor(workspace, "workspace");
     fa_status st;
     int32_t rc;
     {
         py::gil_scoped_release release;
         rc = fa_forward(&args, &st);
+    }
+    check(rc, st);
+}
+
+int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
+                                py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask) {
+    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
+    fa_status st;
+    const int64_t bytes = fa_forward_workspace_bytes(&args, &st);
+    if (bytes < 0) {
+        raise_status(st);
+    }
+    return bytes;
+}
+
+// The planner's decision, for tests and curiosity: kernels with their grids, the split count and
+// the workspace size.
+py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+                      double scale, bool causal, int32_t kernel, py::handle mask) {
+    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
+    fa_plan plan;
+    fa_status st;
+    check(fa_plan_forward(&args, &plan, &st), st);
+    py::list dispatches;
+    for (uint32_t i = 0; i < plan.n_dispatches; ++i) {
+        const fa_plan_dispatch &d = plan.dispatches[i];
+        py::dict macros;
+        for (uint32_t m = 0; m < d.n_macros; ++m) {
+            macros[d.macros[m].name] = d.macros[m].value;
+        }
+        dispatches.append(py::dict(py::arg("function") = d.function, py::arg("macros") = macros,
+                                   py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
+                                   py::arg("threadgroup") =
+                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
+    }
+    return py::dict(py::arg("dispatches") = dispatches, py::arg("empty") = plan.empty != 0,
+                    py::arg("split_count") = plan.params.split_count,
+                    py::arg("workspace_bytes") = plan.workspace_bytes);
+}
+
+void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+              py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
+              bool causal) {
+    fa_backward_args args;
+    std::memset(&args, 0, sizeof args);
+    args.device = device;
+    args.q = to_tensor(q, "q");
+    args.k = to_tensor(k, "k");
+    args.v = to_tensor(v, "v");
+    args.out = to_tensor(out, "out");
+    args.lse = to_tensor(lse, "lse");
+    args.dout = to_tensor(dout, "dout");
+    args.delta = to_tensor(delta, "delta");
+    args.dq = to_tensor(dq, "dq");
+    args.dk = to_tensor(dk, "dk");
+    args.dv = to_tensor(dv, "dv");
+    args.scale = scale;
+    args.causal = causal;
+    fa_status st;
+    int32_t rc;
+    {
+        py::gil_scoped_release release;
+        rc = fa_backward(&args, &st);
     }
     check(rc, st);
 }
@@ -233,11 +304,13 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_FLOAT32") = static_cast<int>(FA_F32);
     m.attr("DTYPE_FLOAT16") = static_cast<int>(FA_F16);
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
+    m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
     m.attr("DEVICE_MPS") = static_cast<int>(FA_DEVICE_MPS);
     m.attr("KERNEL_AUTO") = static_cast<int>(FA_KERNEL_AUTO);
     m.attr("KERNEL_SIMPLE") = static_cast<int>(FA_KERNEL_SIMPLE);
     m.attr("KERNEL_FORWARD") = static_cast<int>(FA_KERNEL_FORWARD);
+    m.attr("KERNEL_DECODE") = static_cast<int>(FA_KERNEL_DECODE);
     m.attr("CONSTANT_BOOL") = static_cast<int>(MSL_CONSTANT_BOOL);
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
@@ -250,7 +323,20 @@ PYBIND11_MODULE(_C, m) {
 
     m.def("forward", &forward, "Validate, plan and run attention (descriptors as tuples)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-          py::arg("causal"), py::arg("kernel"));
+          py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(), py::arg("mask") = py::none());
+    m.def("forward_workspace_bytes", &forward_workspace_bytes,
+          "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
+          py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none());
+    m.def("plan_forward", &plan_forward, "The plan forward would run: dispatches, split count, workspace bytes",
+          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+          py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none());
+    m.def("backward", &backward,
+          "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
+          "(B, Hq, L) float32 scratch",
+          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+          py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
+          py::arg("causal"));
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));

@@ -1,0 +1,123 @@
+/* Validation and planning of the backward pass.
+ *
+ * The backward kernels take the forward kernel's specialisation: the forward's tile table
+ * (fa_plan.c) fits them as it is, because each streams two tiles of the forward's shapes through
+ * threadgroup memory:
+ *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
+ *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
+ *          (2 * BK floats, at most 256 bytes): at most 18.3 KiB of Apple7-9's 32 KiB.
+ * Registers per thread, in floats (BD = BDV = D):
+ *   dQ     Q, dO and dQ fragments 3 * D/4, S and dP 2 * BK/4:  D = 64: 56,  128: 104,  256: 200
+ *   dK/dV  K, V, dK and dV 4 * D/4, S^T and dP^T 2 * BK/4:     D = 64: 80,  128: 144,  256: 264
+ * so the dK/dV kernel keeps D <= 64 in registers and is likely to spill beyond 128, where
+ * metal-flash-attention splits the head dim into blocks instead (to be measured on a Mac).
+ * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
+ *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
+ *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
+ *   dQ     8 WM query rows per threadgroup, the forward's launch:             (ceil(L / 32), Hq, B)
+ * Work, as multiply-adds per (query, key) pair: dK/dV 2E + 2Ev, dQ 2E + Ev (S is recomputed by
+ * both: 7 matrix products against the forward's 2, metal-flash-attention's count). */
+#include "fa_plan.h"
+
+#include <stdio.h>
+#include <string.h>
+
+const char fa_backward_source[] = "fa_backward.metal";
+
+/* t must be an ndim-D view of `dtype` whose sizes are the first ndim sizes of `like`; `expected`
+ * names the shape rule in messages. */
+static int32_t check_matches(const fa_tensor *t, const char *name, int32_t ndim, int32_t dtype, const fa_tensor *like,
+                             const char *expected, fa_status *st) {
+    int32_t rc = fa_check_tensor(t, name, ndim, 0, st);
+    if (rc != FA_OK) {
+        return rc;
+    }
+    if (t->dtype != dtype) {
+        return fa_fail(st, FA_ERR_TYPE, "%s: must be %s, got %s", name, fa_dtype_name(dtype), fa_dtype_name(t->dtype));
+    }
+    for (int32_t d = 0; d < ndim; ++d) {
+        if (t->sizes[d] != like->sizes[d]) {
+            char ts[96], ls[96];
+            fa_describe_shape(t, ts, sizeof ts);
+            fa_describe_shape(like, ls, sizeof ls);
+            return fa_fail(st, FA_ERR_VALUE, "%s %s must be %s %s", name, ts, expected, ls);
+        }
+    }
+    return FA_OK;
+}
+
+static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
+    for (int32_t d = 0; d < n; ++d) {
+        dst[d] = t->strides[d];
+    }
+}
+
+static uint32_t blocks(int64_t n, int64_t per_block) {
+    return (uint32_t)((n + per_block - 1) / per_block);
+}
+
+static void set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step, int32_t dtype,
+                         uint32_t grid_x, uint32_t heads, uint32_t batch, uint32_t threads) {
+    *d = *forward; /* its macros and function constants */
+    snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
+    snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
+    d->grid[0] = grid_x;
+    d->grid[1] = heads;
+    d->grid[2] = batch;
+    d->threadgroup[0] = threads;
+    d->threadgroup[1] = 1;
+    d->threadgroup[2] = 1;
+}
+
+int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
+    if (a == NULL || plan == NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "fa_plan_backward: NULL argument");
+    }
+    memset(plan, 0, sizeof *plan);
+    /* Planning the forward validates q, k, v, out and lse and fills their kernel arguments. */
+    fa_forward_args forward_args;
+    memset(&forward_args, 0, sizeof forward_args);
+    forward_args.device = a->device;
+    forward_args.q = a->q;
+    forward_args.k = a->k;
+    forward_args.v = a->v;
+    forward_args.out = a->out;
+    forward_args.lse = a->lse;
+    forward_args.scale = a->scale;
+    forward_args.causal = a->causal;
+    forward_args.kernel = FA_KERNEL_FORWARD;
+    fa_plan forward;
+    int32_t rc;
+    if ((rc = fa_plan_forward(&forward_args, &forward, st)) ||
+        (rc = check_matches(&a->lse, "lse", 3, FA_F32, &a->q, "(B, Hq, L) for q", st)) ||
+        (rc = check_matches(&a->dout, "dout", 4, a->out.dtype, &a->out, "the shape of out", st)) ||
+        (rc = check_matches(&a->delta, "delta", 3, FA_F32, &a->q, "(B, Hq, L) for q", st)) ||
+        (rc = check_matches(&a->dq, "dq", 4, a->q.dtype, &a->q, "the shape of q", st)) ||
+        (rc = check_matches(&a->dk, "dk", 4, a->k.dtype, &a->k, "the shape of k", st)) ||
+        (rc = check_matches(&a->dv, "dv", 4, a->v.dtype, &a->v, "the shape of v", st))) {
+        return rc;
+    }
+
+    fa_backward_params *p = &plan->params;
+    p->forward = forward.params;
+    copy_strides(p->do_strides, &a->dout, 4);
+    copy_strides(p->dq_strides, &a->dq, 4);
+    copy_strides(p->dk_strides, &a->dk, 4);
+    copy_strides(p->dv_strides, &a->dv, 4);
+    copy_strides(p->delta_strides, &a->delta, 3);
+    p->scale = (float)a->scale;
+
+    const fa_plan_dispatch *tiled = &forward.dispatches[0];
+    const uint32_t threads = tiled->threadgroup[0];
+    const int64_t rows_per_group = threads / 32 * 8; /* 8 rows per SIMD-group */
+    const uint32_t batch = (uint32_t)p->forward.batch;
+    const int32_t dtype = a->q.dtype;
+    set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, "delta", dtype,
+                 blocks(p->forward.q_len, FA_BACKWARD_DELTA_ROWS), (uint32_t)p->forward.q_heads, batch,
+                 32u * FA_BACKWARD_DELTA_ROWS);
+    set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype, blocks(p->forward.kv_len, rows_per_group),
+                 (uint32_t)p->forward.kv_heads, batch, threads);
+    set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype, blocks(p->forward.q_len, rows_per_group),
+                 (uint32_t)p->forward.q_heads, batch, threads);
+    return FA_OK;
+}

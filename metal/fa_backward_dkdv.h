@@ -1,0 +1,128 @@
+// The backward pass, key side: dV = P^T dO and dK = scale * dS^T Q, parallel over key blocks.
+//
+// A threadgroup of WM SIMD-groups owns 8 * WM keys of one (batch, kv head), each SIMD-group 8 of
+// them, keeping their K (pre-scaled by scale * log2(e)) and V fragments and the dK and dV
+// accumulators in registers. Queries stream through threadgroup memory BK rows at a time: Q, dO
+// and, per row, lse_log2 = lse * log2(e) and D (the forward's tile sizes with queries in place of
+// keys). Per tile, everything transposed relative to the dQ kernel (fa_backward_dq.h):
+//   S^T  = K Q^T,  P^T = exp2(S^T - lse_log2),  dP^T = V dO^T,  dS^T = P^T (dP^T - D)
+//   dV += P^T dO,  dK += dS^T Q
+// GQA: the threadgroup of a kv head loops over every query head that reads it, so dK and dV sum
+// their contributions in registers; each threadgroup writes only its own keys: no atomics, and
+// K and V are read in place, never expanded.
+#ifndef FA_BACKWARD_DKDV_H
+#define FA_BACKWARD_DKDV_H
+
+#include <metal_stdlib>
+#include "fa_fragments.h"
+#include "fa_loader.h"
+#include "fa_params.h"
+#include "fa_softmax.h"
+
+using namespace metal;
+
+template <typename T, int BD, int BDV, int BK, int WM>
+[[kernel]] void fa_backward_dkdv(
+    const device T *q [[buffer(0)]],
+    const device T *k [[buffer(1)]],
+    const device T *v [[buffer(2)]],
+    const device T *dout [[buffer(4)]],
+    const device float *lse [[buffer(5)]],
+    const device float *delta [[buffer(6)]],
+    device T *dk [[buffer(8)]],
+    device T *dv [[buffer(9)]],
+    constant fa_backward_params &p [[buffer(10)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]],
+    ushort lane [[thread_index_in_simdgroup]]) {
+  constexpr int Q_PITCH = BD + FA_TILE_PAD;
+  constexpr int DO_PITCH = BDV + FA_TILE_PAD;
+  threadgroup T q_tile[BK * Q_PITCH];
+  threadgroup T do_tile[BK * DO_PITCH];
+  threadgroup float lse_tile[BK];
+  threadgroup float delta_tile[BK];
+
+  constant fa_params &f = p.forward;
+  const long b = group.z;
+  const long kv_h = group.y;
+  const int key_block = int(group.x) * 8 * WM;
+  const int key0 = key_block + 8 * int(sg); // first of this SIMD-group's 8 keys
+  const ushort2 at = fa_frag_coord(lane);
+  const int my_key = key0 + at.y;           // the one key whose elements this lane holds
+  const bool key_valid = my_key < f.kv_len;
+
+  fa_frag k_frag[BD / 8];
+  fa_frags_load_row<T, BD / 8>(k_frag, k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(my_key) * f.k_strides[2],
+                               f.k_strides[3], key_valid, f.head_dim, f.scale_log2, at);
+  fa_frag v_frag[BDV / 8];
+  fa_frags_load_row<T, BDV / 8>(v_frag, v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(my_key) * f.v_strides[2],
+                                f.v_strides[3], key_valid, f.v_head_dim, 1.0f, at);
+  fa_frag dk_frag[BD / 8];
+  for (int d = 0; d < BD / 8; ++d) {
+    fa_frag_fill(dk_frag[d], 0.0f);
+  }
+  fa_frag dv_frag[BDV / 8];
+  for (int d = 0; d < BDV / 8; ++d) {
+    fa_frag_fill(dv_frag[d], 0.0f);
+  }
+
+  // Top-left causal: query i sees key j only when j <= i, so no query before the block's first key
+  // sees any of its keys; those tiles are never loaded (and a block past L gets zeros).
+  const int q_begin = fa_causal ? key_block : 0;
+  for (long h = kv_h * f.gqa_factor; h < (kv_h + 1) * f.gqa_factor; ++h) {
+    const device T *q_head = q + b * f.q_strides[0] + h * f.q_strides[1];
+    const device T *do_head = dout + b * p.do_strides[0] + h * p.do_strides[1];
+    const device float *lse_head = lse + b * f.lse_strides[0] + h * f.lse_strides[1];
+    const device float *delta_head = delta + b * p.delta_strides[0] + h * p.delta_strides[1];
+    for (int q0 = q_begin; q0 < f.q_len; q0 += BK) {
+      const int valid_rows = min(BK, f.q_len - q0);
+      threadgroup_barrier(mem_flags::mem_threadgroup); // the previous tiles are consumed
+      fa_load_tile<T, BK, BD, 32 * WM>(q_tile, Q_PITCH, q_head + long(q0) * f.q_strides[2], f.q_strides[2],
+                                       f.q_strides[3], valid_rows, f.head_dim, tid);
+      fa_load_tile<T, BK, BDV, 32 * WM>(do_tile, DO_PITCH, do_head + long(q0) * p.do_strides[2], p.do_strides[2],
+                                        p.do_strides[3], valid_rows, f.v_head_dim, tid);
+      if (tid < uint(BK)) {
+        // Rows past L get probability 0 through lse = +inf.
+        const long row = q0 + long(tid);
+        const bool inside = int(tid) < valid_rows;
+        lse_tile[tid] = inside ? lse_head[row * f.lse_strides[2]] * M_LOG2E_F : INFINITY;
+        delta_tile[tid] = inside ? delta_head[row * p.delta_strides[2]] : 0.0f;
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+
+      fa_frag s_frag[BK / 8];
+      fa_frag dp_frag[BK / 8];
+      for (int j = 0; j < BK / 8; ++j) {
+        fa_frag_fill(s_frag[j], 0.0f);
+        fa_frag_fill(dp_frag[j], 0.0f);
+      }
+      fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, k_frag, q_tile, Q_PITCH, at);
+      fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, v_frag, do_tile, DO_PITCH, at);
+
+      // s_frag becomes P^T and dp_frag dS^T in place. Only tiles crossing the diagonal mask
+      // (ragged rows are handled by lse = +inf).
+      const bool needs_mask = fa_causal && key0 + 7 > q0;
+      for (int j = 0; j < BK / 8; ++j) {
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * j + at.x + e; // the query row q0 + col
+          const bool visible = !needs_mask || my_key <= q0 + col;
+          const float prob = visible ? fa_softmax_probability(s_frag[j].thread_elements()[e], lse_tile[col]) : 0.0f;
+          s_frag[j].thread_elements()[e] = prob;
+          dp_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]);
+        }
+      }
+      fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, at);
+      fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, at);
+    }
+  }
+
+  if (key_valid) {
+    fa_frags_store_row<T, BD / 8>(dk_frag, dk + b * p.dk_strides[0] + kv_h * p.dk_strides[1] + long(my_key) * p.dk_strides[2],
+                                  p.dk_strides[3], f.head_dim, p.scale, at);
+    fa_frags_store_row<T, BDV / 8>(dv_frag, dv + b * p.dv_strides[0] + kv_h * p.dv_strides[1] + long(my_key) * p.dv_strides[2],
+                                   p.dv_strides[3], f.v_head_dim, 1.0f, at);
+  }
+}
+
+#endif
