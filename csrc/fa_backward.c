@@ -51,7 +51,11 @@ int32_t fa_backward(const fa_backward_args *args, fa_status *st) {
     }
     d.bindings[BACKWARD_TENSORS].bytes = &plan.params;
     d.bindings[BACKWARD_TENSORS].length = (int64_t)sizeof plan.params;
-    d.n_bindings = BACKWARD_TENSORS + 1;
+    /* [[buffer(11)]]: the attn_mask, untouched unless FA_FC_MASK_KIND says there is one. */
+    const fa_tensor *mask = args->mask.storage != NULL ? &args->mask : present;
+    d.bindings[BACKWARD_TENSORS + 1].storage = mask->storage;
+    d.bindings[BACKWARD_TENSORS + 1].byte_offset = mask->byte_offset;
+    d.n_bindings = BACKWARD_TENSORS + 2;
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {
         const fa_plan_dispatch *step = &plan.dispatches[i];
         if (launches(step)) {

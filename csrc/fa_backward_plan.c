@@ -83,6 +83,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.v = a->v;
     forward_args.out = a->out;
     forward_args.lse = a->lse;
+    forward_args.mask = a->mask;
     forward_args.scale = a->scale;
     forward_args.causal = a->causal;
     forward_args.kernel = FA_KERNEL_FORWARD;

@@ -102,6 +102,7 @@ typedef struct fa_backward_args {
     fa_tensor q, k, v, out, lse, dout;
     fa_tensor delta;
     fa_tensor dq, dk, dv;
+    fa_tensor mask; /* the forward's attn_mask (ndim 0 when absent), as in fa_forward_args */
     double scale;
     int32_t causal;
 } fa_backward_args;

@@ -8,6 +8,17 @@ CPU tensors run the same Metal kernels on the CPU Metal device (see `flashattn_m
 from ._C import MetalCompileError, MetalDispatchError
 from ._api import explain_plan, flash_attention
 from . import _autograd  # registers the torch.library ops that make flash_attention differentiable
+from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 
 __version__ = "0.1.0"
-__all__ = ["flash_attention", "explain_plan", "MetalCompileError", "MetalDispatchError", "__version__"]
+__all__ = [
+    "flash_attention",
+    "scaled_dot_product_attention",
+    "explain",
+    "explain_plan",
+    "patch",
+    "unpatch",
+    "MetalCompileError",
+    "MetalDispatchError",
+    "__version__",
+]

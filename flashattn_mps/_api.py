@@ -13,6 +13,7 @@ _DTYPE_CODES = {
     torch.float16: _C.DTYPE_FLOAT16,
     torch.bfloat16: _C.DTYPE_BFLOAT16,
 }
+_DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL}  # bool only for masks
 _DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
 _metal_stream_mode = None  # decided on the first MPS call
 
@@ -47,7 +48,7 @@ def describe(t: torch.Tensor) -> tuple:
         storage.data_ptr(),
         storage.nbytes(),
         t.storage_offset() * t.element_size(),
-        _DTYPE_CODES[t.dtype],
+        _DESCRIPTOR_DTYPES[t.dtype],
         tuple(t.shape),
         tuple(t.stride()),
     )
@@ -57,7 +58,7 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale) -> None:
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -100,6 +101,36 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
         raise TypeError(f"flash_attention: causal must be a bool, got {type(causal).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"flash_attention: scale must be a float or None, got {type(scale).__name__}")
+    if attn_mask is not None and causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+
+
+def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
+    """SDPA's rule: bool, float32, or the query's dtype."""
+    return mask_dtype in (torch.bool, torch.float32, query_dtype)
+
+
+def _validate_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
+    """The mask as a (B, Hq, L, S) view (broadcast dims get stride 0; nothing is expanded in memory)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"flash_attention: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device}, q on {q.device}")
+    if not supported_mask_dtype(attn_mask.dtype, q.dtype):
+        raise TypeError(
+            f"flash_attention: attn_mask has dtype {attn_mask.dtype}; masks are bool (True takes part), "
+            f"float32 or the query's dtype ({q.dtype}), added to the scaled scores"
+        )
+    target = (*q.shape[:-1], k.shape[-2])
+    try:
+        view = attn_mask.expand(target)
+    except RuntimeError:
+        raise ValueError(
+            f"flash_attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, Hq, L, S) = {target}"
+        ) from None
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("flash_attention: attn_mask requires grad, but masks are not differentiated")
+    return view
 
 
 def _validate_options(kernel, return_lse) -> None:
@@ -123,6 +154,7 @@ def flash_attention(
     causal: bool = False,
     scale: Optional[float] = None,
     *,
+    attn_mask: Optional[torch.Tensor] = None,
     kernel: str = "auto",
     return_lse: bool = False,
 ):
@@ -137,6 +169,10 @@ def flash_attention(
         v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 256.
         causal: SDPA's top-left mask tril(ones(L, S)): query i sees keys 0..i.
         scale: multiplies q.k; default 1/sqrt(E).
+        attn_mask: None, or a mask broadcastable to (B, Hq, L, S) ((Hq, L, S) for 3-D inputs): bool
+            (True takes part) or float32 / q's dtype added to the scaled scores, as SDPA's. Read
+            through its strides inside the kernels, never expanded in memory; a row with no visible
+            key gives zeros (and zero gradients). Not combinable with causal=True (SDPA refuses it too).
         kernel: "auto" (the planner's choice: "decode" for L <= 8, else "forward"), "forward" (the
             FlashAttention-2 prefill kernel), "decode" (the vector kernel for few query rows, keys
             split over threadgroups when long) or "simple" (the one-row-per-SIMD-group reference
@@ -154,46 +190,53 @@ def flash_attention(
     log-sum-exp carries no gradient and double backward raises.
     """
     if _needs_torch_op(q, k, v):
-        _validate(q, k, v, causal, scale)
+        _validate(q, k, v, causal, scale, attn_mask)
         _validate_options(kernel, return_lse)
         if kernel != "auto":
             raise ValueError(
                 f"flash_attention: kernel={kernel!r} selects a forward kernel for tests and benchmarks of "
                 "the forward; differentiable or compiled calls take kernel='auto'"
             )
-        out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, causal, _scale_value(q.shape[-1], scale))
+        out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, attn_mask, causal, _scale_value(q.shape[-1], scale))
         return (out, lse) if return_lse else out
-    args, out, lse = _core_arguments(q, k, v, causal, scale, kernel, return_lse)
+    args, mask, out, lse = _core_arguments(q, k, v, causal, scale, kernel, return_lse, attn_mask)
     unbatched = q.dim() == 3
     if out.numel() > 0 or (lse is not None and lse.numel() > 0):
         _sources.ensure_registered()
         if q.device.type == "mps":
             _prepare_mps()
-        workspace = _workspace(args, q.device)
-        _C.forward(*args, None if workspace is None else describe(workspace))
+        workspace = _workspace(args, mask, q.device)
+        _C.forward(*args, None if workspace is None else describe(workspace), mask=_describe_optional(mask))
     if unbatched:
         out = out.squeeze(0)
         lse = None if lse is None else lse.squeeze(0)
     return (out, lse) if return_lse else out
 
 
-def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, kernel: str = "auto") -> dict:
+def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, attn_mask=None,
+                 kernel: str = "auto") -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
     {"dispatches": [{"function", "macros", "grid", "threadgroup"}, ...], "split_count",
     "workspace_bytes", "empty"}. split_count > 1 means the keys are split over threadgroups and a
     second dispatch merges the partial results."""
-    args, _, _ = _core_arguments(q, k, v, causal, scale, kernel, False)
-    return _C.plan_forward(*args)
+    args, mask, _, _ = _core_arguments(q, k, v, causal, scale, kernel, False, attn_mask)
+    return _C.plan_forward(*args, mask=_describe_optional(mask))
 
 
-def _core_arguments(q, k, v, causal, scale, kernel, return_lse):
+def _describe_optional(t: Optional[torch.Tensor]):
+    return None if t is None else describe(t)
+
+
+def _core_arguments(q, k, v, causal, scale, kernel, return_lse, attn_mask=None):
     """Validates a call and returns the C core's arguments for it (device, descriptors of q, k, v,
-    out, lse, scale, causal, kernel) with the new out and lse tensors they describe (batched even
-    for 3-D inputs)."""
-    _validate(q, k, v, causal, scale)
+    out, lse, scale, causal, kernel), the (B, Hq, L, S) mask view (or None; the caller keeps it
+    alive while the core reads it) and the new out and lse tensors (batched even for 3-D inputs)."""
+    _validate(q, k, v, causal, scale, attn_mask)
     _validate_options(kernel, return_lse)
+    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     if q.dim() == 3:  # views, not copies
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        mask = None if mask is None else mask.unsqueeze(0)
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
     args = (
@@ -207,13 +250,13 @@ def _core_arguments(q, k, v, causal, scale, kernel, return_lse):
         causal,
         _KERNELS[kernel],
     )
-    return args, out, lse
+    return args, mask, out, lse
 
 
-def _workspace(args: tuple, device: torch.device) -> Optional[torch.Tensor]:
+def _workspace(args: tuple, mask, device: torch.device) -> Optional[torch.Tensor]:
     """The scratch memory a call needs (split-K partial results), as float32 on its device, or None:
     the C core allocates nothing itself."""
-    nbytes = _C.forward_workspace_bytes(*args)
+    nbytes = _C.forward_workspace_bytes(*args, mask=_describe_optional(mask))
     return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device) if nbytes > 0 else None
 
 

@@ -16,6 +16,7 @@
 #include <metal_stdlib>
 #include "fa_fragments.h"
 #include "fa_loader.h"
+#include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
 
@@ -32,6 +33,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device T *dk [[buffer(8)]],
     device T *dv [[buffer(9)]],
     constant fa_backward_params &p [[buffer(10)]],
+    const device uchar *mask [[buffer(11)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -107,7 +109,11 @@ template <typename T, int BD, int BDV, int BK, int WM>
         for (int e = 0; e < 2; ++e) {
           const int col = 8 * j + at.x + e; // the query row q0 + col
           const bool visible = !needs_mask || my_key <= q0 + col;
-          const float prob = visible ? fa_softmax_probability(s_frag[j].thread_elements()[e], lse_tile[col]) : 0.0f;
+          float score = s_frag[j].thread_elements()[e];
+          if (visible && fa_mask_kind != FA_MASK_NONE && key_valid && q0 + col < f.q_len) {
+            score = fa_mask_score(score, mask, fa_mask_offset(f, b, h, q0 + col, my_key));
+          }
+          const float prob = visible ? fa_softmax_probability(score, lse_tile[col]) : 0.0f;
           s_frag[j].thread_elements()[e] = prob;
           dp_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]);
         }

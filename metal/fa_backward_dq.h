@@ -15,6 +15,7 @@
 #include <metal_stdlib>
 #include "fa_fragments.h"
 #include "fa_loader.h"
+#include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
 
@@ -30,6 +31,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     const device float *delta [[buffer(6)]],
     device T *dq [[buffer(7)]],
     constant fa_backward_params &p [[buffer(10)]],
+    const device uchar *mask [[buffer(11)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -91,13 +93,18 @@ template <typename T, int BD, int BDV, int BK, int WM>
     fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, at);
     fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, do_frag, v_tile, V_PITCH, at);
 
-    // s_frag becomes dS in place. Only the ragged last tile and tiles crossing the diagonal mask.
-    const bool needs_mask = valid_keys < BK || (fa_causal && k0 + BK - 1 > row0);
+    // s_frag becomes dS in place. Only the ragged last tile, tiles crossing the diagonal and tiles
+    // under an attn_mask mask.
+    const bool needs_mask = valid_keys < BK || (fa_causal && k0 + BK - 1 > row0) || fa_mask_kind != FA_MASK_NONE;
     for (int j = 0; j < BK / 8; ++j) {
       for (int e = 0; e < 2; ++e) {
         const int key = k0 + 8 * j + at.x + e;
         const bool visible = !needs_mask || (key < f.kv_len && !(fa_causal && key > my_row));
-        const float prob = visible ? fa_softmax_probability(s_frag[j].thread_elements()[e], row_lse_log2) : 0.0f;
+        float score = s_frag[j].thread_elements()[e];
+        if (visible && fa_mask_kind != FA_MASK_NONE && row_valid) {
+          score = fa_mask_score(score, mask, fa_mask_offset(f, b, h, my_row, key));
+        }
+        const float prob = visible ? fa_softmax_probability(score, row_lse_log2) : 0.0f;
         s_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - row_delta);
       }
     }

@@ -73,8 +73,9 @@ inline float fa_softmax_inverse_sum(fa_online_softmax s) {
 
 // The backward pass recomputes each probability from the forward's log-sum-exp instead of keeping
 // P: exp2(score - lse_log2), where lse_log2 = lse * log2(e) and score is in base 2 as above.
+// A masked score (-inf) has probability 0 even in a row with no visible key, whose lse is -inf too.
 inline float fa_softmax_probability(float score, float lse_log2) {
-  return metal::exp2(score - lse_log2);
+  return score == -INFINITY ? 0.0f : metal::exp2(score - lse_log2);
 }
 
 // Natural-log log-sum-exp of the scaled scores: ln(sum_j exp(scale * q.k_j)).

@@ -147,13 +147,16 @@ def test_memory_grows_linearly_with_length():
 def test_opcheck(gen):
     q, k, v = randn(gen, 1, 4, 20, 16), randn(gen, 1, 2, 24, 16), randn(gen, 1, 2, 24, 8)
     strided = randn(gen, 1, 24, 2, 16).transpose(1, 2)
-    for args in [(q, k, v, True, 0.25), (q[0], k[0], v[0], False, 0.5), (q, strided, v, False, 0.5)]:
+    mask = torch.rand(20, 24, generator=gen) > 0.3
+    for args in [(q, k, v, None, True, 0.25), (q[0], k[0], v[0], None, False, 0.5), (q, strided, v, None, False, 0.5),
+                 (q, k, v, mask, False, 0.25)]:
         torch.library.opcheck(torch.ops.flashattn_mps.attention_forward.default,
-                              tuple(t.requires_grad_() if isinstance(t, torch.Tensor) else t for t in args))
-    out, lse = torch.ops.flashattn_mps.attention_forward(q.detach(), k.detach(), v.detach(), True, 0.25)
+                              tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                    for t in args))
+    out, lse = torch.ops.flashattn_mps.attention_forward(q.detach(), k.detach(), v.detach(), None, True, 0.25)
     dout = randn(gen, 1, 20, 4, 8).transpose(1, 2)
     torch.library.opcheck(torch.ops.flashattn_mps.attention_backward.default,
-                          (dout, q.detach(), k.detach(), v.detach(), out, lse, True, 0.25))
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, None, True, 0.25))
 
 
 class Block(torch.nn.Module):

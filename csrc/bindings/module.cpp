@@ -142,7 +142,7 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal) {
+              bool causal, py::handle mask) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -156,6 +156,7 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.dq = to_tensor(dq, "dq");
     args.dk = to_tensor(dk, "dk");
     args.dv = to_tensor(dv, "dv");
+    args.mask = to_tensor(mask, "mask");
     args.scale = scale;
     args.causal = causal;
     fa_status st;
@@ -336,7 +337,7 @@ PYBIND11_MODULE(_C, m) {
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
-          py::arg("causal"));
+          py::arg("causal"), py::arg("mask") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));

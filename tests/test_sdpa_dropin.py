@@ -1,0 +1,216 @@
+"""The SDPA drop-in: masks inside the kernels, torch's signature and errors, visible fallbacks, and
+patch()/unpatch() on real torch modules (CPU tensors through the CPU Metal device)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import flashattn_mps
+from flashattn_mps import explain, patch, scaled_dot_product_attention, unpatch
+from conftest import ALL_DTYPES, max_error, randn
+
+
+def golden_and_reference(q, k, v, mask=None, causal=False, scale=None, enable_gqa=False):
+    golden_mask = None if mask is None else mask if mask.dtype == torch.bool else mask.double()
+    golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=golden_mask,
+                                            is_causal=causal, scale=scale, enable_gqa=enable_gqa)
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                               enable_gqa=enable_gqa)
+    return golden, reference
+
+
+def assert_dropin_matches(q, k, v, mask=None, causal=False, scale=None, enable_gqa=False, factor=5.0):
+    assert explain(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa).startswith("flashattn_mps")
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa)
+    golden, reference = golden_and_reference(q, k, v, mask, causal, scale, enable_gqa)
+    tolerance = max(1e-5, factor * max_error(reference, golden))
+    assert out.shape == golden.shape and out.dtype == q.dtype
+    assert max_error(out, golden) <= tolerance
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_masks_of_every_broadcast_shape(gen, dtype, kind):
+    b, h, lq, lk, e = 2, 4, 37, 45, 32
+    q, k, v = randn(gen, b, h, lq, e, dtype=dtype), randn(gen, b, 2, lk, e, dtype=dtype), randn(gen, b, 2, lk, e, dtype=dtype)
+    shapes = [(lq, lk), (1, 1, lq, lk), (b, 1, 1, lk), (b, h, lq, lk), (1, h, lq, lk), (b, 1, lq, lk), (1, 1, 1, lk), (b, h, 1, lk)]
+    for shape in shapes:
+        keep = torch.rand(*shape, generator=gen) > 0.3
+        if kind == "bool":
+            mask = keep
+        else:
+            mask = torch.where(keep, torch.randn(*shape, generator=gen), torch.tensor(float("-inf"))).to(
+                dtype if shape == (lq, lk) else torch.float32)
+        assert_dropin_matches(q, k, v, mask, enable_gqa=True)
+
+
+@pytest.mark.parametrize("lq", [5, 70])  # decode and prefill kernels
+def test_fully_masked_rows_give_zeros(gen, lq):
+    q, k, v = randn(gen, 1, 2, lq, 16), randn(gen, 1, 2, 30, 16), randn(gen, 1, 2, 30, 16)
+    mask = torch.rand(lq, 30, generator=gen) > 0.5
+    mask[::4] = False  # every 4th row sees nothing
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert (out[:, :, ::4] == 0).all()
+    assert_dropin_matches(q, k, v, mask)
+
+
+def test_key_padding_mask(gen):
+    lengths = torch.tensor([30, 17, 1])
+    mask = (torch.arange(30)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    q, k, v = randn(gen, 3, 4, 20, 64, dtype=torch.float16), randn(gen, 3, 4, 30, 64, dtype=torch.float16), randn(gen, 3, 4, 30, 64, dtype=torch.float16)
+    assert_dropin_matches(q, k, v, mask)
+
+
+def test_band_mask_600(gen):
+    n = 600
+    outside = torch.ones(n, n, dtype=torch.bool).triu(1) | torch.ones(n, n, dtype=torch.bool).tril(-65)
+    band = torch.zeros(n, n).masked_fill(outside, float("-inf"))  # each query sees itself and 64 before
+    q, k, v = randn(gen, 1, 2, n, 32), randn(gen, 1, 2, n, 32), randn(gen, 1, 2, n, 32)
+    assert_dropin_matches(q, k, v, band)
+
+
+def test_causal_and_shapes_like_torch(gen):
+    q, k, v = randn(gen, 2, 3, 4, 9, 16), randn(gen, 2, 3, 4, 11, 16), randn(gen, 2, 3, 4, 11, 8)  # 5-D
+    assert_dropin_matches(q, k, v, causal=True)
+    q2, k2, v2 = randn(gen, 9, 16), randn(gen, 11, 16), randn(gen, 11, 8)  # 2-D
+    assert_dropin_matches(q2, k2, v2, causal=True)
+    q3, k3, v3 = randn(gen, 2, 8, 9, 16), randn(gen, 2, 2, 11, 16), randn(gen, 2, 2, 11, 16)
+    assert_dropin_matches(q3, k3, v3, enable_gqa=True, scale=0.3)
+
+
+ERROR_CASES = {
+    "mask and causal": lambda q, k, v: dict(attn_mask=torch.ones(5, 6, dtype=torch.bool), is_causal=True),
+    "heads without enable_gqa": lambda q, k, v: dict(key=k[:, :2], value=v[:, :2]),
+    "indivisible heads": lambda q, k, v: dict(key=k[:, :3], value=v[:, :3], enable_gqa=True),
+    "dtype mix": lambda q, k, v: dict(key=k.half()),
+    "int mask": lambda q, k, v: dict(attn_mask=torch.ones(5, 6, dtype=torch.int32)),
+    "float64 mask": lambda q, k, v: dict(attn_mask=torch.ones(5, 6, dtype=torch.float64)),
+    "mask shape": lambda q, k, v: dict(attn_mask=torch.ones(5, 7)),
+    "dropout out of range": lambda q, k, v: dict(dropout_p=1.5),
+    "head dim mismatch": lambda q, k, v: dict(key=k[..., :4]),
+    "int inputs": lambda q, k, v: dict(query=q.int(), key=k.int(), value=v.int()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERROR_CASES))
+def test_errors_are_torchs(case):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    args = dict(query=q, key=k, value=v)
+    args.update(ERROR_CASES[case](q, k, v))
+    with pytest.raises(Exception) as theirs:
+        meta = {n: (t.to("meta") if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+        F.scaled_dot_product_attention(**meta)
+    with pytest.raises(theirs.type):
+        scaled_dot_product_attention(**args)
+
+
+FALLBACKS = {
+    "dropout": (lambda q, k, v: dict(dropout_p=0.5), "dropout"),
+    "float64": (lambda q, k, v: dict(query=q.double(), key=k.double(), value=v.double()), "dtypes"),
+    "mask needs grad": (lambda q, k, v: dict(attn_mask=torch.zeros(5, 6, requires_grad=True)), "requires grad"),
+    "broadcast batch": (lambda q, k, v: dict(key=k[:1], value=v[:1]), "batch dimensions differ"),
+    "head dim 300": (lambda q, k, v: dict(query=torch.randn(2, 4, 5, 300), key=torch.randn(2, 4, 6, 300)), "head dims above 256"),
+    "meta device": (lambda q, k, v: dict(query=q.to("meta"), key=k.to("meta"), value=v.to("meta")), "device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FALLBACKS))
+def test_fallbacks_take_torch_and_say_why(case, caplog):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    make, reason = FALLBACKS[case]
+    args = dict(query=q, key=k, value=v)
+    args.update(make(q, k, v))
+    text = explain(**args)
+    assert text.startswith("torch's scaled_dot_product_attention") and reason in text
+    with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
+        torch.manual_seed(0)
+        out = scaled_dot_product_attention(**args)
+    assert reason in caplog.text
+    torch.manual_seed(0)
+    expected = F.scaled_dot_product_attention(**args)
+    if out.device.type != "meta":
+        assert torch.equal(out, expected)
+
+
+def test_patch_routes_only_what_it_should(gen):
+    original = F.scaled_dot_product_attention
+    q, k, v = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
+    calls = []
+    with patch():  # CPU tensors are not routed unless asked
+        assert F.scaled_dot_product_attention is not original
+        assert "not asked" in str(flashattn_mps._sdpa.route(q, k, v, allow_cpu=False))
+        F.scaled_dot_product_attention(q, k, v)
+    assert F.scaled_dot_product_attention is original
+    p = patch(cpu=True)
+    try:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert max_error(out, F.scaled_dot_product_attention.__wrapped__(q.double(), k.double(), v.double(), is_causal=True)) < 1e-5
+    finally:
+        unpatch()
+    assert F.scaled_dot_product_attention is original
+
+
+def run_module(module, x, key_padding=None):
+    module.zero_grad()
+    x = x.clone().requires_grad_()
+    out = module(x, x, x, key_padding_mask=key_padding, need_weights=False)[0] if isinstance(module, nn.MultiheadAttention) else module(x, src_key_padding_mask=key_padding)
+    out.sum().backward()
+    return out.detach(), x.grad, [p.grad.clone() for p in module.parameters()]
+
+
+GRAD_FUDGE = {"q": 16.0, "k": 16.0, "v": 4.0}  # PyTorch's factors (dQ up to 180 for half types)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("pattern", ["bool_rows_masked", "float_key_padding", "band", "full_4d_float"])
+def test_mask_gradients(gen, dtype, pattern):
+    b, h, lq, lk, e = 2, 4, 40, 50, 32
+    q, k, v = (randn(gen, b, h, n, e, dtype=dtype) for n in (lq, lk, lk))
+    if pattern == "bool_rows_masked":
+        mask = torch.rand(lq, lk, generator=gen) > 0.4
+        mask[::4] = False  # rows with no visible key: zero output, zero gradients
+    elif pattern == "float_key_padding":
+        mask = torch.zeros(b, 1, 1, lk).masked_fill(torch.arange(lk) >= torch.tensor([50, 23]).view(b, 1, 1, 1), float("-inf"))
+    elif pattern == "band":
+        outside = torch.ones(lq, lk, dtype=torch.bool).triu(1) | torch.ones(lq, lk, dtype=torch.bool).tril(-9)
+        mask = torch.zeros(lq, lk, dtype=dtype).masked_fill(outside, float("-inf"))
+    else:
+        mask = torch.randn(b, h, lq, lk, generator=gen)
+    dout = randn(gen, b, h, lq, e, dtype=dtype)
+
+    def grads(fn, *tensors):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        fn(*leaves, mask if mask.dtype == torch.bool or leaves[0].dtype != torch.float64 else mask.double()).backward(
+            dout.to(leaves[0].dtype))
+        return [t.grad for t in leaves]
+
+    ours = grads(lambda q_, k_, v_, m: scaled_dot_product_attention(q_, k_, v_, attn_mask=m), q, k, v)
+    golden = grads(lambda q_, k_, v_, m: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m), q.double(), k.double(), v.double())
+    reference = grads(lambda q_, k_, v_, m: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m), q, k, v)
+    for name, a, g, r in zip("qkv", ours, golden, reference):
+        tolerance = max(1e-5, GRAD_FUDGE[name] * max_error(r, g))
+        assert max_error(a, g) <= tolerance, f"d{name}: {max_error(a, g):.3e} > {tolerance:.3e}"
+    if pattern == "bool_rows_masked":
+        assert (ours[0][:, :, ::4] == 0).all()
+
+
+def test_multihead_attention_and_encoder_layer_with_patch(gen, caplog):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(64, 4, batch_first=True)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    x = randn(gen, 2, 33, 64)
+    padding = torch.zeros(2, 33, dtype=torch.bool)
+    padding[1, 20:] = True
+    for module in (mha, layer):
+        for kp in (None, padding):
+            expected = run_module(module, x, kp)
+            caplog.clear()
+            with patch(cpu=True), caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
+                got = run_module(module, x, kp)
+            assert "-> flashattn_mps kernels" in caplog.text and "-> torch's" not in caplog.text
+            for a, b in zip((expected[0], expected[1], *expected[2]), (got[0], got[1], *got[2])):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
