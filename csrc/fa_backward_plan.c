@@ -61,12 +61,7 @@ static void set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, c
     *d = *forward; /* its macros and function constants */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
-    d->grid[0] = grid_x;
-    d->grid[1] = heads;
-    d->grid[2] = batch;
-    d->threadgroup[0] = threads;
-    d->threadgroup[1] = 1;
-    d->threadgroup[2] = 1;
+    fa_plan_set_geometry(d, grid_x, heads, batch, threads);
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {

@@ -319,7 +319,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     return d;
 }
 
-static void set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads) {
+void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads) {
     d->grid[0] = x;
     d->grid[1] = y;
     d->grid[2] = z;
@@ -330,7 +330,7 @@ static void set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z
 
 /* A grid of (ceil(L / rows_per_group), Hq, B) threadgroups. */
 static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_t rows_per_group, uint32_t threads) {
-    set_geometry(d, (uint32_t)((a->q.sizes[2] + rows_per_group - 1) / rows_per_group), (uint32_t)a->q.sizes[1],
+    fa_plan_set_geometry(d, (uint32_t)((a->q.sizes[2] + rows_per_group - 1) / rows_per_group), (uint32_t)a->q.sizes[1],
                  (uint32_t)a->q.sizes[0], threads);
 }
 
@@ -372,7 +372,7 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
-    set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
+    fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
                  32u * FA_DECODE_SIMD_GROUPS);
     if (p->split_count > 1) {
         const int64_t partial_rows = (int64_t)p->split_count * p->batch * p->q_heads * p->q_len;

@@ -44,6 +44,9 @@ int32_t fa_plan_forward(const fa_forward_args *args, fa_plan *plan, fa_status *s
 int32_t fa_plan_check_workspace(const fa_plan *plan, const fa_forward_args *args, fa_status *st);
 
 /* The pipeline key of one dispatch (pointers into it). */
+/* A dispatch's grid (threadgroups) and 1-D threadgroup size. */
+void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads);
+
 fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *dispatch);
 
 /* Helpers the backward planner (fa_backward_plan.c) shares with the forward's. */

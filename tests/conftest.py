@@ -1,8 +1,10 @@
 """Shared helpers: the float64 SDPA golden and PyTorch's tolerance rule."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 import subprocess
 import sys
 
@@ -93,3 +95,19 @@ def peak_memory_growth(run_source: str, n: int):
     result = subprocess.run([sys.executable, "-c", script, str(n)], capture_output=True, text=True, check=True)
     measured = json.loads(result.stdout)
     return measured["extra"], measured["inputs"]
+
+
+def sample_product(axes, count, seed, cost, per_value, max_cost):
+    """A fixed sample of the product of `axes` (lists of values) for parametrised tests: for every
+    value of every axis the cheapest of `per_value` random cases holding it, then random cases under
+    `max_cost` up to `count`. Deterministic across processes (values are ordered by str)."""
+    rng = random.Random(seed)
+    full = list(itertools.product(*axes))
+    chosen = []
+    for axis in range(len(axes)):
+        for value in sorted({c[axis] for c in full}, key=str):
+            pool = [c for c in full if c[axis] == value]
+            chosen.append(min(rng.sample(pool, min(per_value, len(pool))), key=cost))
+    rest = [c for c in full if cost(c) < max_cost]
+    chosen += rng.sample(rest, max(0, count - len(chosen)))
+    return sorted(set(chosen), key=str)

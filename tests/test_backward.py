@@ -3,9 +3,7 @@ product of shapes, layouts and flags, the torch.library ops under opcheck and to
 training run against SDPA, and the errors (double backward, malformed descriptors)."""
 from __future__ import annotations
 
-import itertools
 import os
-import random
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ import torch.nn.functional as F
 
 from flashattn_mps import _C, flash_attention
 from flashattn_mps._api import describe
-from conftest import ALL_DTYPES, LAYOUTS, layout_tensor, max_error, peak_memory_growth, randn, sdpa
+from conftest import ALL_DTYPES, LAYOUTS, sample_product, layout_tensor, max_error, peak_memory_growth, randn, sdpa
 
 HEAD_DIMS = [32, 59, 64, 96, 128, 256]
 LENGTHS = [(113, 203), (203, 113), (128, 217), (1, 147), (37, 37)]
@@ -48,25 +46,13 @@ def assert_gradients_match(q, k, v, dout, causal=False, scale=None):
         assert error <= tolerance, f"{name}: error {error:.3e} > {tolerance:.3e} (reference {reference_error:.3e})"
 
 
-def case_cost(lengths, e, gqa):
-    return lengths[0] * lengths[1] * e * gqa
+def case_cost(case):
+    (lq, lk), e, gqa = case[0], case[1], case[2]
+    return lq * lk * e * gqa
 
 
-def sampled_cases(count, seed):
-    """A fixed sample of the product, cheap cases preferred; every value of every axis appears."""
-    rng = random.Random(seed)
-    full = list(itertools.product(LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]))
-    chosen = []
-    for axis in range(7):
-        for value in sorted({c[axis] for c in full}, key=str):  # str: a stable order across processes
-            pool = [c for c in full if c[axis] == value]
-            chosen.append(min(rng.sample(pool, 8), key=lambda c: case_cost(c[0], c[1], c[2])))
-    rest = [c for c in full if case_cost(c[0], c[1], c[2]) < 1.5e7]
-    chosen += rng.sample(rest, count - len(chosen))
-    return sorted(set(chosen), key=str)
-
-
-@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sampled_cases(40, 6))
+@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
+    [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 40, 6, case_cost, 8, 1.5e7))
 def test_gradient_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     lq, lk = lengths
     ev = max(1, (e * 3) // 4) if ev_differs else e

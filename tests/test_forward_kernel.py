@@ -2,9 +2,7 @@
 a hypothesis fuzz test, the log-sum-exp, and memory that grows linearly with L."""
 from __future__ import annotations
 
-import itertools
 import os
-import random
 
 import pytest
 import torch
@@ -12,33 +10,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashattn_mps import flash_attention
-from conftest import ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, peak_memory_growth, randn
+from conftest import ALL_DTYPES, LAYOUTS, sample_product, assert_matches_sdpa, layout_tensor, peak_memory_growth, randn
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
 LENGTHS = [(113, 203), (128, 217), (203, 113), (1023, 1024), (1, 147), (37, 37)]
 GQA = [1, 3, 8]
 
 
-def case_cost(lengths, e, ev, gqa):
-    return lengths[0] * lengths[1] * (e + ev) * gqa
+def case_cost(case):
+    (lq, lk), e, gqa = case[0], case[1], case[2]
+    return lq * lk * 2 * e * gqa
 
 
-def sampled_cases(count, seed):
-    """A fixed sample of the product, cheap cases preferred so CI stays fast; every head dim, length
-    pair, GQA ratio, dtype, layout and flag appears at least once."""
-    rng = random.Random(seed)
-    full = list(itertools.product(LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]))
-    chosen = []
-    for axis in range(7):  # cover every value of every axis
-        for value in sorted({c[axis] for c in full}, key=str):  # a fixed order: the same sample every run
-            pool = [c for c in full if c[axis] == value]
-            chosen.append(min(rng.sample(pool, 12), key=lambda c: case_cost(c[0], c[1], c[1], c[2])))
-    rest = [c for c in full if case_cost(c[0], c[1], c[1], c[2]) < 4e7]
-    chosen += rng.sample(rest, count - len(chosen))
-    return sorted(set(chosen), key=str)
-
-
-@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sampled_cases(70, 4))
+@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
+    [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 70, 4, case_cost, 12, 4e7))
 def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     lq, lk = lengths
     ev = max(1, (e * 3) // 4) if ev_differs else e
