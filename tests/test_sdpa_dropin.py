@@ -2,6 +2,7 @@
 patch()/unpatch() on real torch modules (CPU tensors through the CPU Metal device)."""
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -37,9 +38,12 @@ def assert_dropin_matches(q, k, v, mask=None, causal=False, scale=None, enable_g
 def test_masks_of_every_broadcast_shape(gen, dtype, kind):
     b, h, lq, lk, e = 2, 4, 37, 45, 32
     q, k, v = randn(gen, b, h, lq, e, dtype=dtype), randn(gen, b, 2, lk, e, dtype=dtype), randn(gen, b, 2, lk, e, dtype=dtype)
-    shapes = [(lq, lk), (1, 1, lq, lk), (b, 1, 1, lk), (b, h, lq, lk), (1, h, lq, lk), (b, 1, lq, lk), (1, 1, 1, lk), (b, h, 1, lk)]
+    # PyTorch's patterns: 4-D masks with every dim full or 1, and 2-D ones.
+    shapes = list(itertools.product([b, 1], [h, 1], [lq, 1], [lk, 1])) + [(lq, lk), (1, lk), (lq, 1)]
     for shape in shapes:
         keep = torch.rand(*shape, generator=gen) > 0.3
+        if shape[-2] == lq:
+            keep[..., ::4, :] = False  # every 4th row sees nothing
         if kind == "bool":
             mask = keep
         else:
