@@ -269,6 +269,7 @@ def plot(rows, path, where):
                 if pts:
                     ax.plot(*zip(*sorted(pts)), marker="o", label=f"{impl} D={d}")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # the implementations differ by orders of magnitude on the CPU device
         ax.set_xlabel("sequence length")
         ax.set_title(f"causal={causal}")
     axes[0].set_ylabel("TFLOPS")
