@@ -92,17 +92,17 @@ def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             return Route("torch", f"attn_mask dtype {attn_mask.dtype}: bool, float32 or the query's dtype (torch raises otherwise)")
         target = (*query.shape[:-2], query.shape[-2], key.shape[-2])
         try:
-            torch.broadcast_shapes(attn_mask.shape, target)
+            broadcast = torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
             return Route("torch", f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {target} (torch raises)")
-        if torch.broadcast_shapes(attn_mask.shape, target) != torch.Size(target):
+        if broadcast != torch.Size(target):
             return Route("torch", f"attn_mask {tuple(attn_mask.shape)} would broadcast the output beyond {target}")
         if _as_4d(_broadcast_mask(attn_mask, query, key)) is None:
             return Route("torch", "attn_mask's leading dims cannot be viewed as one batch dim")
         if attn_mask.requires_grad and torch.is_grad_enabled():
             return Route("torch", "attn_mask requires grad: the kernels do not differentiate masks")
-    kind = "decode" if query.shape[-2] <= 8 else "prefill"
-    return Route("kernel", f"{kind} path, {'masked' if attn_mask is not None else 'causal' if is_causal else 'unmasked'}")
+    masking = "attn_mask" if attn_mask is not None else "causal" if is_causal else "no mask"
+    return Route("kernel", f"{masking} (flashattn_mps.explain_plan shows the kernels and grids)")
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
