@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import random
 import subprocess
 import sys
@@ -111,3 +110,12 @@ def sample_product(axes, count, seed, cost, per_value, max_cost):
     rest = [c for c in full if cost(c) < max_cost]
     chosen += rng.sample(rest, max(0, count - len(chosen)))
     return sorted(set(chosen), key=str)
+
+
+def product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs):
+    """q, k, v of one sampled case: batch 1, GQA ratio gqa (2 kv heads, 1 for ratio 8), Ev = 3/4 E
+    when ev_differs, in the given memory layout."""
+    (lq, lk), ev = lengths, (max(1, (e * 3) // 4) if ev_differs else e)
+    hkv = 2 if gqa < 8 else 1
+    return (layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype), layout_tensor(gen, layout, 1, hkv, lk, e, dtype),
+            layout_tensor(gen, layout, 1, hkv, lk, ev, dtype))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flashattn_mps import _C, flash_attention
 from flashattn_mps._api import describe
-from conftest import ALL_DTYPES, LAYOUTS, sample_product, layout_tensor, max_error, peak_memory_growth, randn, sdpa
+from conftest import ALL_DTYPES, LAYOUTS, product_case_tensors, sample_product, layout_tensor, max_error, peak_memory_growth, randn, sdpa
 
 HEAD_DIMS = [32, 59, 64, 96, 128, 256]
 LENGTHS = [(113, 203), (203, 113), (128, 217), (1, 147), (37, 37)]
@@ -54,13 +54,8 @@ def case_cost(case):
 @pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
     [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 40, 6, case_cost, 8, 1.5e7))
 def test_gradient_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
-    lq, lk = lengths
-    ev = max(1, (e * 3) // 4) if ev_differs else e
-    hkv = 2 if gqa < 8 else 1
-    q = layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype)
-    k = layout_tensor(gen, layout, 1, hkv, lk, e, dtype)
-    v = layout_tensor(gen, layout, 1, hkv, lk, ev, dtype)
-    dout = layout_tensor(gen, layout, 1, hkv * gqa, lq, ev, dtype)
+    q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
+    dout = layout_tensor(gen, layout, 1, q.shape[1], q.shape[2], v.shape[3], dtype)
     assert_gradients_match(q, k, v, dout, causal)
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashattn_mps import flash_attention
-from conftest import ALL_DTYPES, LAYOUTS, sample_product, assert_matches_sdpa, layout_tensor, peak_memory_growth, randn
+from conftest import ALL_DTYPES, LAYOUTS, product_case_tensors, sample_product, assert_matches_sdpa, layout_tensor, peak_memory_growth, randn
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
 LENGTHS = [(113, 203), (128, 217), (203, 113), (1023, 1024), (1, 147), (37, 37)]
@@ -25,12 +25,7 @@ def case_cost(case):
 @pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
     [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 70, 4, case_cost, 12, 4e7))
 def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
-    lq, lk = lengths
-    ev = max(1, (e * 3) // 4) if ev_differs else e
-    hkv = 2 if gqa < 8 else 1
-    q = layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype)
-    k = layout_tensor(gen, layout, 1, hkv, lk, e, dtype)
-    v = layout_tensor(gen, layout, 1, hkv, lk, ev, dtype)
+    q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
     out = flash_attention(q, k, v, causal=causal, kernel="forward")
     assert_matches_sdpa(out, q, k, v, causal)
 

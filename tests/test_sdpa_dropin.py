@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import flashattn_mps
 from flashattn_mps import explain, patch, scaled_dot_product_attention, unpatch
 from conftest import ALL_DTYPES, max_error, randn
 
@@ -140,22 +139,30 @@ def test_fallbacks_take_torch_and_say_why(case, caplog):
         assert torch.equal(out, expected)
 
 
-def test_patch_routes_only_what_it_should(gen):
+def test_patch_routes_only_what_it_should(gen, caplog):
     original = F.scaled_dot_product_attention
     q, k, v = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
-    calls = []
-    with patch():  # CPU tensors are not routed unless asked
+    with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
+        with patch():  # CPU tensors are not routed unless asked
+            assert F.scaled_dot_product_attention is not original
+            F.scaled_dot_product_attention(q, k, v)
+        assert "not asked to route CPU calls" in caplog.text and "-> flashattn_mps" not in caplog.text
+        assert F.scaled_dot_product_attention is original
+        caplog.clear()
+        outer = patch(cpu=True)
+        inner = patch()
+        outer.close()  # closing out of order keeps the newest patch in force ...
         assert F.scaled_dot_product_attention is not original
-        assert "not asked" in str(flashattn_mps._sdpa.route(q, k, v, allow_cpu=False))
-        F.scaled_dot_product_attention(q, k, v)
+        inner.close()  # ... and restores torch's function when the last one goes
+        assert F.scaled_dot_product_attention is original
+        patch(cpu=True)
+        try:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        finally:
+            unpatch()
+        assert "-> flashattn_mps kernels" in caplog.text
     assert F.scaled_dot_product_attention is original
-    p = patch(cpu=True)
-    try:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        assert max_error(out, F.scaled_dot_product_attention.__wrapped__(q.double(), k.double(), v.double(), is_causal=True)) < 1e-5
-    finally:
-        unpatch()
-    assert F.scaled_dot_product_attention is original
+    assert max_error(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)) < 1e-5
 
 
 def run_module(module, x, key_padding=None):
