@@ -19,13 +19,15 @@ _metal_stream_mode = None  # decided on the first MPS call
 
 
 def _prepare_mps() -> None:
-    """Encode on PyTorch's MPS stream where that is safe (torch >= 2.9); before that a new encoder
-    on torch's command buffer can collide with its coalesced encoder, so older torch gets the
-    backend's own queue after a torch.mps.synchronize() (the backend then waits for its work)."""
+    """Encode on PyTorch's MPS stream where that is safe; before PyTorch PR #164093 a new encoder on
+    torch's command buffer can collide with its coalesced encoder, so older torch gets the backend's
+    own queue after a torch.mps.synchronize() (the backend then waits for its work). The PR was
+    merged in September 2025; torch 2.10 is the first release it is certain to be in, so 2.9 takes
+    the safe path too."""
     global _metal_stream_mode
     if _metal_stream_mode is None:
         major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-        _metal_stream_mode = _C.metal_set_stream_mode(1 if (major, minor) >= (2, 9) else 0)
+        _metal_stream_mode = _C.metal_set_stream_mode(1 if (major, minor) >= (2, 10) else 0)
     if _metal_stream_mode == 0:
         torch.mps.synchronize()
 

@@ -101,7 +101,9 @@ template <typename T, int COLS, int ROWS>
   // [begin, end); this SIMD-group takes every SG-th of them.
   const int kv_end = fa_causal ? min(p.kv_len, p.q_len) : p.kv_len;
   const int begin = int(group.x) * p.split_keys;
-  const int end = int(min(long(kv_end), long(begin) + p.split_keys)); // no int overflow near S = 2^31
+  // No int overflow near S = 2^31; a plain comparison, since MSL's min() is not documented for long.
+  const long split_end = long(begin) + p.split_keys;
+  const int end = split_end < long(kv_end) ? int(split_end) : kv_end;
   const device T *k_head = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
   const device T *v_head = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
   for (int j = begin + int(sg); j < end; j += SG) {

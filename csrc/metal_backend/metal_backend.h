@@ -11,7 +11,8 @@ extern "C" {
 /* How dispatches reach the GPU.
  *   1 (default): encode on PyTorch's MPS stream (torch::mps::get_dispatch_queue /
  *     get_command_buffer, resolved at run time); no commit, no wait, ordered with torch's own work.
- *     Needs torch >= 2.9: before PR #164093 a new encoder can collide with torch's coalesced one.
+ *     Needs PR #164093 (the Python layer uses it from torch 2.10): before it a new encoder can
+ *     collide with torch's coalesced one.
  *   0: the backend's own command queue; the caller runs torch.mps.synchronize() first, and each
  *     dispatch commits and waits, reporting GPU errors as FA_ERR_RUNTIME.
  * Returns the mode in effect: 1 only if requested and both torch symbols were found. */
