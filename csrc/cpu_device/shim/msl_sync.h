@@ -122,6 +122,14 @@ inline uint32_t frag_lane(uint32_t row, uint32_t col) {
 
 inline uint32_t lane_id() { return api->current()->thread_index_in_simdgroup; }
 
+/* Memory index of this lane's element j (0 or 1) for simdgroup_load/store. */
+inline uint64_t frag_element_index(int j, uint64_t elements_per_row, ulong2 matrix_origin, bool transpose_matrix) {
+    uint32_t lane = lane_id();
+    uint64_t row = matrix_origin.y + frag_row(lane);
+    uint64_t col = matrix_origin.x + frag_col(lane) + j;
+    return transpose_matrix ? col * elements_per_row + row : row * elements_per_row + col;
+}
+
 } // namespace msl_rt
 
 namespace metal {
@@ -287,24 +295,16 @@ simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
 template <class T, int Cols, int Rows, class U>
 void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const U *src, uint64_t elements_per_row = Cols,
                     ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
-    uint32_t lane = msl_rt::lane_id();
-    uint64_t row = matrix_origin.y + msl_rt::frag_row(lane);
-    uint64_t col = matrix_origin.x + msl_rt::frag_col(lane);
     for (int j = 0; j < 2; j++) {
-        uint64_t at = transpose_matrix ? (col + j) * elements_per_row + row : row * elements_per_row + col + j;
-        d.elements[j] = T(src[at]);
+        d.elements[j] = T(src[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)]);
     }
 }
 
 template <class T, int Cols, int Rows, class U>
 void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, U *dst, uint64_t elements_per_row = Cols,
                      ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
-    uint32_t lane = msl_rt::lane_id();
-    uint64_t row = matrix_origin.y + msl_rt::frag_row(lane);
-    uint64_t col = matrix_origin.x + msl_rt::frag_col(lane);
     for (int j = 0; j < 2; j++) {
-        uint64_t at = transpose_matrix ? (col + j) * elements_per_row + row : row * elements_per_row + col + j;
-        dst[at] = a.elements[j];
+        dst[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)] = a.elements[j];
     }
 }
 
