@@ -5,13 +5,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc metal tools -type f) setup.py pyproject.toml
 
-.PHONY: demo test bench strict-check clean
+.PHONY: demo test test-torch bench strict-check metal-offline-check doctor clean
 
 demo: $(VENV)/.built
 	$(PY) -m flashattn_mps.demo
 
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests
+
+# The suite against another torch: make test-torch TORCH=2.14.1. A separate venv (.venv-torch-X)
+# gets that torch and the test dependencies; the extension is the tree's own build, since it uses
+# no torch headers or libraries and one build serves every torch.
+TORCH ?=
+TORCH_VENV := .venv-torch-$(TORCH)
+test-torch: $(VENV)/.built
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.14.1"; exit 2; }
+	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q "torch==$(TORCH)" $(TEST_DEPS)
+	$(TORCH_VENV)/bin/python -c "import torch, flashattn_mps; print('torch', torch.__version__, 'flashattn_mps from', flashattn_mps.__file__)"
+	$(TORCH_VENV)/bin/python -m pytest -q tests
 
 bench: $(VENV)/.built
 	$(PY) -m pip install -q matplotlib
@@ -21,9 +33,18 @@ bench: $(VENV)/.built
 strict-check: $(VENV)/.built
 	$(PY) -m flashattn_mps.strict_check
 
+# Apple's offline Metal compiler on every specialisation (macOS with Xcode only).
+metal-offline-check: $(VENV)/.built
+	$(PY) -m flashattn_mps.metal_offline_check
+
+doctor: $(VENV)/.built
+	$(PY) -m flashattn_mps.doctor
+
+TEST_DEPS := numpy pytest hypothesis pybind11 "setuptools>=64" wheel
+
 $(VENV)/.deps:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q "torch==2.13.0" numpy pytest hypothesis pybind11 "setuptools>=64" wheel
+	$(PY) -m pip install -q "torch==2.13.0" $(TEST_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
@@ -31,4 +52,4 @@ $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	touch $@
 
 clean:
-	rm -rf build $(VENV) flashattn_mps/*.so *.egg-info
+	rm -rf build $(VENV) .venv-torch-* flashattn_mps/*.so *.egg-info

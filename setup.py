@@ -23,6 +23,7 @@ C_SOURCES = [
     "csrc/cpu_device/prepass.c",
     "csrc/cpu_device/runtime.c",
     "csrc/cpu_device/fiber.c",
+    "csrc/metal_backend/torch_symbols.c",
 ]
 BACKEND_SOURCES = ["csrc/metal_backend/metal_backend.m"] if IS_MACOS else ["csrc/metal_backend/unavailable.c"]
 
@@ -56,12 +57,16 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
+# CoreGraphics: without it MTLCreateSystemDefaultDevice() returns nil in a command-line process
+# (Apple's documentation of that function); it is the backend's last resort for a device.
+MACOS_FRAMEWORKS = ["-framework", "Metal", "-framework", "Foundation", "-framework", "CoreGraphics"]
+
 extension = Pybind11Extension(
     "flashattn_mps._C",
-    sources=["csrc/bindings/module.cpp"] + C_SOURCES + BACKEND_SOURCES,
+    sources=["csrc/bindings/module.cpp", "csrc/bindings/metal_bindings.cpp"] + C_SOURCES + BACKEND_SOURCES,
     include_dirs=["csrc", "metal"],
     extra_compile_args=["-O2"],
-    extra_link_args=["-framework", "Metal", "-framework", "Foundation"] if IS_MACOS else ["-ldl", "-lpthread"],
+    extra_link_args=MACOS_FRAMEWORKS if IS_MACOS else ["-ldl", "-lpthread"],
     cxx_std=17,
 )
 

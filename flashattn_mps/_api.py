@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import _C, _sources
+from . import _C, _metal_mode, _sources
 
 _DTYPE_CODES = {
     torch.float32: _C.DTYPE_FLOAT32,
@@ -15,21 +15,11 @@ _DTYPE_CODES = {
 }
 _DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL}  # bool only for masks
 _DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
-_metal_stream_mode = None  # decided on the first MPS call
 
 
 def _prepare_mps() -> None:
-    """Encode on PyTorch's MPS stream where that is safe; before PyTorch PR #164093 a new encoder on
-    torch's command buffer can collide with its coalesced encoder, so older torch gets the backend's
-    own queue after a torch.mps.synchronize() (the backend then waits for its work). The PR was
-    merged in September 2025; torch 2.10 is the first release it is certain to be in, so 2.9 takes
-    the safe path too."""
-    global _metal_stream_mode
-    if _metal_stream_mode is None:
-        major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-        _metal_stream_mode = _C.metal_set_stream_mode(1 if (major, minor) >= (2, 10) else 0)
-    if _metal_stream_mode == 0:
-        torch.mps.synchronize()
+    """Before a Metal call: the stream mode is chosen on first use (flashattn_mps._metal_mode)."""
+    _metal_mode.prepare()
 
 
 _KERNELS = {
@@ -219,10 +209,14 @@ def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *
                  kernel: str = "auto") -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
     {"dispatches": [{"function", "macros", "grid", "threadgroup"}, ...], "split_count",
-    "workspace_bytes", "empty"}. split_count > 1 means the keys are split over threadgroups and a
-    second dispatch merges the partial results."""
+    "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches reach the GPU).
+    split_count > 1 means the keys are split over threadgroups and a second dispatch merges the
+    partial results."""
     args, mask, _, _ = _core_arguments(q, k, v, causal, scale, kernel, False, attn_mask)
-    return _C.plan_forward(*args, mask=_describe_optional(mask))
+    plan = _C.plan_forward(*args, mask=_describe_optional(mask))
+    if q.device.type == "mps":
+        plan["metal_stream"] = _metal_mode.describe()
+    return plan
 
 
 def _describe_optional(t: Optional[torch.Tensor]):

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import _metal_mode
 from ._api import flash_attention, supported_mask_dtype
 
 log = logging.getLogger("flashattn_mps")
@@ -141,8 +142,10 @@ def _broadcast_mask(attn_mask, query, key):
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> str:
-    """Which path `scaled_dot_product_attention` takes for these arguments, and why."""
-    return str(route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa))
+    """Which path `scaled_dot_product_attention` takes for these arguments, and why (for MPS
+    tensors also the Metal stream mode in effect)."""
+    decision = str(route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa))
+    return decision + (f"; {_metal_mode.describe()}" if getattr(query, "is_mps", False) else "")
 
 
 class patch:

@@ -10,12 +10,11 @@
 extern "C" {
 #include "../cpu_device/cpu_device.h"
 #include "../fa_plan.h"
-#if defined(__APPLE__)
-#include "../metal_backend/metal_backend.h"
-#endif
 }
 
 namespace py = pybind11;
+
+void add_metal_bindings(py::module_ &m, void (*raise_status)(const fa_status &)); // metal_bindings.cpp
 
 namespace {
 
@@ -344,11 +343,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("cache_dir", &cache_dir);
     m.def("shim_dir", &shim_dir);
 
-#if defined(__APPLE__)
-    m.def("metal_set_stream_mode", &fa_metal_set_stream_mode, py::arg("use_torch_stream"),
-          "1: encode on PyTorch's MPS stream (torch >= 2.9); 0: own queue, commit and wait. "
-          "Returns the mode in effect.");
-#endif
+    add_metal_bindings(m, raise_status);
 
     py::class_<Library>(m, "CpuLibrary")
         .def("kernels", &library_kernels)

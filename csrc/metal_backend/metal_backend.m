@@ -16,18 +16,23 @@
 #include "metal_backend.h"
 
 static id<MTLDevice> g_device;
-static id<MTLCommandQueue> g_queue; // fallback stream mode only
+static int32_t g_device_chosen_by;
+static id<MTLCommandQueue> g_queue; // FA_METAL_OWN_QUEUE only
 // Caches live for the process; keys are serialized strings (see library_key, get_pipeline).
 static NSMutableDictionary<NSString *, id<MTLLibrary>> *g_libraries;
 static NSMutableDictionary<NSString *, id<MTLComputePipelineState>> *g_pipelines;
 static os_unfair_lock g_lock = OS_UNFAIR_LOCK_INIT; // guards the caches and the torch symbols
 
-// torch::mps::get_command_buffer() / get_dispatch_queue() from torch/mps.h. Their return types
-// (MTLCommandBuffer_t, DispatchQueue_t) are void* in the C++ build of libtorch and are not part
-// of the mangled name; they return borrowed (+0) references, hence __bridge below.
+// torch's symbols (metal_backend.h, torch_symbols.c). get_command_buffer / get_dispatch_queue
+// return MTLCommandBuffer_t / DispatchQueue_t, void* in libtorch's C++ build and not part of the
+// mangled name, as borrowed (+0) references, hence __bridge below. endKernelCoalescing is a
+// non-virtual member function: called with the stream as its only (this) argument.
+static void *g_torch[FA_TORCH_N_SYMBOLS];
 typedef void *(*torch_getter)(void);
-static torch_getter g_get_command_buffer, g_get_dispatch_queue;
-static atomic_int g_want_torch_stream = 1;
+typedef void (*torch_stream_method)(void *stream);
+typedef void (*torch_void_fn)(void);
+
+static atomic_int g_mode = FA_METAL_OWN_QUEUE, g_debug = 0, g_check_buffers = 1;
 
 static const char *describe(NSError *e) { return e ? e.localizedDescription.UTF8String : "(no error)"; }
 
@@ -49,25 +54,80 @@ static void *find_torch_symbol(const char *name) {
     return p;
 }
 
-// Resolved once at start-up and again by fa_metal_set_stream_mode (torch may be imported later);
-// never per dispatch, since a miss scans every loaded image.
-static void resolve_torch(void) {
+// Never per dispatch, since a miss scans every loaded image: at start-up and on request (torch
+// may be imported after this library is loaded).
+uint32_t fa_metal_torch_symbols(void) {
+    uint32_t found = 0;
     os_unfair_lock_lock(&g_lock);
-    if (!g_get_command_buffer || !g_get_dispatch_queue) {
-        g_get_command_buffer = (torch_getter)find_torch_symbol("_ZN5torch3mps18get_command_bufferEv");
-        g_get_dispatch_queue = (torch_getter)find_torch_symbol("_ZN5torch3mps18get_dispatch_queueEv");
+    for (int32_t i = 0; i < FA_TORCH_N_SYMBOLS; ++i) {
+        if (!g_torch[i]) g_torch[i] = find_torch_symbol(fa_metal_torch_symbol_name(i));
+        if (g_torch[i]) found |= 1u << i;
     }
     os_unfair_lock_unlock(&g_lock);
+    return found;
+}
+
+static bool has_torch(uint32_t found, uint32_t needed) { return (found & needed) == needed; }
+
+int32_t fa_metal_configure(int32_t mode, int32_t debug, int32_t check_buffers) {
+    const uint32_t found = fa_metal_torch_symbols();
+    uint32_t needed = 1u << FA_TORCH_GET_COMMAND_BUFFER | 1u << FA_TORCH_GET_DISPATCH_QUEUE;
+    if (mode == FA_METAL_TORCH_STREAM_END_COALESCING) {
+        needed |= 1u << FA_TORCH_CURRENT_STREAM | 1u << FA_TORCH_END_COALESCING;
+    }
+    if (debug) needed |= 1u << FA_TORCH_SYNCHRONIZE;
+    const bool torch_mode = mode == FA_METAL_TORCH_STREAM || mode == FA_METAL_TORCH_STREAM_END_COALESCING;
+    const int32_t effective = torch_mode && has_torch(found, needed) ? mode : FA_METAL_OWN_QUEUE;
+    atomic_store(&g_mode, effective);
+    atomic_store(&g_debug, debug ? 1 : 0);
+    atomic_store(&g_check_buffers, check_buffers ? 1 : 0);
+    return effective;
+}
+
+// The device of torch's MPS command buffer, taken on torch's serial queue; nil without the symbols.
+static id<MTLDevice> torch_device(void) {
+    const uint32_t needed = 1u << FA_TORCH_GET_COMMAND_BUFFER | 1u << FA_TORCH_GET_DISPATCH_QUEUE;
+    if (!has_torch(fa_metal_torch_symbols(), needed)) return nil;
+    dispatch_queue_t queue = (__bridge dispatch_queue_t)((torch_getter)g_torch[FA_TORCH_GET_DISPATCH_QUEUE])();
+    if (!queue) return nil;
+    __block id<MTLDevice> device = nil;
+    dispatch_sync(queue, ^{
+        device = ((__bridge id<MTLCommandBuffer>)((torch_getter)g_torch[FA_TORCH_GET_COMMAND_BUFFER])()).device;
+    });
+    return device;
+}
+
+// torch's rule (aten/src/ATen/mps/MPSDevice.mm): the first device of MTLCopyAllDevices() that is
+// not low-power (an Intel iGPU) and supports Mac2 (Metal 2).
+static id<MTLDevice> first_not_low_power_device(void) {
+    NSArray<id<MTLDevice>> *devices = MTLCopyAllDevices(); // NS_RETURNS_RETAINED: ARC releases it
+    for (id<MTLDevice> device in devices) {
+        if (!device.isLowPower && [device supportsFamily:MTLGPUFamilyMac2]) return device;
+    }
+    return nil;
+}
+
+// Most specific first: torch's own device, torch's rule, the system default (which needs
+// CoreGraphics linked in a command-line process; setup.py links it).
+static void choose_device(void) {
+    if ((g_device = torch_device())) {
+        g_device_chosen_by = FA_METAL_DEVICE_OF_TORCH_COMMAND_BUFFER;
+    } else if ((g_device = first_not_low_power_device())) {
+        g_device_chosen_by = FA_METAL_DEVICE_FIRST_NOT_LOW_POWER;
+    } else if ((g_device = MTLCreateSystemDefaultDevice())) {
+        g_device_chosen_by = FA_METAL_DEVICE_SYSTEM_DEFAULT;
+    }
 }
 
 static int32_t metal_init(fa_status *st) {
     static dispatch_once_t once;
     dispatch_once(&once, ^{
-        g_device = MTLCreateSystemDefaultDevice();
-        g_queue = [g_device newCommandQueue]; // nil when g_device is nil
-        g_libraries = [NSMutableDictionary new];
-        g_pipelines = [NSMutableDictionary new];
-        resolve_torch();
+        @autoreleasepool {
+            choose_device();
+            g_queue = [g_device newCommandQueue]; // nil when g_device is nil
+            g_libraries = [NSMutableDictionary new];
+            g_pipelines = [NSMutableDictionary new];
+        }
     });
     if (!g_device || !g_queue) {
         return fa_fail(st, FA_ERR_UNSUPPORTED, "Metal backend: no Metal device on this machine");
@@ -75,14 +135,16 @@ static int32_t metal_init(fa_status *st) {
     return FA_OK;
 }
 
-static bool use_torch_stream(void) {
-    return atomic_load(&g_want_torch_stream) && g_get_command_buffer && g_get_dispatch_queue;
-}
+static const char *class_name(id obj) { return NSStringFromClass([obj class]).UTF8String; }
 
-int32_t fa_metal_set_stream_mode(int32_t use) {
-    atomic_store(&g_want_torch_stream, use ? 1 : 0);
-    resolve_torch();
-    return use_torch_stream() ? 1 : 0;
+int32_t fa_metal_object_class(void *handle, char *out, size_t n) {
+    if (n == 0) return FA_OK;
+    out[0] = '\0';
+    if (!handle || malloc_size(handle) == 0) return FA_OK;
+    @autoreleasepool {
+        snprintf(out, n, "%s", class_name((__bridge id)handle));
+    }
+    return FA_OK;
 }
 
 // Messaging a pointer that is not an object (e.g. buffer contents, if torch's MPS data_ptr ever
@@ -91,22 +153,27 @@ int32_t fa_metal_set_stream_mode(int32_t use) {
 // never the pointer's memory), and Objective-C objects such as Metal buffers are malloc blocks;
 // only then is the pointer messaged. A malloc block that is not an object would still crash, so
 // the Python layer additionally checks torch's version/behaviour before handing handles over.
+// FLASHATTN_MPS_NO_BUFFER_CHECK=1 (fa_metal_configure's check_buffers = 0) skips the identity
+// test, for a torch whose buffers fail it although they are buffers.
 int32_t fa_metal_check_buffer(void *handle, int64_t needed_bytes, fa_status *st) {
-    if (!handle || malloc_size(handle) == 0) {
+    const bool identify = atomic_load(&g_check_buffers) != 0;
+    if (!handle || (identify && malloc_size(handle) == 0)) {
         return fa_fail(st, FA_ERR_TYPE,
-                       "MPS storage handle %p is not an id<MTLBuffer> (torch's MPS data_ptr "
-                       "layout may have changed; this build expects the buffer object)", handle);
+                       "MPS storage handle %p is not an Objective-C object, so not an id<MTLBuffer> "
+                       "(torch's MPS data_ptr layout may have changed; this build expects the buffer "
+                       "object; FLASHATTN_MPS_NO_BUFFER_CHECK=1 skips this check)", handle);
     }
     @autoreleasepool {
         id obj = (__bridge id)handle;
-        if (![obj conformsToProtocol:@protocol(MTLBuffer)]) {
-            return fa_fail(st, FA_ERR_TYPE, "MPS storage handle %p is a %s, not an id<MTLBuffer>",
-                           handle, NSStringFromClass([obj class]).UTF8String);
+        if (identify && ![obj conformsToProtocol:@protocol(MTLBuffer)]) {
+            return fa_fail(st, FA_ERR_TYPE,
+                           "MPS storage handle %p is a %s, not an id<MTLBuffer> "
+                           "(FLASHATTN_MPS_NO_BUFFER_CHECK=1 skips this check)", handle, class_name(obj));
         }
         NSUInteger length = ((id<MTLBuffer>)obj).length;
         if (needed_bytes < 0 || (uint64_t)needed_bytes > length) {
-            return fa_fail(st, FA_ERR_TYPE, "MTLBuffer %p has %llu bytes, %lld are addressed",
-                           handle, (unsigned long long)length, (long long)needed_bytes);
+            return fa_fail(st, FA_ERR_TYPE, "MTLBuffer %p (a %s) has %llu bytes, %lld are addressed",
+                           handle, class_name(obj), (unsigned long long)length, (long long)needed_bytes);
         }
     }
     return FA_OK;
@@ -174,6 +241,14 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     return opts;
 }
 
+// The pipeline's label is its function's name, so dispatch errors can name the kernel.
+static id<MTLComputePipelineState> new_labelled_pipeline(id<MTLFunction> fn, NSString *name, NSError **err) {
+    MTLComputePipelineDescriptor *desc = [MTLComputePipelineDescriptor new];
+    desc.computeFunction = fn;
+    desc.label = name;
+    return [g_device newComputePipelineStateWithDescriptor:desc options:MTLPipelineOptionNone reflection:nil error:err];
+}
+
 // Called with g_lock held: one compile at a time, and never the same pipeline twice.
 static id<MTLComputePipelineState> build_pipeline(const fa_pipeline_key *key, const char *text,
                                                   NSString *lib_key, NSString *pipe_key, fa_status *st) {
@@ -211,7 +286,7 @@ static id<MTLComputePipelineState> build_pipeline(const fa_pipeline_key *key, co
                 [lib.functionNames containsObject:name] ? describe(err) : "no such function");
         return nil;
     }
-    id<MTLComputePipelineState> pso = [g_device newComputePipelineStateWithFunction:fn error:&err];
+    id<MTLComputePipelineState> pso = new_labelled_pipeline(fn, name, &err);
     if (!pso) {
         fa_fail(st, FA_ERR_COMPILE, "Metal pipeline %s of %s: %s", key->function, key->source_name,
                 describe(err));
@@ -304,6 +379,66 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
     return FA_OK;
 }
 
+// Encodes on torch's stream inside its serial queue (PyTorch's pattern,
+// test/cpp_extensions/mps_extension.mm); torch commits the buffer with its own work. In debug mode
+// a completion handler records the command buffer's outcome and torch's stream is synchronised.
+static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const fa_dispatch *d, int32_t mode,
+                                        bool debug, fa_status *st) {
+    dispatch_queue_t queue = (__bridge dispatch_queue_t)((torch_getter)g_torch[FA_TORCH_GET_DISPATCH_QUEUE])();
+    if (!queue) return fa_fail(st, FA_ERR_RUNTIME, "torch returned no MPS dispatch queue");
+    __block int32_t rc = FA_OK;
+    __block MTLCommandBufferStatus status = MTLCommandBufferStatusNotEnqueued;
+    __block NSString *error = nil;
+    dispatch_semaphore_t done = debug ? dispatch_semaphore_create(0) : nil;
+    dispatch_sync(queue, ^{
+        @autoreleasepool {
+            if (mode == FA_METAL_TORCH_STREAM_END_COALESCING) { // torch < 2.9 leaves its encoder open
+                ((torch_stream_method)g_torch[FA_TORCH_END_COALESCING])(((torch_getter)g_torch[FA_TORCH_CURRENT_STREAM])());
+            }
+            id<MTLCommandBuffer> cb = (__bridge id<MTLCommandBuffer>)((torch_getter)g_torch[FA_TORCH_GET_COMMAND_BUFFER])();
+            id<MTLComputeCommandEncoder> enc =
+                cb.device.registryID == g_device.registryID ? [cb computeCommandEncoder] : nil;
+            if (!enc) {
+                rc = fa_fail(st, FA_ERR_RUNTIME, "no compute encoder on torch's MPS command buffer for %s",
+                             pso.label.UTF8String);
+                return;
+            }
+            encode(enc, pso, d);
+            if (done) {
+                [cb addCompletedHandler:^(id<MTLCommandBuffer> finished) {
+                    status = finished.status;
+                    error = finished.error.localizedDescription;
+                    dispatch_semaphore_signal(done);
+                }];
+            }
+        }
+    });
+    if (rc != FA_OK || !done) return rc;
+    ((torch_void_fn)g_torch[FA_TORCH_SYNCHRONIZE])(); // commits and waits; outside torch's queue
+    if (dispatch_semaphore_wait(done, dispatch_time(DISPATCH_TIME_NOW, 60 * NSEC_PER_SEC)) != 0) {
+        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s: torch's command buffer did not complete",
+                       pso.label.UTF8String);
+    }
+    if (status != MTLCommandBufferStatusCompleted) {
+        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s failed (command buffer status %ld): %s",
+                       pso.label.UTF8String, (long)status, error ? error.UTF8String : "(no error)");
+    }
+    return FA_OK;
+}
+
+static int32_t dispatch_on_own_queue(id<MTLComputePipelineState> pso, const fa_dispatch *d, fa_status *st) {
+    id<MTLCommandBuffer> cb = [g_queue commandBuffer];
+    id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoder];
+    if (!enc) return fa_fail(st, FA_ERR_RUNTIME, "could not create a Metal compute encoder");
+    encode(enc, pso, d);
+    [cb commit];
+    [cb waitUntilCompleted];
+    if (cb.status != MTLCommandBufferStatusCompleted) {
+        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s failed: %s", pso.label.UTF8String, describe(cb.error));
+    }
+    return FA_OK;
+}
+
 static int32_t metal_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st) {
     if (metal_init(st) != FA_OK) return st->code;
     if (!pipeline || !d || d->n_bindings > FA_MAX_BINDINGS || d->n_threadgroup_args > FA_MAX_TG_ARGS) {
@@ -313,39 +448,52 @@ static int32_t metal_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_st
         id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
         if (check_dispatch(pso, d, st) != FA_OK) return st->code;
         if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return FA_OK; // nothing to run
-
-        if (use_torch_stream()) {
-            // PyTorch's pattern (test/cpp_extensions/mps_extension.mm): take the stream's command
-            // buffer while holding its serial queue, encode, end; torch commits it with its work.
-            dispatch_queue_t queue = (__bridge dispatch_queue_t)g_get_dispatch_queue();
-            if (!queue) return fa_fail(st, FA_ERR_RUNTIME, "torch returned no MPS dispatch queue");
-            __block int32_t rc = FA_OK;
-            dispatch_sync(queue, ^{
-                @autoreleasepool {
-                    id<MTLCommandBuffer> cb = (__bridge id<MTLCommandBuffer>)g_get_command_buffer();
-                    id<MTLComputeCommandEncoder> enc =
-                        cb.device.registryID == g_device.registryID ? [cb computeCommandEncoder] : nil;
-                    if (!enc) {
-                        rc = fa_fail(st, FA_ERR_RUNTIME, "no compute encoder on torch's MPS command buffer");
-                        return;
-                    }
-                    encode(enc, pso, d);
-                }
-            });
-            return rc;
-        }
-        // Fallback (torch < 2.9): own queue; the caller ran torch.mps.synchronize() before.
-        id<MTLCommandBuffer> cb = [g_queue commandBuffer];
-        id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoder];
-        if (!enc) return fa_fail(st, FA_ERR_RUNTIME, "could not create a Metal compute encoder");
-        encode(enc, pso, d);
-        [cb commit];
-        [cb waitUntilCompleted];
-        if (cb.status != MTLCommandBufferStatusCompleted) {
-            return fa_fail(st, FA_ERR_RUNTIME, "Metal command buffer failed: %s", describe(cb.error));
-        }
-        return FA_OK;
+        const int32_t mode = atomic_load(&g_mode);
+        if (mode == FA_METAL_OWN_QUEUE) return dispatch_on_own_queue(pso, d, st);
+        return dispatch_on_torch_stream(pso, d, mode, atomic_load(&g_debug) != 0, st);
     }
+}
+
+int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st) {
+    if (!out) return fa_fail(st, FA_ERR_VALUE, "fa_metal_device_info_get: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (metal_init(st) != FA_OK) return st->code;
+    @autoreleasepool {
+        snprintf(out->name, sizeof out->name, "%s", g_device.name.UTF8String);
+        out->registry_id = g_device.registryID;
+        out->chosen_by = g_device_chosen_by;
+        out->low_power = g_device.isLowPower ? 1 : 0;
+        out->families |= [g_device supportsFamily:MTLGPUFamilyApple7] ? FA_GPU_APPLE7 : 0;
+        out->families |= [g_device supportsFamily:MTLGPUFamilyApple8] ? FA_GPU_APPLE8 : 0;
+        out->families |= [g_device supportsFamily:MTLGPUFamilyApple9] ? FA_GPU_APPLE9 : 0;
+        out->families |= [g_device supportsFamily:MTLGPUFamilyMac2] ? FA_GPU_MAC2 : 0;
+        if (@available(macOS 13.0, *)) {
+            out->families |= [g_device supportsFamily:MTLGPUFamilyMetal3] ? FA_GPU_METAL3 : 0;
+        }
+        out->max_threadgroup_memory = g_device.maxThreadgroupMemoryLength;
+        id<MTLDevice> torch = torch_device();
+        out->torch_device_known = torch ? 1 : 0;
+        out->torch_registry_id = torch ? torch.registryID : 0;
+        fa_pipeline_key no_macros = {"", "", NULL, 0, NULL, 0};
+        MTLCompileOptions *opts = compile_options(&no_macros);
+        const NSUInteger version = (NSUInteger)opts.languageVersion; // (major << 16) | minor
+        out->language_version = (int32_t)((version >> 16) * 100 + (version & 0xffff) * 10);
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+        out->fast_math = opts.fastMathEnabled ? 1 : 0;
+#pragma clang diagnostic pop
+        out->math_mode = out->math_fp32_functions = -1;
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
+        if (@available(macOS 15.0, *)) {
+            out->math_mode = (int32_t)opts.mathMode;
+            out->math_fp32_functions = (int32_t)opts.mathFloatingPointFunctions;
+        }
+#endif
+        out->stream_mode = atomic_load(&g_mode);
+        out->debug = atomic_load(&g_debug);
+        out->check_buffers = atomic_load(&g_check_buffers);
+    }
+    return FA_OK;
 }
 
 static const fa_backend k_metal_backend = {"metal", metal_get_pipeline, metal_dispatch};
