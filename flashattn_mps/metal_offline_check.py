@@ -1,0 +1,147 @@
+"""Apple's offline Metal compiler on every kernel source under every specialisation the planner can
+emit: the check that Metal itself accepts the kernels, without a GPU (macOS with Xcode, or Xcode's
+command-line tools plus the Metal toolchain).
+
+    python -m flashattn_mps.metal_offline_check [--xcrun PATH] [--jobs N] [--sources NAME ...] [--keep DIR]
+
+Each (source, macros) from the C core's specialisation list (`_C.specialisations()`, the list the
+strict check uses) is compiled as the backend compiles it at run time (the same self-contained
+text, macros with an empty value defined as 1, no fast math) with
+
+    xcrun -sdk macosx metal -std=metal3.1 -fno-fast-math -Wall -D... -c SRC -o X.air
+    xcrun -sdk macosx metallib X.air -o X.metallib
+
+and again with -std=metal3.0 (macOS 13, no bfloat: the sources must compile without
+__HAVE_BFLOAT__) unless the specialisation is a bfloat one. Any error fails the check (exit 1);
+warnings are listed once each.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from . import _C, _sources
+
+STANDARDS = ("metal3.1", "metal3.0")  # macOS 14+ (bfloat), macOS 13
+COMPILE_FLAGS = ("-fno-fast-math", "-Wall")
+
+
+@dataclass(frozen=True)
+class Work:
+    source: str
+    macros: tuple  # ((name, value), ...)
+    standard: str
+
+    @property
+    def label(self) -> str:
+        spec = " ".join(f"{k}={v}" for k, v in self.macros)
+        return f"{self.source} -std={self.standard}" + (f" [{spec}]" if spec else "")
+
+
+@dataclass
+class Result:
+    work: Work
+    ok: bool
+    output: str  # the compiler's and linker's messages
+
+
+def needs_bfloat(function: str, macros) -> bool:
+    """A specialisation that instantiates bfloat only (its function or a macro names the type)."""
+    return "bfloat" in function.split("_") or any(value == "bfloat" for _, value in macros)
+
+
+def work_items(sources=None) -> list[Work]:
+    """Every (source, macros, standard) to compile, from the planner's specialisation list, plus
+    each kernel source the planner never emits, unspecialised."""
+    names = set(_sources.kernel_sources())
+    bfloat_only: dict[tuple, bool] = {}
+    for source, function, macros in _C.specialisations():
+        key = (source, tuple(tuple(m) for m in macros))
+        bfloat_only[key] = bfloat_only.get(key, True) and needs_bfloat(function, macros)
+    for name in names - {source for source, _ in bfloat_only}:
+        bfloat_only[(name, ())] = False
+    items = []
+    for (source, macros), bfloat in sorted(bfloat_only.items()):
+        if sources is not None and source not in sources:
+            continue
+        items += [Work(source, macros, std) for std in STANDARDS if not (bfloat and std == "metal3.0")]
+    return items
+
+
+def compile_command(xcrun: str, work: Work, src: str, air: str) -> list[str]:
+    defines = [f"-D{name}={value or '1'}" for name, value in work.macros]
+    return [xcrun, "-sdk", "macosx", "metal", f"-std={work.standard}", *COMPILE_FLAGS, *defines, "-c", src, "-o", air]
+
+
+def check_one(xcrun: str, work: Work, src: str, out_dir: str, index: int) -> Result:
+    stem = os.path.join(out_dir, f"{index:05d}_{work.source.replace('.metal', '')}_{work.standard}")
+    compiled = subprocess.run(compile_command(xcrun, work, src, stem + ".air"), capture_output=True, text=True)
+    output = compiled.stdout + compiled.stderr
+    if compiled.returncode != 0:
+        return Result(work, False, output)
+    linked = subprocess.run([xcrun, "-sdk", "macosx", "metallib", stem + ".air", "-o", stem + ".metallib"],
+                            capture_output=True, text=True)
+    return Result(work, linked.returncode == 0, output + linked.stdout + linked.stderr)
+
+
+def find_xcrun(explicit: str | None = None) -> str:
+    found = shutil.which(explicit or "xcrun")
+    if found is None:
+        raise FileNotFoundError(
+            "the offline Metal check needs Apple's xcrun and Metal compiler (macOS with Xcode; on Xcode 26 "
+            "also `xcodebuild -downloadComponent MetalToolchain`); pass --xcrun PATH"
+        )
+    return found
+
+
+def run(xcrun: str | None = None, jobs: int | None = None, sources=None, keep: str | None = None) -> list[Result]:
+    tool = find_xcrun(xcrun)
+    texts = _sources.kernel_sources()
+    unknown = set(sources or ()) - set(texts)
+    if unknown:
+        raise ValueError(f"unknown kernel sources {sorted(unknown)}; known: {sorted(texts)}")
+    items = work_items(sources)
+    with tempfile.TemporaryDirectory(prefix="fa-metal-") as tmp:
+        out_dir = keep or tmp
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {}
+        for name in {w.source for w in items}:
+            paths[name] = os.path.join(out_dir, name)
+            with open(paths[name], "w") as f:
+                f.write(texts[name])
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            return list(pool.map(lambda iw: check_one(tool, iw[1], paths[iw[1].source], out_dir, iw[0]),
+                                 enumerate(items)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--xcrun", help="xcrun to use (default: xcrun on PATH)")
+    parser.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
+    parser.add_argument("--sources", nargs="+", help="check only these .metal files")
+    parser.add_argument("--keep", help="write sources, .air and .metallib files here and keep them")
+    args = parser.parse_args(argv)
+    try:
+        results = run(args.xcrun, args.jobs, args.sources, args.keep)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"metal offline check: {e}", file=sys.stderr)
+        return 2
+    failed = [r for r in results if not r.ok]
+    for r in failed:
+        print(f"FAILED {r.work.label}\n{r.output}", file=sys.stderr)
+    warnings = sorted({line for r in results if r.ok for line in r.output.splitlines() if "warning:" in line})
+    for line in warnings:
+        print(f"warning (once): {line}", file=sys.stderr)
+    print(f"metal offline check: {len(results) - len(failed)} of {len(results)} compiles passed, "
+          f"{len(warnings)} distinct warnings")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
