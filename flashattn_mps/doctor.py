@@ -1,0 +1,322 @@
+"""What works on this machine, in one report to paste into a bug report.
+
+    python -m flashattn_mps.doctor [--json]
+
+Lists the system (macOS, chip), torch's and this package's versions, the Metal device the backend
+chose and torch's (same registryID?), its GPU families (simdgroup_matrix needs Apple7+), which torch
+symbols were found and the stream mode in effect, the class of an MPS tensor's buffer and the buffer
+check's verdict, and the compile options in effect. Then a parity check of every kernel family
+(forward, decode with and without split-K, backward, masks) against
+torch.nn.functional.scaled_dot_product_attention with its error and tolerance (PyTorch's rule:
+error vs a float64 golden <= max(1e-5, 5 x the error of torch's SDPA in the same dtype on the same
+device)), and a short timing against that SDPA. On MPS the checks run on Metal; without MPS they
+run on the CPU Metal device (same kernel sources) and the report says the Metal path was not
+checked. Each line is ok, failed or skipped, with why; the exit code is 1 if anything failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import _C, _metal_mode, explain_plan, flash_attention
+
+OK, FAILED, SKIPPED = "ok", "failed", "skipped"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    data: dict = field(default_factory=dict)
+
+
+def _run(name: str, probe: Callable[[], Check]) -> Check:
+    """A probe's result, or a failed line with the exception: the doctor itself never crashes."""
+    try:
+        return probe()
+    except Exception as e:  # noqa: BLE001 - anything a probe raises is a finding
+        return Check(name, FAILED, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()})
+
+
+# --- system, versions, Metal --------------------------------------------------------------------
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("flashattn-mps")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        return "unknown (not installed as a distribution)"
+
+
+def _chip() -> str:
+    if sys.platform == "darwin":
+        out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    return platform.processor() or platform.machine()
+
+
+def system_checks() -> list[Check]:
+    mac = platform.mac_ver()[0]
+    mps_available = torch.backends.mps.is_available()
+    return [
+        Check("macOS", OK, mac) if mac else Check("macOS", SKIPPED, f"not macOS: {platform.platform()}"),
+        Check("chip", OK, _chip()),
+        Check("versions", OK, f"python {platform.python_version()}, torch {torch.__version__}, "
+              f"flashattn_mps {_package_version()}",
+              {"python": platform.python_version(), "torch": torch.__version__, "flashattn_mps": _package_version()}),
+        Check("torch MPS", OK if mps_available else SKIPPED,
+              "available" if mps_available else
+              f"not available (built with MPS: {torch.backends.mps.is_built()}): no Apple GPU for torch"),
+        Check("Metal backend", OK if _C.HAS_METAL_BACKEND else SKIPPED,
+              "built into this extension" if _C.HAS_METAL_BACKEND else "not in this build (only macOS builds have it)"),
+    ]
+
+
+def _describe_language(info: dict) -> str:
+    version = info["language_version"]
+    language = f"MSL {version // 100}.{version % 100 // 10}" if version else "MSL left to Metal's default"
+    if info["math_mode"] >= 0:
+        modes = {0: "safe", 1: "relaxed", 2: "fast"}
+        functions = {0: "fast", 1: "precise"}
+        math = (f"mathMode {modes.get(info['math_mode'], info['math_mode'])}, FP32 functions "
+                f"{functions.get(info['math_fp32_functions'], info['math_fp32_functions'])}")
+    else:
+        math = f"fastMathEnabled {'YES' if info['fast_math'] else 'NO'}"
+    return f"{language}, {math}"
+
+
+def metal_checks() -> list[Check]:
+    """The Metal facts; only where torch has MPS and this build has the backend."""
+    if not (torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND):
+        return [Check("Metal path", SKIPPED, "not checked: needs torch MPS and a macOS build; the parity checks "
+                      "below ran on the CPU Metal device")]
+    checks = []
+    decision = _metal_mode.current()
+
+    def stream() -> Check:
+        ok = decision.mode == decision.requested
+        return Check("stream mode", OK if ok else FAILED, decision.describe(), asdict(decision))
+
+    def symbols() -> Check:
+        found = _C.metal_torch_symbols()
+        missing = [name for name, ok in found.items() if not ok]
+        return Check("torch symbols", OK if not missing else SKIPPED,
+                     f"all {len(found)} found" if not missing else f"not found: {', '.join(missing)}", found)
+
+    def device() -> Check:
+        info = _C.metal_device_info()
+        same = info["torch_registry_id"] is None or info["torch_registry_id"] == info["registry_id"]
+        torch_side = ("torch's device unknown (its command buffer was not reachable)"
+                      if info["torch_registry_id"] is None else
+                      f"torch's registryID {info['torch_registry_id']:#x} ({'same' if same else 'DIFFERENT'})")
+        return Check("Metal device", OK if same else FAILED,
+                     f"{info['name']}, registryID {info['registry_id']:#x}, chosen by {info['chosen_by']}; {torch_side}",
+                     info)
+
+    def families() -> Check:
+        info = _C.metal_device_info()
+        supported = [name for name, ok in info["families"].items() if ok]
+        apple7 = info["families"]["Apple7"]
+        return Check("GPU families", OK if apple7 else FAILED,
+                     f"{', '.join(supported) or 'none'}; max threadgroup memory {info['max_threadgroup_memory']} bytes"
+                     + ("" if apple7 else "; simdgroup_matrix needs Apple7 (M1) or newer"), info["families"])
+
+    def options() -> Check:
+        info = _C.metal_device_info()
+        unsafe = info["fast_math"] or info["math_mode"] > 0
+        return Check("compile options", FAILED if unsafe else OK, _describe_language(info)
+                     + ("; fast math breaks -inf masking and NaN propagation" if unsafe else ""))
+
+    def buffer() -> Check:
+        t = torch.zeros(16, device="mps")
+        handle = t.untyped_storage().data_ptr()
+        cls = _C.metal_object_class(handle) or "(not an Objective-C object)"
+        try:
+            _C.metal_check_buffer(handle, t.untyped_storage().nbytes())
+        except TypeError as e:
+            return Check("MPS buffer", FAILED, f"class {cls}; the buffer check rejects it: {e}", {"class": cls})
+        return Check("MPS buffer", OK, f"class {cls}; the buffer check accepts it"
+                     + ("" if decision.check_buffers else " (identity test off: FLASHATTN_MPS_NO_BUFFER_CHECK)"),
+                     {"class": cls})
+
+    for name, probe in (("stream mode", stream), ("torch symbols", symbols), ("Metal device", device),
+                        ("GPU families", families), ("compile options", options), ("MPS buffer", buffer)):
+        checks.append(_run(name, probe))
+    return checks
+
+
+# --- parity --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: torch.dtype
+    shape: tuple          # (B, Hq, Hkv, L, S, E)
+    causal: bool = False
+    mask: Optional[str] = None      # None, "bool" or "float"
+    backward: bool = False
+    family: str = "fa_forward"      # the planner's first function must start with this
+    split: Optional[bool] = None    # the plan must (not) split the keys
+
+
+PARITY_CASES = [
+    Case("forward float32", torch.float32, (1, 2, 2, 48, 40, 64)),
+    Case("forward float16 causal", torch.float16, (1, 2, 2, 48, 48, 64), causal=True),
+    Case("forward bfloat16", torch.bfloat16, (1, 2, 2, 48, 40, 64)),
+    Case("decode (GQA, no split)", torch.float16, (1, 4, 2, 1, 64, 64), family="fa_decode", split=False),
+    Case("decode split-K", torch.float32, (1, 4, 2, 1, 600, 64), family="fa_decode", split=True),
+    Case("mask bool", torch.float32, (1, 2, 2, 24, 40, 64), mask="bool"),
+    Case("mask float", torch.float16, (1, 2, 2, 24, 40, 64), mask="float"),
+    Case("backward float32 causal", torch.float32, (1, 2, 2, 40, 40, 64), causal=True, backward=True),
+]
+
+
+def _inputs(case: Case, device: str):
+    gen = torch.Generator().manual_seed(0)
+    b, hq, hkv, lq, lk, e = case.shape
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(case.dtype)
+
+    q, k, v = randn(b, hq, lq, e), randn(b, hkv, lk, e), randn(b, hkv, lk, e)
+    mask = None
+    if case.mask == "bool":
+        mask = torch.rand(b, 1, lq, lk, generator=gen) > 0.3
+    elif case.mask == "float":
+        mask = randn(b, 1, lq, lk)
+    return [t if t is None else t.to(device) for t in (q, k, v, mask)]
+
+
+def _sdpa(q, k, v, mask, causal):
+    """torch's SDPA with the kv heads repeated for GQA (torch 2.4 has no enable_gqa); the math
+    backend on the CPU (as PyTorch's own tests take references), torch's choice elsewhere."""
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    if q.device.type == "cpu":
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+
+def _outputs(fn, q, k, v, mask, causal, backward, dout_seed=1):
+    """fn's output, or its gradients (dq, dk, dv) for a fixed random dout."""
+    if not backward:
+        return [fn(q, k, v, mask, causal)]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, mask, causal)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(dout_seed)).to(out.dtype).to(out.device)
+    return list(torch.autograd.grad(out, leaves, dout))
+
+
+def _max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
+    a = actual.detach().double().cpu()
+    if a.shape != golden.shape:
+        raise ValueError(f"shape {tuple(a.shape)} != {tuple(golden.shape)}")
+    if not torch.equal(a.isnan(), golden.isnan()):
+        return float("inf")
+    finite = golden.isfinite()
+    return (a[finite] - golden[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def _flash(q, k, v, mask, causal):
+    return flash_attention(q, k, v, causal=causal, attn_mask=mask)
+
+
+def parity_check(case: Case, device: str) -> Check:
+    q, k, v, mask = _inputs(case, device)
+    if not case.backward:
+        plan = explain_plan(q, k, v, causal=case.causal, attn_mask=mask)
+        function = plan["dispatches"][0]["function"]
+        if not function.startswith(case.family):
+            return Check(f"parity {case.name}", FAILED, f"the plan runs {function}, not {case.family}")
+        if case.split is not None and (plan["split_count"] > 1) != case.split:
+            return Check(f"parity {case.name}", FAILED, f"the plan's split_count is {plan['split_count']}")
+    golden_mask = None if mask is None else mask.cpu() if mask.dtype == torch.bool else mask.cpu().double()
+    golden_inputs = [t.detach().cpu().double() for t in (q, k, v)] + [golden_mask]
+    golden = _outputs(_sdpa, *golden_inputs, case.causal, case.backward)
+    ours = _outputs(_flash, q, k, v, mask, case.causal, case.backward)
+    reference = _outputs(_sdpa, q, k, v, mask, case.causal, case.backward)
+    worst = None
+    for index, (o, r, g) in enumerate(zip(ours, reference, golden)):
+        error, tolerance = _max_error(o, g), max(1e-5, 5.0 * _max_error(r, g))
+        if worst is None or error / tolerance > worst[0] / worst[1]:
+            worst = (error, tolerance, ("dq", "dk", "dv")[index] if case.backward else "out")
+    error, tolerance, which = worst
+    status = OK if error <= tolerance else FAILED
+    return Check(f"parity {case.name}", status,
+                 f"{which}: error {error:.2e} {'<=' if status == OK else '>'} tolerance {tolerance:.2e} on {device}",
+                 {"error": error, "tolerance": tolerance, "tensor": which, "device": device})
+
+
+# --- timing --------------------------------------------------------------------------------------
+
+def timing_check(device: str) -> Check:
+    if device != "mps":
+        return Check("timing", SKIPPED, "only on MPS (CPU Metal device timings say nothing about a Mac; see benchmarks/)")
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2048, 64, generator=gen).to(torch.float16).to("mps") for _ in range(3))
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            torch.mps.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.mps.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[len(times) // 2]
+
+    ours = median_ms(lambda: flash_attention(q, k, v, causal=True))
+    theirs = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    return Check("timing", OK, f"(1, 16, 2048, 64) float16 causal: flashattn_mps {ours:.2f} ms, "
+                 f"torch SDPA {theirs:.2f} ms ({theirs / ours:.2f}x)", {"flashattn_mps_ms": ours, "sdpa_ms": theirs})
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def collect() -> tuple[str, list[Check]]:
+    """(device the kernel checks ran on, every check)."""
+    metal = torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND
+    device = "mps" if metal else "cpu"
+    checks = system_checks() + metal_checks()
+    checks += [_run(f"parity {case.name}", lambda case=case: parity_check(case, device)) for case in PARITY_CASES]
+    checks.append(_run("timing", lambda: timing_check(device)))
+    return device, checks
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    args = parser.parse_args(argv)
+    device, checks = collect()
+    failed = [c for c in checks if c.status == FAILED]
+    if args.json:
+        print(json.dumps({"ok": not failed, "metal_checked": device == "mps", "kernel_device": device,
+                          "checks": [asdict(c) for c in checks]}, indent=2, default=str))
+    else:
+        width = max(len(c.name) for c in checks)
+        for c in checks:
+            print(f"{c.status:<7} {c.name:<{width}}  {c.detail}")
+        if device != "mps":
+            print("\nThe Metal path was not checked: the kernel checks above ran on the CPU Metal device.")
+        print(f"\n{len(failed)} failed" if failed else "\nall checks passed or were skipped")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

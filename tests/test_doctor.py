@@ -1,0 +1,102 @@
+"""python -m flashattn_mps.doctor: here (no MPS) it runs every kernel-family parity check on the CPU
+Metal device, says the Metal path was not checked, and exits non-zero when a check fails; its Metal
+verdicts are checked against a fake backend (the real one needs a Mac)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import torch
+
+from flashattn_mps import _C, _metal_mode, doctor
+
+
+def test_doctor_json_here_runs_every_parity_check_on_the_cpu_device():
+    result = subprocess.run([sys.executable, "-m", "flashattn_mps.doctor", "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["metal_checked"] is False and report["kernel_device"] == "cpu"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["Metal path"]["status"] == "skipped" and "not checked" in checks["Metal path"]["detail"]
+    parity = [c for c in report["checks"] if c["name"].startswith("parity ")]
+    assert [c["name"] for c in parity] == [f"parity {case.name}" for case in doctor.PARITY_CASES]
+    for c in parity:
+        assert c["status"] == "ok", c
+        assert c["data"]["device"] == "cpu" and 0 <= c["data"]["error"] <= c["data"]["tolerance"]
+    assert checks["versions"]["data"]["torch"] == torch.__version__
+    assert checks["timing"]["status"] == "skipped"
+    families = {case.family for case in doctor.PARITY_CASES} | {case.backward for case in doctor.PARITY_CASES}
+    assert families == {"fa_forward", "fa_decode", True, False}
+
+
+def one_case(monkeypatch, case=None):
+    monkeypatch.setattr(doctor, "PARITY_CASES", [case or doctor.PARITY_CASES[0]])
+
+
+def test_a_wrong_result_fails_the_check_and_the_exit_code(monkeypatch, capsys):
+    one_case(monkeypatch)
+    monkeypatch.setattr(doctor, "_flash", lambda q, k, v, mask, causal: doctor.flash_attention(q, k, v) + 1e-3)
+    assert doctor.main(["--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    (check,) = [c for c in report["checks"] if c["name"] == "parity forward float32"]
+    assert check["status"] == "failed" and " > tolerance " in check["detail"]
+
+
+def test_a_raising_kernel_is_a_failed_line_not_a_crash(monkeypatch, capsys):
+    one_case(monkeypatch, doctor.Case("backward", torch.float32, (1, 1, 1, 8, 8, 8), backward=True))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(doctor, "flash_attention", broken)
+    assert doctor.main([]) == 1
+    out = capsys.readouterr().out
+    assert "failed  parity backward" in out and "RuntimeError: planted" in out
+    assert "The Metal path was not checked" in out
+
+
+def test_the_plan_must_run_the_family_the_case_names(monkeypatch, capsys):
+    one_case(monkeypatch, doctor.Case("not decode", torch.float32, (1, 2, 2, 48, 40, 64), family="fa_decode"))
+    assert doctor.main([]) == 1
+    assert "the plan runs fa_forward" in capsys.readouterr().out
+
+
+def fake_backend(**info):
+    base = dict(name="Apple M1", registry_id=0x10, chosen_by="torch's MPS command buffer", low_power=False,
+                families={"Apple7": True, "Apple8": False, "Apple9": False, "Mac2": True, "Metal3": True},
+                max_threadgroup_memory=32768, torch_registry_id=0x10, language_version=310, fast_math=False,
+                math_mode=0, math_fp32_functions=1, stream_mode=1, debug=False, check_buffers=True)
+    base.update(info)
+    return types.SimpleNamespace(
+        HAS_METAL_BACKEND=True, METAL_OWN_QUEUE=0, metal_device_info=lambda: base,
+        metal_torch_symbols=lambda: {"_ZN5torch3mps18get_command_bufferEv": True},
+        metal_object_class=lambda handle: "AGXG13GFamilyBuffer", metal_check_buffer=lambda handle, n: None)
+
+
+def metal_lines(monkeypatch, backend, decision):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(doctor, "_C", backend)
+    monkeypatch.setattr(_metal_mode, "current", lambda: decision)
+    return {c.name: c for c in doctor.metal_checks()}
+
+
+def test_metal_verdicts(monkeypatch):
+    stream = _metal_mode.Decision(_C.METAL_TORCH_STREAM, _C.METAL_TORCH_STREAM, False, True, "torch 2.13.0 >= 2.9", ())
+    good = metal_lines(monkeypatch, fake_backend(), stream)
+    for name in ("stream mode", "torch symbols", "Metal device", "GPU families", "compile options"):
+        assert good[name].status == "ok", good[name]
+    assert "same" in good["Metal device"].detail and "MSL 3.1, mathMode safe, FP32 functions precise" == \
+        good["compile options"].detail
+    # No MPS device on this machine: the buffer probe's own failure is reported, not raised.
+    assert good["MPS buffer"].status == "failed"
+
+    fallback = _metal_mode.Decision(_C.METAL_TORCH_STREAM, _C.METAL_OWN_QUEUE, False, True, "r", ("_ZN5torch3mps11synchronizeEv",))
+    bad = metal_lines(monkeypatch, fake_backend(torch_registry_id=0x20, fast_math=True, math_mode=-1,
+                                                families={"Apple7": False, "Mac2": True}), fallback)
+    assert bad["stream mode"].status == "failed" and "synchronizeEv" in bad["stream mode"].detail
+    assert bad["Metal device"].status == "failed" and "DIFFERENT" in bad["Metal device"].detail
+    assert bad["GPU families"].status == "failed" and "Apple7" in bad["GPU families"].detail
+    assert bad["compile options"].status == "failed" and "fastMathEnabled YES" in bad["compile options"].detail
