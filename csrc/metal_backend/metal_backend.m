@@ -372,8 +372,12 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
         // For a storage binding, length (if > 0) counts the bytes addressed from byte_offset.
         int64_t end = b->byte_offset + (b->length > 0 ? b->length : 0);
         if (fa_metal_check_buffer(b->storage, end, st) != FA_OK) return st->code;
-        if (((__bridge id<MTLBuffer>)b->storage).device.registryID != g_device.registryID) {
-            return fa_fail(st, FA_ERR_TYPE, "binding %u: buffer is on another Metal device", i);
+        id<MTLDevice> device = ((__bridge id<MTLBuffer>)b->storage).device;
+        if (device.registryID != g_device.registryID) {
+            return fa_fail(st, FA_ERR_TYPE, "binding %u: the buffer is on Metal device %s (registryID %#llx), "
+                           "the backend runs on %s (%#llx)", i, device.name.UTF8String,
+                           (unsigned long long)device.registryID, g_device.name.UTF8String,
+                           (unsigned long long)g_device.registryID);
         }
     }
     return FA_OK;
@@ -465,7 +469,8 @@ int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st) {
         out->low_power = g_device.isLowPower ? 1 : 0;
         out->families |= [g_device supportsFamily:MTLGPUFamilyApple7] ? FA_GPU_APPLE7 : 0;
         out->families |= [g_device supportsFamily:MTLGPUFamilyApple8] ? FA_GPU_APPLE8 : 0;
-        out->families |= [g_device supportsFamily:MTLGPUFamilyApple9] ? FA_GPU_APPLE9 : 0;
+        // MTLGPUFamilyApple9 by value: the name is missing from some Xcode 15 SDKs.
+        out->families |= [g_device supportsFamily:(MTLGPUFamily)1009] ? FA_GPU_APPLE9 : 0;
         out->families |= [g_device supportsFamily:MTLGPUFamilyMac2] ? FA_GPU_MAC2 : 0;
         if (@available(macOS 13.0, *)) {
             out->families |= [g_device supportsFamily:MTLGPUFamilyMetal3] ? FA_GPU_METAL3 : 0;
