@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc metal tools -type f) setup.py pyproject.toml
+# What the tests need besides torch (both venvs install it).
+TEST_DEPS := numpy pytest hypothesis pybind11 "setuptools>=64" wheel
 
 .PHONY: demo test test-torch bench strict-check metal-offline-check doctor clean
 
@@ -39,8 +41,6 @@ metal-offline-check: $(VENV)/.built
 
 doctor: $(VENV)/.built
 	$(PY) -m flashattn_mps.doctor
-
-TEST_DEPS := numpy pytest hypothesis pybind11 "setuptools>=64" wheel
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
