@@ -235,7 +235,19 @@ def _flash(q, k, v, mask, causal):
     return flash_attention(q, k, v, causal=causal, attn_mask=mask)
 
 
+def _dtype_unsupported(dtype: torch.dtype, device: str) -> Optional[str]:
+    """Why torch cannot hold this dtype on the device (bfloat16 on MPS needs macOS 14), or None."""
+    try:
+        torch.zeros(1, dtype=dtype, device=device)
+    except (RuntimeError, TypeError) as e:
+        return f"torch has no {dtype} on {device} here ({e})"
+    return None
+
+
 def parity_check(case: Case, device: str) -> Check:
+    unsupported = _dtype_unsupported(case.dtype, device)
+    if unsupported:
+        return Check(f"parity {case.name}", SKIPPED, unsupported)
     q, k, v, mask = _inputs(case, device)
     if not case.backward:
         plan = explain_plan(q, k, v, causal=case.causal, attn_mask=mask)

@@ -100,3 +100,17 @@ def test_metal_verdicts(monkeypatch):
     assert bad["Metal device"].status == "failed" and "DIFFERENT" in bad["Metal device"].detail
     assert bad["GPU families"].status == "failed" and "Apple7" in bad["GPU families"].detail
     assert bad["compile options"].status == "failed" and "fastMathEnabled YES" in bad["compile options"].detail
+
+
+def test_a_dtype_torch_cannot_hold_on_the_device_is_skipped(monkeypatch, capsys):
+    one_case(monkeypatch, doctor.Case("forward bfloat16", torch.bfloat16, (1, 1, 1, 8, 8, 8)))
+    real_zeros = torch.zeros
+
+    def zeros(*args, dtype=None, device=None, **kwargs):
+        if dtype == torch.bfloat16:
+            raise TypeError("BFloat16 is not supported on MPS")
+        return real_zeros(*args, dtype=dtype, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert doctor.main([]) == 0
+    assert "skipped parity forward bfloat16" in capsys.readouterr().out
