@@ -119,3 +119,18 @@ def product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs):
     hkv = 2 if gqa < 8 else 1
     return (layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype), layout_tensor(gen, layout, 1, hkv, lk, e, dtype),
             layout_tensor(gen, layout, 1, hkv, lk, ev, dtype))
+
+
+@pytest.fixture
+def core_calls(monkeypatch):
+    """Counts the C core's forward and backward calls: the proof that the kernels ran."""
+    import flashattn_mps
+
+    counts = {"forward": 0, "backward": 0}
+    for name in counts:
+        def counting(*args, _real=getattr(flashattn_mps._C, name), _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(flashattn_mps._C, name, counting)
+    return counts
