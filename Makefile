@@ -23,7 +23,7 @@ strict-check: $(VENV)/.built
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q "torch==2.13.0" numpy pytest hypothesis pybind11 "setuptools>=64" wheel
+	$(PY) -m pip install -q "torch==2.13.0" numpy pytest hypothesis transformers diffusers pybind11 "setuptools>=64" wheel
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)

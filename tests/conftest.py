@@ -126,10 +126,11 @@ def core_calls(monkeypatch):
     """Counts the C core's forward and backward calls: the proof that the kernels ran."""
     import flashattn_mps
 
-    counts = {"forward": 0, "backward": 0}
-    for name in counts:
+    counts = {"forward": 0, "backward": 0, "masked": 0}  # masked: forward calls given an attn_mask
+    for name in ("forward", "backward"):
         def counting(*args, _real=getattr(flashattn_mps._C, name), _name=name, **kwargs):
             counts[_name] += 1
+            counts["masked"] += _name == "forward" and kwargs.get("mask") is not None
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(flashattn_mps._C, name, counting)
