@@ -7,16 +7,15 @@ from __future__ import annotations
 import copy
 import logging
 
+import diffusers
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
-transformers = pytest.importorskip("transformers")  # test dependencies: make test installs them
-diffusers = pytest.importorskip("diffusers")
-
-from flashattn_mps.integrations import transformers as fa_transformers  # noqa: E402
-from flashattn_mps.integrations.diffusers import MPSAttnProcessor, use_in  # noqa: E402
-from conftest import max_error  # noqa: E402
+from flashattn_mps.integrations import transformers as fa_transformers
+from flashattn_mps.integrations.diffusers import MPSAttnProcessor, use_in
+from conftest import max_error
 
 NAME = fa_transformers.register(cpu=True)
 VOCAB = 64
