@@ -76,7 +76,9 @@ def _scalar_arguments(dropout_p, is_causal, scale, enable_gqa):
 def _overrides_torch_function(t) -> bool:
     """A tensor subclass with its own __torch_function__ (nn.Parameter disables it)."""
     cls = type(t)
-    return isinstance(t, torch.Tensor) and cls is not torch.Tensor and cls.__torch_function__ is not torch._C._disabled_torch_function_impl
+    if not isinstance(t, torch.Tensor) or cls is torch.Tensor:
+        return False
+    return cls.__torch_function__ is not torch._C._disabled_torch_function_impl
 
 
 @torch.compiler.assume_constant_result
@@ -87,12 +89,27 @@ def _fused_backends_allowed() -> bool:
     return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
 
 
+def _autocast_device_types() -> frozenset:
+    """The kernels' devices this torch has autocast for (MPS autocast came with torch 2.5)."""
+    types = set()
+    for device_type in ("cpu", "mps"):
+        try:
+            torch.is_autocast_enabled(device_type)
+            types.add(device_type)
+        except RuntimeError:
+            pass
+    return frozenset(types)
+
+
+_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
+
 def _autocast(call: _KernelCall) -> tuple:
     """Autocast's rule for SDPA (lower_precision_fp on CPU, CUDA and MPS): floating-point tensor
     arguments other than float64 are cast to the autocast dtype. Returns the call and the dtype
     (None without autocast)."""
     device_type = call.query.device.type
-    if device_type not in ("cpu", "mps") or not torch.is_autocast_enabled(device_type):
+    if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
         return call, None
     dtype = torch.get_autocast_dtype(device_type)
 

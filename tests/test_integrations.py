@@ -227,3 +227,29 @@ def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
         assert_close_to_golden(grads, ref_grads, gold_grads, f"{what} gradients")
     assert core_calls["forward"] > 0 and core_calls["backward"] > 0 and core_calls["masked"] > 0
 
+
+
+def test_compiled_model_fullgraph(core_calls):
+    from torch._dynamo.utils import counters
+
+    ours, reference, _ = models("llama_gqa")
+    inputs, valid = padded_batch("llama_gqa")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got, expected = compiled(**inputs).logits, reference(**inputs).logits
+    assert not counters["graph_break"] and core_calls["masked"] == 2
+    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-4, atol=1e-5)
+
+
+def test_training_dropout_goes_to_torch_visibly(caplog):
+    cls, config = CONFIGS["llama_gqa"]
+    config = copy.deepcopy(config)
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = cls(config).train()
+    model.set_attn_implementation(NAME)
+    with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
+        model(torch.randint(3, VOCAB, (1, 6))).logits.sum().backward()
+    assert "-> torch's scaled_dot_product_attention: dropout_p=0.5" in caplog.text
