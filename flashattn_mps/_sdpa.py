@@ -85,7 +85,7 @@ def _overrides_torch_function(t) -> bool:
 def _fused_backends_allowed() -> bool:
     """Whether torch.nn.attention.sdpa_kernel (or torch.backends.cuda.enable_*_sdp) allows a fused
     backend the kernels stand in for: FLASH_ATTENTION or EFFICIENT_ATTENTION. Under torch.compile
-    it is read when tracing, as torch's own compiled SDPA chooses its backend."""
+    it is read when tracing (no guard: changing it later does not retrace)."""
     return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
 
 
