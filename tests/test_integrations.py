@@ -229,18 +229,20 @@ def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
 
 
 
-def test_compiled_model_fullgraph(core_calls):
+def test_compiled_model_fullgraph_dynamic(core_calls):
     from torch._dynamo.utils import counters
 
-    ours, reference, _ = models("llama_gqa")
-    inputs, valid = padded_batch("llama_gqa")
+    ours, reference, _ = models("mistral_sliding_window")
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
-        got, expected = compiled(**inputs).logits, reference(**inputs).logits
-    assert not counters["graph_break"] and core_calls["masked"] == 2
-    torch.testing.assert_close(got[valid], expected[valid], rtol=1e-4, atol=1e-5)
+    compiled = torch.compile(ours, fullgraph=True, dynamic=True, backend="aot_eager")
+    for length in (10, 13):  # one symbolic graph for both
+        inputs, valid = padded_batch("mistral_sliding_window", length)
+        with torch.no_grad():
+            got, expected = compiled(**inputs).logits, reference(**inputs).logits
+        torch.testing.assert_close(got[valid], expected[valid], rtol=1e-4, atol=1e-5)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+    assert core_calls["masked"] == 4  # 2 layers x 2 calls, padding and window masks inside the kernels
 
 
 def test_training_dropout_goes_to_torch_visibly(caplog):
