@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc metal tools -type f) setup.py pyproject.toml
 # What the tests need besides torch (both venvs install it).
-TEST_DEPS := numpy pytest hypothesis pybind11 "setuptools>=64" wheel
+TEST_DEPS := numpy pytest hypothesis "transformers==5.24.0" "diffusers==0.42.1" pybind11 "setuptools>=64" wheel
 
 .PHONY: demo test test-torch bench strict-check metal-offline-check doctor clean
 

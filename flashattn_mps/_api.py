@@ -74,21 +74,23 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
             "flash_attention: q, k, v must all be 4-D (B, H, L, E) or all 3-D (H, L, E), got "
             f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
         )
-    shapes = f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+    def shapes():  # only for messages: torch.compile cannot trace str() of symbolic shapes
+        return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+
     if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"flash_attention: batch sizes differ: {shapes}")
+        raise ValueError(f"flash_attention: batch sizes differ: {shapes()}")
     if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"flash_attention: k and v must have the same heads and sequence length: {shapes}")
+        raise ValueError(f"flash_attention: k and v must have the same heads and sequence length: {shapes()}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"flash_attention: q and k must have the same head dim: {shapes}")
+        raise ValueError(f"flash_attention: q and k must have the same head dim: {shapes()}")
     if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0:
         raise ValueError(
             f"flash_attention: the number of query heads ({q.shape[-3]}) must be a multiple of the number "
-            f"of key/value heads ({k.shape[-3]}): {shapes}"
+            f"of key/value heads ({k.shape[-3]}): {shapes()}"
         )
     for name, t in (("q", q), ("v", v)):
         if t.shape[-1] > 256:
-            raise ValueError(f"flash_attention: head dims up to 256 are supported, {name} has {t.shape[-1]}: {shapes}")
+            raise ValueError(f"flash_attention: head dims up to 256 are supported, {name} has {t.shape[-1]}: {shapes()}")
     if not isinstance(causal, bool):
         raise TypeError(f"flash_attention: causal must be a bool, got {type(causal).__name__}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
@@ -133,10 +135,11 @@ def _validate_options(kernel, return_lse) -> None:
 
 
 def _needs_torch_op(q, k, v) -> bool:
-    """Autograd (some input requires grad) and torch.compile's tracing (fake tensors have no storage
-    to describe) both go through the torch.library ops of flashattn_mps._autograd."""
+    """Autograd (some input requires grad), torch.compile's tracing (fake tensors have no storage
+    to describe) and torch.jit.trace (which records only dispatched ops) go through the
+    torch.library ops of flashattn_mps._autograd."""
     wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
-    return wants_grad or torch.compiler.is_compiling()
+    return wants_grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
 def flash_attention(

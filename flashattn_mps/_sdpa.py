@@ -6,10 +6,12 @@ import functools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _metal_mode
 from ._api import flash_attention, supported_mask_dtype
@@ -32,6 +34,94 @@ class Route:
         return f"{where}: {self.reason}"
 
 
+class _KernelCall(NamedTuple):
+    """A call the kernels take, its arguments resolved: autocast applied, a CausalBias turned into
+    is_causal or a bool mask, scale a float or None."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: Optional[torch.Tensor]
+    is_causal: bool
+    scale: Optional[float]
+
+
+_NOT_ACCEPTED = object()
+
+
+def _float_argument(x):
+    """torch's parsing of a `float` argument of SDPA: Python and NumPy numbers, and 0-dim tensors
+    that do not require grad; _NOT_ACCEPTED where torch raises (it then raises its own error)."""
+    if isinstance(x, (np.number, np.bool_)):
+        return float(np.real(x))
+    if isinstance(x, (float, int)):  # bool included
+        return float(x)
+    if (isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.dim() == 0 and not x.requires_grad
+            and not x.is_complex() and x.device.type != "meta" and not torch.compiler.is_compiling()):
+        return float(x.item())
+    return _NOT_ACCEPTED
+
+
+def _scalar_arguments(dropout_p, is_causal, scale, enable_gqa):
+    """(dropout_p, scale) as floats (scale may stay None), or None when torch's argument parser
+    rejects one of the four (is_causal and enable_gqa must be Python bools)."""
+    dropout = _float_argument(dropout_p)
+    scale_value = None if scale is None else _float_argument(scale)
+    if dropout is _NOT_ACCEPTED or scale_value is _NOT_ACCEPTED:
+        return None
+    if not (isinstance(is_causal, bool) and isinstance(enable_gqa, bool)):
+        return None
+    return dropout, scale_value
+
+
+def _overrides_torch_function(t) -> bool:
+    """A tensor subclass with its own __torch_function__ (nn.Parameter disables it)."""
+    cls = type(t)
+    if not isinstance(t, torch.Tensor) or cls is torch.Tensor:
+        return False
+    return cls.__torch_function__ is not torch._C._disabled_torch_function_impl
+
+
+@torch.compiler.assume_constant_result
+def _fused_backends_allowed() -> bool:
+    """Whether torch.nn.attention.sdpa_kernel (or torch.backends.cuda.enable_*_sdp) allows a fused
+    backend the kernels stand in for: FLASH_ATTENTION or EFFICIENT_ATTENTION. Under torch.compile
+    it is read when tracing (no guard: changing it later does not retrace)."""
+    return torch.backends.cuda.flash_sdp_enabled() or torch.backends.cuda.mem_efficient_sdp_enabled()
+
+
+def _autocast_device_types() -> frozenset:
+    """The kernels' devices this torch has autocast for (MPS autocast came with torch 2.5)."""
+    types = set()
+    for device_type in ("cpu", "mps"):
+        try:
+            torch.is_autocast_enabled(device_type)
+            types.add(device_type)
+        except RuntimeError:
+            pass
+    return frozenset(types)
+
+
+_AUTOCAST_DEVICE_TYPES = _autocast_device_types()
+
+
+def _autocast(call: _KernelCall) -> tuple:
+    """Autocast's rule for SDPA (lower_precision_fp on CPU, CUDA and MPS): floating-point tensor
+    arguments other than float64 are cast to the autocast dtype. Returns the call and the dtype
+    (None without autocast)."""
+    device_type = call.query.device.type
+    if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
+        return call, None
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
+
+    return call._replace(query=cast(call.query), key=cast(call.key), value=cast(call.value),
+                         attn_mask=cast(call.attn_mask)), dtype
+
+
 def _as_4d(t: torch.Tensor) -> Optional[torch.Tensor]:
     """(N, ..., H, L, E) as a (B, H, L, E) view; None when that would need a copy."""
     if t.dim() == 2:
@@ -50,60 +140,101 @@ def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
           allow_cpu=True) -> Route:
     """Decide the path without running anything. Invalid calls route to torch, which raises exactly
     what it raises for them."""
+    return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu)[0]
+
+
+def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu):
+    """(Route, _KernelCall for the kernels or None)."""
+    scalars = _scalar_arguments(dropout_p, is_causal, scale, enable_gqa)
+    if scalars is None:
+        return Route("torch", "dropout_p, is_causal, scale or enable_gqa of a type torch does not accept (torch raises)"), None
+    dropout_p, scale = scalars
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return Route("torch", "query, key and value are not all tensors")
+        return Route("torch", "query, key and value are not all tensors"), None
+    if any(t.is_nested for t in tensors):
+        return Route("torch", "nested (jagged) tensors"), None
+    if not torch.compiler.is_compiling() and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return Route("torch", "tensors of a torch.func transform (vmap, grad, functionalize)"), None
+    mask_is_bias = isinstance(attn_mask, CausalBias)
+    subclassed = [t for t in (*tensors, None if mask_is_bias else attn_mask) if _overrides_torch_function(t)]
+    if subclassed:
+        return Route("torch", f"a {type(subclassed[0]).__name__} argument: tensor subclasses with "
+                              "__torch_function__ decide for themselves"), None
+    if not _fused_backends_allowed():
+        return Route("torch", "torch.nn.attention.sdpa_kernel excludes FLASH_ATTENTION and EFFICIENT_ATTENTION, "
+                              "the backends the kernels stand in for"), None
+    masking = "attn_mask" if attn_mask is not None else "causal" if is_causal else "no mask"
+    if mask_is_bias:
+        if is_causal:
+            return Route("torch", "a CausalBias with is_causal=True (torch raises)"), None
+        if attn_mask.variant == CausalVariant.UPPER_LEFT or attn_mask.seq_len_q == attn_mask.seq_len_kv:
+            attn_mask, is_causal, masking = None, True, "causal (CausalBias, upper left)"
+        else:  # the kernels' causal mask is top-left: the bottom-right one is a bool mask
+            attn_mask, masking = attn_mask._materialize(query.device), "CausalBias lower right, as a bool mask"
+    call, autocast_dtype = _autocast(_KernelCall(query, key, value, attn_mask, is_causal, scale))
+    refusal = _kernel_refusal(call, dropout_p, enable_gqa, allow_cpu)
+    if refusal is not None:
+        return Route("torch", refusal), None
+    if autocast_dtype is not None:
+        masking += f", under autocast to {autocast_dtype}"
+    return Route("kernel", f"{masking} (flashattn_mps.explain_plan shows the kernels and grids)"), call
+
+
+def _kernel_refusal(call: _KernelCall, dropout_p: float, enable_gqa: bool, allow_cpu: bool) -> Optional[str]:
+    """Why the kernels cannot take this call (None when they can)."""
+    query, key, value, attn_mask, is_causal, _ = call
+    tensors = (query, key, value)
     devices = {t.device.type for t in tensors}
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor):
         devices.add(attn_mask.device.type)
     if devices not in ({"mps"}, {"cpu"}):
-        return Route("torch", f"device(s) {sorted(devices)}: the kernels run on mps (or cpu, via the CPU Metal device)")
+        return f"device(s) {sorted(devices)}: the kernels run on mps (or cpu, via the CPU Metal device)"
     if devices == {"cpu"} and not allow_cpu:
-        return Route("torch", "CPU tensors and the patch was not asked to route CPU calls")
+        return "CPU tensors and the patch was not asked to route CPU calls"
     if not (query.dtype == key.dtype == value.dtype) or query.dtype not in _KERNEL_DTYPES:
-        return Route("torch", f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one of float32, float16, bfloat16")
-    if not 0.0 <= float(dropout_p) <= 1.0:
-        return Route("torch", "dropout_p out of [0, 1] (torch raises)")
+        return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one of float32, float16, bfloat16"
+    if not 0.0 <= dropout_p <= 1.0:
+        return "dropout_p out of [0, 1] (torch raises)"
     if dropout_p > 0.0:
-        return Route("torch", f"dropout_p={dropout_p}: the kernels have no dropout")
+        return f"dropout_p={dropout_p}: the kernels have no dropout"
     if query.dim() < 2 or not (query.dim() == key.dim() == value.dim()):
-        return Route("torch", "query, key and value differ in rank")
+        return "query, key and value differ in rank"
     if query.dim() >= 3 and not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
-        return Route("torch", "batch dimensions differ (broadcast batches are left to torch)")
+        return "batch dimensions differ (broadcast batches are left to torch)"
     if key.shape[-2] != value.shape[-2]:
-        return Route("torch", f"key has {key.shape[-2]} positions but value has {value.shape[-2]}")
+        return f"key has {key.shape[-2]} positions but value has {value.shape[-2]}"
     if query.shape[-1] != key.shape[-1]:
-        return Route("torch", "query and key head dims differ (torch raises)")
+        return "query and key head dims differ (torch raises)"
     hq = query.shape[-3] if query.dim() >= 3 else 1
     hkv = key.shape[-3] if key.dim() >= 3 else 1
     if key.shape[:-2] != value.shape[:-2]:
-        return Route("torch", "key and value heads differ (torch raises)")
+        return "key and value heads differ (torch raises)"
     if hq != hkv and not (enable_gqa and hkv > 0 and hq % hkv == 0):
-        return Route("torch", f"{hq} query heads and {hkv} key/value heads without enable_gqa=True (torch raises)")
+        return f"{hq} query heads and {hkv} key/value heads without enable_gqa=True (torch raises)"
     if query.shape[-1] > 256 or value.shape[-1] > 256:
-        return Route("torch", "head dims above 256")
+        return "head dims above 256"
     if any(_as_4d(t) is None for t in tensors):
-        return Route("torch", "leading dims cannot be flattened into one batch dim without a copy")
+        return "leading dims cannot be flattened into one batch dim without a copy"
     if attn_mask is not None:
         if is_causal:
-            return Route("torch", "both attn_mask and is_causal")  # scaled_dot_product_attention raises first
+            return "both attn_mask and is_causal"  # scaled_dot_product_attention raises
         if not isinstance(attn_mask, torch.Tensor):
-            return Route("torch", "attn_mask is not a tensor")
+            return "attn_mask is not a tensor"
         if not supported_mask_dtype(attn_mask.dtype, query.dtype):
-            return Route("torch", f"attn_mask dtype {attn_mask.dtype}: bool, float32 or the query's dtype (torch raises otherwise)")
+            return f"attn_mask dtype {attn_mask.dtype}: bool, float32 or the query's dtype (torch raises otherwise)"
         target = (*query.shape[:-2], query.shape[-2], key.shape[-2])
         try:
             broadcast = torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
-            return Route("torch", f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {target} (torch raises)")
+            return f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {target} (torch raises)"
         if broadcast != torch.Size(target):
-            return Route("torch", f"attn_mask {tuple(attn_mask.shape)} would broadcast the output beyond {target}")
+            return f"attn_mask {tuple(attn_mask.shape)} would broadcast the output beyond {target}"
         if _as_4d(_broadcast_mask(attn_mask, query, key)) is None:
-            return Route("torch", "attn_mask's leading dims cannot be viewed as one batch dim")
+            return "attn_mask's leading dims cannot be viewed as one batch dim"
         if attn_mask.requires_grad and torch.is_grad_enabled():
-            return Route("torch", "attn_mask requires grad: the kernels do not differentiate masks")
-    masking = "attn_mask" if attn_mask is not None else "causal" if is_causal else "no mask"
-    return Route("kernel", f"{masking} (flashattn_mps.explain_plan shows the kernels and grids)")
+            return "attn_mask requires grad: the kernels do not differentiate masks"
+    return None
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -111,24 +242,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """`torch.nn.functional.scaled_dot_product_attention` with the same signature, semantics, errors
     and results, computed by flashattn_mps kernels (MPS tensors on Metal, CPU tensors on the CPU
     Metal device) without an L x S matrix. Calls the kernels do not cover (dropout, masks that need
-    grad, other devices or dtypes, broadcast batches...) go to torch's own SDPA; `explain` says which
-    path a call takes and why, and the reason is logged at DEBUG level on logger "flashattn_mps"."""
+    grad, other devices or dtypes, broadcast batches, nested tensors, torch.func transforms, tensor
+    subclasses, an sdpa_kernel context that excludes the fused backends...) go to torch's own SDPA;
+    `explain` says which path a call takes and why, and the reason is logged at DEBUG level on
+    logger "flashattn_mps" (not while torch.compile traces)."""
     return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu=True)
 
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu):
-    if attn_mask is not None and is_causal:
+    decision, call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu)
+    if is_causal is True and attn_mask is not None and not isinstance(attn_mask, CausalBias) \
+            and _scalar_arguments(dropout_p, is_causal, scale, enable_gqa) is not None:
+        # what torch raises on meta and MPS tensors (its CPU kernel lets it pass)
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    decision = route(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu=allow_cpu)
-    if log.isEnabledFor(logging.DEBUG):
+    if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("scaled_dot_product_attention -> %s", decision)
-    if decision.path == "torch":
+    if call is None:
         return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
-    return _run_kernel(query, key, value, attn_mask, is_causal, scale)
+    return _run_kernel(call)
 
 
-def _run_kernel(query, key, value, attn_mask, is_causal, scale):
+def _run_kernel(call: _KernelCall):
+    query, key, value, attn_mask, is_causal, scale = call
     q, k, v = (_as_4d(t) for t in (query, key, value))
     mask = None if attn_mask is None else _as_4d(_broadcast_mask(attn_mask, query, key))
     out = flash_attention(q, k, v, is_causal, scale, attn_mask=mask)

@@ -119,3 +119,19 @@ def product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs):
     hkv = 2 if gqa < 8 else 1
     return (layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype), layout_tensor(gen, layout, 1, hkv, lk, e, dtype),
             layout_tensor(gen, layout, 1, hkv, lk, ev, dtype))
+
+
+@pytest.fixture
+def core_calls(monkeypatch):
+    """Counts the C core's forward and backward calls: the proof that the kernels ran."""
+    import flashattn_mps
+
+    counts = {"forward": 0, "backward": 0, "masked": 0}  # masked: forward calls given an attn_mask
+    for name in ("forward", "backward"):
+        def counting(*args, _real=getattr(flashattn_mps._C, name), _name=name, **kwargs):
+            counts[_name] += 1
+            counts["masked"] += _name == "forward" and kwargs.get("mask") is not None
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(flashattn_mps._C, name, counting)
+    return counts

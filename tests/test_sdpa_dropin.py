@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -225,3 +227,188 @@ def test_multihead_attention_and_encoder_layer_with_patch(gen, caplog):
             assert "-> flashattn_mps kernels" in caplog.text and "-> torch's" not in caplog.text
             for a, b in zip((expected[0], expected[1], *expected[2]), (got[0], got[1], *got[2])):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# torch's own argument parser decides what each scalar argument accepts: the drop-in must accept
+# and refuse exactly the same (issue 14 item 8).
+class _HasFloat:
+    def __float__(self):
+        return 0.5
+
+
+ARGUMENT_VALUES = {
+    "float": 0.5, "int": 1, "zero": 0, "bool": True, "false": False, "np.float32": np.float32(0.375),
+    "np.float16": np.float16(0.5), "np.int64": np.int64(1), "np.bool_": np.bool_(True), "0-dim tensor": torch.tensor(0.25),
+    "0-dim int tensor": torch.tensor(1), "1-element tensor": torch.tensor([0.5]), "tensor needing grad": torch.tensor(0.5, requires_grad=True),
+    "str": "0.5", "complex": 1j, "None": None, "__float__": _HasFloat(), "np.ndarray": np.array(0.5),
+}
+
+
+@pytest.mark.parametrize("argument", ["scale", "dropout_p", "is_causal", "enable_gqa"])
+def test_argument_types_are_torchs(gen, argument, core_calls):
+    q, k, v = randn(gen, 1, 2, 5, 8), randn(gen, 1, 2, 6, 8), randn(gen, 1, 2, 6, 8)
+    for name, value in ARGUMENT_VALUES.items():
+        meta = dict(query=q.to("meta"), key=k.to("meta"), value=v.to("meta"), **{argument: value})
+        try:
+            F.scaled_dot_product_attention(**meta)
+        except Exception as theirs:
+            with pytest.raises(type(theirs)):
+                scaled_dot_product_attention(q, k, v, **{argument: value})
+            continue
+        if argument == "dropout_p" and value not in (0, False):
+            continue  # accepted, and random: torch's path (tested by the fallbacks)
+        before = core_calls["forward"]
+        out = scaled_dot_product_attention(q, k, v, **{argument: value})
+        assert core_calls["forward"] == before + 1, f"{argument}={name} did not reach the kernels"
+        expected = F.scaled_dot_product_attention(q, k, v, **{argument: value})
+        assert max_error(out, expected.double()) < 1e-5, f"{argument}={name}"
+
+
+@pytest.mark.parametrize("lq, lk", [(5, 9), (7, 7), (40, 70)])
+def test_causal_bias_variants(gen, lq, lk, core_calls):
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    q, k, v = randn(gen, 2, 2, lq, 16), randn(gen, 2, 2, lk, 16), randn(gen, 2, 2, lk, 16)
+    for make, where in ((causal_upper_left, "upper left"), (causal_lower_right, "lower right")):
+        bias = make(lq, lk)
+        text = explain(q, k, v, attn_mask=bias)
+        assert text.startswith("flashattn_mps kernels") and ("CausalBias" in text)
+        calls = core_calls["forward"]
+        with patch(cpu=True):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        assert core_calls["forward"] == calls + 1
+        golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias._materialize())
+        assert max_error(out, golden) < 1e-5, where
+    with pytest.raises(ValueError):  # as torch: a CausalBias does not combine with is_causal
+        scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(lq, lk), is_causal=True)
+
+
+class LoggingTensor(torch.Tensor):
+    """A subclass with its own __torch_function__: it must see the call (torch's protocol)."""
+
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_torch_function_subclasses_go_to_torch(gen, core_calls):
+    q, k, v = randn(gen, 1, 2, 5, 8), randn(gen, 1, 2, 6, 8), randn(gen, 1, 2, 6, 8)
+    for subclassed in ({"query": q.as_subclass(LoggingTensor)}, {"attn_mask": torch.zeros(5, 6).as_subclass(LoggingTensor)}):
+        args = {**dict(query=q, key=k, value=v), **subclassed}
+        assert "LoggingTensor" in explain(**args) and explain(**args).startswith("torch's")
+        LoggingTensor.seen.clear()
+        out = scaled_dot_product_attention(**args)
+        assert "scaled_dot_product_attention" in LoggingTensor.seen
+        assert max_error(out.as_subclass(torch.Tensor), F.scaled_dot_product_attention(q.double(), k.double(), v.double())) < 1e-5
+    assert core_calls["forward"] == 0
+    parameter = nn.Parameter(q.clone())  # Parameter disables __torch_function__: the kernels take it
+    assert explain(parameter, k, v).startswith("flashattn_mps")
+
+
+def test_jit_trace_records_the_custom_op_and_replays(gen):
+    q, k, v = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
+    mask = torch.rand(9, 9, generator=gen) > 0.3
+
+    def attend(q_, k_, v_, m):
+        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True) + F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m)
+
+    with patch(cpu=True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # routing is decided when tracing, as shapes
+        traced = torch.jit.trace(attend, (q, k, v, mask))
+    assert "flashattn_mps::attention_forward" in str(traced.graph)
+    q2, k2, v2 = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
+    mask2 = torch.rand(9, 9, generator=gen) > 0.5
+    golden = attend(q2.double(), k2.double(), v2.double(), mask2)
+    assert max_error(traced(q2, k2, v2, mask2), golden) < 1e-5
+
+
+def test_export_traces_the_custom_op(gen):
+    class Attend(nn.Module):
+        def forward(self, q_, k_, v_):
+            return scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
+    q, k, v = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
+    exported = torch.export.export(Attend(), (q, k, v))
+    assert "flashattn_mps.attention_forward" in str(exported.graph)
+    q2 = randn(gen, 1, 2, 9, 16)
+    golden = F.scaled_dot_product_attention(q2.double(), k.double(), v.double(), is_causal=True)
+    assert max_error(exported.module()(q2, k, v), golden) < 1e-5
+
+
+def test_nested_tensors_and_vmap_go_to_torch(gen, core_calls):
+    lengths, h, e = (3, 7), 2, 16
+    parts = [randn(gen, n, h, e) for n in lengths]
+    nested = torch.nested.nested_tensor(parts, layout=torch.jagged).transpose(1, 2)  # (B, H, j, E)
+    text = explain(nested, nested, nested)
+    assert text.startswith("torch's") and "nested" in text
+    out = scaled_dot_product_attention(nested, nested, nested)
+    for part, got in zip(parts, out.unbind()):
+        t = part.transpose(0, 1).double()
+        assert max_error(got, F.scaled_dot_product_attention(t, t, t)) < 1e-5
+
+    q, k, v = randn(gen, 3, 2, 5, 8), randn(gen, 3, 2, 6, 8), randn(gen, 3, 2, 6, 8)
+    reasons = []
+    out = torch.vmap(lambda a, b, c: (reasons.append(explain(a, b, c)), scaled_dot_product_attention(a, b, c))[1])(q, k, v)
+    assert reasons[0].startswith("torch's") and "torch.func" in reasons[0]
+    assert max_error(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double())) < 1e-5
+    assert core_calls["forward"] == 0
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_without_graph_breaks(gen, dynamic, core_calls, caplog):
+    from torch._dynamo.utils import counters
+
+    def attend(q_, k_, v_, m):
+        return scaled_dot_product_attention(q_, k_, v_, is_causal=True) + scaled_dot_product_attention(q_, k_, v_, attn_mask=m)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attend, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for n in (9, 13, 17):  # new lengths: recompiles (static) or one symbolic graph (dynamic)
+        q, k, v = (randn(gen, 1, 2, n, 16).requires_grad_() for _ in range(3))
+        mask = torch.rand(n, n, generator=gen) > 0.3
+        with caplog.at_level(logging.WARNING):
+            out = compiled(q, k, v, mask)
+        out.sum().backward()
+        golden = attend(q.detach().double(), k.detach().double(), v.detach().double(), mask)
+        assert max_error(out.detach(), golden) < 1e-5
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert caplog.text == ""
+    assert core_calls["forward"] == 6 and core_calls["backward"] == 6
+    if dynamic:
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_follows_torchs_rule(gen, dtype, core_calls):
+    q, k, v = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
+    mask = torch.randn(9, 9, generator=gen)
+    with torch.autocast("cpu", dtype):
+        text = explain(q, k, v, attn_mask=mask)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        doubles = scaled_dot_product_attention(q.double(), k.double(), v.double())  # float64 is not cast
+    assert text.startswith("flashattn_mps") and "autocast" in text
+    assert out.dtype == reference.dtype == dtype and doubles.dtype == torch.float64
+    assert core_calls["forward"] == 1
+    cast = [t.to(dtype) for t in (q, k, v, mask)]
+    golden = F.scaled_dot_product_attention(*(t.double() for t in cast[:3]), attn_mask=cast[3].double())
+    assert max_error(out, golden) <= max(1e-5, 5 * max_error(reference, golden))
+
+
+def test_sdpa_kernel_is_honoured(gen, core_calls):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16), randn(gen, 1, 2, 9, 16)
+    with sdpa_kernel(SDPBackend.MATH):
+        text = explain(q, k, v)
+        scaled_dot_product_attention(q, k, v)
+    assert text.startswith("torch's") and "sdpa_kernel" in text and core_calls["forward"] == 0
+    for allowed in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel(allowed):
+            assert explain(q, k, v).startswith("flashattn_mps")
+            scaled_dot_product_attention(q, k, v)
+    assert core_calls["forward"] == 3
