@@ -6,15 +6,25 @@
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
  *          (2 * BK floats, at most 256 bytes): at most 18.3 KiB of Apple7-9's 32 KiB.
- * Registers per thread, in floats (BD = BDV = D):
- *   dQ     Q, dO and dQ fragments 3 * D/4, S and dP 2 * BK/4:  D = 64: 56,  128: 104,  256: 200
- *   dK/dV  K, V, dK and dV 4 * D/4, S^T and dP^T 2 * BK/4:     D = 64: 80,  128: 144,  256: 264
- * so the dK/dV kernel keeps D <= 64 in registers and is likely to spill beyond 128, where
- * metal-flash-attention splits the head dim into blocks instead (to be measured on a Mac).
+ * Registers per thread for the live fragments (BD = BDV = D; 2 per float fragment, 1 per half one;
+ * the operands a kernel keeps, Q and dO or K and V, are half for fp16 inputs, fa_fragments.h), and
+ * which operands stay in registers (metal-flash-attention's table; here every one does, in every
+ * configuration):
+ *            dQ: Q, dO (operands), dQ, S, dP       dK/dV: K, V (operands), dK, dV, S^T, dP^T
+ *   D = 64   fp32 64, fp16 48 (BK 32)             fp32 80, fp16 64
+ *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112
+ *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
+ * (bf16 as fp32 with the fp16 tiles). Over the budget of about 128: dK/dV from D = 128 in fp32,
+ * everything at D = 256. metal-flash-attention blocks the head dim there (keeps dK/dV accumulators
+ * for one D block per pass); not in yet, to be measured on a Mac first.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
  *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
  *   dQ     8 WM query rows per threadgroup, the forward's launch:             (ceil(L / 32), Hq, B)
+ * Under the causal mask the blocks become the slowest axis, heaviest first (metal/fa_schedule.h):
+ * dK/dV (Hkv, B, ceil(S / 32)) from the first key block, dQ (Hq, B, ceil(L / 32)) from the last
+ * query block. Each kernel checks the contiguous tile path on the two operands it streams: Q and dO
+ * for dK/dV, K and V for dQ.
  * Work, as multiply-adds per (query, key) pair: dK/dV 2E + 2Ev, dQ 2E + Ev (S is recomputed by
  * both: 7 matrix products against the forward's 2, metal-flash-attention's count). */
 #include "fa_plan.h"
@@ -52,16 +62,13 @@ static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
     }
 }
 
-static uint32_t blocks(int64_t n, int64_t per_block) {
-    return (uint32_t)((n + per_block - 1) / per_block);
-}
-
-static void set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step, int32_t dtype,
-                         uint32_t grid_x, uint32_t heads, uint32_t batch, uint32_t threads) {
-    *d = *forward; /* its macros and function constants */
+/* A dispatch of step `step` with the forward's macros and function constants; the caller sets its grid. */
+static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step,
+                                      int32_t dtype) {
+    *d = *forward;
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
-    fa_plan_set_geometry(d, grid_x, heads, batch, threads);
+    return d;
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
@@ -106,14 +113,18 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
     const uint32_t threads = tiled->threadgroup[0];
     const int64_t rows_per_group = threads / 32 * 8; /* 8 rows per SIMD-group */
-    const uint32_t batch = (uint32_t)p->forward.batch;
+    const fa_params *f = &p->forward;
     const int32_t dtype = a->q.dtype;
-    set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, "delta", dtype,
-                 blocks(p->forward.q_len, FA_BACKWARD_DELTA_ROWS), (uint32_t)p->forward.q_heads, batch,
-                 32u * FA_BACKWARD_DELTA_ROWS);
-    set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype, blocks(p->forward.kv_len, rows_per_group),
-                 (uint32_t)p->forward.kv_heads, batch, threads);
-    set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype, blocks(p->forward.q_len, rows_per_group),
-                 (uint32_t)p->forward.q_heads, batch, threads);
+    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, "delta", dtype);
+    fa_plan_set_geometry(delta, (uint32_t)((f->q_len + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
+                         (uint32_t)f->q_heads, (uint32_t)f->batch, 32u * FA_BACKWARD_DELTA_ROWS);
+    /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
+    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype);
+    fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
+    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch, a->causal,
+                           threads);
+    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype);
+    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, a->causal,
+                           threads);
     return FA_OK;
 }

@@ -16,15 +16,27 @@ static const char *decode_source = "fa_decode.metal";
  *
  * Head dims are padded (inside the kernel, never by copying) to one of these widths, so a handful of
  * specialisations cover every E and Ev in 0..256: steps of 16 up to 128, where common models live,
- * then 32.
+ * then 32. A width only sizes registers and threadgroup tiles: the kernels skip the 8-wide slices
+ * that hold no data (fa_slices() in fa_fragments.h), so matrix work is ceil(E / 8) slices whatever
+ * the width (72 in 80, 40 in 48, 136 in 160 do no padded products) and a width per common head dim
+ * would add specialisations (and compile time) without saving work. What padding still costs:
+ * zeros written into the tiles, and registers of fragments never touched.
  *
  * Keys per tile (BK) by element size and the wider padded head dim, max(BD, BDV). Each entry keeps
  * the K and V tiles, BK * (BD + 8 + BDV + 8) elements of threadgroup memory, under Apple7-9's 32 KiB
  * (the largest use is 18 KiB, leaving room for a second resident threadgroup at D <= 64):
  *   4-byte elements: D <= 64: BK 32 (18.0 KiB); D <= 128: BK 16 (17.0 KiB); D <= 256: BK 8 (16.5 KiB)
  *   2-byte elements: D <= 128: BK 32 (17.0 KiB); D <= 256: BK 16 (16.5 KiB)
- * Registers per thread: BD/4 (Q) + BDV/4 (O) + BK/4 (S) floats, at most 64 + 64 + 8 at D = 256,
- * which is where spilling may start on Apple GPUs (to be measured on a Mac).
+ * Register budget per thread (Apple GPUs: about 128 32-bit registers at full occupancy), counted for
+ * the live fragments alone (addresses, loop state and temporaries add a few dozen more). An 8x8
+ * fragment costs a lane 2 registers in float, 1 in half: Q is an operand fragment (half for fp16
+ * inputs, float for fp32 and bf16: fa_fragments.h), O and S are float, plus one K/V fragment in flight:
+ *            Q        O       S (BK)    total
+ *   D = 64   16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 as fp32, BK 32: 42)
+ *   D = 128  32 / 16  32      4 (16)    70 fp32; fp16 (BK 32): 16 + 32 + 8 + 1 = 57
+ *   D = 256  64 / 32  64      2 (8)     132 fp32 (over budget); fp16 (BK 16): 32 + 64 + 4 + 1 = 101
+ * so fp32 and bf16 at D > 128 are where spilling or lower occupancy starts (to be measured on a Mac;
+ * MLX's remedy, Q in threadgroup memory, is not in yet: the tiles leave about 15 KiB for it).
  * WM = 4 SIMD-groups, so 32 query rows per threadgroup (MLX uses the same), 128 threads. */
 static const int32_t padded_head_dims[] = {16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256};
 enum { N_PADDED_HEAD_DIMS = sizeof padded_head_dims / sizeof padded_head_dims[0], FORWARD_WM = 4 };
@@ -280,7 +292,12 @@ static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
 }
 
 static void add_constant(fa_plan_dispatch *d, uint32_t index, int32_t kind, int64_t value) {
-    fa_constant *c = &d->constants[d->n_constants++];
+    uint32_t at = 0;
+    while (at < d->n_constants && d->constants[at].index != index) {
+        ++at; /* a constant already set is replaced */
+    }
+    d->n_constants += at == d->n_constants;
+    fa_constant *c = &d->constants[at];
     memset(c, 0, sizeof *c);
     c->index = index;
     c->kind = kind;
@@ -289,6 +306,43 @@ static void add_constant(fa_plan_dispatch *d, uint32_t index, int32_t kind, int6
 
 static void add_constant_bool(fa_plan_dispatch *d, uint32_t index, int32_t value) {
     add_constant(d, index, FA_CONST_BOOL, value != 0);
+}
+
+/* Whether a tensor's (row, column) tiles may take the tiled kernels' contiguous load path
+ * (fa_loader.h): a unit column stride, a width that is a multiple of FA_TILE_VEC, every row start
+ * aligned to FA_TILE_VEC elements (strides of the dims indexed and the view's start address; an
+ * MTLBuffer's contents are page-aligned, a CPU storage is checked as it is), and in-tile offsets,
+ * up to (tile rows + threads per threadgroup) row strides, within 32 bits. Size-1 dims are never
+ * indexed, so their strides do not matter. */
+static int32_t tiles_contiguous(const fa_tensor *t, int32_t device) {
+    const int64_t vec = FA_TILE_VEC, align_bytes = FA_TILE_VEC * dtype_bytes[t->dtype];
+    const uint64_t start = (uint64_t)t->byte_offset + (device == FA_DEVICE_CPU ? (uint64_t)(uintptr_t)t->storage : 0);
+    if (t->sizes[3] > 1 && t->strides[3] != 1) {
+        return 0;
+    }
+    if (t->sizes[3] % vec != 0 || start % (uint64_t)align_bytes != 0) {
+        return 0;
+    }
+    for (int32_t d = 0; d < 3; ++d) {
+        if (t->sizes[d] > 1 && t->strides[d] % vec != 0) {
+            return 0;
+        }
+    }
+    return t->sizes[2] <= 1 || t->strides[2] <= FA_CONTIGUOUS_MAX_ROW_STRIDE;
+}
+
+void fa_plan_set_contiguous_tiles(fa_plan_dispatch *d, const fa_tensor *a, const fa_tensor *b, int32_t device) {
+    add_constant_bool(d, FA_FC_CONTIGUOUS_TILES, tiles_contiguous(a, device) && tiles_contiguous(b, device));
+}
+
+void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_block, uint32_t heads, uint32_t batch,
+                            int32_t causal, uint32_t threads) {
+    const uint32_t blocks = (uint32_t)((rows + rows_per_block - 1) / rows_per_block);
+    if (causal) {
+        fa_plan_set_geometry(d, heads, batch, blocks, threads); /* heaviest first, fa_schedule.h */
+    } else {
+        fa_plan_set_geometry(d, blocks, heads, batch, threads);
+    }
 }
 
 static void add_constant_int(fa_plan_dispatch *d, uint32_t index, int32_t value) {
@@ -338,7 +392,9 @@ static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
     const forward_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     set_forward_macros(d, t);
-    set_row_blocks(d, a, 8 * t.wm, 32u * (uint32_t)t.wm);
+    fa_plan_set_contiguous_tiles(d, &a->k, &a->v, a->device);
+    fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, (uint32_t)a->q.sizes[1], (uint32_t)a->q.sizes[0], a->causal,
+                           32u * (uint32_t)t.wm);
     return FA_OK;
 }
 

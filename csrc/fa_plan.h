@@ -49,6 +49,14 @@ void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t 
 
 fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *dispatch);
 
+/* The tiled kernels (forward, dK/dV, dQ): FA_FC_CONTIGUOUS_TILES for the two operands a dispatch
+ * streams through threadgroup memory (a, b), and its grid of ceil(rows / rows_per_block) blocks
+ * per (head, batch), ordered heaviest first under the causal mask (metal/fa_schedule.h). */
+enum { FA_CONTIGUOUS_MAX_ROW_STRIDE = (1 << 23) }; /* (32 tile rows + 128 threads) x 2^23 < 2^31 */
+void fa_plan_set_contiguous_tiles(fa_plan_dispatch *d, const fa_tensor *a, const fa_tensor *b, int32_t device);
+void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_block, uint32_t heads, uint32_t batch,
+                            int32_t causal, uint32_t threads);
+
 /* Helpers the backward planner (fa_backward_plan.c) shares with the forward's. */
 const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages */
 const char *fa_kernel_type_name(int32_t dtype);  /* the MSL type kernels are instantiated for */

@@ -211,7 +211,7 @@ def flash_attention(
 def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, attn_mask=None,
                  kernel: str = "auto") -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
-    {"dispatches": [{"function", "macros", "grid", "threadgroup"}, ...], "split_count",
+    {"dispatches": [{"function", "macros", "constants", "grid", "threadgroup"}, ...], "split_count",
     "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches reach the GPU).
     split_count > 1 means the keys are split over threadgroups and a second dispatch merges the
     partial results."""

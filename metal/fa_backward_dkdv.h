@@ -1,7 +1,7 @@
 // The backward pass, key side: dV = P^T dO and dK = scale * dS^T Q, parallel over key blocks.
 //
 // A threadgroup of WM SIMD-groups owns 8 * WM keys of one (batch, kv head), each SIMD-group 8 of
-// them, keeping their K (pre-scaled by scale * log2(e)) and V fragments and the dK and dV
+// them, keeping their K and V fragments (operand fragments, fa_fragments.h) and the dK and dV
 // accumulators in registers. Queries stream through threadgroup memory BK rows at a time: Q, dO
 // and, per row, lse_log2 = lse * log2(e) and D (the forward's tile sizes with queries in place of
 // keys). Per tile, everything transposed relative to the dQ kernel (fa_backward_dq.h):
@@ -18,6 +18,7 @@
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_schedule.h"
 #include "fa_softmax.h"
 
 using namespace metal;
@@ -35,31 +36,38 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int Q_PITCH = BD + FA_TILE_PAD;
   constexpr int DO_PITCH = BDV + FA_TILE_PAD;
-  threadgroup T q_tile[BK * Q_PITCH];
-  threadgroup T do_tile[BK * DO_PITCH];
+  threadgroup fa_tile_storage<T> q_storage[fa_tile_vectors(BK * Q_PITCH)];
+  threadgroup fa_tile_storage<T> do_storage[fa_tile_vectors(BK * DO_PITCH)];
   threadgroup float lse_tile[BK];
   threadgroup float delta_tile[BK];
+  threadgroup bool tile_votes[2 * WM];
+  threadgroup T *q_tile = (threadgroup T *)q_storage;
+  threadgroup T *do_tile = (threadgroup T *)do_storage;
 
   constant fa_params &f = p.forward;
-  const long b = group.z;
-  const long kv_h = group.y;
-  const int key_block = int(group.x) * 8 * WM;
+  const fa_block_position block = fa_block_of(group, groups, false);
+  const long b = block.batch;
+  const long kv_h = block.head;
+  const int key_block = block.block * 8 * WM;
   const int key0 = key_block + 8 * int(sg); // first of this SIMD-group's 8 keys
   const ushort2 at = fa_frag_coord(lane);
   const int my_key = key0 + at.y;           // the one key whose elements this lane holds
   const bool key_valid = my_key < f.kv_len;
+  const int e_slices = fa_slices(f.head_dim);
+  const int ev_slices = fa_slices(f.v_head_dim);
 
-  fa_frag k_frag[BD / 8];
+  fa_operand_frag<T> k_frag[BD / 8];
   fa_frags_load_row<T, BD / 8>(k_frag, k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(my_key) * f.k_strides[2],
-                               f.k_strides[3], key_valid, f.head_dim, f.scale_log2, at);
-  fa_frag v_frag[BDV / 8];
+                               f.k_strides[3], key_valid, f.head_dim, at);
+  fa_operand_frag<T> v_frag[BDV / 8];
   fa_frags_load_row<T, BDV / 8>(v_frag, v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(my_key) * f.v_strides[2],
-                                f.v_strides[3], key_valid, f.v_head_dim, 1.0f, at);
+                                f.v_strides[3], key_valid, f.v_head_dim, at);
   fa_frag dk_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dk_frag[d], 0.0f);
@@ -72,18 +80,29 @@ template <typename T, int BD, int BDV, int BK, int WM>
   // Top-left causal: query i sees key j only when j <= i, so no query before the block's first key
   // sees any of its keys; those tiles are never loaded (and a block past L gets zeros).
   const int q_begin = fa_causal ? key_block : 0;
+  const long q_step = long(BK) * f.q_strides[2];
+  const long do_step = long(BK) * p.do_strides[2];
+  const long mask_query_stride = f.mask_strides[2]; // between the columns of this kernel's score tiles
+  int tile = 0;
   for (long h = kv_h * f.gqa_factor; h < (kv_h + 1) * f.gqa_factor; ++h) {
-    const device T *q_head = q + b * f.q_strides[0] + h * f.q_strides[1];
-    const device T *do_head = dout + b * p.do_strides[0] + h * p.do_strides[1];
+    const device T *q_src = q + b * f.q_strides[0] + h * f.q_strides[1] + long(q_begin) * f.q_strides[2];
+    const device T *do_src = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(q_begin) * p.do_strides[2];
     const device float *lse_head = lse + b * f.lse_strides[0] + h * f.lse_strides[1];
     const device float *delta_head = delta + b * p.delta_strides[0] + h * p.delta_strides[1];
-    for (int q0 = q_begin; q0 < f.q_len; q0 += BK) {
+    long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, q_begin + at.x, my_key);
+    for (int q0 = q_begin; q0 < f.q_len;
+         q0 += BK, ++tile, q_src += q_step, do_src += do_step, mask_at += BK * mask_query_stride) {
       const int valid_rows = min(BK, f.q_len - q0);
-      threadgroup_barrier(mem_flags::mem_threadgroup); // the previous tiles are consumed
-      fa_load_tile<T, BK, BD, 32 * WM>(q_tile, Q_PITCH, q_head + long(q0) * f.q_strides[2], f.q_strides[2],
-                                       f.q_strides[3], valid_rows, f.head_dim, tid);
-      fa_load_tile<T, BK, BDV, 32 * WM>(do_tile, DO_PITCH, do_head + long(q0) * p.do_strides[2], p.do_strides[2],
-                                        p.do_strides[3], valid_rows, f.v_head_dim, tid);
+      const int bounds_class = fa_key_tile_class(key0, q0, BK, f.kv_len);
+      const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_query_stride, valid_rows,
+                                                            key_valid, tile_votes, tile, sg, lane, at);
+      if (!start.load) {
+        continue; // no SIMD-group needs this tile: not even loaded
+      }
+      fa_load_tile<T, BK, BD, 32 * WM>(q_tile, Q_PITCH, q_src, f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim,
+                                       tid);
+      fa_load_tile<T, BK, BDV, 32 * WM>(do_tile, DO_PITCH, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                        f.v_head_dim, tid);
       if (tid < uint(BK)) {
         // Rows past L get probability 0 through lse = +inf.
         const long row = q0 + long(tid);
@@ -92,6 +111,9 @@ template <typename T, int BD, int BDV, int BK, int WM>
         delta_tile[tid] = inside ? delta_head[row * p.delta_strides[2]] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
+      if (start.tile_class == FA_TILE_BLOCKED) {
+        continue; // every probability of this slice is 0: it adds nothing to dK or dV
+      }
 
       fa_frag s_frag[BK / 8];
       fa_frag dp_frag[BK / 8];
@@ -99,27 +121,33 @@ template <typename T, int BD, int BDV, int BK, int WM>
         fa_frag_fill(s_frag[j], 0.0f);
         fa_frag_fill(dp_frag[j], 0.0f);
       }
-      fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, k_frag, q_tile, Q_PITCH, at);
-      fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, v_frag, do_tile, DO_PITCH, at);
+      fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, k_frag, q_tile, Q_PITCH, e_slices, at);
+      fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
+      fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, v_frag, do_tile, DO_PITCH, ev_slices, at);
 
-      // s_frag becomes P^T and dp_frag dS^T in place. Only tiles crossing the diagonal mask
-      // (ragged rows are handled by lse = +inf).
-      const bool needs_mask = fa_causal && key0 + 7 > q0;
+      // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the diagonal (ragged rows
+      // are handled by lse = +inf) and the bool mask's bits; an additive mask is added throughout.
+      const bool test_diagonal = fa_causal && start.tile_class == FA_TILE_MIXED;
+      const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
+      const bool add_mask = fa_mask_is_additive() && key_valid;
+      long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         for (int e = 0; e < 2; ++e) {
           const int col = 8 * j + at.x + e; // the query row q0 + col
-          const bool visible = !needs_mask || my_key <= q0 + col;
+          const bool visible = !(test_diagonal && my_key > q0 + col) &&
+                               !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
           float score = s_frag[j].thread_elements()[e];
-          if (visible && fa_mask_kind != FA_MASK_NONE && key_valid && q0 + col < f.q_len) {
-            score = fa_mask_score(score, mask, fa_mask_offset(f, b, h, q0 + col, my_key));
+          if (visible && add_mask && col < valid_rows) {
+            score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_query_stride));
           }
           const float prob = visible ? fa_softmax_probability(score, lse_tile[col]) : 0.0f;
           s_frag[j].thread_elements()[e] = prob;
           dp_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]);
         }
+        entry += 8 * mask_query_stride;
       }
-      fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, at);
-      fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, at);
+      fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, ev_slices, at);
+      fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, e_slices, at);
     }
   }
 

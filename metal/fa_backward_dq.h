@@ -3,7 +3,7 @@
 // Shaped like the forward (fa_forward.h): a threadgroup of WM SIMD-groups owns BQ = 8 * WM query
 // rows of one (batch, head), each SIMD-group 8 of them; K and V stream through threadgroup memory
 // BK keys at a time (the forward's tiles). Per tile, in registers:
-//   S  = Q K^T            (Q pre-scaled by scale * log2(e), as in the forward)
+//   S  = Q K^T            (times scale * log2(e), as in the forward)
 //   P  = exp2(S - lse_log2)   recomputed from the forward's log-sum-exp, never stored
 //   dP = dO V^T
 //   dS = P (dP - D)       D = rowsum(dO * O) from the pre-pass (fa_backward_delta.h)
@@ -17,6 +17,7 @@
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_schedule.h"
 #include "fa_softmax.h"
 
 using namespace metal;
@@ -33,32 +34,39 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int BQ = 8 * WM;
   constexpr int K_PITCH = BD + FA_TILE_PAD;
   constexpr int V_PITCH = BDV + FA_TILE_PAD;
-  threadgroup T k_tile[BK * K_PITCH];
-  threadgroup T v_tile[BK * V_PITCH];
+  threadgroup fa_tile_storage<T> k_storage[fa_tile_vectors(BK * K_PITCH)];
+  threadgroup fa_tile_storage<T> v_storage[fa_tile_vectors(BK * V_PITCH)];
+  threadgroup bool tile_votes[2 * WM];
+  threadgroup T *k_tile = (threadgroup T *)k_storage;
+  threadgroup T *v_tile = (threadgroup T *)v_storage;
 
   constant fa_params &f = p.forward;
-  const long b = group.z;
-  const long h = group.y;
+  const fa_block_position block = fa_block_of(group, groups, true);
+  const long b = block.batch;
+  const long h = block.head;
   const long kv_h = h / f.gqa_factor;
-  const int q_block = int(group.x) * BQ;
+  const int q_block = block.block * BQ;
   const int row0 = q_block + 8 * int(sg);
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;
   const bool row_valid = my_row < f.q_len;
+  const int e_slices = fa_slices(f.head_dim);
+  const int ev_slices = fa_slices(f.v_head_dim);
 
-  fa_frag q_frag[BD / 8];
+  fa_operand_frag<T> q_frag[BD / 8];
   fa_frags_load_row<T, BD / 8>(q_frag, q + b * f.q_strides[0] + h * f.q_strides[1] + long(my_row) * f.q_strides[2],
-                               f.q_strides[3], row_valid, f.head_dim, f.scale_log2, at);
-  fa_frag do_frag[BDV / 8];
+                               f.q_strides[3], row_valid, f.head_dim, at);
+  fa_operand_frag<T> do_frag[BDV / 8];
   fa_frags_load_row<T, BDV / 8>(do_frag,
                                 dout + b * p.do_strides[0] + h * p.do_strides[1] + long(my_row) * p.do_strides[2],
-                                p.do_strides[3], row_valid, f.v_head_dim, 1.0f, at);
+                                p.do_strides[3], row_valid, f.v_head_dim, at);
   fa_frag dq_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dq_frag[d], 0.0f);
@@ -70,19 +78,32 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const float row_delta =
       row_valid ? delta[b * p.delta_strides[0] + h * p.delta_strides[1] + long(my_row) * p.delta_strides[2]] : 0.0f;
 
-  const device T *k_head = k + b * f.k_strides[0] + kv_h * f.k_strides[1];
-  const device T *v_head = v + b * f.v_strides[0] + kv_h * f.v_strides[1];
-  // Top-left causal: tiles wholly past the block's last row are never loaded, as in the forward.
-  const int kv_end = fa_causal ? min(f.kv_len, q_block + BQ) : f.kv_len;
+  const device T *k_src = k + b * f.k_strides[0] + kv_h * f.k_strides[1];
+  const device T *v_src = v + b * f.v_strides[0] + kv_h * f.v_strides[1];
+  const long k_step = long(BK) * f.k_strides[2];
+  const long v_step = long(BK) * f.v_strides[2];
+  const long mask_key_stride = f.mask_strides[3];
+  long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, my_row, at.x);
+  // Top-left causal: tiles wholly past the block's last valid row are never loaded, as in the forward.
+  const int kv_end = fa_visible_keys(q_block, BQ, f.q_len, f.kv_len);
 
-  for (int k0 = 0; k0 < kv_end; k0 += BK) {
+  for (int k0 = 0, tile = 0; k0 < kv_end;
+       k0 += BK, ++tile, k_src += k_step, v_src += v_step, mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, f.kv_len - k0);
+    const int bounds_class = fa_query_tile_class(row0, k0, BK, f.q_len, f.kv_len);
+    const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
+                                                          row_valid, tile_votes, tile, sg, lane, at);
+    if (!start.load) {
+      continue; // no SIMD-group needs this tile: not even loaded
+    }
+    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
+                                     tid);
+    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
+                                      f.v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_head + long(k0) * f.k_strides[2], f.k_strides[2],
-                                     f.k_strides[3], valid_keys, f.head_dim, tid);
-    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_head + long(k0) * f.v_strides[2], f.v_strides[2],
-                                      f.v_strides[3], valid_keys, f.v_head_dim, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (start.tile_class == FA_TILE_BLOCKED) {
+      continue; // every probability of this slice is 0: it adds nothing to dQ
+    }
 
     fa_frag s_frag[BK / 8];
     fa_frag dp_frag[BK / 8];
@@ -90,25 +111,30 @@ template <typename T, int BD, int BDV, int BK, int WM>
       fa_frag_fill(s_frag[j], 0.0f);
       fa_frag_fill(dp_frag[j], 0.0f);
     }
-    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, at);
-    fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, do_frag, v_tile, V_PITCH, at);
+    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
+    fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
+    fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, do_frag, v_tile, V_PITCH, ev_slices, at);
 
-    // s_frag becomes dS in place. Only the ragged last tile, tiles crossing the diagonal and tiles
-    // under an attn_mask mask.
-    const bool needs_mask = valid_keys < BK || (fa_causal && k0 + BK - 1 > row0) || fa_mask_kind != FA_MASK_NONE;
+    // s_frag becomes dS in place, with the forward's per-score masking.
+    const bool test_bounds = start.tile_class == FA_TILE_MIXED;
+    const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
+    const bool add_mask = fa_mask_is_additive() && row_valid;
+    long entry = mask_at;
     for (int j = 0; j < BK / 8; ++j) {
       for (int e = 0; e < 2; ++e) {
         const int key = k0 + 8 * j + at.x + e;
-        const bool visible = !needs_mask || (key < f.kv_len && !(fa_causal && key > my_row));
+        const bool visible = !(test_bounds && (key >= f.kv_len || (fa_causal && key > my_row))) &&
+                             !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
         float score = s_frag[j].thread_elements()[e];
-        if (visible && fa_mask_kind != FA_MASK_NONE && row_valid) {
-          score = fa_mask_score(score, mask, fa_mask_offset(f, b, h, my_row, key));
+        if (visible && add_mask) {
+          score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
         }
         const float prob = visible ? fa_softmax_probability(score, row_lse_log2) : 0.0f;
         s_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - row_delta);
       }
+      entry += 8 * mask_key_stride;
     }
-    fa_frags_multiply<T, BK / 8, BD / 8>(dq_frag, s_frag, k_tile, K_PITCH, at);
+    fa_frags_multiply<T, BK / 8, BD / 8>(dq_frag, s_frag, k_tile, K_PITCH, e_slices, at);
   }
 
   if (row_valid) {

@@ -1,10 +1,11 @@
 // The FlashAttention-2 forward body on simdgroup_matrix fragments.
 //
 // A threadgroup of WM SIMD-groups owns BQ = 8 * WM query rows of one (batch, head); each SIMD-group
-// owns 8 of them and keeps their Q fragments (pre-scaled by scale * log2(e)) and their output
-// accumulator in registers. K and V stream through threadgroup memory BK keys at a time; the score
-// tile S = Q K^T (8 x BK per SIMD-group) lives and dies in registers; softmax is online in base 2
-// with float32 statistics; O is normalised and written once.
+// owns 8 of them and keeps their Q fragments (operand fragments, half for half inputs:
+// fa_fragments.h) and their float output accumulator in registers. K and V stream through
+// threadgroup memory BK keys at a time; the score tile S = Q K^T * scale * log2(e) (8 x BK per
+// SIMD-group, float) lives and dies in registers; softmax is online in base 2 with float32
+// statistics; O is normalised and written once.
 //
 // Template parameters (the planner picks them per head dim and dtype, see fa_plan.c):
 //   T    element type of q, k, v, out       BD, BDV  E and Ev rounded up to a multiple of 8
@@ -17,6 +18,7 @@
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_schedule.h"
 #include "fa_softmax.h"
 
 using namespace metal;
@@ -31,28 +33,37 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
     uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int BQ = 8 * WM;
   constexpr int K_PITCH = BD + FA_TILE_PAD;
   constexpr int V_PITCH = BDV + FA_TILE_PAD;
-  threadgroup T k_tile[BK * K_PITCH];
-  threadgroup T v_tile[BK * V_PITCH];
+  threadgroup fa_tile_storage<T> k_storage[fa_tile_vectors(BK * K_PITCH)];
+  threadgroup fa_tile_storage<T> v_storage[fa_tile_vectors(BK * V_PITCH)];
+  threadgroup bool tile_votes[2 * WM];
+  threadgroup T *k_tile = (threadgroup T *)k_storage;
+  threadgroup T *v_tile = (threadgroup T *)v_storage;
 
-  const long b = group.z;
-  const long h = group.y;
+  const fa_block_position block = fa_block_of(group, groups, true);
+  const long b = block.batch;
+  const long h = block.head;
   const long kv_h = h / p.gqa_factor;
-  const int q_block = int(group.x) * BQ;
+  const int q_block = block.block * BQ;
   const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;         // the one row whose elements this lane holds
+  const bool row_valid = my_row < p.q_len;
+  const int e_slices = fa_slices(p.head_dim);
+  const int ev_slices = fa_slices(p.v_head_dim);
 
-  // Q fragments straight from device memory (each SIMD-group reads only its own rows), scaled into
-  // the base-2 domain once instead of scaling every score tile.
-  fa_frag q_frag[BD / 8];
+  // Q fragments straight from device memory (each SIMD-group reads only its own rows), as operand
+  // fragments (fa_fragments.h): exact copies of the input, so the scores are scaled into the base-2
+  // domain after each product instead.
+  fa_operand_frag<T> q_frag[BD / 8];
   fa_frags_load_row<T, BD / 8>(q_frag, q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2],
-                               p.q_strides[3], my_row < p.q_len, p.head_dim, p.scale_log2, at);
+                               p.q_strides[3], row_valid, p.head_dim, at);
 
   fa_frag o_frag[BDV / 8];
   for (int d = 0; d < BDV / 8; ++d) {
@@ -60,50 +71,67 @@ template <typename T, int BD, int BDV, int BK, int WM>
   }
   fa_online_softmax row_state = fa_softmax_init();
 
-  const device T *k_head = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
-  const device T *v_head = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
-  // Top-left causal: no row of this block sees a key at or past q_block + BQ, so those tiles are
-  // never loaded.
-  const int kv_end = fa_causal ? min(p.kv_len, q_block + BQ) : p.kv_len;
+  // Tiles advance by pointer steps; the lane's mask entries by one offset per tile (fa_mask.h).
+  const device T *k_src = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
+  const device T *v_src = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
+  const long k_step = long(BK) * p.k_strides[2];
+  const long v_step = long(BK) * p.v_strides[2];
+  const long mask_key_stride = p.mask_strides[3];
+  long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(p, b, h, my_row, at.x);
+  // Top-left causal: no row of this block sees a key at or past its last valid row + 1, so those
+  // tiles are never loaded.
+  const int kv_end = fa_visible_keys(q_block, BQ, p.q_len, p.kv_len);
 
-  for (int k0 = 0; k0 < kv_end; k0 += BK) {
+  for (int k0 = 0, tile = 0; k0 < kv_end;
+       k0 += BK, ++tile, k_src += k_step, v_src += v_step, mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, p.kv_len - k0);
-    threadgroup_barrier(mem_flags::mem_threadgroup); // the previous tiles are consumed
-    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_head + long(k0) * p.k_strides[2], p.k_strides[2],
-                                     p.k_strides[3], valid_keys, p.head_dim, tid);
-    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_head + long(k0) * p.v_strides[2], p.v_strides[2],
-                                      p.v_strides[3], valid_keys, p.v_head_dim, tid);
+    const int bounds_class = fa_query_tile_class(row0, k0, BK, p.q_len, p.kv_len);
+    const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
+                                                          row_valid, tile_votes, tile, sg, lane, at);
+    if (!start.load) {
+      continue; // no SIMD-group needs this tile: not even loaded
+    }
+    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_src, p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim,
+                                     tid);
+    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, p.v_strides[2], p.v_strides[3], valid_keys,
+                                      p.v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (start.tile_class == FA_TILE_BLOCKED) {
+      continue; // every score of this SIMD-group's slice is masked: it adds nothing
+    }
 
     // S = Q K^T for this SIMD-group's 8 rows and the tile's BK keys.
     fa_frag s_frag[BK / 8];
     for (int j = 0; j < BK / 8; ++j) {
       fa_frag_fill(s_frag[j], 0.0f);
     }
-    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, at);
+    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
+    fa_frags_scale<BK / 8>(s_frag, p.scale_log2);
 
-    // Mask only tiles that need it: the ragged last tile, tiles crossing the diagonal, and every
-    // tile under an attn_mask (read through its strides; padding rows read nothing).
-    const bool ragged = valid_keys < BK;
-    const bool crosses_diagonal = fa_causal && k0 + BK - 1 > row0;
-    const bool masked_tile = ragged || crosses_diagonal || fa_mask_kind != FA_MASK_NONE;
-    if (masked_tile) {
+    // Per-score masking: bounds and the diagonal in MIXED tiles, a bool mask's bits unless the
+    // slice is wholly kept, an additive mask everywhere it is present (padding rows read nothing).
+    const bool test_bounds = start.tile_class == FA_TILE_MIXED;
+    const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
+    const bool add_mask = fa_mask_is_additive() && row_valid;
+    if (test_bounds || fa_mask_is_additive()) { // uniform over the SIMD-group: simd_any below
+      long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         for (int e = 0; e < 2; ++e) {
           const int key = k0 + 8 * j + at.x + e;
           const float score = s_frag[j].thread_elements()[e]; // (no references to vector elements in MSL)
-          if (key >= p.kv_len || (fa_causal && key > my_row)) {
+          if (test_bounds && (key >= p.kv_len || (fa_causal && key > my_row))) {
             s_frag[j].thread_elements()[e] = -INFINITY;
-          } else if (fa_mask_kind != FA_MASK_NONE && my_row < p.q_len) {
-            s_frag[j].thread_elements()[e] = fa_mask_score(score, mask, fa_mask_offset(p, b, h, my_row, key));
+          } else if (test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0) {
+            s_frag[j].thread_elements()[e] = -INFINITY;
+          } else if (add_mask) {
+            s_frag[j].thread_elements()[e] = score + fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
           }
         }
+        entry += 8 * mask_key_stride;
       }
-    }
 
-    // A tile masked out for all 8 rows adds nothing: skip its softmax and P V (NaN is not -inf,
-    // so a NaN score keeps its tile).
-    if (masked_tile) {
+      // A slice masked out for all 8 rows adds nothing: skip its softmax and P V (NaN is not -inf,
+      // so a NaN score keeps its tile).
       bool any_visible = false;
       for (int j = 0; j < BK / 8; ++j) {
         any_visible |= s_frag[j].thread_elements()[0] != -INFINITY || s_frag[j].thread_elements()[1] != -INFINITY;
@@ -137,10 +165,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
       o_frag[d].thread_elements()[0] *= rescale;
       o_frag[d].thread_elements()[1] *= rescale;
     }
-    fa_frags_multiply<T, BK / 8, BDV / 8>(o_frag, s_frag, v_tile, V_PITCH, at);
+    fa_frags_multiply<T, BK / 8, BDV / 8>(o_frag, s_frag, v_tile, V_PITCH, ev_slices, at);
   }
 
-  if (my_row >= p.q_len) {
+  if (!row_valid) {
     return; // padding rows of the last block: computed alongside, never stored
   }
   fa_frags_store_row<T, BDV / 8>(o_frag, out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2],

@@ -5,14 +5,29 @@
 // fa_frag_col(l) and fa_frag_col(l) + 1, as thread_elements()[0] and [1]. Lanes {l, l^1, l^8, l^9}
 // hold the same row, so a row reduction is two shuffle-xor steps (by 1 and by 8).
 //
-// Fragments are float whatever the input dtype: elements are converted as they are loaded, so
-// products and sums run in float32 (SDPA accumulates half types in float32 too).
+// Accumulators (scores, probabilities, outputs, gradients) are float fragments whatever the input
+// dtype (SDPA accumulates half types in float32 too). Operand fragments, the inputs a kernel keeps in
+// registers for its whole run (Q, dO; K, V in dK/dV) and the tile fragments they multiply, are
+// fa_operand_frag<T>: half for half inputs, which halves their registers at no cost in accuracy
+// (a half holds the input exactly, the product of two halves is exact in float32, and
+// simdgroup_multiply_accumulate takes half operands with a float accumulator: Dawn exposes that
+// f16-input, f32-result configuration on Metal). Float for float and bfloat inputs (bfloat
+// fragments need MSL 3.1 and their speed is unmeasured). Products with a float fragment on the left
+// (P V, dS K, ...) load their tile fragments as float.
 #ifndef FA_FRAGMENTS_H
 #define FA_FRAGMENTS_H
 
 #include <metal_stdlib>
 
 typedef metal::simdgroup_matrix<float, 8, 8> fa_frag;
+
+template <typename T> struct fa_operand {
+  typedef float type;
+};
+template <> struct fa_operand<half> {
+  typedef half type;
+};
+template <typename T> using fa_operand_frag = metal::simdgroup_matrix<typename fa_operand<T>::type, 8, 8>;
 
 // Where a lane's two elements sit inside any 8x8 fragment: x = first column, y = row.
 inline ushort2 fa_frag_coord(ushort lane) {
@@ -23,35 +38,44 @@ inline void fa_frag_fill(thread fa_frag &f, float value) {
   f = metal::make_filled_simdgroup_matrix<float, 8, 8>(value);
 }
 
-// Fragment (r, c) = tile[(row0 + r) * pitch + col0 + c].
-template <typename T>
-inline void fa_frag_load(thread fa_frag &f, const threadgroup T *tile, int pitch, int row0, int col0,
-                         ushort2 at) {
+// Fragment (r, c) = tile[(row0 + r) * pitch + col0 + c], converted to the fragment's element type E.
+template <typename E, typename T>
+inline void fa_frag_load(thread metal::simdgroup_matrix<E, 8, 8> &f, const threadgroup T *tile, int pitch, int row0,
+                         int col0, ushort2 at) {
   const threadgroup T *p = tile + (row0 + at.y) * pitch + col0 + at.x;
-  f.thread_elements()[0] = float(p[0]);
-  f.thread_elements()[1] = float(p[1]);
+  f.thread_elements()[0] = static_cast<E>(p[0]);
+  f.thread_elements()[1] = static_cast<E>(p[1]);
 }
 
 // Fragment (r, c) = tile[(col0 + c) * pitch + row0 + r]: the transpose of a row-major tile.
-template <typename T>
-inline void fa_frag_load_transposed(thread fa_frag &f, const threadgroup T *tile, int pitch, int row0,
-                                    int col0, ushort2 at) {
+template <typename E, typename T>
+inline void fa_frag_load_transposed(thread metal::simdgroup_matrix<E, 8, 8> &f, const threadgroup T *tile, int pitch,
+                                    int row0, int col0, ushort2 at) {
   const threadgroup T *p = tile + (col0 + at.x) * pitch + row0 + at.y;
-  f.thread_elements()[0] = float(p[0]);
-  f.thread_elements()[1] = float(p[pitch]);
+  f.thread_elements()[0] = static_cast<E>(p[0]);
+  f.thread_elements()[1] = static_cast<E>(p[pitch]);
 }
 
 // The N fragments of an 8-row block along one row of device memory: the lane's row (its
-// columns 8 d + at.x and + 1 of fragment d) times factor, zeros past valid_cols or for a row
-// outside the matrix (row_valid false: nothing is read).
-template <typename T, int N>
-inline void fa_frags_load_row(thread fa_frag *f, const device T *row, long col_stride, bool row_valid, int valid_cols,
-                              float factor, ushort2 at) {
+// columns 8 d + at.x and + 1 of fragment d), zeros past valid_cols or for a row outside the
+// matrix (row_valid false: nothing is read).
+template <typename T, int N, typename E>
+inline void fa_frags_load_row(thread metal::simdgroup_matrix<E, 8, 8> *f, const device T *row, long col_stride,
+                              bool row_valid, int valid_cols, ushort2 at) {
   for (int d = 0; d < N; ++d) {
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * d + at.x + e;
-      f[d].thread_elements()[e] = row_valid && col < valid_cols ? float(row[col * col_stride]) * factor : 0.0f;
+      f[d].thread_elements()[e] = row_valid && col < valid_cols ? static_cast<E>(row[col * col_stride]) : E(0);
     }
+  }
+}
+
+// Multiplies the lane's elements of N fragments by factor (the base-2 scale of fresh scores).
+template <int N>
+inline void fa_frags_scale(thread fa_frag *f, float factor) {
+  for (int j = 0; j < N; ++j) {
+    f[j].thread_elements()[0] *= factor;
+    f[j].thread_elements()[1] *= factor;
   }
 }
 
@@ -72,31 +96,42 @@ inline void fa_frags_store_row(const thread fa_frag *f, device T *row, long col_
 
 // acc[j] += A B_j^T for j < NB: A is one 8-row block as ND fragments (8 x 8 ND), B_j rows
 // 8 j .. 8 j + 7 of a row-major tile (8 ND columns). Scores Q K^T, and dO V^T in the backward.
-template <typename T, int ND, int NB>
-inline void fa_frags_multiply_transposed(thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile,
-                                         int pitch, ushort2 at) {
+// Only the first `slices` 8-wide slices of the head dim hold data (the rest pad E up to the
+// specialisation's width and are zero): the others are skipped, so a padded width costs registers
+// but no matrix work.
+template <typename T, int ND, int NB, typename E>
+inline void fa_frags_multiply_transposed(thread fa_frag *acc, const thread metal::simdgroup_matrix<E, 8, 8> *a,
+                                         const threadgroup T *tile, int pitch, int slices, ushort2 at) {
   for (int j = 0; j < NB; ++j) {
     for (int d = 0; d < ND; ++d) {
-      fa_frag b;
-      fa_frag_load_transposed(b, tile, pitch, 8 * d, 8 * j, at);
-      metal::simdgroup_multiply_accumulate(acc[j], a[d], b, acc[j]);
+      if (d < slices) {
+        metal::simdgroup_matrix<E, 8, 8> b;
+        fa_frag_load_transposed(b, tile, pitch, 8 * d, 8 * j, at);
+        metal::simdgroup_multiply_accumulate(acc[j], a[d], b, acc[j]);
+      }
     }
   }
 }
 
-// acc[d] += A B[:, 8 d .. 8 d + 7] for d < ND: A is one 8-row block as NA fragments (8 x 8 NA),
-// B the first 8 NA rows of a row-major tile. P V in the forward, dS K, P^T dO, dS^T Q backward.
+// acc[d] += A B[:, 8 d .. 8 d + 7] for d < min(ND, slices): A is one 8-row block as NA fragments
+// (8 x 8 NA), B the first 8 NA rows of a row-major tile. P V in the forward, dS K, P^T dO, dS^T Q
+// backward. Output slices past `slices` are padding (never stored) and are skipped.
 template <typename T, int NA, int ND>
 inline void fa_frags_multiply(thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile, int pitch,
-                              ushort2 at) {
+                              int slices, ushort2 at) {
   for (int d = 0; d < ND; ++d) {
-    for (int j = 0; j < NA; ++j) {
-      fa_frag b;
-      fa_frag_load(b, tile, pitch, 8 * j, 8 * d, at);
-      metal::simdgroup_multiply_accumulate(acc[d], a[j], b, acc[d]);
+    if (d < slices) {
+      for (int j = 0; j < NA; ++j) {
+        fa_frag b;
+        fa_frag_load(b, tile, pitch, 8 * j, 8 * d, at);
+        metal::simdgroup_multiply_accumulate(acc[d], a[j], b, acc[d]);
+      }
     }
   }
 }
+
+// The number of 8-wide slices that hold a head dim of `dim` columns.
+inline int fa_slices(int dim) { return (dim + 7) / 8; }
 
 // Max and sum over the 8 columns of a fragment row, across the four lanes that hold it.
 inline float fa_row_max(float v) {

@@ -23,6 +23,11 @@ typedef int32_t fa_i32;
 #define FA_FC_CAUSAL 0    // bool: top-left causal mask tril(ones(L, S))
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
 #define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
+#define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
+
+// Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
+// for views whose rows start on multiples of it (8 bytes of half, 16 of float).
+#define FA_TILE_VEC 4
 
 #define FA_MASK_NONE 0
 #define FA_MASK_BOOL 1     // bytes, nonzero = takes part; others get score -inf
@@ -77,6 +82,7 @@ typedef struct fa_backward_params {
 constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
 constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
 constant int fa_mask_kind [[function_constant(FA_FC_MASK_KIND)]];
+constant bool fa_contiguous_tiles [[function_constant(FA_FC_CONTIGUOUS_TILES)]];
 #endif
 
 #endif

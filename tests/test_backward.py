@@ -255,3 +255,60 @@ def test_c_layer_backward_checks_bounds_and_presence():
         call_backward(tensors, dq=tuple(too_far))
     with pytest.raises(ValueError, match="lse: the view"):
         call_backward(tensors, lse=(0, 0, 0, _C.DTYPE_FLOAT32, (1, 4, 6), (24, 6, 1)))
+
+
+# --- the tiled kernels' paths, as in test_forward_kernel.py ------------------------------------------
+
+def backward_view(gen, layout, b, h, n, d, dtype):
+    if layout == "unaligned":  # unit column stride, aligned strides, start one element off: strided path
+        return randn(gen, b, h, n, d + 4, dtype=dtype)[..., 1:d + 1]
+    if layout == "strided":
+        return randn(gen, b, h, n, 2 * d, dtype=dtype)[..., ::2]
+    return layout_tensor(gen, layout, b, h, n, d, dtype)
+
+
+@pytest.mark.parametrize("layout,dtype", [("bhld", torch.float32), ("blhd", torch.float16), ("unaligned", torch.bfloat16),
+                                          ("strided", torch.float32)])
+def test_gradient_tile_paths(gen, layout, dtype):
+    """dK/dV tiles Q and dO, dQ tiles K and V: contiguous and strided load paths, ragged tiles, a
+    head dim with a padding slice (40 in 48), GQA, both causal orders of the grid."""
+    q, k, v = (backward_view(gen, layout, 1, 4, 37, 40, dtype), backward_view(gen, layout, 1, 2, 75, 40, dtype),
+               backward_view(gen, layout, 1, 2, 75, 24, dtype))
+    dout = backward_view(gen, layout, 1, 4, 37, 24, dtype)
+    for causal in (False, True):
+        assert_gradients_match(q, k, v, dout, causal)
+
+
+def masked(mask):
+    def attention(q, k, v, causal=False, scale=None):
+        if attention.ours:
+            return flash_attention(q, k, v, attn_mask=mask, scale=scale)
+        return sdpa(q, k, v, attn_mask=mask if mask.dtype == torch.bool or q.dtype != torch.float64 else mask.double(),
+                    scale=scale)
+    return attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_gradient_mask_tile_classes(gen, dtype, mask_kind):
+    """Masks of wholly kept, wholly excluded and mixed blocks in both gradient kernels (query tiles
+    of dK/dV, key tiles of dQ), one of them transposed in memory."""
+    lq, lk = 70, 72
+    g = torch.Generator().manual_seed(5)
+    kind = torch.randint(0, 3, (lq // 8 + 1, lk // 8 + 1), generator=g).repeat_interleave(8, 0)[:lq].repeat_interleave(8, 1)[:, :lk]
+    keep = torch.where(kind == 2, torch.rand(lq, lk, generator=g) > 0.5, kind == 1) | (torch.arange(lk) == 0)
+    keep[:, 40:] = False  # key blocks no query sees: dK = dV = 0 there
+    mask = keep if mask_kind == "bool" else torch.where(keep, torch.randn(lq, lk, generator=g), torch.tensor(float("-inf"))).to(dtype)
+    q, k, v = randn(gen, 1, 2, lq, 32, dtype=dtype), randn(gen, 1, 2, lk, 32, dtype=dtype), randn(gen, 1, 2, lk, 32, dtype=dtype)
+    dout = randn(gen, 1, 2, lq, 32, dtype=dtype)
+    for m in (mask, mask.t().contiguous().t()):
+        attention = masked(m)
+        attention.ours = False
+        golden = sdpa_gradients(q.double(), k.double(), v.double(), dout.double(), False, attention=attention)
+        reference = sdpa_gradients(q, k, v, dout, False, attention=attention)
+        attention.ours = True
+        actual = sdpa_gradients(q, k, v, dout, False, attention=attention)
+        for name, a, gd, r in zip(("dq", "dk", "dv"), actual, golden, reference):
+            error, reference_error = max_error(a, gd), max_error(r, gd)
+            assert error <= max(1e-5, FUDGE[name] * reference_error), (name, error, reference_error)
+        assert (actual[1][:, :, 40:] == 0).all() and (actual[2][:, :, 40:] == 0).all()

@@ -9,8 +9,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashattn_mps import flash_attention
-from conftest import ALL_DTYPES, LAYOUTS, product_case_tensors, sample_product, assert_matches_sdpa, layout_tensor, peak_memory_growth, randn
+from flashattn_mps import explain_plan, flash_attention
+from conftest import (ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, max_error, peak_memory_growth,
+                      product_case_tensors, randn, sample_product, sdpa)
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
 LENGTHS = [(113, 203), (128, 217), (203, 113), (1023, 1024), (1, 147), (37, 37)]
@@ -85,3 +86,119 @@ def test_memory_grows_linearly_with_length():
     assert large < score_matrix / 8, f"peak grew by {large} bytes at L=4096"
     # 4x the length: linear growth is ~4x (inputs and output), quadratic would be 16x.
     assert large - large_io <= 6 * max(small - small_io, 1 << 20), (small, large)
+
+
+# --- the tiled kernels' paths: tile loads, padded head dims, causal order, mask tile classes -------
+
+FC_CONTIGUOUS_TILES = 3  # FA_FC_CONTIGUOUS_TILES in metal/fa_params.h
+
+
+def forward_dispatch(q, k, v, **kwargs):
+    (dispatch,) = explain_plan(q, k, v, kernel="forward", **kwargs)["dispatches"]
+    return dispatch
+
+
+def unaligned_view(gen, b, h, n, d, dtype):
+    """(b, h, n, d) with unit column stride and aligned strides, starting one element off alignment."""
+    return randn(gen, b, h, n, d + 4, dtype=dtype)[..., 1:d + 1]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("layout,contiguous", [
+    ("bhld", True), ("blhd", True), ("unaligned", False), ("strided", False), ("odd_rows", False)])
+def test_tile_load_paths(gen, dtype, layout, contiguous):
+    """The vector path for contiguous K/V (and Q/dO in the backward) and the strided one for every
+    other view, each on ragged key tiles and a head dim narrower than its width (40 in 48)."""
+    lq, lk, e, ev = 37, 75, 40, 24
+    if layout == "unaligned":
+        make = unaligned_view
+    elif layout == "strided":
+        make = lambda gen, b, h, n, d, dtype: randn(gen, b, h, n, 2 * d, dtype=dtype)[..., ::2]
+    elif layout == "odd_rows":  # rows 41 elements apart: not on 4-element boundaries
+        make = lambda gen, b, h, n, d, dtype: randn(gen, b, h, n, d + 1, dtype=dtype)[..., :d]
+    else:
+        make = lambda gen, b, h, n, d, dtype: layout_tensor(gen, layout, b, h, n, d, dtype)
+    q, k, v = make(gen, 2, 4, lq, e, dtype), make(gen, 2, 2, lk, e, dtype), make(gen, 2, 2, lk, ev, dtype)
+    assert forward_dispatch(q, k, v)["constants"][FC_CONTIGUOUS_TILES] == int(contiguous)
+    for causal in (False, True):
+        assert_matches_sdpa(flash_attention(q, k, v, causal=causal, kernel="forward"), q, k, v, causal)
+
+
+def test_contiguous_path_needs_every_operand_aligned(gen):
+    q, k, v = randn(gen, 1, 2, 20, 64), randn(gen, 1, 2, 30, 64), randn(gen, 1, 2, 30, 64)
+    assert forward_dispatch(q, k, v)["constants"][FC_CONTIGUOUS_TILES] == 1
+    assert forward_dispatch(q, k, unaligned_view(gen, 1, 2, 30, 64, torch.float32))["constants"][FC_CONTIGUOUS_TILES] == 0
+    assert forward_dispatch(q, k, v[..., :62])["constants"][FC_CONTIGUOUS_TILES] == 0  # Ev not a multiple of 4
+    # q is not tiled by the forward kernel: its layout does not matter.
+    assert forward_dispatch(q[..., ::2], k[..., ::2], v)["constants"][FC_CONTIGUOUS_TILES] == 0
+    assert forward_dispatch(unaligned_view(gen, 1, 2, 20, 64, torch.float32), k, v)["constants"][FC_CONTIGUOUS_TILES] == 1
+
+
+@pytest.mark.parametrize("e,ev,dtype", [(72, 72, torch.float16), (136, 40, torch.float32), (200, 136, torch.bfloat16),
+                                         (8, 100, torch.float32)])
+def test_padded_head_dims_skip_empty_slices(gen, e, ev, dtype):
+    """Head dims whose width has 8-wide slices of pure padding (72 in 80, 136 in 160, 40 in 48, ...):
+    the matrix work skips them, and the result must not change."""
+    q, k, v = randn(gen, 1, 2, 41, e, dtype=dtype), randn(gen, 1, 2, 53, e, dtype=dtype), randn(gen, 1, 2, 53, ev, dtype=dtype)
+    for causal in (False, True):
+        assert_matches_sdpa(flash_attention(q, k, v, causal=causal, kernel="forward"), q, k, v, causal)
+
+
+def test_causal_grid_puts_the_heaviest_blocks_first(gen):
+    q, k, v = randn(gen, 2, 3, 100, 32), randn(gen, 2, 3, 120, 32), randn(gen, 2, 3, 120, 32)
+    assert forward_dispatch(q, k, v)["grid"] == (4, 3, 2)  # (query blocks, heads, batch)
+    assert forward_dispatch(q, k, v, causal=True)["grid"] == (3, 2, 4)  # (heads, batch, blocks): blocks slowest
+    for causal in (False, True):
+        assert_matches_sdpa(flash_attention(q, k, v, causal=causal, kernel="forward"), q, k, v, causal)
+
+
+def mask_golden_and_reference(q, k, v, mask):
+    golden_mask = mask if mask.dtype == torch.bool else mask.double()
+    return sdpa(q.double(), k.double(), v.double(), attn_mask=golden_mask), sdpa(q, k, v, attn_mask=mask)
+
+
+def block_mask(lq, lk, row_block, key_block, seed):
+    """A bool mask of (row_block x key_block) blocks each wholly kept, wholly excluded or random."""
+    g = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 3, ((lq + row_block - 1) // row_block, (lk + key_block - 1) // key_block), generator=g)
+    kind = kind.repeat_interleave(row_block, 0)[:lq].repeat_interleave(key_block, 1)[:, :lk]
+    return torch.where(kind == 2, torch.rand(lq, lk, generator=g) > 0.5, kind == 1)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_mask_tile_classes(gen, dtype, mask_kind):
+    """Masks made of blocks that are wholly kept (visible tiles), wholly excluded (blocked: skipped,
+    and for a bool mask not even loaded when every SIMD-group of the threadgroup is blocked) and
+    mixed; broadcast over heads, and transposed in memory (a large key stride)."""
+    lq, lk = 70, 100
+    q, k, v = randn(gen, 2, 2, lq, 64, dtype=dtype), randn(gen, 2, 2, lk, 64, dtype=dtype), randn(gen, 2, 2, lk, 48, dtype=dtype)
+    keep = block_mask(lq, lk, 8, 32, seed=3) | (torch.arange(lk) == 0)  # every row keeps key 0
+    keep[32:64] = False  # one query block excluded everywhere: no K/V tile is loaded for it
+    keep[32:64, 0] = True
+    if mask_kind == "additive":
+        keep = torch.where(keep, torch.randn(keep.shape, generator=gen), torch.tensor(float("-inf"))).to(dtype)
+    for mask in (keep, keep.t().contiguous().t()[None, None].expand(2, 1, lq, lk)):
+        out = flash_attention(q, k, v, attn_mask=mask, kernel="forward")
+        golden, reference = mask_golden_and_reference(q, k, v, mask)
+        error, reference_error = max_error(out, golden), max_error(reference, golden)
+        assert error <= max(1e-5, 5 * reference_error), (error, reference_error)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_nan_key_under_a_blocked_tile(gen, mask_kind):
+    """A NaN key the mask hides from every row. A bool mask excludes it whatever its score (the
+    project's rule, test_attention.py's NaN test: torch's math path would spread it): its tiles are
+    skipped and the rows equal the golden without it. An additive -inf adds to the NaN score and
+    gives NaN, as SDPA does, so additive masks never skip a tile."""
+    q, k, v = randn(gen, 1, 1, 40, 16), randn(gen, 1, 1, 64, 16), randn(gen, 1, 1, 64, 16)
+    keep = torch.ones(40, 64, dtype=torch.bool)
+    keep[:, 32:] = False  # the second key tile is blocked for every row
+    mask = keep if mask_kind == "bool" else torch.zeros(40, 64).masked_fill(~keep, float("-inf"))
+    golden, _ = mask_golden_and_reference(q, k, v, mask)  # before the NaN
+    k[0, 0, 40:, 0] = float("nan")
+    out = flash_attention(q, k, v, attn_mask=mask, kernel="forward")
+    if mask_kind == "additive":
+        assert out.isnan().all() and mask_golden_and_reference(q, k, v, mask)[0].isnan().all()
+    else:
+        assert max_error(out, golden) < 1e-5

@@ -129,7 +129,12 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
         }
+        py::dict constants; // function-constant index -> integer value
+        for (uint32_t c = 0; c < d.n_constants; ++c) {
+            constants[py::int_(d.constants[c].index)] = d.constants[c].i;
+        }
         dispatches.append(py::dict(py::arg("function") = d.function, py::arg("macros") = macros,
+                                   py::arg("constants") = constants,
                                    py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
                                    py::arg("threadgroup") =
                                        py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
