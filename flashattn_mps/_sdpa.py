@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ._api import flash_attention, supported_mask_dtype
+from ._api import attend, supported_mask_dtype
 
 log = logging.getLogger("flashattn_mps")
 
@@ -130,7 +130,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
 def _run_kernel(query, key, value, attn_mask, is_causal, scale):
     q, k, v = (_as_4d(t) for t in (query, key, value))
     mask = None if attn_mask is None else _as_4d(_broadcast_mask(attn_mask, query, key))
-    out = flash_attention(q, k, v, is_causal, scale, attn_mask=mask)
+    out = attend(q, k, v, mask, is_causal, scale)  # flash_attention's lean entry
     return out.view(*query.shape[:-1], value.shape[-1])
 
 
