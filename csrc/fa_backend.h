@@ -52,6 +52,9 @@ typedef struct fa_dispatch {
     uint32_t n_threadgroup_args;
     uint32_t grid[3];        /* threadgroups per grid */
     uint32_t threadgroup[3]; /* threads per threadgroup */
+    /* Nonzero when the bindings are those of the previous dispatch of the same call, which the
+     * backend accepted: its buffer checks need not run again. */
+    uint32_t same_bindings_as_previous;
 } fa_dispatch;
 
 typedef struct fa_pipeline fa_pipeline; /* backend-owned, cached, never freed by callers */

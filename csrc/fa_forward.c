@@ -38,6 +38,7 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
         d.n_threadgroup_args = step->n_threadgroup_args;
         memcpy(d.grid, step->grid, sizeof d.grid);
         memcpy(d.threadgroup, step->threadgroup, sizeof d.threadgroup);
+        d.same_bindings_as_previous = i > 0;
         rc = ready->backend->dispatch(step->pipeline, &d, st);
     }
     return rc;
