@@ -188,6 +188,10 @@ def _check_options(kernel, return_lse) -> int:
     return code
 
 
+# flashattn_mps._autograd.attention_through_torch, set when that module (which imports this one) loads.
+_attention_through_torch = None
+
+
 def _routes_through_torch(q, k, v) -> bool:
     """Autograd (some input requires grad) and tracing (torch.compile, export, make_fx, fake
     tensors: any torch dispatch mode) leave the direct path: see attend."""
@@ -264,9 +268,7 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        from ._autograd import attention_through_torch  # it imports this module
-
-        return attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse)
+        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse)
     return (out, lse) if return_lse else out

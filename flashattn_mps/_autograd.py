@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, _api
 from ._api import _scale_value, _validate, _validate_mask, backward_core, forward_core
 
 
@@ -60,6 +60,9 @@ def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[fl
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
         out, lse = _Attention.apply(q, k, v, mask, causal, scale_value)
     return (out, lse) if return_lse else out
+
+
+_api._attention_through_torch = attention_through_torch
 
 
 @torch.library.custom_op("flashattn_mps::attention_forward", mutates_args=())
