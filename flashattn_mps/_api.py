@@ -192,14 +192,19 @@ def _check_options(kernel, return_lse) -> int:
 _attention_through_torch = None
 
 
+# Bound once: the hot path pays no attribute lookups for them (dynamo knows them by identity).
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_CONTIGUOUS = torch.contiguous_format
+
+
 def _routes_through_torch(q, k, v) -> bool:
     """Autograd (some input requires grad) and tracing (torch.compile, export, make_fx, fake
     tensors: any torch dispatch mode) leave the direct path: see attend."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return True
-    return (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or (
-        torch._C._len_torch_dispatch_stack() > 0
-    )
+    return (_is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _dispatch_modes() > 0
 
 
 def flash_attention(
@@ -294,7 +299,8 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if scale is None:
         scale = _scale_value(shape[-1], None)
     rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
-    out = q.new_empty((*rows, v.shape[-1]))
+    value_dim = v.shape[-1]
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS) if value_dim == shape[-1] else q.new_empty((*rows, value_dim))
     lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
     if not _sources.registered:
         _sources.ensure_registered()
