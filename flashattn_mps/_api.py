@@ -282,14 +282,14 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
 def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
-    if q.is_cpu and k.is_cpu and v.is_cpu:
+    if q.is_cpu:  # _C checks that every tensor is on this device
         device = _C.DEVICE_CPU
-    elif q.is_mps and k.is_mps and v.is_mps:
+    elif q.is_mps:
         device = _C.DEVICE_MPS
         _prepare_mps()
     else:
         _validate(q, k, v, causal, scale, mask)
-        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"flash_attention: q is on device '{q.device}'")  # _validate raises first
     dims = q.dim()
     if not (q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims):
         _validate(q, k, v, causal, scale, mask)
@@ -314,7 +314,7 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
 
 def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float):
     """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
-    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
+    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
         _prepare_mps()
     if dout.is_neg():

@@ -221,5 +221,7 @@ def test_c_layer_tensor_arguments_are_checked():
         _C.forward(_C.DEVICE_CPU, q, k.double(), v, out, None, 0.5, False, _C.KERNEL_AUTO)
     with pytest.raises(TypeError, match="v must be a torch.Tensor, a 6-field descriptor or None, got object"):
         _C.forward(_C.DEVICE_CPU, q, k, object(), out, None, 0.5, False, _C.KERNEL_AUTO)
+    with pytest.raises(ValueError, match="k is on device meta; this call runs on cpu"):
+        _C.forward(_C.DEVICE_CPU, q, k.to("meta"), v, out, None, 0.5, False, _C.KERNEL_AUTO)
     with pytest.raises(ValueError, match="q: 4-D tensor; at most 3 dims here"):
         _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.5, False, _C.KERNEL_AUTO, unbatched=True)

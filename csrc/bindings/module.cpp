@@ -130,7 +130,7 @@ fa_tensor from_descriptor(PyObject *obj, const char *name) {
 // What a torch.Tensor argument is read through (interned names), and its dtype codes
 // ({torch.float32: FA_F32, ...}, handed over once by flashattn_mps._api).
 struct TensorReader {
-    PyObject *untyped_storage, *data_ptr, *nbytes, *storage_offset, *dtype, *shape, *stride;
+    PyObject *untyped_storage, *data_ptr, *nbytes, *storage_offset, *dtype, *shape, *stride, *is_cpu, *is_mps;
     PyObject *dtype_codes = nullptr;
 } tensor_reader; // lives as long as the module, like the exception types
 
@@ -142,9 +142,10 @@ py::object call_method(PyObject *o, PyObject *method) {
     return py::reinterpret_steal<py::object>(r);
 }
 
-// A torch.Tensor's descriptor, read from the tensor itself. batch_dim: prepend a batch dim of 1
-// (the unbatched 3-D call; its stride is never used).
-fa_tensor from_torch(PyObject *obj, const char *name, bool batch_dim) {
+// A torch.Tensor's descriptor, read from the tensor itself, which must be on the call's device (a
+// host address read as an id<MTLBuffer>, or the reverse, would crash). batch_dim: prepend a batch
+// dim of 1 (the unbatched 3-D call; its stride is never used).
+fa_tensor from_torch(PyObject *obj, const char *name, int32_t device, bool batch_dim) {
     const TensorReader &r = tensor_reader;
     fa_tensor t;
     std::memset(&t, 0, sizeof t);
@@ -165,6 +166,16 @@ fa_tensor from_torch(PyObject *obj, const char *name, bool batch_dim) {
                              "or bfloat16 (bool for masks), a 6-field descriptor or None");
     }
     t.dtype = static_cast<int32_t>(PyLong_AsLong(code));
+    py::object on_device = py::reinterpret_steal<py::object>(
+        PyObject_GetAttr(obj, device == FA_DEVICE_MPS ? r.is_mps : r.is_cpu));
+    if (!on_device) {
+        throw py::error_already_set();
+    }
+    if (on_device.ptr() != Py_True) {
+        throw py::value_error(std::string(name) + " is on device " + std::string(py::str(py::handle(obj).attr("device"))) +
+                              "; this call runs on " + (device == FA_DEVICE_MPS ? "mps" : "cpu") +
+                              " (device code " + std::to_string(device) + ")");
+    }
     py::object storage = call_method(obj, r.untyped_storage);
     t.storage = as_address(call_method(storage.ptr(), r.data_ptr).ptr(), name, "storage");
     t.storage_bytes = as_int64(call_method(storage.ptr(), r.nbytes).ptr(), name, "storage_bytes");
@@ -194,7 +205,7 @@ fa_tensor from_torch(PyObject *obj, const char *name, bool batch_dim) {
 
 // A tensor argument: None (absent), a descriptor tuple or list, or a torch.Tensor. batch_dim
 // applies to tensors only: descriptors are taken as they are.
-fa_tensor to_tensor(const py::handle &obj, const char *name, bool batch_dim = false) {
+fa_tensor to_tensor(const py::handle &obj, const char *name, int32_t device, bool batch_dim = false) {
     if (obj.is_none()) {
         fa_tensor t;
         std::memset(&t, 0, sizeof t);
@@ -203,7 +214,7 @@ fa_tensor to_tensor(const py::handle &obj, const char *name, bool batch_dim = fa
     if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) {
         return from_descriptor(obj.ptr(), name);
     }
-    return from_torch(obj.ptr(), name, batch_dim);
+    return from_torch(obj.ptr(), name, device, batch_dim);
 }
 
 void set_tensor_dtypes(py::dict codes) {
@@ -217,12 +228,12 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
-    args.q = to_tensor(q, "q", unbatched);
-    args.k = to_tensor(k, "k", unbatched);
-    args.v = to_tensor(v, "v", unbatched);
-    args.out = to_tensor(out, "out", unbatched);
-    args.lse = to_tensor(lse, "lse", unbatched);
-    args.mask = to_tensor(mask, "mask", unbatched);
+    args.q = to_tensor(q, "q", device, unbatched);
+    args.k = to_tensor(k, "k", device, unbatched);
+    args.v = to_tensor(v, "v", device, unbatched);
+    args.out = to_tensor(out, "out", device, unbatched);
+    args.lse = to_tensor(lse, "lse", device, unbatched);
+    args.mask = to_tensor(mask, "mask", device, unbatched);
     args.scale = scale;
     args.causal = causal;
     args.kernel = kernel;
@@ -237,7 +248,7 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
     fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, unbatched);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
-        args.workspace = to_tensor(workspace, "workspace");
+        args.workspace = to_tensor(workspace, "workspace", device);
     }
     fa_forward_ready ready;
     fa_status st;
@@ -254,7 +265,7 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
     check(rc, st);
     if (needs_workspace) {
         py::object scratch = workspace(ready.workspace_bytes);
-        args.workspace = to_tensor(scratch, "workspace");
+        args.workspace = to_tensor(scratch, "workspace", device);
         {
             py::gil_scoped_release release;
             rc = fa_forward_execute(&ready, &args, &st);
@@ -309,17 +320,17 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
-    args.q = to_tensor(q, "q", unbatched);
-    args.k = to_tensor(k, "k", unbatched);
-    args.v = to_tensor(v, "v", unbatched);
-    args.out = to_tensor(out, "out", unbatched);
-    args.lse = to_tensor(lse, "lse", unbatched);
-    args.dout = to_tensor(dout, "dout", unbatched);
-    args.delta = to_tensor(delta, "delta", unbatched);
-    args.dq = to_tensor(dq, "dq", unbatched);
-    args.dk = to_tensor(dk, "dk", unbatched);
-    args.dv = to_tensor(dv, "dv", unbatched);
-    args.mask = to_tensor(mask, "mask", unbatched);
+    args.q = to_tensor(q, "q", device, unbatched);
+    args.k = to_tensor(k, "k", device, unbatched);
+    args.v = to_tensor(v, "v", device, unbatched);
+    args.out = to_tensor(out, "out", device, unbatched);
+    args.lse = to_tensor(lse, "lse", device, unbatched);
+    args.dout = to_tensor(dout, "dout", device, unbatched);
+    args.delta = to_tensor(delta, "delta", device, unbatched);
+    args.dq = to_tensor(dq, "dq", device, unbatched);
+    args.dk = to_tensor(dk, "dk", device, unbatched);
+    args.dv = to_tensor(dv, "dv", device, unbatched);
+    args.mask = to_tensor(mask, "mask", device, unbatched);
     args.scale = scale;
     args.causal = causal;
     fa_status st;
@@ -488,7 +499,8 @@ PYBIND11_MODULE(_C, m) {
     tensor_reader = TensorReader{PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("data_ptr"),
                                  PyUnicode_InternFromString("nbytes"), PyUnicode_InternFromString("storage_offset"),
                                  PyUnicode_InternFromString("dtype"), PyUnicode_InternFromString("shape"),
-                                 PyUnicode_InternFromString("stride")};
+                                 PyUnicode_InternFromString("stride"), PyUnicode_InternFromString("is_cpu"),
+                                 PyUnicode_InternFromString("is_mps")};
     m.def("set_tensor_dtypes", &set_tensor_dtypes, py::arg("codes"),
           "{torch dtype: DTYPE_* code}: how torch.Tensor arguments are read");
     m.def("forward", &forward,
