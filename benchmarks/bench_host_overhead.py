@@ -90,15 +90,15 @@ def main() -> int:
     for name, shape in SHAPES.items():
         for mode in ("plain", "requires_grad", "inference_mode", "dropin"):
             us = measure(name, shape, mode, args.device, dtype, args.calls)
-            goal = GOAL_US if mode != "requires_grad" else 3 * GOAL_US
-            reference = torch_sdpa if mode != "requires_grad" else 3 * torch_sdpa
+            factor = 3 if mode == "requires_grad" else 1  # the autograd path may cost 3x
             rows.append({
                 "shape": name,
                 "mode": mode,
                 "us_per_call": round(us, 2),
-                "torch_tiny_sdpa_us": round(torch_sdpa if mode != "requires_grad" else torch_sdpa_grad, 2),
-                "goal_us": round(min(goal, reference), 2),
-                "meets_goal": us <= min(goal, reference),
+                "goal_us": factor * GOAL_US,
+                "within_goal": us <= factor * GOAL_US,
+                "torch_tiny_sdpa_us": round(torch_sdpa, 2),
+                "within_torch": us <= factor * torch_sdpa,  # at most torch's tiny call (3x with grad)
             })
 
     out_dir = Path(__file__).resolve().parent / "results"
@@ -111,9 +111,10 @@ def main() -> int:
 
     print(f"host overhead per call, kernels skipped, {args.device}, {dtype}, median of {args.calls} calls")
     print(f"torch SDPA on tiny CPU tensors: {torch_sdpa:.2f} us plain, {torch_sdpa_grad:.2f} us with requires_grad")
-    print(f"{'shape':8s} {'mode':15s} {'us/call':>8s} {'goal':>7s}  ok")
+    print(f"{'shape':8s} {'mode':15s} {'us/call':>8s} {'goal':>6s} {'met':>4s} {'<= torch (3x w/ grad)':>22s}")
     for r in rows:
-        print(f"{r['shape']:8s} {r['mode']:15s} {r['us_per_call']:8.2f} {r['goal_us']:7.2f}  {'yes' if r['meets_goal'] else 'no'}")
+        print(f"{r['shape']:8s} {r['mode']:15s} {r['us_per_call']:8.2f} {r['goal_us']:6.0f} "
+              f"{'yes' if r['within_goal'] else 'no':>4s} {'yes' if r['within_torch'] else 'no':>22s}")
     print(f"wrote {path}")
     return 0
 
