@@ -225,3 +225,11 @@ def test_c_layer_tensor_arguments_are_checked():
         _C.forward(_C.DEVICE_CPU, q, k.to("meta"), v, out, None, 0.5, False, _C.KERNEL_AUTO)
     with pytest.raises(ValueError, match="q: 4-D tensor; at most 3 dims here"):
         _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.5, False, _C.KERNEL_AUTO, unbatched=True)
+
+
+def test_raw_cpu_library_dispatch_names_a_bad_buffer():
+    source = "#include <metal_stdlib>\nusing namespace metal;\nkernel void k(device float *x [[buffer(0)]]) {}\n"
+    library = _C.compile_library(source, "raw.metal", [])
+    with pytest.raises(TypeError, match=r"buffers\[1\] must be bytes or an int \(a host address\), got str") as raised:
+        library.dispatch("k", (1, 1, 1), (32, 1, 1), [0, "x"], [], [])
+    assert "C++ type" not in str(raised.value)

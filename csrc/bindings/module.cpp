@@ -392,7 +392,11 @@ void library_dispatch(const Library &l, const std::string &kernel, std::array<ui
             byte_copies.push_back(py::cast<std::string>(b));
             addresses.push_back(byte_copies.back().data());
         } else {
-            addresses.push_back(reinterpret_cast<void *>(py::cast<uintptr_t>(b)));
+            const std::string name = "buffers[" + std::to_string(addresses.size()) + "]";
+            if (!PyLong_Check(b.ptr())) {
+                throw py::type_error(name + " must be bytes or an int (a host address), got " + type_name(b.ptr()));
+            }
+            addresses.push_back(as_address(b.ptr(), "dispatch", name.c_str()));
         }
     }
     std::vector<msl_constant_value> values;
