@@ -88,7 +88,9 @@ def _type_name(value) -> str:
 
 
 def _given(value) -> str:
-    return f"{_type_name(value)} {value!r}"
+    """"numpy.bool True", "str '0.5'", "list []": what a caller passed, for messages."""
+    shown = repr(value) if isinstance(value, str) else str(value)
+    return f"{_type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
@@ -182,10 +184,11 @@ def _check_options(kernel, return_lse) -> int:
     """The kernel's code; raises for an unknown kernel or a return_lse that is not a bool."""
     if return_lse is not True and return_lse is not False:
         raise TypeError(f"flash_attention: return_lse must be a bool (True or False), got {_given(return_lse)}")
-    code = _KERNELS.get(kernel) if type(kernel) is str else None
-    if code is None:
+    if not isinstance(kernel, str):
+        raise TypeError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {_given(kernel)}")
+    if kernel not in _KERNELS:
         raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {_given(kernel)}")
-    return code
+    return _KERNELS[kernel]
 
 
 # flashattn_mps._autograd.attention_through_torch, set when that module (which imports this one) loads.

@@ -185,9 +185,9 @@ def test_negative_bit_gradients_are_resolved():
 def test_option_messages_name_the_argument_what_was_given_and_what_is_accepted():
     np = pytest.importorskip("numpy")
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple'\], got list \[\]"):
+    with pytest.raises(TypeError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple'\], got list \[\]"):
         flash_attention(q, k, v, kernel=[])
-    with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got numpy.bool_? (np.)?(True|np.True_)"):
+    with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got numpy.bool_? True"):
         flash_attention(q, k, v, causal=np.bool_(True))
     with pytest.raises(TypeError, match=r"return_lse must be a bool \(True or False\), got int 1"):
         flash_attention(q, k, v, return_lse=1)
