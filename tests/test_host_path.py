@@ -129,3 +129,19 @@ def test_eager_autograd_takes_the_autograd_function_and_tracing_the_custom_op(ge
     assert "flashattn_mps.attention_forward.default" in targets, targets
     traced = graph(q.detach(), k.detach(), v.detach())
     assert torch.equal(traced, flash_attention(q.detach(), k.detach(), v.detach(), causal=True))
+
+
+def test_threads_share_the_caches_safely(gen):
+    """Calls of several shapes from several threads at once (plan-cache hits, misses and
+    overwrites, the backends' caches) give each call its own result."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [(randn(gen, 1, 2, lq, 16), randn(gen, 1, 1, lk, 16), randn(gen, 1, 1, lk, 8))
+             for lq, lk in [(1, 40), (3, 9), (9, 17), (1, 600)]]
+    expected = [flash_attention(*case) for case in cases]
+
+    def run(index):
+        return all(torch.equal(flash_attention(*cases[(index + i) % 4]), expected[(index + i) % 4]) for i in range(12))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(8)))
