@@ -158,9 +158,7 @@ fa_tensor from_torch(PyObject *obj, const char *name, int32_t device, bool batch
     py::object dtype_ref = py::reinterpret_steal<py::object>(dtype);
     PyObject *code = r.dtype_codes ? PyDict_GetItemWithError(r.dtype_codes, dtype) : nullptr;
     if (!code) {
-        if (PyErr_Occurred()) {
-            throw py::error_already_set();
-        }
+        PyErr_Clear(); // an unhashable dtype attribute is just not a tensor's
         throw py::type_error(std::string(name) + ": got a " + type_name(obj) + " of dtype " +
                              std::string(py::str(dtype)) + "; expected a torch.Tensor of dtype float32, float16 "
                              "or bfloat16 (bool for masks), a 6-field descriptor or None");
