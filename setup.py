@@ -18,6 +18,8 @@ C_SOURCES = [
     "csrc/fa_forward.c",
     "csrc/fa_backward_plan.c",
     "csrc/fa_backward.c",
+    "csrc/fa_plan_cache.c",
+    "csrc/fa_cache.c",
     "csrc/cpu_backend.c",
     "csrc/cpu_device/compile.c",
     "csrc/cpu_device/prepass.c",

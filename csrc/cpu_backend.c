@@ -1,87 +1,112 @@
-/* The fa_backend of the CPU Metal device: pipelines are (library, kernel, function constants). */
+/* The fa_backend of the CPU Metal device: pipelines are (library, kernel, function constants).
+ * Both are cached here by plain values (fa_cache.h), in front of mcpu_compile_library, whose own
+ * cache hashes the whole source and checks the disk: that runs once per library and process. */
 #include "fa_backend.h"
+#include "fa_cache.h"
 #include "cpu_device/cpu_device.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 struct fa_pipeline {
     const mcpu_library *library;
-    char function[64];
+    char function[FA_FUNCTION_NAME_BYTES];
     msl_constant_value constants[MSL_MAX_FUNCTION_CONSTANTS];
     uint32_t n_constants;
-    struct fa_pipeline *next;
 };
 
-static pthread_mutex_t pipelines_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct fa_pipeline *pipelines_head = NULL;
+static fa_cache libraries = FA_CACHE_INITIALIZER; /* fa_library_identity -> mcpu_library */
+static fa_cache pipelines = FA_CACHE_INITIALIZER; /* fa_pipeline_identity -> struct fa_pipeline */
 
-static int32_t same_pipeline(const struct fa_pipeline *a, const struct fa_pipeline *b) {
-    return a->library == b->library && strcmp(a->function, b->function) == 0 &&
-           a->n_constants == b->n_constants &&
-           memcmp(a->constants, b->constants, sizeof a->constants[0] * a->n_constants) == 0;
+static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st) {
+    fa_source source;
+    if (key == NULL || !fa_find_source(key->source_name, &source)) {
+        fa_fail(st, FA_ERR_VALUE, "no kernel source named '%s' is registered",
+                key != NULL && key->source_name != NULL ? key->source_name : "(null)");
+        return NULL;
+    }
+    fa_library_identity id;
+    const size_t len = fa_library_identity_of(key, source.id, &id, st);
+    if (len == 0) {
+        return NULL;
+    }
+    const mcpu_library *found = fa_cache_get(&libraries, &id, len);
+    if (found != NULL) {
+        return found;
+    }
+    mcpu_macro macros[FA_MAX_MACROS];
+    for (uint32_t i = 0; i < id.n_macros; ++i) {
+        macros[i].name = id.macros[i].name;
+        macros[i].value = id.macros[i].value;
+    }
+    mcpu_library *library = NULL;
+    if (mcpu_compile_library(source.text, source.name, macros, id.n_macros, &library, st) != FA_OK) {
+        return NULL;
+    }
+    /* Libraries live for the process, so storing one twice (a race) is harmless. */
+    if ((found = fa_cache_put(&libraries, &id, len, library)) == NULL) {
+        fa_fail(st, FA_ERR_RUNTIME, "out of memory caching a library");
+    }
+    return found;
 }
 
 static fa_pipeline *cpu_get_pipeline(const fa_pipeline_key *key, fa_status *st) {
-    const char *source = fa_lookup_source(key->source_name);
-    if (source == NULL) {
-        fa_fail(st, FA_ERR_VALUE, "no kernel source named '%s' is registered", key->source_name);
+    const mcpu_library *library = get_library(key, st);
+    if (library == NULL) {
         return NULL;
     }
-    mcpu_macro macros[FA_MAX_MACROS];
-    for (uint32_t i = 0; i < key->n_macros && i < FA_MAX_MACROS; ++i) {
-        macros[i].name = key->macros[i].name;
-        macros[i].value = key->macros[i].value;
-    }
-    mcpu_library *library = NULL;
-    if (mcpu_compile_library(source, key->source_name, macros, key->n_macros, &library, st) != FA_OK) {
+    fa_pipeline_identity id;
+    const size_t len = fa_pipeline_identity_of(key, library, &id, st);
+    if (len == 0) {
         return NULL;
     }
-    if (mcpu_library_kernel(library, key->function) == NULL) {
-        fa_fail(st, FA_ERR_VALUE, "%s has no kernel named '%s'", key->source_name, key->function);
+    struct fa_pipeline *found = fa_cache_get(&pipelines, &id, len);
+    if (found != NULL) {
+        return found;
+    }
+    if (mcpu_library_kernel(library, id.function) == NULL) {
+        fa_fail(st, FA_ERR_VALUE, "%s has no kernel named '%s'", key->source_name, id.function);
         return NULL;
     }
-
-    struct fa_pipeline wanted;
-    memset(&wanted, 0, sizeof wanted);
-    wanted.library = library;
-    strncpy(wanted.function, key->function, sizeof wanted.function - 1);
-    for (uint32_t i = 0; i < key->n_constants; ++i) {
-        const fa_constant *c = &key->constants[i];
+    struct fa_pipeline *fresh = calloc(1, sizeof *fresh);
+    if (fresh == NULL) {
+        fa_fail(st, FA_ERR_RUNTIME, "out of memory creating a pipeline");
+        return NULL;
+    }
+    fresh->library = library;
+    memcpy(fresh->function, id.function, sizeof fresh->function);
+    for (uint32_t i = 0; i < id.n_constants; ++i) {
+        const fa_constant *c = &id.constants[i];
         if (c->index >= MSL_MAX_FUNCTION_CONSTANTS) {
-            fa_fail(st, FA_ERR_VALUE, "function constant index %u is out of range", c->index);
+            free(fresh);
+            fa_fail(st, FA_ERR_VALUE, "function constant index %u is out of range 0..%d", c->index,
+                    MSL_MAX_FUNCTION_CONSTANTS - 1);
             return NULL;
         }
-        msl_constant_value *v = &wanted.constants[c->index];
+        msl_constant_value *v = &fresh->constants[c->index];
         v->kind = c->kind == FA_CONST_BOOL ? MSL_CONSTANT_BOOL
                   : c->kind == FA_CONST_INT ? MSL_CONSTANT_INT
                                             : MSL_CONSTANT_FLOAT;
         v->i = c->i;
         v->f = c->f;
-        if (c->index + 1 > wanted.n_constants) {
-            wanted.n_constants = c->index + 1;
+        if (c->index + 1 > fresh->n_constants) {
+            fresh->n_constants = c->index + 1;
         }
     }
-
-    pthread_mutex_lock(&pipelines_lock);
-    struct fa_pipeline *found = pipelines_head;
-    while (found != NULL && !same_pipeline(found, &wanted)) {
-        found = found->next;
+    found = fa_cache_put(&pipelines, &id, len, fresh);
+    if (found != fresh) {
+        free(fresh); /* another thread stored the same pipeline first, or out of memory */
     }
-    if (found == NULL && (found = malloc(sizeof *found)) != NULL) {
-        *found = wanted;
-        found->next = pipelines_head;
-        pipelines_head = found;
-    }
-    pthread_mutex_unlock(&pipelines_lock);
     if (found == NULL) {
-        fa_fail(st, FA_ERR_RUNTIME, "out of memory creating a pipeline");
+        fa_fail(st, FA_ERR_RUNTIME, "out of memory caching a pipeline");
     }
     return found;
 }
 
 static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st) {
+    if (pipeline == NULL || d == NULL || d->n_bindings > FA_MAX_BINDINGS) {
+        return fa_fail(st, FA_ERR_VALUE, "CPU backend: malformed dispatch");
+    }
     void *buffers[FA_MAX_BINDINGS];
     for (uint32_t i = 0; i < d->n_bindings; ++i) {
         const fa_binding *b = &d->bindings[i];
@@ -99,6 +124,9 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
     args.n_threadgroup_args = d->n_threadgroup_args;
     args.constants = pipeline->constants;
     args.n_constants = pipeline->n_constants;
+    if (fa_skip_execution()) {
+        return FA_OK;
+    }
     return mcpu_dispatch(pipeline->library, &args, st);
 }
 

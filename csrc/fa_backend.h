@@ -52,16 +52,39 @@ typedef struct fa_dispatch {
     uint32_t n_threadgroup_args;
     uint32_t grid[3];        /* threadgroups per grid */
     uint32_t threadgroup[3]; /* threads per threadgroup */
+    /* Nonzero when the bindings are those of the previous dispatch of the same call, which the
+     * backend accepted: its buffer checks need not run again. */
+    uint32_t same_bindings_as_previous;
 } fa_dispatch;
 
 typedef struct fa_pipeline fa_pipeline; /* backend-owned, cached, never freed by callers */
 
 typedef struct fa_backend {
     const char *name;
-    /* Cached by (source text, function, macros, constants); safe to call from several threads. */
+    /* Cached for the process by (source id, macros, function, constants) as plain values
+     * (fa_cache.h): a hit neither hashes the source text nor touches the file system. Safe to call
+     * from several threads. */
     fa_pipeline *(*get_pipeline)(const fa_pipeline_key *key, fa_status *st);
     int32_t (*dispatch)(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st);
 } fa_backend;
+
+/* A registered kernel source (fa_register_source). Its id is unique to this name and text:
+ * registering new text under the name gives a new id, so caches keyed by ids never mix texts. */
+typedef struct fa_source {
+    int32_t id;
+    const char *name;
+    const char *text; /* valid for the life of the process */
+} fa_source;
+
+/* Fills *out with the source registered as `name` and returns 1, or returns 0 when there is none. */
+int32_t fa_find_source(const char *name, fa_source *out);
+
+/* Changes whenever a source gets new text: caches holding pipelines of a plan key on it. */
+int32_t fa_sources_generation(void);
+
+/* FLASHATTN_MPS_SKIP_EXECUTION=1 (read once): backends do all the host work of a dispatch
+ * (pipeline, bindings, checks) and skip only running it. A profiling aid for host overhead. */
+int32_t fa_skip_execution(void);
 
 /* The CPU Metal device (always present). */
 const fa_backend *fa_cpu_backend(void);

@@ -1,7 +1,8 @@
-/* Status reporting and the registry of kernel sources. */
-#include "fa_core.h"
+/* Status reporting, the registry of kernel sources, and the profiling switch. */
+#include "fa_backend.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,16 +20,18 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...) {
 }
 
 /* Sources are few (one per .metal file) and registered once, so a list under a mutex is enough.
- * Re-registering a name with different text replaces it; old text stays allocated because
- * pointers handed out by fa_lookup_source must stay valid. */
+ * Re-registering a name with different text replaces it under a new id; old text stays allocated
+ * because pointers handed out by fa_lookup_source must stay valid. */
 typedef struct source_entry {
     char *name;
     char *text;
+    int32_t id;
     struct source_entry *next;
 } source_entry;
 
 static pthread_mutex_t sources_lock = PTHREAD_MUTEX_INITIALIZER;
 static source_entry *sources_head = NULL;
+static atomic_int last_source_id = 0; /* written under sources_lock */
 
 static source_entry *find_source(const char *name) {
     for (source_entry *e = sources_head; e != NULL; e = e->next) {
@@ -49,6 +52,11 @@ int32_t fa_register_source(const char *name, const char *text, fa_status *st) {
     }
     pthread_mutex_lock(&sources_lock);
     source_entry *e = find_source(name);
+    if (e != NULL && strcmp(e->text, text) == 0) { /* unchanged: keep its id and its pipelines */
+        pthread_mutex_unlock(&sources_lock);
+        free(text_copy);
+        return FA_OK;
+    }
     if (e == NULL) {
         e = calloc(1, sizeof *e);
         char *name_copy = strdup(name);
@@ -64,8 +72,24 @@ int32_t fa_register_source(const char *name, const char *text, fa_status *st) {
         sources_head = e;
     }
     e->text = text_copy;
+    e->id = atomic_fetch_add(&last_source_id, 1) + 1;
     pthread_mutex_unlock(&sources_lock);
     return FA_OK;
+}
+
+int32_t fa_find_source(const char *name, fa_source *out) {
+    if (name == NULL) {
+        return 0;
+    }
+    pthread_mutex_lock(&sources_lock);
+    const source_entry *e = find_source(name);
+    if (e != NULL) {
+        out->id = e->id;
+        out->name = e->name;
+        out->text = e->text;
+    }
+    pthread_mutex_unlock(&sources_lock);
+    return e != NULL;
 }
 
 const char *fa_lookup_source(const char *name) {
@@ -77,4 +101,17 @@ const char *fa_lookup_source(const char *name) {
     const char *text = e != NULL ? e->text : NULL;
     pthread_mutex_unlock(&sources_lock);
     return text;
+}
+
+int32_t fa_sources_generation(void) { return atomic_load(&last_source_id); }
+
+int32_t fa_skip_execution(void) {
+    static atomic_int skip = -1; /* -1: not read yet */
+    int32_t value = atomic_load_explicit(&skip, memory_order_relaxed);
+    if (value < 0) {
+        const char *env = getenv("FLASHATTN_MPS_SKIP_EXECUTION");
+        value = env != NULL && strcmp(env, "1") == 0;
+        atomic_store_explicit(&skip, value, memory_order_relaxed);
+    }
+    return value;
 }

@@ -142,6 +142,8 @@ enum { FA_MAX_HEAD_DIM = 256 };
 
 const char *fa_dtype_name(int32_t dtype) { return dtype_names[dtype]; }
 
+int64_t fa_dtype_bytes(int32_t dtype) { return dtype_bytes[dtype]; }
+
 const char *fa_kernel_type_name(int32_t dtype) { return kernel_type_names[dtype]; }
 
 void fa_describe_shape(const fa_tensor *t, char *out, size_t len) {
@@ -497,19 +499,18 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
 }
 
-int32_t fa_plan_check_workspace(const fa_plan *plan, const fa_forward_args *a, fa_status *st) {
-    if (plan->workspace_bytes == 0) {
+int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *w, fa_status *st) {
+    if (workspace_bytes == 0) {
         return FA_OK;
     }
-    const fa_tensor *w = &a->workspace;
     if (w->storage == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "this call needs a workspace of %lld bytes (fa_forward_workspace_bytes)",
-                       (long long)plan->workspace_bytes);
+                       (long long)workspace_bytes);
     }
     int32_t rc = fa_check_tensor(w, "workspace", 1, 1, st);
-    if (rc == FA_OK && w->sizes[0] * 4 < plan->workspace_bytes) {
+    if (rc == FA_OK && w->sizes[0] * 4 < workspace_bytes) {
         rc = fa_fail(st, FA_ERR_VALUE, "workspace: %lld bytes, this call needs %lld", (long long)(w->sizes[0] * 4),
-                     (long long)plan->workspace_bytes);
+                     (long long)workspace_bytes);
     }
     if (rc == FA_OK && w->strides[0] != 1) {
         rc = fa_fail(st, FA_ERR_VALUE, "workspace: must be contiguous, got stride %lld", (long long)w->strides[0]);

@@ -40,8 +40,8 @@ typedef struct fa_plan {
 /* Validate every descriptor of args except the workspace, and plan the launches. */
 int32_t fa_plan_forward(const fa_forward_args *args, fa_plan *plan, fa_status *st);
 
-/* Checks that args' workspace is a valid float32 descriptor of at least plan->workspace_bytes. */
-int32_t fa_plan_check_workspace(const fa_plan *plan, const fa_forward_args *args, fa_status *st);
+/* Checks that a plan needing workspace_bytes has a valid float32 workspace of at least that. */
+int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *workspace, fa_status *st);
 
 /* The pipeline key of one dispatch (pointers into it). */
 /* A dispatch's grid (threadgroups) and 1-D threadgroup size. */
@@ -59,6 +59,7 @@ void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_
 
 /* Helpers the backward planner (fa_backward_plan.c) shares with the forward's. */
 const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages */
+int64_t fa_dtype_bytes(int32_t dtype);          /* bytes per element */
 const char *fa_kernel_type_name(int32_t dtype);  /* the MSL type kernels are instantiated for */
 void fa_describe_shape(const fa_tensor *t, char *out, size_t len); /* "(2, 8, 128, 64)" */
 /* A descriptor is usable when its rank and dtype are as expected (float32 when float32_only) and

@@ -1,4 +1,10 @@
-"""The public attention function: validation with clear messages, then one call into the C core."""
+"""The public attention function: one C call per attention call on a lean path; messages are built
+only when something is wrong.
+
+The hot path checks only what the C core cannot see (Python types, devices, torch's lazy negation,
+autograd and tracing), allocates the outputs and hands the tensors themselves to `_C.forward`, which
+reads their storage and runs the cached plan (csrc/fa_plan_cache.c). When the core refuses a call,
+`_validate` runs to name the problem in Python's terms before the core's message is passed on."""
 from __future__ import annotations
 
 import math
@@ -14,6 +20,7 @@ _DTYPE_CODES = {
     torch.bfloat16: _C.DTYPE_BFLOAT16,
 }
 _DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL}  # bool only for masks
+_C.set_tensor_dtypes(_DESCRIPTOR_DTYPES)
 _DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
 
 
@@ -30,11 +37,25 @@ _KERNELS = {
 }
 
 
+def _cpu_workspace(nbytes: int) -> torch.Tensor:
+    return torch.empty((nbytes + 3) // 4, dtype=torch.float32)
+
+
+def _mps_workspace(nbytes: int) -> torch.Tensor:
+    return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device="mps")
+
+
+# The core asks for scratch memory (split-K partial results) only when a plan needs it: it
+# allocates nothing itself.
+_WORKSPACES = {_C.DEVICE_CPU: _cpu_workspace, _C.DEVICE_MPS: _mps_workspace}
+
+
 def describe(t: torch.Tensor) -> tuple:
     """The C core's view of a tensor: (storage, storage bytes, byte offset, dtype, sizes, strides).
 
     The storage handle is the host address for CPU tensors and the id<MTLBuffer> for MPS tensors
-    (PyTorch's MPS allocator hands out the buffer object as the storage's data pointer)."""
+    (PyTorch's MPS allocator hands out the buffer object as the storage's data pointer). `_C`
+    reads a torch.Tensor argument the same way itself; descriptors are for calling it by hand."""
     storage = t.untyped_storage()
     return (
         storage.data_ptr(),
@@ -50,10 +71,23 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+def _type_name(value) -> str:
+    """"str", "numpy.bool", "list": the type as a user would write it."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _given(value) -> str:
+    """"numpy.bool True", "str '0.5'", "list []": what a caller passed, for messages."""
+    shown = repr(value) if isinstance(value, str) else str(value)
+    return f"{_type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
+    """Raises the first problem of a call, in Python's terms; returns when it finds none."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {_type_name(t)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type not in _DEVICE_CODES:
             raise ValueError(
@@ -91,12 +125,21 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     for name, t in (("q", q), ("v", v)):
         if t.shape[-1] > 256:
             raise ValueError(f"flash_attention: head dims up to 256 are supported, {name} has {t.shape[-1]}: {shapes()}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"flash_attention: causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"flash_attention: scale must be a float or None, got {type(scale).__name__}")
+    _check_causal_and_scale(causal, scale)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+
+
+def _check_causal_and_scale(causal, scale) -> float:
+    """Raises for a causal that is not a bool or a scale that is not a number; returns the scale as
+    a float (None stays None)."""
+    if causal is not True and causal is not False:
+        raise TypeError(f"flash_attention: causal must be a bool (True or False), got {_given(causal)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(
+            f"flash_attention: scale must be a float or None (an int is taken as a float), got {_given(scale)}"
+        )
+    return None if scale is None else float(scale)
 
 
 def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
@@ -107,7 +150,7 @@ def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> b
 def _validate_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
     """The mask as a (B, Hq, L, S) view (broadcast dims get stride 0; nothing is expanded in memory)."""
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"flash_attention: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+        raise TypeError(f"flash_attention: attn_mask must be a torch.Tensor or None, got {_type_name(attn_mask)}")
     if attn_mask.device != q.device:
         raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device}, q on {q.device}")
     if not supported_mask_dtype(attn_mask.dtype, q.dtype):
@@ -115,31 +158,50 @@ def _validate_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
             f"flash_attention: attn_mask has dtype {attn_mask.dtype}; masks are bool (True takes part), "
             f"float32 or the query's dtype ({q.dtype}), added to the scaled scores"
         )
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("flash_attention: attn_mask requires grad, but masks are not differentiated")
     target = (*q.shape[:-1], k.shape[-2])
+    if attn_mask.shape == target:
+        return attn_mask.resolve_neg() if attn_mask.is_neg() else attn_mask
     try:
         view = attn_mask.expand(target)
     except RuntimeError:
         raise ValueError(
             f"flash_attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, Hq, L, S) = {target}"
         ) from None
-    if attn_mask.requires_grad and torch.is_grad_enabled():
-        raise ValueError("flash_attention: attn_mask requires grad, but masks are not differentiated")
-    return view
+    return view.resolve_neg() if view.is_neg() else view
 
 
-def _validate_options(kernel, return_lse) -> None:
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"flash_attention: return_lse must be a bool, got {type(return_lse).__name__}")
+def _check_options(kernel, return_lse) -> int:
+    """The kernel's code; raises for an unknown kernel or a return_lse that is not a bool."""
+    if return_lse is not True and return_lse is not False:
+        raise TypeError(f"flash_attention: return_lse must be a bool (True or False), got {_given(return_lse)}")
+    if not isinstance(kernel, str):
+        raise TypeError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {_given(kernel)}")
     if kernel not in _KERNELS:
-        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {kernel!r}")
+        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {_given(kernel)}")
+    return _KERNELS[kernel]
 
 
-def _needs_torch_op(q, k, v) -> bool:
-    """Autograd (some input requires grad), torch.compile's tracing (fake tensors have no storage
-    to describe) and torch.jit.trace (which records only dispatched ops) go through the
-    torch.library ops of flashattn_mps._autograd."""
-    wants_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
-    return wants_grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
+# flashattn_mps._autograd.attention_through_torch, set when that module (which imports this one) loads.
+_attention_through_torch = None
+
+
+# Bound once: the hot path pays no attribute lookups for them (dynamo knows them by identity).
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_is_jit_tracing = torch.jit.is_tracing
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_CONTIGUOUS = torch.contiguous_format
+
+
+def _routes_through_torch(q, k, v) -> bool:
+    """Autograd (some input requires grad) and tracing (torch.compile, export, make_fx, fake
+    tensors: any torch dispatch mode; torch.jit.trace, which records only dispatched ops) leave the
+    direct path: see attend."""
+    if _is_compiling() or _is_jit_tracing():
+        return True
+    return (_is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)) or _dispatch_modes() > 0
 
 
 def flash_attention(
@@ -178,34 +240,88 @@ def flash_attention(
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
     Returns a new contiguous (B, Hq, L, Ev) (or (Hq, L, Ev)) tensor of q's dtype, and the
-    log-sum-exp when return_lse is set.
+    log-sum-exp when return_lse is set. A lazily negated input (torch's negative bit, as in
+    `z.conj().imag`) is resolved first, as torch's own kernels do: that copy is the only one.
 
-    Differentiable with respect to q, k and v through a fused backward that never forms L x S either
-    (flashattn_mps._autograd: torch.library ops, so torch.compile traces through it); the
-    log-sum-exp carries no gradient and double backward raises.
+    Differentiable with respect to q, k and v through a fused backward that never forms L x S either:
+    eagerly through a torch.autograd.Function, and under torch.compile, export or tracing through
+    the torch.library ops of flashattn_mps._autograd; the log-sum-exp carries no gradient and
+    double backward raises.
     """
-    if _needs_torch_op(q, k, v):
+    if type(kernel) is str and kernel == "auto" and return_lse is False:
+        return attend(q, k, v, attn_mask, causal, scale)
+    return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse)
+
+
+def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False):
+    """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
+    bool): the lean entry the SDPA drop-in calls. causal and scale are checked here (cheaply when
+    they are a bool and a float or None)."""
+    if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
+        scale = _check_causal_and_scale(causal, scale)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         _validate(q, k, v, causal, scale, attn_mask)
-        _validate_options(kernel, return_lse)
-        if kernel != "auto":
+    if attn_mask is not None and causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    if _routes_through_torch(q, k, v):
+        if kernel != _C.KERNEL_AUTO:
+            names = {code: name for name, code in _KERNELS.items()}
             raise ValueError(
-                f"flash_attention: kernel={kernel!r} selects a forward kernel for tests and benchmarks of "
-                "the forward; differentiable or compiled calls take kernel='auto'"
+                f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
+                "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, attn_mask, causal, _scale_value(q.shape[-1], scale))
-        return (out, lse) if return_lse else out
-    args, mask, out, lse = _core_arguments(q, k, v, causal, scale, kernel, return_lse, attn_mask)
-    unbatched = q.dim() == 3
-    if out.numel() > 0 or (lse is not None and lse.numel() > 0):
-        _sources.ensure_registered()
-        if q.device.type == "mps":
-            _prepare_mps()
-        workspace = _workspace(args, mask, q.device)
-        _C.forward(*args, None if workspace is None else describe(workspace), mask=_describe_optional(mask))
-    if unbatched:
-        out = out.squeeze(0)
-        lse = None if lse is None else lse.squeeze(0)
+        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse)
+    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse)
     return (out, lse) if return_lse else out
+
+
+def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool):
+    """Runs the forward on tensors whose options are checked and whose mask (or None) is the
+    (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
+    if q.is_cpu:  # _C checks that every tensor is on this device
+        device = _C.DEVICE_CPU
+    elif q.is_mps:
+        device = _C.DEVICE_MPS
+        _prepare_mps()
+    else:
+        _validate(q, k, v, causal, scale, mask)
+        raise ValueError(f"flash_attention: q is on device '{q.device}'")  # _validate raises first
+    dims = q.dim()
+    if not (q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims):
+        _validate(q, k, v, causal, scale, mask)
+    if q.is_neg() or k.is_neg() or v.is_neg():
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
+    shape = q.shape
+    if scale is None:
+        scale = _scale_value(shape[-1], None)
+    rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
+    value_dim = v.shape[-1]
+    out = torch.empty_like(q, memory_format=_CONTIGUOUS) if value_dim == shape[-1] else q.new_empty((*rows, value_dim))
+    lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
+    if not _sources.registered:
+        _sources.ensure_registered()
+    try:
+        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3)
+    except (TypeError, ValueError):
+        _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
+        raise
+    return out, lse
+
+
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float):
+    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
+    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
+    if device == _C.DEVICE_MPS:
+        _prepare_mps()
+    if dout.is_neg():
+        dout = dout.resolve_neg()
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
+    if not _sources.registered:
+        _sources.ensure_registered()
+    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3)
+    return dq, dk, dv
 
 
 def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, attn_mask=None,
@@ -215,48 +331,18 @@ def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *
     "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches reach the GPU).
     split_count > 1 means the keys are split over threadgroups and a second dispatch merges the
     partial results."""
-    args, mask, _, _ = _core_arguments(q, k, v, causal, scale, kernel, False, attn_mask)
-    plan = _C.plan_forward(*args, mask=_describe_optional(mask))
-    if q.device.type == "mps":
-        plan["metal_stream"] = _metal_mode.describe()
-    return plan
-
-
-def _describe_optional(t: Optional[torch.Tensor]):
-    return None if t is None else describe(t)
-
-
-def _core_arguments(q, k, v, causal, scale, kernel, return_lse, attn_mask=None):
-    """Validates a call and returns the C core's arguments for it (device, descriptors of q, k, v,
-    out, lse, scale, causal, kernel), the (B, Hq, L, S) mask view (or None; the caller keeps it
-    alive while the core reads it) and the new out and lse tensors (batched even for 3-D inputs)."""
     _validate(q, k, v, causal, scale, attn_mask)
-    _validate_options(kernel, return_lse)
+    code = _check_options(kernel, False)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     if q.dim() == 3:  # views, not copies
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         mask = None if mask is None else mask.unsqueeze(0)
-    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device) if return_lse else None
-    args = (
-        _DEVICE_CODES[q.device.type],
-        describe(q),
-        describe(k),
-        describe(v),
-        describe(out),
-        None if lse is None else describe(lse),
-        _scale_value(q.shape[-1], scale),
-        causal,
-        _KERNELS[kernel],
-    )
-    return args, mask, out, lse
-
-
-def _workspace(args: tuple, mask, device: torch.device) -> Optional[torch.Tensor]:
-    """The scratch memory a call needs (split-K partial results), as float32 on its device, or None:
-    the C core allocates nothing itself."""
-    nbytes = _C.forward_workspace_bytes(*args, mask=_describe_optional(mask))
-    return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device) if nbytes > 0 else None
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
+                           causal, code, mask=mask)
+    if q.device.type == "mps":
+        plan["metal_stream"] = _metal_mode.describe()
+    return plan
 
 
 def _scale_value(head_dim: int, scale) -> float:

@@ -1,10 +1,13 @@
-"""flash_attention as differentiable torch.library ops.
+"""flash_attention's gradients: eagerly through a torch.autograd.Function, and as torch.library ops
+for torch.compile, export and tracing.
 
-`flashattn_mps::attention_forward(q, k, v, causal, scale) -> (out, lse)` runs the forward kernels and
-keeps the float32 log-sum-exp of each row; `flashattn_mps::attention_backward(dout, q, k, v, out, lse,
-causal, scale) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c). Both have fake
-implementations, so torch.compile traces them without graph breaks, and register_autograd joins
-them. flash_attention calls the forward op when an input requires grad or when it is being compiled.
+`flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale) -> (out, lse)` runs the forward
+kernels and keeps the float32 log-sum-exp of each row; `flashattn_mps::attention_backward(dout, q, k,
+v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c).
+Both have fake implementations, so torch.compile traces them without graph breaks, and
+register_autograd joins them. A custom op's eager dispatch costs tens of microseconds in PyTorch,
+so eager calls that need gradients take `_Attention`, an autograd.Function over the same two
+cores (`_api.forward_core`, `_api.backward_core`) with the same formula.
 
 The backward is itself not differentiable: asking for a graph of the gradients (create_graph=True,
 double backward) raises instead of returning wrong second derivatives.
@@ -13,17 +16,61 @@ from typing import Optional
 
 import torch
 
-from . import _C, _sources
-from ._api import _DEVICE_CODES, _prepare_mps, _validate_mask, describe, flash_attention
+from . import _C, _api
+from ._api import _scale_value, _validate, _validate_mask, backward_core, forward_core
+
+
+def _refuse_double_backward() -> None:
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "flash_attention: double backward is not supported; its gradients cannot be "
+            "differentiated (create_graph=True)"
+        )
+
+
+class _Attention(torch.autograd.Function):
+    """Eager autograd: (q, k, v, the (B, Hq, L, S) mask view or None, causal, scale) -> (out, lse)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale):
+        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True)
+        ctx.save_for_backward(q, k, v, out, lse, mask)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        _refuse_double_backward()
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool):
+    """flash_attention for calls that need autograd or are being traced (flashattn_mps._api routes
+    them here)."""
+    scale_value = _scale_value(q.shape[-1], scale)
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
+        out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, attn_mask, causal, scale_value)
+    else:
+        mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+        if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
+            q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
+        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value)
+    return (out, lse) if return_lse else out
+
+
+_api._attention_through_torch = attention_through_torch
 
 
 @torch.library.custom_op("flashattn_mps::attention_forward", mutates_args=())
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # The inputs arrive still marked as requiring grad; detached views take flash_attention's direct
-    # path instead of coming back here.
-    return flash_attention(q.detach(), k.detach(), v.detach(), causal, scale, attn_mask=attn_mask, return_lse=True)
+    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+    return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True)
 
 
 @attention_forward.register_fake
@@ -45,21 +92,8 @@ def attention_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    unbatched = q.dim() == 3
-    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)  # a (.., Hq, L, S) view
-    batched = [t.unsqueeze(0) if unbatched else t for t in (q, k, v, out, lse, dout, dq, dk, dv)]
-    if mask is not None and unbatched:
-        mask = mask.unsqueeze(0)
-    # D = rowsum(dout * out): scratch the core fills, then reads.
-    delta = torch.empty(batched[0].shape[:-1], dtype=torch.float32, device=q.device)
-    _sources.ensure_registered()
-    if q.device.type == "mps":
-        _prepare_mps()
-    qb, kb, vb, outb, lseb, doutb, dqb, dkb, dvb = (describe(t) for t in batched)
-    _C.backward(_DEVICE_CODES[q.device.type], qb, kb, vb, outb, lseb, doutb, describe(delta), dqb, dkb, dvb,
-                scale, causal, mask=None if mask is None else describe(mask))
-    return dq, dk, dv
+    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+    return backward_core(dout, q, k, v, out, lse, mask, causal, scale)
 
 
 @attention_backward.register_fake
@@ -77,11 +111,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "flash_attention: double backward is not supported; its gradients cannot be "
-            "differentiated (create_graph=True)"
-        )
+    _refuse_double_backward()
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None, None

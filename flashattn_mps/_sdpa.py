@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _metal_mode
-from ._api import flash_attention, supported_mask_dtype
+from ._api import attend, supported_mask_dtype
 
 log = logging.getLogger("flashattn_mps")
 
@@ -267,7 +267,7 @@ def _run_kernel(call: _KernelCall):
     query, key, value, attn_mask, is_causal, scale = call
     q, k, v = (_as_4d(t) for t in (query, key, value))
     mask = None if attn_mask is None else _as_4d(_broadcast_mask(attn_mask, query, key))
-    out = flash_attention(q, k, v, is_causal, scale, attn_mask=mask)
+    out = attend(q, k, v, mask, is_causal, scale)  # flash_attention's lean entry
     return out.view(*query.shape[:-1], value.shape[-1])
 
 

@@ -14,7 +14,7 @@ from . import _C
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _lock = threading.Lock()
-_registered = False
+registered = False  # read without the lock on the hot path; set once
 
 
 def metal_dir() -> Path:
@@ -53,9 +53,9 @@ def kernel_sources() -> dict[str, str]:
 
 def ensure_registered() -> None:
     """Hand the sources to the C core once per process."""
-    global _registered
+    global registered
     with _lock:
-        if not _registered:
+        if not registered:
             for name, text in kernel_sources().items():
                 _C.register_source(name, text)
-            _registered = True
+            registered = True

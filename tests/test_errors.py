@@ -147,3 +147,89 @@ def test_mps_device_code_without_metal():
     keep, descs = good_descriptors()
     with pytest.raises(RuntimeError, match="Metal backend exists only in macOS builds"):
         call_c(descs, device=_C.DEVICE_MPS)
+
+
+# --- arguments torch's own kernels read differently from their bytes, and messages --------------
+
+def negated_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor equal to t whose memory holds -t: torch's negative bit, as z.conj().imag has it."""
+    z = torch.complex(torch.zeros_like(t, dtype=torch.float32), -t.float())
+    view = z.conj().imag
+    assert view.is_neg() and torch.equal(view, t.float())
+    return view.to(t.dtype) if t.dtype != torch.float32 else view
+
+
+def test_negative_bit_inputs_are_resolved_as_torch_does():
+    from flashattn_mps import scaled_dot_product_attention
+    from conftest import assert_matches_sdpa
+
+    q, k, v = qkv(lq=6, lk=7)
+    for args in [(negated_view(q), k, v), (q, negated_view(k), v), (q, k, negated_view(v))]:
+        assert_matches_sdpa(flash_attention(*args), q, k, v)
+        assert_matches_sdpa(scaled_dot_product_attention(*args), q, k, v)
+    mask = torch.randn(6, 7)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(flash_attention(q, k, v, attn_mask=negated_view(mask)), expected, atol=1e-5)
+
+
+def test_negative_bit_gradients_are_resolved():
+    q, k, v = qkv(lq=6, lk=7)
+    dout = torch.randn(1, 2, 6, 8)
+    ours, theirs = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
+    flash_attention(negated_view(ours[0]), ours[1], ours[2]).backward(negated_view(dout))
+    torch.nn.functional.scaled_dot_product_attention(*theirs).backward(dout)
+    for mine, want in zip(ours, theirs):
+        assert torch.allclose(mine.grad, want.grad, atol=1e-5)
+
+
+def test_option_messages_name_the_argument_what_was_given_and_what_is_accepted():
+    np = pytest.importorskip("numpy")
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple'\], got list \[\]"):
+        flash_attention(q, k, v, kernel=[])
+    with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got numpy.bool_? True"):
+        flash_attention(q, k, v, causal=np.bool_(True))
+    with pytest.raises(TypeError, match=r"return_lse must be a bool \(True or False\), got int 1"):
+        flash_attention(q, k, v, return_lse=1)
+    with pytest.raises(TypeError, match=r"scale must be a float or None \(an int is taken as a float\), got str '0.5'"):
+        flash_attention(q, k, v, scale="0.5")
+
+
+@pytest.mark.parametrize(
+    "field,value,error,message",
+    [
+        (0, "x", TypeError, r"q: storage must be an int \(an address or id<MTLBuffer>\), got str"),
+        (0, -1, ValueError, r"q: storage must be an int in 0..2\^64-1, got -1"),
+        (1, 2.5, TypeError, "q: storage_bytes must be an int, got float"),
+        (2, 1 << 70, ValueError, "q: byte_offset must fit in 64 bits"),
+        (4, None, TypeError, "q: sizes must be a sequence of ints, got NoneType"),
+        (5, (1, "a", 1, 1), TypeError, "q: strides must be an int, got str"),
+    ],
+)
+def test_c_layer_casting_messages_name_the_field(field, value, error, message):
+    keep, descs = good_descriptors()
+    descs[0] = tuple(value if i == field else f for i, f in enumerate(descs[0]))
+    with pytest.raises(error, match=message) as raised:
+        call_c(descs)
+    assert "C++ type" not in str(raised.value)
+
+
+def test_c_layer_tensor_arguments_are_checked():
+    q, k, v = qkv()
+    out = torch.empty(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"k: got a torch.Tensor of dtype torch.float64; expected a torch.Tensor of dtype float32"):
+        _C.forward(_C.DEVICE_CPU, q, k.double(), v, out, None, 0.5, False, _C.KERNEL_AUTO)
+    with pytest.raises(TypeError, match="v must be a torch.Tensor, a 6-field descriptor or None, got object"):
+        _C.forward(_C.DEVICE_CPU, q, k, object(), out, None, 0.5, False, _C.KERNEL_AUTO)
+    with pytest.raises(ValueError, match="k is on device meta; this call runs on cpu"):
+        _C.forward(_C.DEVICE_CPU, q, k.to("meta"), v, out, None, 0.5, False, _C.KERNEL_AUTO)
+    with pytest.raises(ValueError, match="q: 4-D tensor; at most 3 dims here"):
+        _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.5, False, _C.KERNEL_AUTO, unbatched=True)
+
+
+def test_raw_cpu_library_dispatch_names_a_bad_buffer():
+    source = "#include <metal_stdlib>\nusing namespace metal;\nkernel void k(device float *x [[buffer(0)]]) {}\n"
+    library = _C.compile_library(source, "raw.metal", [])
+    with pytest.raises(TypeError, match=r"buffers\[1\] must be bytes or an int \(a host address\), got str") as raised:
+        library.dispatch("k", (1, 1, 1), (32, 1, 1), [0, "x"], [], [])
+    assert "C++ type" not in str(raised.value)

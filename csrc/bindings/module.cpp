@@ -10,6 +10,7 @@
 extern "C" {
 #include "../cpu_device/cpu_device.h"
 #include "../fa_plan.h"
+#include "../fa_plan_cache.h"
 }
 
 namespace py = pybind11;
@@ -44,70 +45,242 @@ void check(int32_t rc, const fa_status &st) {
     }
 }
 
-// A tensor descriptor as the Python layer builds it:
+// The Python type of o, for messages ("str", "numpy.bool", "torch.Tensor").
+std::string type_name(PyObject *o) {
+    py::handle type(reinterpret_cast<PyObject *>(Py_TYPE(o)));
+    const std::string module = py::str(type.attr("__module__"));
+    const std::string name = py::str(type.attr("__qualname__"));
+    return module == "builtins" ? name : module + "." + name;
+}
+
+std::string what_of(const char *tensor, const char *field) { return std::string(tensor) + ": " + field; }
+
+int64_t as_int64(PyObject *o, const char *tensor, const char *field) {
+    if (!PyLong_Check(o)) {
+        throw py::type_error(what_of(tensor, field) + " must be an int, got " + type_name(o));
+    }
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow != 0) {
+        throw py::value_error(what_of(tensor, field) + " must fit in 64 bits, got " + std::string(py::str(o)));
+    }
+    return value;
+}
+
+void *as_address(PyObject *o, const char *tensor, const char *field) {
+    if (!PyLong_Check(o)) {
+        throw py::type_error(what_of(tensor, field) + " must be an int (an address or id<MTLBuffer>), got " +
+                             type_name(o));
+    }
+    const unsigned long long value = PyLong_AsUnsignedLongLong(o);
+    if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        throw py::value_error(what_of(tensor, field) + " must be an int in 0..2^64-1, got " + std::string(py::str(o)));
+    }
+    return reinterpret_cast<void *>(static_cast<uintptr_t>(value));
+}
+
+// sizes or strides: a sequence of ints (tuple, list, torch.Size), its length in *n.
+void read_dims(PyObject *o, const char *tensor, const char *field, int64_t *out, int32_t *n) {
+    py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(o, ""));
+    if (!fast) {
+        PyErr_Clear();
+        throw py::type_error(what_of(tensor, field) + " must be a sequence of ints, got " + type_name(o));
+    }
+    const Py_ssize_t len = PySequence_Fast_GET_SIZE(fast.ptr());
+    if (len > FA_MAX_DIMS) {
+        throw py::value_error(what_of(tensor, field) + ": " + std::to_string(len) +
+                              " dims; sizes and strides must have the same length, at most 4");
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast.ptr());
+    for (Py_ssize_t d = 0; d < len; ++d) {
+        out[d] = as_int64(items[d], tensor, field);
+    }
+    *n = static_cast<int32_t>(len);
+}
+
+// A descriptor as flashattn_mps._api.describe builds it:
 // (storage, storage_bytes, byte_offset, dtype, sizes, strides).
-fa_tensor to_tensor(const py::handle &obj, const char *name) {
+fa_tensor from_descriptor(PyObject *obj, const char *name) {
     fa_tensor t;
     std::memset(&t, 0, sizeof t);
-    if (obj.is_none()) {
-        return t;
+    py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(obj, ""));
+    const Py_ssize_t n = fast ? PySequence_Fast_GET_SIZE(fast.ptr()) : -1;
+    if (n != 6) {
+        throw py::value_error(std::string(name) + ": a descriptor has 6 fields (storage, storage_bytes, byte_offset, "
+                              "dtype, sizes, strides), got " + std::to_string(n));
     }
-    auto fields = py::cast<py::tuple>(obj);
-    if (fields.size() != 6) {
-        throw py::value_error(std::string(name) + ": a descriptor has 6 fields, got " + std::to_string(fields.size()));
-    }
-    t.storage = reinterpret_cast<void *>(py::cast<uintptr_t>(fields[0]));
-    t.storage_bytes = py::cast<int64_t>(fields[1]);
-    t.byte_offset = py::cast<int64_t>(fields[2]);
-    t.dtype = py::cast<int32_t>(fields[3]);
-    auto sizes = py::cast<std::vector<int64_t>>(fields[4]);
-    auto strides = py::cast<std::vector<int64_t>>(fields[5]);
-    if (sizes.size() != strides.size() || sizes.size() > FA_MAX_DIMS) {
-        throw py::value_error(std::string(name) + ": sizes and strides must have the same length, at most 4");
-    }
-    t.ndim = static_cast<int32_t>(sizes.size());
-    for (size_t d = 0; d < sizes.size(); ++d) {
-        t.sizes[d] = sizes[d];
-        t.strides[d] = strides[d];
+    PyObject **f = PySequence_Fast_ITEMS(fast.ptr());
+    t.storage = as_address(f[0], name, "storage");
+    t.storage_bytes = as_int64(f[1], name, "storage_bytes");
+    t.byte_offset = as_int64(f[2], name, "byte_offset");
+    const int64_t dtype = as_int64(f[3], name, "dtype");
+    t.dtype = dtype >= INT32_MIN && dtype <= INT32_MAX ? static_cast<int32_t>(dtype) : INT32_MAX; // core rejects
+    int32_t n_strides = 0;
+    read_dims(f[4], name, "sizes", t.sizes, &t.ndim);
+    read_dims(f[5], name, "strides", t.strides, &n_strides);
+    if (n_strides != t.ndim) {
+        throw py::value_error(std::string(name) + ": " + std::to_string(t.ndim) + " sizes and " +
+                              std::to_string(n_strides) + " strides; sizes and strides must have the same length, "
+                              "at most 4");
     }
     return t;
 }
 
+// What a torch.Tensor argument is read through (interned names), and its dtype codes
+// ({torch.float32: FA_F32, ...}, handed over once by flashattn_mps._api).
+struct TensorReader {
+    PyObject *untyped_storage, *data_ptr, *nbytes, *storage_offset, *dtype, *shape, *stride, *is_cpu, *is_mps;
+    PyObject *dtype_codes = nullptr;
+} tensor_reader; // lives as long as the module, like the exception types
+
+py::object call_method(PyObject *o, PyObject *method) {
+    PyObject *r = PyObject_CallMethodNoArgs(o, method);
+    if (!r) {
+        throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::object>(r);
+}
+
+// A torch.Tensor's descriptor, read from the tensor itself, which must be on the call's device (a
+// host address read as an id<MTLBuffer>, or the reverse, would crash). batch_dim: prepend a batch
+// dim of 1 (the unbatched 3-D call; its stride is never used).
+fa_tensor from_torch(PyObject *obj, const char *name, int32_t device, bool batch_dim) {
+    const TensorReader &r = tensor_reader;
+    fa_tensor t;
+    std::memset(&t, 0, sizeof t);
+    PyObject *dtype = PyObject_GetAttr(obj, r.dtype);
+    if (!dtype) {
+        PyErr_Clear();
+        throw py::type_error(std::string(name) + " must be a torch.Tensor, a 6-field descriptor or None, got " +
+                             type_name(obj));
+    }
+    py::object dtype_ref = py::reinterpret_steal<py::object>(dtype);
+    PyObject *code = r.dtype_codes ? PyDict_GetItemWithError(r.dtype_codes, dtype) : nullptr;
+    if (!code) {
+        PyErr_Clear(); // an unhashable dtype attribute is just not a tensor's
+        throw py::type_error(std::string(name) + ": got a " + type_name(obj) + " of dtype " +
+                             std::string(py::str(dtype)) + "; expected a torch.Tensor of dtype float32, float16 "
+                             "or bfloat16 (bool for masks), a 6-field descriptor or None");
+    }
+    t.dtype = static_cast<int32_t>(PyLong_AsLong(code));
+    py::object on_device = py::reinterpret_steal<py::object>(
+        PyObject_GetAttr(obj, device == FA_DEVICE_MPS ? r.is_mps : r.is_cpu));
+    if (!on_device) {
+        throw py::error_already_set();
+    }
+    if (on_device.ptr() != Py_True) {
+        throw py::value_error(std::string(name) + " is on device " + std::string(py::str(py::handle(obj).attr("device"))) +
+                              "; this call runs on " + (device == FA_DEVICE_MPS ? "mps" : "cpu") +
+                              " (device code " + std::to_string(device) + ")");
+    }
+    py::object storage = call_method(obj, r.untyped_storage);
+    t.storage = as_address(call_method(storage.ptr(), r.data_ptr).ptr(), name, "storage");
+    t.storage_bytes = as_int64(call_method(storage.ptr(), r.nbytes).ptr(), name, "storage_bytes");
+    t.byte_offset = as_int64(call_method(obj, r.storage_offset).ptr(), name, "storage_offset") * fa_dtype_bytes(t.dtype);
+    const int32_t first = batch_dim ? 1 : 0;
+    int32_t n_sizes = 0, n_strides = 0;
+    py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, r.shape));
+    if (!shape) {
+        throw py::error_already_set();
+    }
+    if (!PyTuple_Check(shape.ptr())) {
+        throw py::type_error(std::string(name) + ": shape of a " + type_name(obj) + " is not a tuple");
+    }
+    if (PyTuple_GET_SIZE(shape.ptr()) + first > FA_MAX_DIMS) {
+        throw py::value_error(std::string(name) + ": " + std::to_string(PyTuple_GET_SIZE(shape.ptr())) +
+                              "-D tensor; at most " + std::to_string(FA_MAX_DIMS - first) + " dims here");
+    }
+    read_dims(shape.ptr(), name, "sizes", t.sizes + first, &n_sizes);
+    read_dims(call_method(obj, r.stride).ptr(), name, "strides", t.strides + first, &n_strides);
+    if (batch_dim) {
+        t.sizes[0] = 1;
+        t.strides[0] = 0;
+    }
+    t.ndim = n_sizes + first;
+    return t;
+}
+
+// A tensor argument: None (absent), a descriptor tuple or list, or a torch.Tensor. batch_dim
+// applies to tensors only: descriptors are taken as they are.
+fa_tensor to_tensor(const py::handle &obj, const char *name, int32_t device, bool batch_dim = false) {
+    if (obj.is_none()) {
+        fa_tensor t;
+        std::memset(&t, 0, sizeof t);
+        return t;
+    }
+    if (PyTuple_Check(obj.ptr()) || PyList_Check(obj.ptr())) {
+        return from_descriptor(obj.ptr(), name);
+    }
+    return from_torch(obj.ptr(), name, device, batch_dim);
+}
+
+void set_tensor_dtypes(py::dict codes) {
+    Py_XDECREF(tensor_reader.dtype_codes);
+    tensor_reader.dtype_codes = codes.release().ptr();
+}
+
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                             py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask) {
+                             py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
+                             bool unbatched = false) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
-    args.q = to_tensor(q, "q");
-    args.k = to_tensor(k, "k");
-    args.v = to_tensor(v, "v");
-    args.out = to_tensor(out, "out");
-    args.lse = to_tensor(lse, "lse");
-    args.mask = to_tensor(mask, "mask");
+    args.q = to_tensor(q, "q", device, unbatched);
+    args.k = to_tensor(k, "k", device, unbatched);
+    args.v = to_tensor(v, "v", device, unbatched);
+    args.out = to_tensor(out, "out", device, unbatched);
+    args.lse = to_tensor(lse, "lse", device, unbatched);
+    args.mask = to_tensor(mask, "mask", device, unbatched);
     args.scale = scale;
     args.causal = causal;
     args.kernel = kernel;
     return args;
 }
 
+// One call per attention call: prepare (the plan cache) and run. A callable `workspace` is asked
+// for a float32 tensor of at least n bytes, only when the plan needs one; the binding keeps it
+// alive while the kernels run.
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-             double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask) {
-    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
-    args.workspace = to_tensor(workspace, "workspace");
+             double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched) {
+    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, unbatched);
+    const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
+    if (!allocate) {
+        args.workspace = to_tensor(workspace, "workspace", device);
+    }
+    fa_forward_ready ready;
     fa_status st;
     int32_t rc;
+    bool needs_workspace = false;
     {
         py::gil_scoped_release release;
-        rc = fa_forward(&args, &st);
+        rc = fa_forward_prepare(&args, &ready, &st);
+        needs_workspace = rc == FA_OK && allocate && !ready.empty && ready.workspace_bytes > 0;
+        if (rc == FA_OK && !needs_workspace) {
+            rc = fa_forward_execute(&ready, &args, &st);
+        }
     }
     check(rc, st);
+    if (needs_workspace) {
+        py::object scratch = workspace(ready.workspace_bytes);
+        args.workspace = to_tensor(scratch, "workspace", device);
+        {
+            py::gil_scoped_release release;
+            rc = fa_forward_execute(&ready, &args, &st);
+        }
+        check(rc, st);
+    }
 }
 
 int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                                 py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
     fa_status st;
-    const int64_t bytes = fa_forward_workspace_bytes(&args, &st);
+    int64_t bytes;
+    {
+        py::gil_scoped_release release; // may compile the pipelines
+        bytes = fa_forward_workspace_bytes(&args, &st);
+    }
     if (bytes < 0) {
         raise_status(st);
     }
@@ -146,21 +319,21 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask) {
+              bool causal, py::handle mask, bool unbatched) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
-    args.q = to_tensor(q, "q");
-    args.k = to_tensor(k, "k");
-    args.v = to_tensor(v, "v");
-    args.out = to_tensor(out, "out");
-    args.lse = to_tensor(lse, "lse");
-    args.dout = to_tensor(dout, "dout");
-    args.delta = to_tensor(delta, "delta");
-    args.dq = to_tensor(dq, "dq");
-    args.dk = to_tensor(dk, "dk");
-    args.dv = to_tensor(dv, "dv");
-    args.mask = to_tensor(mask, "mask");
+    args.q = to_tensor(q, "q", device, unbatched);
+    args.k = to_tensor(k, "k", device, unbatched);
+    args.v = to_tensor(v, "v", device, unbatched);
+    args.out = to_tensor(out, "out", device, unbatched);
+    args.lse = to_tensor(lse, "lse", device, unbatched);
+    args.dout = to_tensor(dout, "dout", device, unbatched);
+    args.delta = to_tensor(delta, "delta", device, unbatched);
+    args.dq = to_tensor(dq, "dq", device, unbatched);
+    args.dk = to_tensor(dk, "dk", device, unbatched);
+    args.dv = to_tensor(dv, "dv", device, unbatched);
+    args.mask = to_tensor(mask, "mask", device, unbatched);
     args.scale = scale;
     args.causal = causal;
     fa_status st;
@@ -222,7 +395,11 @@ void library_dispatch(const Library &l, const std::string &kernel, std::array<ui
             byte_copies.push_back(py::cast<std::string>(b));
             addresses.push_back(byte_copies.back().data());
         } else {
-            addresses.push_back(reinterpret_cast<void *>(py::cast<uintptr_t>(b)));
+            const std::string name = "buffers[" + std::to_string(addresses.size()) + "]";
+            if (!PyLong_Check(b.ptr())) {
+                throw py::type_error(name + " must be bytes or an int (a host address), got " + type_name(b.ptr()));
+            }
+            addresses.push_back(as_address(b.ptr(), "dispatch", name.c_str()));
         }
     }
     std::vector<msl_constant_value> values;
@@ -326,9 +503,20 @@ PYBIND11_MODULE(_C, m) {
     m.attr("HAS_METAL_BACKEND") = false;
 #endif
 
-    m.def("forward", &forward, "Validate, plan and run attention (descriptors as tuples)", py::arg("device"),
-          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-          py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(), py::arg("mask") = py::none());
+    tensor_reader = TensorReader{PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("data_ptr"),
+                                 PyUnicode_InternFromString("nbytes"), PyUnicode_InternFromString("storage_offset"),
+                                 PyUnicode_InternFromString("dtype"), PyUnicode_InternFromString("shape"),
+                                 PyUnicode_InternFromString("stride"), PyUnicode_InternFromString("is_cpu"),
+                                 PyUnicode_InternFromString("is_mps")};
+    m.def("set_tensor_dtypes", &set_tensor_dtypes, py::arg("codes"),
+          "{torch dtype: DTYPE_* code}: how torch.Tensor arguments are read");
+    m.def("forward", &forward,
+          "Validate, plan (cached) and run attention. Tensor arguments are descriptors (6-tuples), torch.Tensors "
+          "or None; workspace may be a callable returning a float32 tensor of at least n bytes; unbatched "
+          "prepends a batch dim of 1 to every torch.Tensor argument",
+          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+          py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
+          py::arg("mask") = py::none(), py::arg("unbatched") = false);
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
@@ -341,7 +529,7 @@ PYBIND11_MODULE(_C, m) {
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
-          py::arg("causal"), py::arg("mask") = py::none());
+          py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false);
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));

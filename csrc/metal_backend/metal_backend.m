@@ -13,15 +13,18 @@
 #include <string.h>
 
 #include "../fa_backend.h"
+#include "../fa_cache.h"
 #include "metal_backend.h"
 
 static id<MTLDevice> g_device;
 static int32_t g_device_chosen_by;
 static id<MTLCommandQueue> g_queue; // FA_METAL_OWN_QUEUE only
-// Caches live for the process; keys are serialized strings (see library_key, get_pipeline).
-static NSMutableDictionary<NSString *, id<MTLLibrary>> *g_libraries;
-static NSMutableDictionary<NSString *, id<MTLComputePipelineState>> *g_pipelines;
-static os_unfair_lock g_lock = OS_UNFAIR_LOCK_INIT; // guards the caches and the torch symbols
+// Caches live for the process, keyed by plain values (fa_cache.h): a library by its source id and
+// macros, a pipeline by its library, function and constants. Values are retained for good
+// (CFBridgingRetain), so callers may hold the pointers.
+static fa_cache g_libraries = FA_CACHE_INITIALIZER;
+static fa_cache g_pipelines = FA_CACHE_INITIALIZER;
+static os_unfair_lock g_lock = OS_UNFAIR_LOCK_INIT; // serializes builds; guards the torch symbols
 
 // torch's symbols (metal_backend.h, torch_symbols.c). get_command_buffer / get_dispatch_queue
 // return MTLCommandBuffer_t / DispatchQueue_t, void* in libtorch's C++ build and not part of the
@@ -125,8 +128,6 @@ static int32_t metal_init(fa_status *st) {
         @autoreleasepool {
             choose_device();
             g_queue = [g_device newCommandQueue]; // nil when g_device is nil
-            g_libraries = [NSMutableDictionary new];
-            g_pipelines = [NSMutableDictionary new];
         }
     });
     if (!g_device || !g_queue) {
@@ -184,26 +185,6 @@ static NSString *fixed_string(const char *p, size_t max) {
     return [[NSString alloc] initWithBytes:p length:strnlen(p, max) encoding:NSUTF8StringEncoding];
 }
 
-static uint64_t fnv1a(const char *s) {
-    uint64_t h = 1469598103934665603ull;
-    for (; *s; ++s) h = (h ^ (unsigned char)*s) * 1099511628211ull;
-    return h;
-}
-
-// (source name, hash of its text, macros): re-registering a source under the same name with new
-// text makes a new key. \x1f separates fields; names never contain it.
-static NSString *library_key(const fa_pipeline_key *key, const char *text) {
-    NSMutableString *s = [NSMutableString stringWithFormat:@"%s#%016llx", key->source_name,
-                                                           (unsigned long long)fnv1a(text)];
-    for (uint32_t i = 0; i < key->n_macros; ++i) {
-        NSString *name = fixed_string(key->macros[i].name, sizeof key->macros[i].name);
-        NSString *value = fixed_string(key->macros[i].value, sizeof key->macros[i].value);
-        if (!name || !value) return nil;
-        [s appendFormat:@"\x1f%@=%@", name, value];
-    }
-    return s;
-}
-
 static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     MTLCompileOptions *opts = [MTLCompileOptions new];
     NSMutableDictionary<NSString *, NSObject *> *macros = [NSMutableDictionary new];
@@ -249,83 +230,99 @@ static id<MTLComputePipelineState> new_labelled_pipeline(id<MTLFunction> fn, NSS
     return [g_device newComputePipelineStateWithDescriptor:desc options:MTLPipelineOptionNone reflection:nil error:err];
 }
 
+// The cached pipeline of `identity`, or NULL.
+static id<MTLComputePipelineState> cached_pipeline(const fa_pipeline_key *key, const void *lib,
+                                                   fa_pipeline_identity *identity, size_t *len,
+                                                   fa_status *st) {
+    *len = fa_pipeline_identity_of(key, lib, identity, st);
+    void *pso = *len ? fa_cache_get(&g_pipelines, identity, *len) : NULL;
+    return pso ? (__bridge id<MTLComputePipelineState>)pso : nil;
+}
+
 // Called with g_lock held: one compile at a time, and never the same pipeline twice.
-static id<MTLComputePipelineState> build_pipeline(const fa_pipeline_key *key, const char *text,
-                                                  NSString *lib_key, NSString *pipe_key, fa_status *st) {
+static void *build_pipeline(const fa_pipeline_key *key, const fa_source *source,
+                            const fa_library_identity *lib_id, size_t lib_len, fa_status *st) {
     NSError *err = nil;
-    id<MTLLibrary> lib = g_libraries[lib_key];
-    if (!lib) {
-        NSString *src = [NSString stringWithUTF8String:text];
-        lib = src ? [g_device newLibraryWithSource:src options:compile_options(key) error:&err] : nil;
-        if (!lib) { // a library with only warnings is not nil and is fine
+    void *lib_ptr = fa_cache_get(&g_libraries, lib_id, lib_len);
+    if (!lib_ptr) {
+        NSString *src = [NSString stringWithUTF8String:source->text];
+        id<MTLLibrary> built =
+            src ? [g_device newLibraryWithSource:src options:compile_options(key) error:&err] : nil;
+        if (!built) { // a library with only warnings is not nil and is fine
             fa_fail(st, FA_ERR_COMPILE, "Metal compile of %s failed: %s", key->source_name,
                     src ? describe(err) : "source is not UTF-8");
-            return nil;
+            return NULL;
         }
-        g_libraries[lib_key] = lib;
+        lib_ptr = (void *)CFBridgingRetain(built); // kept for the process (under g_lock: no race)
+        if (!fa_cache_put(&g_libraries, lib_id, lib_len, lib_ptr)) {
+            fa_fail(st, FA_ERR_RUNTIME, "out of memory caching a Metal library");
+            return NULL;
+        }
     }
+    fa_pipeline_identity pipe_id;
+    size_t pipe_len = 0;
+    id<MTLComputePipelineState> pso = cached_pipeline(key, lib_ptr, &pipe_id, &pipe_len, st);
+    if (pso) return (__bridge void *)pso; // another thread built it while we waited for g_lock
+    if (!pipe_len) return NULL;
+    id<MTLLibrary> lib = (__bridge id<MTLLibrary>)lib_ptr;
     MTLFunctionConstantValues *values = [MTLFunctionConstantValues new];
-    for (uint32_t i = 0; i < key->n_constants; ++i) {
-        const fa_constant *c = &key->constants[i];
+    for (uint32_t i = 0; i < pipe_id.n_constants; ++i) {
+        const fa_constant *c = &pipe_id.constants[i];
         bool b = c->i != 0;
         int32_t n = (int32_t)c->i;
         float f = (float)c->f;
-        switch (c->kind) {
+        switch (c->kind) { // kinds are checked by fa_pipeline_identity_of
         case FA_CONST_BOOL: [values setConstantValue:&b type:MTLDataTypeBool atIndex:c->index]; break;
         case FA_CONST_INT: [values setConstantValue:&n type:MTLDataTypeInt atIndex:c->index]; break;
-        case FA_CONST_FLOAT: [values setConstantValue:&f type:MTLDataTypeFloat atIndex:c->index]; break;
-        default:
-            fa_fail(st, FA_ERR_VALUE, "function constant %u has unknown kind %d", c->index, c->kind);
-            return nil;
+        default: [values setConstantValue:&f type:MTLDataTypeFloat atIndex:c->index]; break;
         }
     }
-    NSString *name = [NSString stringWithUTF8String:key->function];
+    NSString *name = [NSString stringWithUTF8String:pipe_id.function];
     id<MTLFunction> fn = name ? [lib newFunctionWithName:name constantValues:values error:&err] : nil;
     if (!fn) {
-        fa_fail(st, FA_ERR_COMPILE, "Metal function %s of %s: %s", key->function, key->source_name,
+        fa_fail(st, FA_ERR_COMPILE, "Metal function %s of %s: %s", pipe_id.function, key->source_name,
                 [lib.functionNames containsObject:name] ? describe(err) : "no such function");
-        return nil;
+        return NULL;
     }
-    id<MTLComputePipelineState> pso = new_labelled_pipeline(fn, name, &err);
+    pso = new_labelled_pipeline(fn, name, &err);
     if (!pso) {
-        fa_fail(st, FA_ERR_COMPILE, "Metal pipeline %s of %s: %s", key->function, key->source_name,
+        fa_fail(st, FA_ERR_COMPILE, "Metal pipeline %s of %s: %s", pipe_id.function, key->source_name,
                 describe(err));
-        return nil;
+        return NULL;
     }
-    g_pipelines[pipe_key] = pso;
-    return pso;
+    void *pso_ptr = (void *)CFBridgingRetain(pso); // kept for the process
+    if (!fa_cache_put(&g_pipelines, &pipe_id, pipe_len, pso_ptr)) {
+        fa_fail(st, FA_ERR_RUNTIME, "out of memory caching a Metal pipeline");
+        return NULL;
+    }
+    return pso_ptr;
 }
 
 static fa_pipeline *metal_get_pipeline(const fa_pipeline_key *key, fa_status *st) {
     if (metal_init(st) != FA_OK) return NULL;
-    if (!key || !key->source_name || !key->function || key->n_macros > FA_MAX_MACROS ||
-        key->n_constants > FA_MAX_CONSTANTS || (key->n_macros && !key->macros) ||
-        (key->n_constants && !key->constants)) {
-        fa_fail(st, FA_ERR_VALUE, "Metal backend: malformed pipeline key");
+    fa_source source;
+    if (!key || !fa_find_source(key->source_name, &source)) {
+        fa_fail(st, FA_ERR_COMPILE, "no kernel source registered as %s",
+                key && key->source_name ? key->source_name : "(null)");
         return NULL;
     }
-    const char *text = fa_lookup_source(key->source_name);
-    if (!text) {
-        fa_fail(st, FA_ERR_COMPILE, "no kernel source registered as %s", key->source_name);
-        return NULL;
-    }
+    fa_library_identity lib_id;
+    const size_t lib_len = fa_library_identity_of(key, source.id, &lib_id, st);
+    if (!lib_len) return NULL;
     @autoreleasepool {
-        NSString *lib_key = library_key(key, text);
-        if (!lib_key) {
-            fa_fail(st, FA_ERR_VALUE, "a macro of %s is not UTF-8", key->source_name);
-            return NULL;
-        }
-        NSMutableString *pipe_key = [NSMutableString stringWithFormat:@"%@\x1e%s", lib_key, key->function];
-        for (uint32_t i = 0; i < key->n_constants; ++i) { // %a: floats round-trip exactly
-            const fa_constant *c = &key->constants[i];
-            [pipe_key appendFormat:@"\x1f%u:%d:%lld:%a", c->index, c->kind, (long long)c->i, c->f];
+        // The hit path: two hashed lookups, no string formatting, no hashing of the source.
+        void *lib_ptr = fa_cache_get(&g_libraries, &lib_id, lib_len);
+        if (lib_ptr) {
+            fa_pipeline_identity pipe_id;
+            size_t pipe_len = 0;
+            id<MTLComputePipelineState> pso = cached_pipeline(key, lib_ptr, &pipe_id, &pipe_len, st);
+            if (pso) return (fa_pipeline *)(__bridge void *)pso;
+            if (!pipe_len) return NULL;
         }
         os_unfair_lock_lock(&g_lock);
-        id<MTLComputePipelineState> pso = g_pipelines[pipe_key];
-        if (!pso) pso = build_pipeline(key, text, lib_key, pipe_key, st);
+        void *built = build_pipeline(key, &source, &lib_id, lib_len, st);
         os_unfair_lock_unlock(&g_lock);
-        // Borrowed pointer: g_pipelines keeps the object alive for the life of the process.
-        return pso ? (fa_pipeline *)(__bridge void *)pso : NULL;
+        return (fa_pipeline *)built;
     }
 }
 
@@ -363,6 +360,12 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
         return fa_fail(st, FA_ERR_VALUE, "%llu bytes of threadgroup memory; the device allows %lu",
                        (unsigned long long)tg_bytes, (unsigned long)g_device.maxThreadgroupMemoryLength);
     }
+    // The bindings of the call's earlier dispatch were checked already (fa_dispatch); within one
+    // dispatch, a buffer bound twice (an empty tensor's stand-in) is checked once.
+    if (d->same_bindings_as_previous) return FA_OK;
+    void *checked[FA_MAX_BINDINGS];
+    NSUInteger checked_length[FA_MAX_BINDINGS];
+    uint32_t n_checked = 0;
     for (uint32_t i = 0; i < d->n_bindings; ++i) {
         const fa_binding *b = &d->bindings[i];
         if (b->bytes ? b->length <= 0 : b->byte_offset < 0) {
@@ -371,14 +374,20 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
         if (b->bytes || !b->storage) continue; // a NULL storage binds nil (an unused argument)
         // For a storage binding, length (if > 0) counts the bytes addressed from byte_offset.
         int64_t end = b->byte_offset + (b->length > 0 ? b->length : 0);
+        uint32_t j = 0;
+        while (j < n_checked && checked[j] != b->storage) ++j;
+        if (j < n_checked && (uint64_t)end <= checked_length[j]) continue;
         if (fa_metal_check_buffer(b->storage, end, st) != FA_OK) return st->code;
-        id<MTLDevice> device = ((__bridge id<MTLBuffer>)b->storage).device;
+        id<MTLBuffer> buffer = (__bridge id<MTLBuffer>)b->storage;
+        id<MTLDevice> device = buffer.device;
         if (device.registryID != g_device.registryID) {
             return fa_fail(st, FA_ERR_TYPE, "binding %u: the buffer is on Metal device %s (registryID %#llx), "
                            "the backend runs on %s (%#llx)", i, device.name.UTF8String,
                            (unsigned long long)device.registryID, g_device.name.UTF8String,
                            (unsigned long long)g_device.registryID);
         }
+        checked[n_checked] = b->storage;
+        checked_length[n_checked++] = buffer.length;
     }
     return FA_OK;
 }
@@ -451,6 +460,7 @@ static int32_t metal_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_st
     @autoreleasepool {
         id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
         if (check_dispatch(pso, d, st) != FA_OK) return st->code;
+        if (fa_skip_execution()) return FA_OK; // profiling: all host work but the encoding
         if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return FA_OK; // nothing to run
         const int32_t mode = atomic_load(&g_mode);
         if (mode == FA_METAL_OWN_QUEUE) return dispatch_on_own_queue(pso, d, st);

@@ -1,0 +1,232 @@
+/* The plan cache (fa_plan_cache.h): direct-mapped tables of recent plans with their pipelines.
+ * A table is small and bounded (decode changes the key length every token; old shapes are simply
+ * overwritten); a hit copies its plan out under the table's lock. */
+#include "fa_plan_cache.h"
+#include "fa_cache.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { PLAN_SLOTS = 256 };
+
+/* What a descriptor contributes to a plan: everything but its storage, size and byte offset. */
+typedef struct shape_key {
+    int32_t dtype, ndim;
+    int64_t sizes[FA_MAX_DIMS], strides[FA_MAX_DIMS];
+} shape_key;
+
+/* sources: fa_sources_generation(), so new kernel text is never run through an old pipeline. */
+typedef struct forward_key {
+    int32_t sources, device, kernel, causal, has_lse, reserved;
+    double scale;
+    shape_key q, k, v, out, lse, mask;
+} forward_key;
+
+typedef struct backward_key {
+    int32_t sources, device, causal, has_lse;
+    double scale;
+    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask;
+} backward_key;
+
+typedef struct plan_table {
+    pthread_mutex_t lock;
+    size_t key_bytes, value_bytes;
+    unsigned char *slots; /* PLAN_SLOTS x (hash, key, value), allocated on first store */
+} plan_table;
+
+static plan_table forward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(forward_key), sizeof(fa_forward_ready), NULL};
+static plan_table backward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(backward_key), sizeof(fa_backward_ready), NULL};
+
+static size_t slot_bytes(const plan_table *t) { return sizeof(uint64_t) + t->key_bytes + t->value_bytes; }
+
+/* Copies the plan stored under key into value and returns 1, or returns 0. A hash of 0 marks an
+ * empty slot, so a real hash of 0 is stored as 1. */
+static int32_t table_find(plan_table *t, const void *key, uint64_t hash, void *value) {
+    hash += hash == 0;
+    int32_t found = 0;
+    pthread_mutex_lock(&t->lock);
+    if (t->slots != NULL) {
+        const unsigned char *slot = t->slots + (hash % PLAN_SLOTS) * slot_bytes(t);
+        uint64_t stored;
+        memcpy(&stored, slot, sizeof stored);
+        if (stored == hash && memcmp(slot + sizeof stored, key, t->key_bytes) == 0) {
+            memcpy(value, slot + sizeof stored + t->key_bytes, t->value_bytes);
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    return found;
+}
+
+/* Stores a plan, replacing whatever shared its slot; a table that cannot be allocated stays empty
+ * (every call then plans afresh, correctly). */
+static void table_store(plan_table *t, const void *key, uint64_t hash, const void *value) {
+    hash += hash == 0;
+    pthread_mutex_lock(&t->lock);
+    if (t->slots == NULL) {
+        t->slots = calloc(PLAN_SLOTS, slot_bytes(t));
+    }
+    if (t->slots != NULL) {
+        unsigned char *slot = t->slots + (hash % PLAN_SLOTS) * slot_bytes(t);
+        memcpy(slot, &hash, sizeof hash);
+        memcpy(slot + sizeof hash, key, t->key_bytes);
+        memcpy(slot + sizeof hash + t->key_bytes, value, t->value_bytes);
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+/* The key is memset first, so padding and unused dims compare equal. */
+static void shape_of(const fa_tensor *t, shape_key *s) {
+    s->dtype = t->dtype;
+    s->ndim = t->ndim;
+    for (int32_t d = 0; d < t->ndim && d < FA_MAX_DIMS; ++d) {
+        s->sizes[d] = t->sizes[d];
+        s->strides[d] = t->strides[d];
+    }
+}
+
+static const fa_backend *backend_of(int32_t device, fa_status *st) {
+    return device == FA_DEVICE_MPS ? fa_metal_backend(st) : fa_cpu_backend();
+}
+
+/* The plan's pipelines, every one before any dispatch, so a compile error never leaves half a
+ * plan encoded. Steps with an empty grid (backward) get none. */
+static int32_t resolve(const fa_backend *backend, const fa_plan_dispatch *steps, uint32_t n, int32_t skip_empty,
+                       fa_ready_dispatch *ready, fa_status *st) {
+    for (uint32_t i = 0; i < n; ++i) {
+        const fa_plan_dispatch *step = &steps[i];
+        fa_ready_dispatch *r = &ready[i];
+        memcpy(r->grid, step->grid, sizeof r->grid);
+        memcpy(r->threadgroup, step->threadgroup, sizeof r->threadgroup);
+        memcpy(r->threadgroup_bytes, step->threadgroup_bytes, sizeof r->threadgroup_bytes);
+        r->n_threadgroup_args = step->n_threadgroup_args;
+        r->pipeline = NULL;
+        if (skip_empty && (step->grid[0] == 0 || step->grid[1] == 0 || step->grid[2] == 0)) {
+            continue;
+        }
+        const fa_pipeline_key key = fa_plan_pipeline_key(step);
+        if ((r->pipeline = backend->get_pipeline(&key, st)) == NULL) {
+            return st->code;
+        }
+    }
+    return FA_OK;
+}
+
+/* The checks a cached plan cannot vouch for: every descriptor's elements inside its storage. */
+static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
+    int32_t rc;
+    if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
+        (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
+        (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
+        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        return rc;
+    }
+    return FA_OK;
+}
+
+int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa_status *st) {
+    if (a == NULL || ready == NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "fa_forward_prepare: NULL argument");
+    }
+    forward_key key;
+    memset(&key, 0, sizeof key);
+    key.sources = fa_sources_generation();
+    key.device = a->device;
+    key.kernel = a->kernel;
+    key.causal = a->causal != 0;
+    key.has_lse = a->lse.storage != NULL;
+    key.scale = a->scale;
+    shape_of(&a->q, &key.q);
+    shape_of(&a->k, &key.k);
+    shape_of(&a->v, &key.v);
+    shape_of(&a->out, &key.out);
+    if (key.has_lse) {
+        shape_of(&a->lse, &key.lse);
+    }
+    if (a->mask.ndim != 0) {
+        shape_of(&a->mask, &key.mask);
+    }
+    const uint64_t hash = fa_hash_bytes(&key, sizeof key);
+    if (table_find(&forward_plans, &key, hash, ready)) {
+        return check_forward_storage(a, st);
+    }
+
+    fa_plan plan;
+    int32_t rc = fa_plan_forward(a, &plan, st);
+    if (rc != FA_OK) {
+        return rc;
+    }
+    memset(ready, 0, sizeof *ready);
+    ready->params = plan.params;
+    ready->workspace_bytes = plan.workspace_bytes;
+    ready->empty = plan.empty;
+    ready->n_dispatches = plan.n_dispatches;
+    if (!plan.empty) {
+        if ((ready->backend = backend_of(a->device, st)) == NULL) {
+            return st->code;
+        }
+        if ((rc = resolve(ready->backend, plan.dispatches, plan.n_dispatches, 0, ready->dispatches, st)) != FA_OK) {
+            return rc;
+        }
+    }
+    table_store(&forward_plans, &key, hash, ready);
+    return FA_OK;
+}
+
+static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) {
+    const fa_tensor *four_d[] = {&a->q, &a->k, &a->v, &a->out, &a->dout, &a->dq, &a->dk, &a->dv};
+    const char *const four_d_names[] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv"};
+    int32_t rc;
+    for (uint32_t i = 0; i < sizeof four_d / sizeof four_d[0]; ++i) {
+        if ((rc = fa_check_tensor(four_d[i], four_d_names[i], 4, 0, st)) != FA_OK) {
+            return rc;
+        }
+    }
+    if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
+        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        return rc;
+    }
+    return FA_OK;
+}
+
+int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready, fa_status *st) {
+    if (a == NULL || ready == NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "fa_backward_prepare: NULL argument");
+    }
+    backward_key key;
+    memset(&key, 0, sizeof key);
+    key.sources = fa_sources_generation();
+    key.device = a->device;
+    key.causal = a->causal != 0;
+    key.has_lse = a->lse.storage != NULL;
+    key.scale = a->scale;
+    const fa_tensor *tensors[] = {&a->q, &a->k, &a->v, &a->out, &a->lse, &a->dout, &a->delta, &a->dq, &a->dk, &a->dv};
+    shape_key *shapes[] = {&key.q, &key.k, &key.v, &key.out, &key.lse, &key.dout, &key.delta, &key.dq, &key.dk, &key.dv};
+    for (uint32_t i = 0; i < sizeof tensors / sizeof tensors[0]; ++i) {
+        shape_of(tensors[i], shapes[i]);
+    }
+    if (a->mask.ndim != 0) {
+        shape_of(&a->mask, &key.mask);
+    }
+    const uint64_t hash = fa_hash_bytes(&key, sizeof key);
+    if (table_find(&backward_plans, &key, hash, ready)) {
+        return check_backward_storage(a, st);
+    }
+
+    fa_backward_plan plan;
+    int32_t rc = fa_plan_backward(a, &plan, st);
+    if (rc != FA_OK) {
+        return rc;
+    }
+    memset(ready, 0, sizeof *ready);
+    ready->params = plan.params;
+    if ((ready->backend = backend_of(a->device, st)) == NULL) {
+        return st->code;
+    }
+    if ((rc = resolve(ready->backend, plan.dispatches, FA_BACKWARD_DISPATCHES, 1, ready->dispatches, st)) != FA_OK) {
+        return rc;
+    }
+    table_store(&backward_plans, &key, hash, ready);
+    return FA_OK;
+}
