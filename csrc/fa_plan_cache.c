@@ -10,9 +10,13 @@
 
 enum { PLAN_SLOTS = 256 };
 
-/* What a descriptor contributes to a plan: everything but its storage, size and byte offset. */
+/* What a descriptor contributes to a plan: everything but its storage, size and byte offset, except
+ * the alignment of its first element (the planner's choice of the contiguous tile loads depends on
+ * it: fa_plan_set_contiguous_tiles). */
+enum { PLAN_ALIGNMENT_BYTES = 16 }; /* FA_TILE_VEC elements of the widest dtype */
 typedef struct shape_key {
     int32_t dtype, ndim;
+    int64_t start_residue; /* first element's address (MPS: byte offset) modulo PLAN_ALIGNMENT_BYTES */
     int64_t sizes[FA_MAX_DIMS], strides[FA_MAX_DIMS];
 } shape_key;
 
@@ -77,9 +81,11 @@ static void table_store(plan_table *t, const void *key, uint64_t hash, const voi
 }
 
 /* The key is memset first, so padding and unused dims compare equal. */
-static void shape_of(const fa_tensor *t, shape_key *s) {
+static void shape_of(const fa_tensor *t, int32_t device, shape_key *s) {
+    const uint64_t start = (uint64_t)t->byte_offset + (device == FA_DEVICE_CPU ? (uint64_t)(uintptr_t)t->storage : 0);
     s->dtype = t->dtype;
     s->ndim = t->ndim;
+    s->start_residue = (int64_t)(start % PLAN_ALIGNMENT_BYTES);
     for (int32_t d = 0; d < t->ndim && d < FA_MAX_DIMS; ++d) {
         s->sizes[d] = t->sizes[d];
         s->strides[d] = t->strides[d];
@@ -137,15 +143,15 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     key.causal = a->causal != 0;
     key.has_lse = a->lse.storage != NULL;
     key.scale = a->scale;
-    shape_of(&a->q, &key.q);
-    shape_of(&a->k, &key.k);
-    shape_of(&a->v, &key.v);
-    shape_of(&a->out, &key.out);
+    shape_of(&a->q, a->device, &key.q);
+    shape_of(&a->k, a->device, &key.k);
+    shape_of(&a->v, a->device, &key.v);
+    shape_of(&a->out, a->device, &key.out);
     if (key.has_lse) {
-        shape_of(&a->lse, &key.lse);
+        shape_of(&a->lse, a->device, &key.lse);
     }
     if (a->mask.ndim != 0) {
-        shape_of(&a->mask, &key.mask);
+        shape_of(&a->mask, a->device, &key.mask);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
@@ -204,10 +210,10 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     const fa_tensor *tensors[] = {&a->q, &a->k, &a->v, &a->out, &a->lse, &a->dout, &a->delta, &a->dq, &a->dk, &a->dv};
     shape_key *shapes[] = {&key.q, &key.k, &key.v, &key.out, &key.lse, &key.dout, &key.delta, &key.dq, &key.dk, &key.dv};
     for (uint32_t i = 0; i < sizeof tensors / sizeof tensors[0]; ++i) {
-        shape_of(tensors[i], shapes[i]);
+        shape_of(tensors[i], a->device, shapes[i]);
     }
     if (a->mask.ndim != 0) {
-        shape_of(&a->mask, &key.mask);
+        shape_of(&a->mask, a->device, &key.mask);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
