@@ -51,7 +51,7 @@ def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[fl
     """flash_attention for calls that need autograd or are being traced (flashattn_mps._api routes
     them here)."""
     scale_value = _scale_value(q.shape[-1], scale)
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0:
         _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
         out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, attn_mask, causal, scale_value)
     else:

@@ -130,7 +130,9 @@ def core_calls(monkeypatch):
     for name in ("forward", "backward"):
         def counting(*args, _real=getattr(flashattn_mps._C, name), _name=name, **kwargs):
             counts[_name] += 1
-            counts["masked"] += _name == "forward" and kwargs.get("mask") is not None
+            # _C.forward(device, q, k, v, out, lse, scale, causal, kernel, workspace, mask, ...)
+            mask = kwargs.get("mask", args[10] if len(args) > 10 else None)
+            counts["masked"] += _name == "forward" and mask is not None
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(flashattn_mps._C, name, counting)
