@@ -295,10 +295,25 @@ static void add_constant_int(fa_plan_dispatch *d, uint32_t index, int32_t value)
     add_constant(d, index, FA_CONST_INT, value);
 }
 
-static void add_macro(fa_plan_dispatch *d, const char *name, int32_t value) {
+static void add_macro_text(fa_plan_dispatch *d, const char *name, const char *value) {
     fa_macro *m = &d->macros[d->n_macros++];
     snprintf(m->name, sizeof m->name, "%s", name);
-    snprintf(m->value, sizeof m->value, "%d", value);
+    snprintf(m->value, sizeof m->value, "%s", value);
+}
+
+static void add_macro(fa_plan_dispatch *d, const char *name, int32_t value) {
+    char text[16];
+    snprintf(text, sizeof text, "%d", value);
+    add_macro_text(d, name, text);
+}
+
+/* Names function `<kernel>_<type>` of `source` and instantiates the library for that element type
+ * only (FA_DTYPE, metal/fa_instantiate.h): the planner and fa_plan_each_specialisation both start
+ * every dispatch here. */
+static void start_dispatch(fa_plan_dispatch *d, const char *source, const char *kernel, int32_t dtype) {
+    snprintf(d->source_name, sizeof d->source_name, "%s", source);
+    snprintf(d->function, sizeof d->function, "%s_%s", kernel, kernel_type_names[dtype]);
+    add_macro_text(d, "FA_DTYPE", kernel_type_names[dtype]);
 }
 
 static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
@@ -311,8 +326,7 @@ static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
-    snprintf(d->source_name, sizeof d->source_name, "%s", source);
-    snprintf(d->function, sizeof d->function, "%s_%s", kernel, kernel_type_names[a->q.dtype]);
+    start_dispatch(d, source, kernel, a->q.dtype);
     add_constant_bool(d, FA_FC_CAUSAL, a->causal);
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
@@ -466,34 +480,47 @@ fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *d) {
     return key;
 }
 
-/* Macros decide what a library contains; every dtype's kernel is in each library, so the strict
- * check visits one key per (source, macro set), naming the float kernel. */
-int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx) {
-    fa_pipeline_key simple = {simple_source, "fa_simple_float", NULL, 0, NULL, 0};
-    int32_t rc = visit(&simple, ctx);
+/* Macros decide what a library contains (one element type each, FA_DTYPE), so the strict check
+ * visits one key per (source, macro set), built as the planner builds its dispatches and naming
+ * the library's first kernel. */
+static int32_t visit_dispatch(const fa_plan_dispatch *d, fa_plan_visitor visit, void *ctx) {
+    fa_pipeline_key key = {d->source_name, d->function, d->macros, d->n_macros, NULL, 0};
+    return visit(&key, ctx);
+}
+
+static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void *ctx) {
+    fa_plan_dispatch d;
+    memset(&d, 0, sizeof d);
+    start_dispatch(&d, simple_source, "fa_simple", dtype);
+    int32_t rc = visit_dispatch(&d, visit, ctx);
     for (int32_t i = 0; rc == 0 && i < N_PADDED_HEAD_DIMS; ++i) {
         for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
-            for (int32_t element_bytes = 2; rc == 0 && element_bytes <= 4; element_bytes += 2) {
-                fa_plan_dispatch d;
-                memset(&d, 0, sizeof d);
-                const forward_tiles t = choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], element_bytes);
-                set_forward_macros(&d, t);
-                fa_pipeline_key key = {forward_source, "fa_forward_float", d.macros, d.n_macros, NULL, 0};
-                rc = visit(&key, ctx);
-                /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
-                fa_pipeline_key backward = {fa_backward_source, "fa_backward_dq_float", d.macros, d.n_macros, NULL, 0};
-                rc = rc != 0 ? rc : visit(&backward, ctx);
-            }
+            memset(&d, 0, sizeof d);
+            start_dispatch(&d, forward_source, "fa_forward", dtype);
+            set_forward_macros(&d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j],
+                                                        (int32_t)dtype_bytes[dtype]));
+            rc = visit_dispatch(&d, visit, ctx);
+            /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
+            snprintf(d.source_name, sizeof d.source_name, "%s", fa_backward_source);
+            snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", kernel_type_names[dtype]);
+            rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
         }
     }
     for (int32_t cols = 1; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; ++cols) {
         for (int32_t rows = 1; rc == 0 && rows <= decode_row_cap(cols); rows *= 2) {
-            fa_plan_dispatch d;
             memset(&d, 0, sizeof d);
+            start_dispatch(&d, decode_source, "fa_decode", dtype);
             set_decode_macros(&d, cols, rows);
-            fa_pipeline_key key = {decode_source, "fa_decode_float", d.macros, d.n_macros, NULL, 0};
-            rc = visit(&key, ctx);
+            rc = visit_dispatch(&d, visit, ctx);
         }
+    }
+    return rc;
+}
+
+int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx) {
+    int32_t rc = 0;
+    for (int32_t dtype = FA_F32; rc == 0 && dtype <= FA_BF16; ++dtype) {
+        rc = each_specialisation_of(dtype, visit, ctx);
     }
     return rc;
 }

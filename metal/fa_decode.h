@@ -48,7 +48,7 @@ inline void fa_store_lse(device float *lse, constant fa_params &p, long b, long 
 }
 
 template <typename T, int COLS, int ROWS>
-[[kernel]] void fa_decode(
+[[kernel, max_total_threads_per_threadgroup(32 * FA_DECODE_SIMD_GROUPS)]] void fa_decode(
     const device T *q [[buffer(0)]],
     const device T *k [[buffer(1)]],
     const device T *v [[buffer(2)]],

@@ -180,7 +180,7 @@ def test_no_split_when_it_does_not_pay(shape, why):
 
 def test_rows_beyond_the_register_budget_take_more_threadgroups():
     p = plan(1, 16, 2, 8, 100, e=256)  # 64 rows per kv head, 4 per threadgroup at E = 256
-    assert p["dispatches"][0]["macros"] == {"FA_DECODE_COLS": "8", "FA_DECODE_ROWS": "4"}
+    assert p["dispatches"][0]["macros"] == {"FA_DTYPE": "half", "FA_DECODE_COLS": "8", "FA_DECODE_ROWS": "4"}
     assert p["dispatches"][0]["grid"] == (1, 2 * 16, 1)
 
 

@@ -130,7 +130,7 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
         }
-        dispatches.append(py::dict(py::arg("function") = d.function, py::arg("macros") = macros,
+        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
                                    py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
                                    py::arg("threadgroup") =
                                        py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
