@@ -54,19 +54,25 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
 }
 
 /* The decode kernel (fa_decode.metal): one threadgroup of FA_DECODE_SIMD_GROUPS SIMD-groups per kv
- * head serves the rows of every query head sharing it, lanes holding 32-column slices of the head
- * dims, a simd_sum per score.
+ * head serves the rows of every query head sharing it, two keys per SIMD-group in flight, lanes
+ * holding chunks of contiguous columns of the head dims, a simd_sum per score.
  *
  * AUTO takes it for L <= DECODE_MAX_QUERY_LEN = 8: below that a prefill block of 8-row fragments is
  * mostly padding and its one threadgroup per head leaves the GPU idle (MLX and PyTorch switch to
  * their vector kernels at the same length).
  *
- * Specialisation: FA_DECODE_COLS = ceil(max(E, Ev) / 32) columns per lane (one value for both dims
- * keeps the variants few; the narrower dim's extra columns are predicated off, never loaded), and
- * FA_DECODE_ROWS rows per threadgroup: the next power of two >= (Hq / Hkv) * L, so a plain
- * multi-head decode keeps its registers free, capped where a lane's query slices and output
- * accumulators, 2 * COLS floats per row, would pass DECODE_LANE_FLOATS = 64 (16 rows up to
- * E = 64, 8 up to 128, 4 beyond). More rows than that take several threadgroups per kv head.
+ * Specialisation: FA_DECODE_COLS columns per lane, the power of two 2, 4 or 8 covering
+ * max(E, Ev) / 32 (one value for both dims keeps the variants few; columns past a dim are
+ * predicated off, never loaded), read in chunks of min(COLS, 4) contiguous elements: one 4- to
+ * 16-byte vector load per chunk when K and V allow it (FA_FC_DECODE_VECTOR_LOADS: unit column
+ * stride, every row start aligned to the chunk; otherwise the same layout is read element by
+ * element through the strides). FA_DECODE_ROWS rows per threadgroup: the next power of two >=
+ * (Hq / Hkv) * L, so a plain multi-head decode keeps its registers free, capped by the lane's
+ * register budget: per row 2 * COLS floats (query slice and output accumulator), plus 4 * COLS for
+ * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 of Apple's ~128 32-bit
+ * registers per thread at full occupancy (the rest hold softmax state, indices and pointers):
+ * 16 rows up to E = 64, 8 up to 128, 4 beyond. More rows than that take several threadgroups per
+ * kv head.
  *
  * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
  * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
@@ -74,11 +80,12 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
  * causal mask) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
  * most DECODE_MAX_SPLITS = 128 of them; 256 keys keep the partial results' round trip through the
  * workspace to about 1/16 of the K/V traffic at 8 rows of Ev = 128. Each share's length is a
- * multiple of FA_DECODE_SIMD_GROUPS so its SIMD-groups get equal work. These numbers are
- * estimates to be tuned on a Mac. */
+ * multiple of 2 * FA_DECODE_SIMD_GROUPS (a key pair per SIMD-group) so its SIMD-groups get equal
+ * work. These numbers are estimates to be tuned on a Mac. */
 enum {
     DECODE_MAX_QUERY_LEN = 8,
-    DECODE_LANE_FLOATS = 64,
+    DECODE_MIN_COLS = 2,
+    DECODE_LANE_FLOATS = 96,
     DECODE_MAX_ROWS = 16,
     DECODE_TARGET_THREADGROUPS = 160,
     DECODE_MIN_SPLIT_KEYS = 256,
@@ -87,13 +94,20 @@ enum {
 
 static int32_t decode_columns(int64_t e, int64_t ev) {
     const int64_t widest = e > ev ? e : ev;
-    return widest <= 32 ? 1 : (int32_t)((widest + 31) / 32);
+    int32_t cols = DECODE_MIN_COLS;
+    while (32 * cols < widest) {
+        cols *= 2;
+    }
+    return cols;
 }
+
+/* Floats a lane keeps in registers with `rows` rows of `cols` columns (see above). */
+static int32_t decode_lane_floats(int32_t cols, int32_t rows) { return rows * 2 * cols + 4 * cols; }
 
 /* The most rows per threadgroup COLS columns per lane allow (a power of two). */
 static int32_t decode_row_cap(int32_t cols) {
     int32_t rows = DECODE_MAX_ROWS;
-    while (rows > 1 && rows * 2 * cols > DECODE_LANE_FLOATS) {
+    while (rows > 1 && decode_lane_floats(cols, rows) > DECODE_LANE_FLOATS) {
         rows /= 2;
     }
     return rows;
@@ -108,6 +122,24 @@ static int32_t decode_rows(int32_t cols, int64_t head_rows) {
     return rows;
 }
 
+/* Whether the decode kernel may read t's rows `chunk` contiguous elements at a time: unit column
+ * stride and every row start a multiple of the chunk from the buffer start (which Metal and torch
+ * align to far more), through the byte offset and the batch, head and row strides. */
+static int32_t decode_vector_loadable(const fa_tensor *t, int32_t chunk) {
+    if (t->sizes[3] > 1 && t->strides[3] != 1) {
+        return 0;
+    }
+    if (t->byte_offset % (chunk * dtype_bytes[t->dtype]) != 0) {
+        return 0;
+    }
+    for (int32_t d = 0; d < 3; ++d) {
+        if (t->sizes[d] > 1 && t->strides[d] % chunk != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Keys per split; *splits receives their number (1: no split). */
 static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *splits) {
     int64_t n = 1;
@@ -120,8 +152,8 @@ static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *sp
         *splits = 1;
         return (int32_t)keys;
     }
-    const int64_t sg = FA_DECODE_SIMD_GROUPS;
-    const int64_t per_split = ((keys + n - 1) / n + sg - 1) / sg * sg;
+    const int64_t pair_turn = 2 * FA_DECODE_SIMD_GROUPS;
+    const int64_t per_split = ((keys + n - 1) / n + pair_turn - 1) / pair_turn * pair_turn;
     *splits = (int32_t)((keys + per_split - 1) / per_split);
     return (int32_t)per_split;
 }
@@ -386,6 +418,9 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
+    const int32_t chunk = cols < 4 ? cols : 4;
+    add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
+                      decode_vector_loadable(&a->k, chunk) && decode_vector_loadable(&a->v, chunk));
     fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
                  32u * FA_DECODE_SIMD_GROUPS);
     if (p->split_count > 1) {
@@ -506,7 +541,7 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
             rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
         }
     }
-    for (int32_t cols = 1; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; ++cols) {
+    for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; cols *= 2) {
         for (int32_t rows = 1; rc == 0 && rows <= decode_row_cap(cols); rows *= 2) {
             memset(&d, 0, sizeof d);
             start_dispatch(&d, decode_source, "fa_decode", dtype);

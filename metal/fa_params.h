@@ -23,6 +23,7 @@ typedef int32_t fa_i32;
 #define FA_FC_CAUSAL 0    // bool: top-left causal mask tril(ones(L, S))
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
 #define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
+#define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 
 #define FA_MASK_NONE 0
 #define FA_MASK_BOOL 1     // bytes, nonzero = takes part; others get score -inf

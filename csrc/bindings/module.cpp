@@ -130,7 +130,11 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
         }
-        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
+        py::dict constants; // function constants by index (FC_* of this module name some)
+        for (uint32_t c = 0; c < d.n_constants; ++c) {
+            constants[py::int_(d.constants[c].index)] = d.constants[c].i;
+        }
+        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros, py::arg("constants") = constants,
                                    py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
                                    py::arg("threadgroup") =
                                        py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
@@ -315,6 +319,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("CONSTANT_BOOL") = static_cast<int>(MSL_CONSTANT_BOOL);
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
+    m.attr("FC_DECODE_VECTOR_LOADS") = static_cast<int>(FA_FC_DECODE_VECTOR_LOADS);
     m.attr("MAX_THREADGROUP_MEMORY") = static_cast<int>(MCPU_MAX_THREADGROUP_MEMORY);
 #if defined(__APPLE__)
     m.attr("HAS_METAL_BACKEND") = true;
