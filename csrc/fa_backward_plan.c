@@ -59,6 +59,7 @@ static uint32_t blocks(int64_t n, int64_t per_block) {
 static void set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step, int32_t dtype,
                          uint32_t grid_x, uint32_t heads, uint32_t batch, uint32_t threads) {
     *d = *forward; /* its macros and function constants */
+    memset(&d->cost, 0, sizeof d->cost); /* the forward's; the backward's are not counted */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
     fa_plan_set_geometry(d, grid_x, heads, batch, threads);

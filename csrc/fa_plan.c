@@ -380,17 +380,129 @@ static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_
                  (uint32_t)a->q.sizes[0], threads);
 }
 
+/* ---- What a dispatch costs (fa_dispatch_cost, shown by explain_plan) ----
+ * Counted from the shapes alone; keys an attn_mask hides count as visible. FLOPs are 2 x the
+ * multiply-adds the kernel issues over its padded dims, rows and tiles; the useful FLOPs are SDPA's
+ * 2 (E + Ev) per visible (query, key) pair, so flops / useful_flops is the padding waste. The minimum
+ * bytes read are every distinct input element once (broadcast dims once, keys past L not under the
+ * causal mask); the bytes written are the outputs (or a split's partial results). */
+
+enum { FORWARD_TILE_PAD = 8 /* FA_TILE_PAD of metal/fa_loader.h: row padding of threadgroup tiles */ };
+
+/* Keys some row can see: under the top-left causal mask none sees a key at or past L. */
+static int64_t visible_keys(const fa_forward_args *a) {
+    return a->causal && a->q.sizes[2] < a->k.sizes[2] ? a->q.sizes[2] : a->k.sizes[2];
+}
+
+/* Visible (query, key) pairs of one (batch, query head); row i sees min(i + 1, S) keys when causal. */
+static double visible_pairs(const fa_forward_args *a) {
+    const double l = (double)a->q.sizes[2], s = (double)a->k.sizes[2];
+    if (!a->causal) {
+        return l * s;
+    }
+    return l <= s ? l * (l + 1) / 2 : s * (s + 1) / 2 + (l - s) * s;
+}
+
+/* Elements of a view that are distinct in memory (a dim of stride 0 is one element deep). */
+static int64_t distinct_elements(const fa_tensor *t) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < t->ndim; ++d) {
+        n *= t->strides[d] == 0 && t->sizes[d] > 0 ? 1 : t->sizes[d];
+    }
+    return n;
+}
+
+/* q, the visible keys' rows of k and v, and the mask, each element once. */
+static int64_t min_input_bytes(const fa_forward_args *a) {
+    const int64_t elem = dtype_bytes[a->q.dtype], keys = a->k.sizes[2];
+    int64_t bytes = distinct_elements(&a->q) * elem;
+    if (keys > 0) {
+        bytes += (distinct_elements(&a->k) + distinct_elements(&a->v)) / keys * visible_keys(a) * elem;
+    }
+    if (a->mask.ndim != 0) {
+        bytes += distinct_elements(&a->mask) * dtype_bytes[a->mask.dtype];
+    }
+    return bytes;
+}
+
+static int64_t output_bytes(const fa_forward_args *a) {
+    const int64_t rows = a->q.sizes[0] * a->q.sizes[1] * a->q.sizes[2];
+    return rows * a->v.sizes[3] * dtype_bytes[a->q.dtype] + (a->lse.storage != NULL ? rows * 4 : 0);
+}
+
+static void set_cost(fa_plan_dispatch *d, int64_t threadgroup_bytes, int32_t registers, double flops,
+                     double useful_flops, int64_t bytes_read, int64_t bytes_written) {
+    const fa_dispatch_cost cost = {threadgroup_bytes, registers, flops, useful_flops, bytes_read, bytes_written};
+    d->cost = cost;
+}
+
+/* SDPA's work: 2 (E + Ev) per visible pair of every (batch, query head). */
+static double useful_flops(const fa_forward_args *a) {
+    return 2.0 * (double)(a->q.sizes[3] + a->v.sizes[3]) * (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(a);
+}
+
+/* The forward kernel: per (batch, head), every query block of 8 WM rows multiplies S = Q K^T and
+ * P V over each key tile it loads (all of them, or under the causal mask those up to its last row),
+ * at the padded widths BD and BDV. Threadgroup memory: the K and V tiles. Registers: Q, O and S
+ * fragments, two floats per lane for each 8 x 8 fragment. */
+static void set_forward_cost(fa_plan_dispatch *d, const fa_forward_args *a, forward_tiles t) {
+    const int64_t bq = 8 * t.wm, l = a->q.sizes[2], s = a->k.sizes[2], elem = dtype_bytes[a->q.dtype];
+    double tiles = 0;
+    for (int64_t q0 = 0; q0 < l; q0 += bq) {
+        const int64_t end = a->causal && q0 + bq < s ? q0 + bq : s;
+        tiles += (double)((end + t.bk - 1) / t.bk);
+    }
+    const double flops = 2.0 * (double)(a->q.sizes[0] * a->q.sizes[1]) * tiles * (double)(bq * t.bk * (t.bd + t.bdv));
+    set_cost(d, (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * elem, (t.bd + t.bdv + t.bk) / 4,
+             flops, useful_flops(a), min_input_bytes(a), output_bytes(a));
+}
+
+/* The simple kernel: per visible pair, q.k over the 32-column slices E reaches and the accumulator
+ * update over all FA_SIMPLE_MAX_PER_LANE slices; it keeps a query row and an accumulator per lane. */
+static void set_simple_cost(fa_plan_dispatch *d, const fa_forward_args *a) {
+    const int64_t slices = (a->q.sizes[3] + 31) / 32;
+    const double per_pair = 2.0 * 32 * (double)(slices + FA_SIMPLE_MAX_PER_LANE);
+    set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(a),
+             useful_flops(a), min_input_bytes(a), output_bytes(a));
+}
+
+/* The decode kernel: every row takes both scores of each key pair of its kv range (a trailing odd
+ * key's pair too) at the padded width 32 COLS, and accumulates the values of its visible keys.
+ * Threadgroup memory: the SIMD-groups' (max, sum) per row and one output row each. The merge: one
+ * multiply-add per padded column and split for each row (no SDPA work of its own). */
+static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t cols, int32_t rows) {
+    const fa_params *p = &plan->params;
+    const int64_t kv_end = visible_keys(a), width = 32 * cols;
+    double scored = 0; /* keys each row scores, over all splits */
+    for (int64_t begin = 0; begin < kv_end; begin += p->split_keys) {
+        const int64_t n = kv_end - begin < p->split_keys ? kv_end - begin : p->split_keys;
+        scored += (double)(2 * ((n + 1) / 2));
+    }
+    const double heads = (double)((int64_t)p->batch * p->q_heads), all_rows = heads * p->q_len;
+    const double flops = 2.0 * (double)width * (all_rows * scored + heads * visible_pairs(a));
+    const int32_t sg = FA_DECODE_SIMD_GROUPS;
+    const int64_t split_bytes = plan->workspace_bytes;
+    set_cost(&plan->dispatches[0], (int64_t)(2 * sg * rows + sg * width) * 4, decode_lane_floats(cols, rows), flops,
+             useful_flops(a), min_input_bytes(a), p->split_count > 1 ? split_bytes : output_bytes(a));
+    if (plan->n_dispatches > 1) {
+        set_cost(&plan->dispatches[1], 0, cols, 2.0 * (double)width * p->split_count * all_rows, 0, split_bytes,
+                 output_bytes(a));
+    }
+}
+
 static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
     const forward_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     set_forward_macros(d, t);
     set_row_blocks(d, a, 8 * t.wm, 32u * (uint32_t)t.wm);
+    set_forward_cost(d, a, t);
     return FA_OK;
 }
 
 static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
     fa_plan_dispatch *d = add_dispatch(plan, a, simple_source, "fa_simple");
     set_row_blocks(d, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
+    set_simple_cost(d, a);
     return FA_OK;
 }
 
@@ -431,6 +543,7 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
         set_decode_macros(merge, cols, rows);
         set_row_blocks(merge, a, 1, 32u);
     }
+    set_decode_costs(plan, a, cols, rows);
     return FA_OK;
 }
 

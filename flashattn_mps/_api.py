@@ -218,9 +218,14 @@ def flash_attention(
 def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, attn_mask=None,
                  kernel: str = "auto") -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
-    {"dispatches": [{"function", "macros", "grid", "threadgroup"}, ...], "split_count",
-    "workspace_bytes", "empty"}. split_count > 1 means the keys are split over threadgroups and a
-    second dispatch merges the partial results."""
+    {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
+    "split_count", "workspace_bytes", "empty"}. split_count > 1 means the keys are split over
+    threadgroups and a second dispatch merges the partial results. "constants" are the function
+    constants by index. "cost" turns a timing into utilisation and bandwidth: "threadgroup_bytes"
+    per threadgroup, "registers" (32-bit, per thread) the configuration budgets, "flops" the kernel
+    issues (padding included) and "useful_flops" (2 (E + Ev) per visible query-key pair), and
+    "min_bytes_read" / "min_bytes_written" (each input element once, the outputs); an attn_mask's
+    hidden keys count as visible (csrc/fa_plan.c says how each figure is counted)."""
     args, mask, _, _ = _core_arguments(q, k, v, causal, scale, kernel, False, attn_mask)
     return _C.plan_forward(*args, mask=_describe_optional(mask))
 

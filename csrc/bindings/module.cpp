@@ -115,8 +115,8 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
     return bytes;
 }
 
-// The planner's decision, for tests and curiosity: kernels with their grids, the split count and
-// the workspace size.
+// The planner's decision, for tests and curiosity: kernels with their grids, function constants and
+// costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
@@ -134,10 +134,16 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
         for (uint32_t c = 0; c < d.n_constants; ++c) {
             constants[py::int_(d.constants[c].index)] = d.constants[c].i;
         }
-        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros, py::arg("constants") = constants,
+        const fa_dispatch_cost &c = d.cost;
+        py::dict cost(py::arg("threadgroup_bytes") = c.threadgroup_bytes, py::arg("registers") = c.registers,
+                      py::arg("flops") = c.flops, py::arg("useful_flops") = c.useful_flops,
+                      py::arg("min_bytes_read") = c.min_bytes_read, py::arg("min_bytes_written") = c.min_bytes_written);
+        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function,
+                                   py::arg("macros") = macros, py::arg("constants") = constants,
                                    py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
                                    py::arg("threadgroup") =
-                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
+                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
+                                   py::arg("cost") = cost));
     }
     return py::dict(py::arg("dispatches") = dispatches, py::arg("empty") = plan.empty != 0,
                     py::arg("split_count") = plan.params.split_count,
