@@ -10,6 +10,7 @@
 template [[host_name(FA_HOST_NAME("fa_backward_delta"))]] [[kernel]]
 decltype(fa_backward_delta<FA_DTYPE>) fa_backward_delta<FA_DTYPE>;
 template [[host_name(FA_HOST_NAME("fa_backward_dkdv"))]] [[kernel]]
-decltype(fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>) fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
+decltype(fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>)
+    fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
 template [[host_name(FA_HOST_NAME("fa_backward_dq"))]] [[kernel]]
 decltype(fa_backward_dq<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>) fa_backward_dq<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;

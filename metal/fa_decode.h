@@ -61,15 +61,15 @@ inline int fa_decode_column(ushort lane, int e) {
   return W * (int(lane) + 32 * (e / W)) + e % W;
 }
 
-// This lane's COLS elements of a row of `dim` columns (0 past it), as float. `vector` reads each
+// This lane's COLS elements of a row of `dim` columns (0 past it), as float. `as_vectors` reads each
 // whole chunk at once, which needs unit column stride and a W-aligned chunk address.
 template <typename T, int COLS>
 inline void fa_decode_load(thread float (&dst)[COLS], const device T *row, long col_stride, int dim, ushort lane,
-                           bool vector) {
+                           bool as_vectors) {
   constexpr int W = COLS < 4 ? COLS : 4;
   for (int c = 0; c < COLS / W; ++c) {
     const int col = fa_decode_column<W>(lane, c * W);
-    if (vector && col + W <= dim) {
+    if (as_vectors && col + W <= dim) {
       const vec<T, W> chunk = *(const device vec<T, W> *)(row + col);
       for (int w = 0; w < W; ++w) {
         dst[c * W + w] = float(chunk[w]);
@@ -160,17 +160,19 @@ template <typename T, int COLS, int ROWS>
   const long k_step = 2 * SG * p.k_strides[2];
   const long v_step = 2 * SG * p.v_strides[2];
   const long mask_step = 2 * SG * p.mask_strides[3];
-  const bool vector = fa_decode_vector_loads;
+  const bool as_vectors = fa_decode_vector_loads;
   for (int j = j0; j < end; j += 2 * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
     // Both keys' rows are loaded before any arithmetic so their latencies overlap; a second key
     // past the end reads nothing.
     const bool second = j + 1 < end;
     float k_reg[2][COLS];
     float v_reg[2][COLS];
-    fa_decode_load<T, COLS>(k_reg[0], k_row, p.k_strides[3], p.head_dim, lane, vector);
-    fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, vector);
-    fa_decode_load<T, COLS>(k_reg[1], k_row + p.k_strides[2], p.k_strides[3], second ? p.head_dim : 0, lane, vector);
-    fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane, vector);
+    fa_decode_load<T, COLS>(k_reg[0], k_row, p.k_strides[3], p.head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(k_reg[1], k_row + p.k_strides[2], p.k_strides[3], second ? p.head_dim : 0, lane,
+                            as_vectors);
+    fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
+                            as_vectors);
     for (int r = 0; r < ROWS && r < rows; ++r) {
       float partial[2] = {0.0f, 0.0f};
       for (int c = 0; c < COLS; ++c) {

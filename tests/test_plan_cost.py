@@ -94,7 +94,8 @@ def declared_threadgroup_bytes(text: str, kernel: str, template_args: list, dtyp
         env[name] = eval(expr, {"__builtins__": {}}, env)
     total = 0
     for element, expr in re.findall(r"threadgroup (\w+) \w+\[([^\]]+)\];", body):
-        total += (ELEMENT_BYTES[dtype] if element == "T" else ELEMENT_BYTES[element]) * eval(expr, {"__builtins__": {}}, env)
+        size = ELEMENT_BYTES[dtype] if element == "T" else ELEMENT_BYTES[element]
+        total += size * eval(expr, {"__builtins__": {}}, env)
     return total
 
 
