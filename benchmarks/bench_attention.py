@@ -10,6 +10,12 @@ and V once (the decode kernel's goal: >= 80 % of the chip's bandwidth); then for
 >= 60 % of the chip's FP16 peak at L >= 4096). Elsewhere it runs the CPU Metal device on small
 shapes: those timings are NOT GPU timings; they show the benchmark works and how the kernels
 compare on the CPU device. Writes CSVs and, when matplotlib is installed, a plot.
+
+Every forward and decode row also carries the plan's cost (flashattn_mps.explain_plan, summed over
+its dispatches): useful_flops (SDPA's 2 (E + Ev) per visible pair) and min_bytes (each input element
+read once, the outputs written) for every implementation, so useful_tflops and min_gb_per_s compare
+them on the same work; for this project's kernels also kernel_flops (issued, padding included) with
+issued_tflops, threadgroup_bytes and registers (per thread) of the largest dispatch.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_mps import flash_attention
+from flashattn_mps import explain_plan, flash_attention
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -54,6 +60,25 @@ def peak_memory(fn, device):
     fn()
     sync(device)
     return torch.mps.driver_allocated_memory() - before
+
+
+KERNEL_OF = {"flash_attention": "forward", "simple_kernel": "simple"}  # forward rows; decode rows take "decode"
+
+
+def cost_columns(q, k, v, causal, kernel, seconds):
+    """The plan's cost for a row (see the module docstring); kernel None: another implementation,
+    measured against the work of this project's default plan."""
+    dispatches = explain_plan(q, k, v, causal, kernel=kernel or "auto")["dispatches"]
+    costs = [d["cost"] for d in dispatches]
+    useful = sum(c["useful_flops"] for c in costs)
+    moved = costs[0]["min_bytes_read"] + costs[-1]["min_bytes_written"]  # inputs and outputs, once each
+    ours = kernel is not None
+    issued = sum(c["flops"] for c in costs)
+    return dict(useful_flops=useful, min_bytes=moved, useful_tflops=useful / seconds / 1e12,
+                min_gb_per_s=moved / seconds / 1e9, kernel_flops=issued if ours else "",
+                issued_tflops=issued / seconds / 1e12 if ours else "",
+                threadgroup_bytes=max(c["threadgroup_bytes"] for c in costs) if ours else "",
+                registers=max(c["registers"] for c in costs) if ours else "")
 
 
 def implementations(device):
@@ -122,7 +147,8 @@ def run_decode(quick: bool, device, where: str, repeats: int):
         for name, make in decode_implementations(device).items():
             seconds = timed(make(q, k, v), device, repeats)
             row = dict(device=where, impl=name, batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, head_dim=d,
-                       dtype=dtype_name, ms=seconds * 1e3, kv_gb_per_s=kv_bytes / seconds / 1e9)
+                       dtype=dtype_name, ms=seconds * 1e3, kv_gb_per_s=kv_bytes / seconds / 1e9,
+                       **cost_columns(q, k, v, False, "decode" if name == "flash_attention" else None, seconds))
             rows.append(row)
             print(f"{name:>16} {b:>2} {hq:>3} {hkv:>3} {s:>6} {d:>4} {dtype_name:>9} {row['ms']:>10.3f} "
                   f"{row['kv_gb_per_s']:>8.2f}")
@@ -237,7 +263,8 @@ def main(argv=None):
             seconds = timed(call, device, repeats)
             peak = peak_memory(call, device)
             row = dict(device=where, impl=name, batch=b, heads=h, seq=n, head_dim=d, causal=causal,
-                       dtype=dtype_name, ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak / 2**20)
+                       dtype=dtype_name, ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak / 2**20,
+                       **cost_columns(q, k, v, causal, KERNEL_OF.get(name), seconds))
             rows.append(row)
             print(f"{name:>16} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
                   f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}")

@@ -66,6 +66,7 @@ static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
 static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step,
                                       int32_t dtype) {
     *d = *forward;
+    memset(&d->cost, 0, sizeof d->cost); /* the forward's; the backward's are not counted */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
     return d;

@@ -66,19 +66,25 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
 }
 
 /* The decode kernel (fa_decode.metal): one threadgroup of FA_DECODE_SIMD_GROUPS SIMD-groups per kv
- * head serves the rows of every query head sharing it, lanes holding 32-column slices of the head
- * dims, a simd_sum per score.
+ * head serves the rows of every query head sharing it, two keys per SIMD-group in flight, lanes
+ * holding chunks of contiguous columns of the head dims, a simd_sum per score.
  *
  * AUTO takes it for L <= DECODE_MAX_QUERY_LEN = 8: below that a prefill block of 8-row fragments is
  * mostly padding and its one threadgroup per head leaves the GPU idle (MLX and PyTorch switch to
  * their vector kernels at the same length).
  *
- * Specialisation: FA_DECODE_COLS = ceil(max(E, Ev) / 32) columns per lane (one value for both dims
- * keeps the variants few; the narrower dim's extra columns are predicated off, never loaded), and
- * FA_DECODE_ROWS rows per threadgroup: the next power of two >= (Hq / Hkv) * L, so a plain
- * multi-head decode keeps its registers free, capped where a lane's query slices and output
- * accumulators, 2 * COLS floats per row, would pass DECODE_LANE_FLOATS = 64 (16 rows up to
- * E = 64, 8 up to 128, 4 beyond). More rows than that take several threadgroups per kv head.
+ * Specialisation: FA_DECODE_COLS columns per lane, the power of two 2, 4 or 8 covering
+ * max(E, Ev) / 32 (one value for both dims keeps the variants few; columns past a dim are
+ * predicated off, never loaded), read in chunks of min(COLS, 4) contiguous elements: one 4- to
+ * 16-byte vector load per chunk when K and V allow it (FA_FC_DECODE_VECTOR_LOADS: unit column
+ * stride, every row start aligned to the chunk; otherwise the same layout is read element by
+ * element through the strides). FA_DECODE_ROWS rows per threadgroup: the next power of two >=
+ * (Hq / Hkv) * L, so a plain multi-head decode keeps its registers free, capped by the lane's
+ * register budget: per row 2 * COLS floats (query slice and output accumulator), plus 4 * COLS for
+ * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 of Apple's ~128 32-bit
+ * registers per thread at full occupancy (the rest hold softmax state, indices and pointers):
+ * 16 rows up to E = 64, 8 up to 128, 4 beyond. More rows than that take several threadgroups per
+ * kv head.
  *
  * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
  * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
@@ -86,11 +92,12 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
  * causal mask) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
  * most DECODE_MAX_SPLITS = 128 of them; 256 keys keep the partial results' round trip through the
  * workspace to about 1/16 of the K/V traffic at 8 rows of Ev = 128. Each share's length is a
- * multiple of FA_DECODE_SIMD_GROUPS so its SIMD-groups get equal work. These numbers are
- * estimates to be tuned on a Mac. */
+ * multiple of 2 * FA_DECODE_SIMD_GROUPS (a key pair per SIMD-group) so its SIMD-groups get equal
+ * work. These numbers are estimates to be tuned on a Mac. */
 enum {
     DECODE_MAX_QUERY_LEN = 8,
-    DECODE_LANE_FLOATS = 64,
+    DECODE_MIN_COLS = 2,
+    DECODE_LANE_FLOATS = 96,
     DECODE_MAX_ROWS = 16,
     DECODE_TARGET_THREADGROUPS = 160,
     DECODE_MIN_SPLIT_KEYS = 256,
@@ -99,13 +106,20 @@ enum {
 
 static int32_t decode_columns(int64_t e, int64_t ev) {
     const int64_t widest = e > ev ? e : ev;
-    return widest <= 32 ? 1 : (int32_t)((widest + 31) / 32);
+    int32_t cols = DECODE_MIN_COLS;
+    while (32 * cols < widest) {
+        cols *= 2;
+    }
+    return cols;
 }
+
+/* Floats a lane keeps in registers with `rows` rows of `cols` columns (see above). */
+static int32_t decode_lane_floats(int32_t cols, int32_t rows) { return rows * 2 * cols + 4 * cols; }
 
 /* The most rows per threadgroup COLS columns per lane allow (a power of two). */
 static int32_t decode_row_cap(int32_t cols) {
     int32_t rows = DECODE_MAX_ROWS;
-    while (rows > 1 && rows * 2 * cols > DECODE_LANE_FLOATS) {
+    while (rows > 1 && decode_lane_floats(cols, rows) > DECODE_LANE_FLOATS) {
         rows /= 2;
     }
     return rows;
@@ -120,6 +134,24 @@ static int32_t decode_rows(int32_t cols, int64_t head_rows) {
     return rows;
 }
 
+/* Whether the decode kernel may read t's rows `chunk` contiguous elements at a time: unit column
+ * stride and every row start a multiple of the chunk from the buffer start (which Metal and torch
+ * align to far more), through the byte offset and the batch, head and row strides. */
+static int32_t decode_vector_loadable(const fa_tensor *t, int32_t chunk) {
+    if (t->sizes[3] > 1 && t->strides[3] != 1) {
+        return 0;
+    }
+    if (t->byte_offset % (chunk * dtype_bytes[t->dtype]) != 0) {
+        return 0;
+    }
+    for (int32_t d = 0; d < 3; ++d) {
+        if (t->sizes[d] > 1 && t->strides[d] % chunk != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Keys per split; *splits receives their number (1: no split). */
 static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *splits) {
     int64_t n = 1;
@@ -132,8 +164,8 @@ static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *sp
         *splits = 1;
         return (int32_t)keys;
     }
-    const int64_t sg = FA_DECODE_SIMD_GROUPS;
-    const int64_t per_split = ((keys + n - 1) / n + sg - 1) / sg * sg;
+    const int64_t pair_turn = 2 * FA_DECODE_SIMD_GROUPS;
+    const int64_t per_split = ((keys + n - 1) / n + pair_turn - 1) / pair_turn * pair_turn;
     *splits = (int32_t)((keys + per_split - 1) / per_split);
     return (int32_t)per_split;
 }
@@ -351,10 +383,25 @@ static void add_constant_int(fa_plan_dispatch *d, uint32_t index, int32_t value)
     add_constant(d, index, FA_CONST_INT, value);
 }
 
-static void add_macro(fa_plan_dispatch *d, const char *name, int32_t value) {
+static void add_macro_text(fa_plan_dispatch *d, const char *name, const char *value) {
     fa_macro *m = &d->macros[d->n_macros++];
     snprintf(m->name, sizeof m->name, "%s", name);
-    snprintf(m->value, sizeof m->value, "%d", value);
+    snprintf(m->value, sizeof m->value, "%s", value);
+}
+
+static void add_macro(fa_plan_dispatch *d, const char *name, int32_t value) {
+    char text[16];
+    snprintf(text, sizeof text, "%d", value);
+    add_macro_text(d, name, text);
+}
+
+/* Names function `<kernel>_<type>` of `source` and instantiates the library for that element type
+ * only (FA_DTYPE, metal/fa_instantiate.h): the planner and fa_plan_each_specialisation both start
+ * every dispatch here. */
+static void start_dispatch(fa_plan_dispatch *d, const char *source, const char *kernel, int32_t dtype) {
+    snprintf(d->source_name, sizeof d->source_name, "%s", source);
+    snprintf(d->function, sizeof d->function, "%s_%s", kernel, kernel_type_names[dtype]);
+    add_macro_text(d, "FA_DTYPE", kernel_type_names[dtype]);
 }
 
 static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
@@ -367,8 +414,7 @@ static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
-    snprintf(d->source_name, sizeof d->source_name, "%s", source);
-    snprintf(d->function, sizeof d->function, "%s_%s", kernel, kernel_type_names[a->q.dtype]);
+    start_dispatch(d, source, kernel, a->q.dtype);
     add_constant_bool(d, FA_FC_CAUSAL, a->causal);
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
@@ -390,6 +436,122 @@ static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_
                  (uint32_t)a->q.sizes[0], threads);
 }
 
+/* ---- What a dispatch costs (fa_dispatch_cost, shown by explain_plan) ----
+ * Counted from the shapes alone; keys an attn_mask hides count as visible. FLOPs are 2 x the
+ * multiply-adds the kernel issues over its padded dims, rows and tiles; the useful FLOPs are SDPA's
+ * 2 (E + Ev) per visible (query, key) pair, so flops / useful_flops is the padding waste. The minimum
+ * bytes read are every distinct input element once (broadcast dims once, keys past L not under the
+ * causal mask); the bytes written are the outputs (or a split's partial results). */
+
+enum { FORWARD_TILE_PAD = 8 /* FA_TILE_PAD of metal/fa_loader.h: row padding of threadgroup tiles */ };
+
+/* Keys some row can see: under the top-left causal mask none sees a key at or past L. */
+static int64_t visible_keys(const fa_forward_args *a) {
+    return a->causal && a->q.sizes[2] < a->k.sizes[2] ? a->q.sizes[2] : a->k.sizes[2];
+}
+
+/* Visible (query, key) pairs of one (batch, query head); row i sees min(i + 1, S) keys when causal. */
+static double visible_pairs(const fa_forward_args *a) {
+    const double l = (double)a->q.sizes[2], s = (double)a->k.sizes[2];
+    if (!a->causal) {
+        return l * s;
+    }
+    return l <= s ? l * (l + 1) / 2 : s * (s + 1) / 2 + (l - s) * s;
+}
+
+/* Elements of a view that are distinct in memory (a dim of stride 0 is one element deep). */
+static int64_t distinct_elements(const fa_tensor *t) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < t->ndim; ++d) {
+        n *= t->strides[d] == 0 && t->sizes[d] > 0 ? 1 : t->sizes[d];
+    }
+    return n;
+}
+
+/* q, the visible keys' rows of k and v, and the mask, each element once. */
+static int64_t min_input_bytes(const fa_forward_args *a) {
+    const int64_t elem = dtype_bytes[a->q.dtype], keys = a->k.sizes[2];
+    int64_t bytes = distinct_elements(&a->q) * elem;
+    if (keys > 0) {
+        bytes += (distinct_elements(&a->k) + distinct_elements(&a->v)) / keys * visible_keys(a) * elem;
+    }
+    if (a->mask.ndim != 0) {
+        bytes += distinct_elements(&a->mask) * dtype_bytes[a->mask.dtype];
+    }
+    return bytes;
+}
+
+static int64_t output_bytes(const fa_forward_args *a) {
+    const int64_t rows = a->q.sizes[0] * a->q.sizes[1] * a->q.sizes[2];
+    return rows * a->v.sizes[3] * dtype_bytes[a->q.dtype] + (a->lse.storage != NULL ? rows * 4 : 0);
+}
+
+static void set_cost(fa_plan_dispatch *d, int64_t threadgroup_bytes, int32_t registers, double flops,
+                     double useful_flops, int64_t bytes_read, int64_t bytes_written) {
+    const fa_dispatch_cost cost = {threadgroup_bytes, registers, flops, useful_flops, bytes_read, bytes_written};
+    d->cost = cost;
+}
+
+/* SDPA's work: 2 (E + Ev) per visible pair of every (batch, query head). */
+static double useful_flops(const fa_forward_args *a) {
+    return 2.0 * (double)(a->q.sizes[3] + a->v.sizes[3]) * (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(a);
+}
+
+/* The forward kernel: per (batch, head), every query block of 8 WM rows multiplies S = Q K^T and
+ * P V over each key tile it loads (all of them, or under the causal mask those up to its last row),
+ * over E and Ev rounded up to 8 (the 8-wide slices it multiplies). Threadgroup memory: the K and V
+ * tiles. Registers: the tile table's count (Q, O and S fragments and one K/V fragment). */
+static void set_forward_cost(fa_plan_dispatch *d, const fa_forward_args *a, forward_tiles t) {
+    const int64_t bq = 8 * t.wm, l = a->q.sizes[2], s = a->k.sizes[2], elem = dtype_bytes[a->q.dtype];
+    double tiles = 0;
+    for (int64_t q0 = 0; q0 < l; q0 += bq) {
+        const int64_t end = a->causal && q0 + bq < s ? q0 + bq : s;
+        tiles += (double)((end + t.bk - 1) / t.bk);
+    }
+    /* The products skip 8-wide slices of the padded widths that hold only padding (fa_fragments.h). */
+    const int64_t issued_width = (a->q.sizes[3] + 7) / 8 * 8 + (a->v.sizes[3] + 7) / 8 * 8;
+    const double flops = 2.0 * (double)(a->q.sizes[0] * a->q.sizes[1]) * tiles * (double)(bq * t.bk * issued_width);
+    /* The tile table's register count: per lane 2 registers per float 8x8 fragment, 1 per half one
+     * (Q and the K/V fragment in flight are half for fp16 inputs); O and S are float. */
+    const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
+    const int32_t registers = t.bd / 8 * operand + t.bdv / 8 * 2 + t.bk / 8 * 2 + operand;
+    set_cost(d, (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * elem, registers,
+             flops, useful_flops(a), min_input_bytes(a), output_bytes(a));
+}
+
+/* The simple kernel: per visible pair, q.k over the 32-column slices E reaches and the accumulator
+ * update over all FA_SIMPLE_MAX_PER_LANE slices; it keeps a query row and an accumulator per lane. */
+static void set_simple_cost(fa_plan_dispatch *d, const fa_forward_args *a) {
+    const int64_t slices = (a->q.sizes[3] + 31) / 32;
+    const double per_pair = 2.0 * 32 * (double)(slices + FA_SIMPLE_MAX_PER_LANE);
+    set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(a),
+             useful_flops(a), min_input_bytes(a), output_bytes(a));
+}
+
+/* The decode kernel: every row takes both scores of each key pair of its kv range (a trailing odd
+ * key's pair too) at the padded width 32 COLS, and accumulates the values of its visible keys.
+ * Threadgroup memory: the SIMD-groups' (max, sum) per row and one output row each. The merge: one
+ * multiply-add per padded column and split for each row (no SDPA work of its own). */
+static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t cols, int32_t rows) {
+    const fa_params *p = &plan->params;
+    const int64_t kv_end = visible_keys(a), width = 32 * cols;
+    double scored = 0; /* keys each row scores, over all splits */
+    for (int64_t begin = 0; begin < kv_end; begin += p->split_keys) {
+        const int64_t n = kv_end - begin < p->split_keys ? kv_end - begin : p->split_keys;
+        scored += (double)(2 * ((n + 1) / 2));
+    }
+    const double heads = (double)((int64_t)p->batch * p->q_heads), all_rows = heads * p->q_len;
+    const double flops = 2.0 * (double)width * (all_rows * scored + heads * visible_pairs(a));
+    const int32_t sg = FA_DECODE_SIMD_GROUPS;
+    const int64_t split_bytes = plan->workspace_bytes;
+    set_cost(&plan->dispatches[0], (int64_t)(2 * sg * rows + sg * width) * 4, decode_lane_floats(cols, rows), flops,
+             useful_flops(a), min_input_bytes(a), p->split_count > 1 ? split_bytes : output_bytes(a));
+    if (plan->n_dispatches > 1) {
+        set_cost(&plan->dispatches[1], 0, cols, 2.0 * (double)width * p->split_count * all_rows, 0, split_bytes,
+                 output_bytes(a));
+    }
+}
+
 static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
     const forward_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
@@ -397,12 +559,14 @@ static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
     fa_plan_set_contiguous_tiles(d, &a->k, &a->v, a->device);
     fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, (uint32_t)a->q.sizes[1], (uint32_t)a->q.sizes[0], a->causal,
                            32u * (uint32_t)t.wm);
+    set_forward_cost(d, a, t);
     return FA_OK;
 }
 
 static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
     fa_plan_dispatch *d = add_dispatch(plan, a, simple_source, "fa_simple");
     set_row_blocks(d, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
+    set_simple_cost(d, a);
     return FA_OK;
 }
 
@@ -430,6 +594,9 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
+    const int32_t chunk = cols < 4 ? cols : 4;
+    add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
+                      decode_vector_loadable(&a->k, chunk) && decode_vector_loadable(&a->v, chunk));
     fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
                  32u * FA_DECODE_SIMD_GROUPS);
     if (p->split_count > 1) {
@@ -440,6 +607,7 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
         set_decode_macros(merge, cols, rows);
         set_row_blocks(merge, a, 1, 32u);
     }
+    set_decode_costs(plan, a, cols, rows);
     return FA_OK;
 }
 
@@ -523,34 +691,47 @@ fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *d) {
     return key;
 }
 
-/* Macros decide what a library contains; every dtype's kernel is in each library, so the strict
- * check visits one key per (source, macro set), naming the float kernel. */
-int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx) {
-    fa_pipeline_key simple = {simple_source, "fa_simple_float", NULL, 0, NULL, 0};
-    int32_t rc = visit(&simple, ctx);
+/* Macros decide what a library contains (one element type each, FA_DTYPE), so the strict check
+ * visits one key per (source, macro set), built as the planner builds its dispatches and naming
+ * the library's first kernel. */
+static int32_t visit_dispatch(const fa_plan_dispatch *d, fa_plan_visitor visit, void *ctx) {
+    fa_pipeline_key key = {d->source_name, d->function, d->macros, d->n_macros, NULL, 0};
+    return visit(&key, ctx);
+}
+
+static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void *ctx) {
+    fa_plan_dispatch d;
+    memset(&d, 0, sizeof d);
+    start_dispatch(&d, simple_source, "fa_simple", dtype);
+    int32_t rc = visit_dispatch(&d, visit, ctx);
     for (int32_t i = 0; rc == 0 && i < N_PADDED_HEAD_DIMS; ++i) {
         for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
-            for (int32_t element_bytes = 2; rc == 0 && element_bytes <= 4; element_bytes += 2) {
-                fa_plan_dispatch d;
-                memset(&d, 0, sizeof d);
-                const forward_tiles t = choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], element_bytes);
-                set_forward_macros(&d, t);
-                fa_pipeline_key key = {forward_source, "fa_forward_float", d.macros, d.n_macros, NULL, 0};
-                rc = visit(&key, ctx);
-                /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
-                fa_pipeline_key backward = {fa_backward_source, "fa_backward_dq_float", d.macros, d.n_macros, NULL, 0};
-                rc = rc != 0 ? rc : visit(&backward, ctx);
-            }
+            memset(&d, 0, sizeof d);
+            start_dispatch(&d, forward_source, "fa_forward", dtype);
+            set_forward_macros(&d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j],
+                                                        (int32_t)dtype_bytes[dtype]));
+            rc = visit_dispatch(&d, visit, ctx);
+            /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
+            snprintf(d.source_name, sizeof d.source_name, "%s", fa_backward_source);
+            snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", kernel_type_names[dtype]);
+            rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
         }
     }
-    for (int32_t cols = 1; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; ++cols) {
+    for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; cols *= 2) {
         for (int32_t rows = 1; rc == 0 && rows <= decode_row_cap(cols); rows *= 2) {
-            fa_plan_dispatch d;
             memset(&d, 0, sizeof d);
+            start_dispatch(&d, decode_source, "fa_decode", dtype);
             set_decode_macros(&d, cols, rows);
-            fa_pipeline_key key = {decode_source, "fa_decode_float", d.macros, d.n_macros, NULL, 0};
-            rc = visit(&key, ctx);
+            rc = visit_dispatch(&d, visit, ctx);
         }
+    }
+    return rc;
+}
+
+int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx) {
+    int32_t rc = 0;
+    for (int32_t dtype = FA_F32; rc == 0 && dtype <= FA_BF16; ++dtype) {
+        rc = each_specialisation_of(dtype, visit, ctx);
     }
     return rc;
 }

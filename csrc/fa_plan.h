@@ -13,6 +13,18 @@ extern "C" {
 
 enum { FA_MAX_PLAN_DISPATCHES = 2 };
 
+/* What one dispatch costs, so a timing turns into utilisation and bandwidth (explain_plan; the
+ * planner fills it, fa_plan.c says how each figure is counted). Masks are not looked into: keys an
+ * attn_mask hides count as visible. */
+typedef struct fa_dispatch_cost {
+    int64_t threadgroup_bytes;  /* kernel-scope threadgroup memory of one threadgroup */
+    int32_t registers;          /* 32-bit registers per thread the configuration budgets for its arrays */
+    double flops;               /* 2 x multiply-adds the kernel issues, padding of dims, rows and tiles included */
+    double useful_flops;        /* 2 (E + Ev) per visible (query, key) pair: SDPA's own work */
+    int64_t min_bytes_read;     /* device bytes the dispatch must read at least (each input element once) */
+    int64_t min_bytes_written;  /* device bytes it writes */
+} fa_dispatch_cost;
+
 /* One kernel launch of a plan. */
 typedef struct fa_plan_dispatch {
     char source_name[48];
@@ -25,6 +37,7 @@ typedef struct fa_plan_dispatch {
     uint32_t threadgroup[3];
     uint64_t threadgroup_bytes[FA_MAX_TG_ARGS];
     uint32_t n_threadgroup_args;
+    fa_dispatch_cost cost;
 } fa_plan_dispatch;
 
 /* Dispatches run in order on one stream (a split decode: partial results, then their merge); all

@@ -327,10 +327,15 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float):
 def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, attn_mask=None,
                  kernel: str = "auto") -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
-    {"dispatches": [{"function", "macros", "constants", "grid", "threadgroup"}, ...], "split_count",
-    "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches reach the GPU).
-    split_count > 1 means the keys are split over threadgroups and a second dispatch merges the
-    partial results."""
+    {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
+    "split_count", "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches
+    reach the GPU). split_count > 1 means the keys are split over threadgroups and a second dispatch
+    merges the partial results. "constants" are the function constants by index. "cost" turns a
+    timing into utilisation and bandwidth: "threadgroup_bytes" per threadgroup, "registers" (32-bit,
+    per thread) the configuration budgets, "flops" the kernel issues (padding included) and
+    "useful_flops" (2 (E + Ev) per visible query-key pair), and "min_bytes_read" /
+    "min_bytes_written" (each input element once, the outputs); an attn_mask's hidden keys count as
+    visible (csrc/fa_plan.c says how each figure is counted)."""
     _validate(q, k, v, causal, scale, attn_mask)
     code = _check_options(kernel, False)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)

@@ -12,7 +12,7 @@
 using namespace metal;
 
 template <typename T>
-[[kernel]] void fa_backward_delta(
+[[kernel, max_total_threads_per_threadgroup(32 * FA_BACKWARD_DELTA_ROWS)]] void fa_backward_delta(
     const device T *out [[buffer(3)]],
     const device T *dout [[buffer(4)]],
     device float *delta [[buffer(6)]],

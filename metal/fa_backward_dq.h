@@ -23,7 +23,7 @@
 using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
-[[kernel]] void fa_backward_dq(
+[[kernel, max_total_threads_per_threadgroup(32 * WM)]] void fa_backward_dq(
     const device T *q [[buffer(0)]],
     const device T *k [[buffer(1)]],
     const device T *v [[buffer(2)]],

@@ -4,11 +4,15 @@
 // One threadgroup serves the rows of one kv head: the Hq/Hkv query heads that share it times the L
 // query rows, ROWS at a time (more rows take several threadgroups), so each K/V element is read
 // once per kv head rather than once per query head. Its FA_DECODE_SIMD_GROUPS SIMD-groups take
-// turns over the keys (key j goes to SIMD-group j % FA_DECODE_SIMD_GROUPS). Lane l holds columns
-// l, l + 32, ... of the query rows, of each key and value row and of the output accumulators, so a
-// score is one simd_sum and loads of a row are coalesced across lanes. Softmax is online in base 2
-// with float32 statistics (fa_softmax.h); at the end the SIMD-groups' results are merged through
-// threadgroup memory.
+// turns over the keys two at a time (SIMD-group g takes keys 2g and 2g + 1 of every 2 * SG), so
+// two key rows and two value rows are in flight per SIMD-group, and steps along them by pointer
+// (one add per key instead of a 64-bit multiply). Lanes hold COLS columns each, in chunks of
+// W = min(COLS, 4) contiguous ones (fa_decode_column): lane l's chunk c is columns
+// W * (l + 32 c) ... + W - 1, so each key row is read as one vector load per chunk and lane,
+// coalesced across lanes, when the planner found K and V unit-strided and aligned
+// (fa_decode_vector_loads); otherwise the same layout is read element by element through the
+// strides. A score is one simd_sum; softmax is online in base 2 with float32 statistics
+// (fa_softmax.h); at the end the SIMD-groups' results are merged through threadgroup memory.
 //
 // Split-K: when the planner shares each row's keys among p.split_count threadgroups (grid x), each
 // writes its unnormalised output and (max, sum) to the workspace and fa_decode_merge
@@ -16,7 +20,7 @@
 //
 // Template parameters (the planner picks them, see fa_plan.c):
 //   T     element type of q, k, v, out
-//   COLS  columns per lane, ceil(max(E, Ev) / 32)
+//   COLS  columns per lane: 2, 4 or 8, at least max(E, Ev) / 32
 //   ROWS  query rows per threadgroup
 // Grid: (p.split_count, Hkv * ceil(Hq / Hkv * L / ROWS), B) threadgroups of
 // 32 * FA_DECODE_SIMD_GROUPS threads.
@@ -47,8 +51,50 @@ inline void fa_store_lse(device float *lse, constant fa_params &p, long b, long 
   lse[b * p.lse_strides[0] + h * p.lse_strides[1] + long(i) * p.lse_strides[2]] = fa_softmax_lse(row);
 }
 
+// Function constant: K and V have unit column stride and every row starts W-aligned, so chunks are
+// read as vectors (the planner checks strides and byte offsets; see fa_plan.c).
+constant bool fa_decode_vector_loads [[function_constant(FA_FC_DECODE_VECTOR_LOADS)]];
+
+// Column of element e of a lane's COLS, with W-wide chunks (see the top of this file).
+template <int W>
+inline int fa_decode_column(ushort lane, int e) {
+  return W * (int(lane) + 32 * (e / W)) + e % W;
+}
+
+// This lane's COLS elements of a row of `dim` columns (0 past it), as float. `as_vectors` reads each
+// whole chunk at once, which needs unit column stride and a W-aligned chunk address.
+template <typename T, int COLS>
+inline void fa_decode_load(thread float (&dst)[COLS], const device T *row, long col_stride, int dim, ushort lane,
+                           bool as_vectors) {
+  constexpr int W = COLS < 4 ? COLS : 4;
+  for (int c = 0; c < COLS / W; ++c) {
+    const int col = fa_decode_column<W>(lane, c * W);
+    if (as_vectors && col + W <= dim) {
+      const vec<T, W> chunk = *(const device vec<T, W> *)(row + col);
+      for (int w = 0; w < W; ++w) {
+        dst[c * W + w] = float(chunk[w]);
+      }
+    } else {
+      for (int w = 0; w < W; ++w) {
+        dst[c * W + w] = col + w < dim ? float(row[long(col + w) * col_stride]) : 0.0f;
+      }
+    }
+  }
+}
+
+// One key of one row: the score (already summed over the SIMD-group) enters the row's softmax and
+// the value row its accumulator.
+template <int COLS>
+inline void fa_decode_accumulate(thread fa_online_softmax &state, thread float (&acc)[COLS], float score,
+                                 thread const float (&v_reg)[COLS]) {
+  const fa_softmax_step step = fa_softmax_push(state, score);
+  for (int c = 0; c < COLS; ++c) {
+    acc[c] = fma(step.weight, v_reg[c], acc[c] * step.rescale);
+  }
+}
+
 template <typename T, int COLS, int ROWS>
-[[kernel]] void fa_decode(
+[[kernel, max_total_threads_per_threadgroup(32 * FA_DECODE_SIMD_GROUPS)]] void fa_decode(
     const device T *q [[buffer(0)]],
     const device T *k [[buffer(1)]],
     const device T *v [[buffer(2)]],
@@ -62,6 +108,7 @@ template <typename T, int COLS, int ROWS>
     ushort sg [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int SG = FA_DECODE_SIMD_GROUPS;
+  constexpr int W = COLS < 4 ? COLS : 4;
   constexpr int WIDTH = 32 * COLS; // columns one SIMD-group holds
   threadgroup float sg_max[SG * ROWS];
   threadgroup float sg_sum[SG * ROWS];
@@ -78,8 +125,9 @@ template <typename T, int COLS, int ROWS>
 
   // Loops over rows keep the constant bound ROWS so they unroll and these arrays stay in
   // registers.
-  long head[ROWS];    // query head of row r
-  int position[ROWS]; // query row index i of row r: under the causal mask it sees keys 0..i
+  long head[ROWS];     // query head of row r
+  int position[ROWS];  // query row index i of row r: under the causal mask it sees keys 0..i
+  long mask_row[ROWS]; // offset of mask[b, head, i, 0]
   float q_reg[ROWS][COLS];
   float acc[ROWS][COLS];
   fa_online_softmax state[ROWS];
@@ -87,50 +135,60 @@ template <typename T, int COLS, int ROWS>
     const int row = first + min(r, rows - 1); // rows past `rows` are never used
     head[r] = kv_h * p.gqa_factor + row / p.q_len;
     position[r] = row % p.q_len;
+    mask_row[r] = fa_mask_offset(p, b, head[r], position[r], 0);
     // Scaled into the base-2 domain once instead of scaling every score.
     const device T *q_row = q + b * p.q_strides[0] + head[r] * p.q_strides[1] + long(position[r]) * p.q_strides[2];
+    fa_decode_load<T, COLS>(q_reg[r], q_row, p.q_strides[3], p.head_dim, lane, false);
     for (int c = 0; c < COLS; ++c) {
-      const int col = int(lane) + 32 * c;
-      q_reg[r][c] = col < p.head_dim ? float(q_row[col * p.q_strides[3]]) * p.scale_log2 : 0.0f;
+      q_reg[r][c] *= p.scale_log2;
       acc[r][c] = 0.0f;
     }
     state[r] = fa_softmax_init();
   }
 
   // Top-left causal: no row sees a key at or past L. This split's share of the keys is
-  // [begin, end); this SIMD-group takes every SG-th of them.
+  // [begin, end); this SIMD-group takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
   const int kv_end = fa_causal ? min(p.kv_len, p.q_len) : p.kv_len;
   const int begin = int(group.x) * p.split_keys;
   // No int overflow near S = 2^31; a plain comparison, since MSL's min() is not documented for long.
   const long split_end = long(begin) + p.split_keys;
   const int end = split_end < long(kv_end) ? int(split_end) : kv_end;
-  const device T *k_head = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
-  const device T *v_head = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
-  for (int j = begin + int(sg); j < end; j += SG) {
-    // Both rows are loaded before any arithmetic so their latencies overlap.
-    const device T *k_row = k_head + long(j) * p.k_strides[2];
-    const device T *v_row = v_head + long(j) * p.v_strides[2];
-    float k_reg[COLS];
-    float v_reg[COLS];
-    for (int c = 0; c < COLS; ++c) {
-      const int col = int(lane) + 32 * c;
-      k_reg[c] = col < p.head_dim ? float(k_row[col * p.k_strides[3]]) : 0.0f;
-      v_reg[c] = col < p.v_head_dim ? float(v_row[col * p.v_strides[3]]) : 0.0f;
-    }
+  const int j0 = begin + 2 * int(sg);
+  const device T *k_row = k + b * p.k_strides[0] + kv_h * p.k_strides[1] + long(j0) * p.k_strides[2];
+  const device T *v_row = v + b * p.v_strides[0] + kv_h * p.v_strides[1] + long(j0) * p.v_strides[2];
+  long mask_key = long(j0) * p.mask_strides[3];
+  const long k_step = 2 * SG * p.k_strides[2];
+  const long v_step = 2 * SG * p.v_strides[2];
+  const long mask_step = 2 * SG * p.mask_strides[3];
+  const bool as_vectors = fa_decode_vector_loads;
+  for (int j = j0; j < end; j += 2 * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
+    // Both keys' rows are loaded before any arithmetic so their latencies overlap; a second key
+    // past the end reads nothing.
+    const bool second = j + 1 < end;
+    float k_reg[2][COLS];
+    float v_reg[2][COLS];
+    fa_decode_load<T, COLS>(k_reg[0], k_row, p.k_strides[3], p.head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(k_reg[1], k_row + p.k_strides[2], p.k_strides[3], second ? p.head_dim : 0, lane,
+                            as_vectors);
+    fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
+                            as_vectors);
     for (int r = 0; r < ROWS && r < rows; ++r) {
-      // Row and key are the same on every lane, so skipping keeps the SIMD-group together; a
-      // masked key is skipped rather than weighted 0, so NaN in its value stays out of the row.
-      const long mask_at = fa_mask_offset(p, b, head[r], position[r], j);
-      if ((fa_causal && j > position[r]) || fa_mask_excludes(mask, mask_at)) {
-        continue;
-      }
-      float partial = 0.0f;
+      float partial[2] = {0.0f, 0.0f};
       for (int c = 0; c < COLS; ++c) {
-        partial = fma(q_reg[r][c], k_reg[c], partial);
+        partial[0] = fma(q_reg[r][c], k_reg[0][c], partial[0]);
+        partial[1] = fma(q_reg[r][c], k_reg[1][c], partial[1]);
       }
-      const fa_softmax_step step = fa_softmax_push(state[r], fa_mask_score(simd_sum(partial), mask, mask_at));
-      for (int c = 0; c < COLS; ++c) {
-        acc[r][c] = fma(step.weight, v_reg[c], acc[r][c] * step.rescale);
+      const float score[2] = {simd_sum(partial[0]), simd_sum(partial[1])};
+      for (int t = 0; t < 2; ++t) {
+        // Row and key are the same on every lane, so skipping keeps the SIMD-group together; a
+        // masked key is skipped rather than weighted 0, so NaN in its value stays out of the row.
+        const int key = j + t;
+        const long mask_at = mask_row[r] + mask_key + t * p.mask_strides[3];
+        if ((t == 1 && !second) || (fa_causal && key > position[r]) || fa_mask_excludes(mask, mask_at)) {
+          continue;
+        }
+        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(score[t], mask, mask_at), v_reg[t]);
       }
     }
   }
@@ -156,7 +214,7 @@ template <typename T, int COLS, int ROWS>
     }
     const float onto_total = fa_softmax_rescale(state[r].max, total.max);
     for (int c = 0; c < COLS; ++c) {
-      sg_out[int(sg) * WIDTH + int(lane) + 32 * c] = acc[r][c] * onto_total;
+      sg_out[int(sg) * WIDTH + fa_decode_column<W>(lane, c)] = acc[r][c] * onto_total;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (int(tid) < p.v_head_dim) {

@@ -14,7 +14,7 @@
 using namespace metal;
 
 template <typename T, int COLS>
-[[kernel]] void fa_decode_merge(
+[[kernel, max_total_threads_per_threadgroup(32)]] void fa_decode_merge(
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],

@@ -24,6 +24,7 @@ typedef int32_t fa_i32;
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
 #define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
 #define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
+#define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).

@@ -3,10 +3,11 @@
 //
 // Lane l keeps columns l, l + 32, ... of the query row and of the output row, so one build serves
 // every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 256 (columns past E or Ev are predicated off).
-// Specialisation: the dtype (host names below) and function constants FA_FC_CAUSAL and
-// FA_FC_WRITE_LSE. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
+// Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_CAUSAL,
+// FA_FC_WRITE_LSE and FA_FC_MASK_KIND. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
 // 32 * FA_SIMPLE_ROWS_PER_GROUP threads (the planner reads both constants from fa_params.h).
 #include <metal_stdlib>
+#include "fa_instantiate.h"
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
@@ -14,7 +15,7 @@
 using namespace metal;
 
 template <typename T>
-[[kernel]] void fa_simple(
+[[kernel, max_total_threads_per_threadgroup(32 * FA_SIMPLE_ROWS_PER_GROUP)]] void fa_simple(
     const device T *q [[buffer(0)]],
     const device T *k [[buffer(1)]],
     const device T *v [[buffer(2)]],
@@ -88,8 +89,4 @@ template <typename T>
   }
 }
 
-template [[host_name("fa_simple_float")]] [[kernel]] decltype(fa_simple<float>) fa_simple<float>;
-template [[host_name("fa_simple_half")]] [[kernel]] decltype(fa_simple<half>) fa_simple<half>;
-#if defined(__HAVE_BFLOAT__)
-template [[host_name("fa_simple_bfloat")]] [[kernel]] decltype(fa_simple<bfloat>) fa_simple<bfloat>;
-#endif
+template [[host_name(FA_HOST_NAME("fa_simple"))]] [[kernel]] decltype(fa_simple<FA_DTYPE>) fa_simple<FA_DTYPE>;

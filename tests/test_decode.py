@@ -11,7 +11,7 @@ import torch
 
 from flashattn_mps import _C, _sources, explain_plan, flash_attention
 from flashattn_mps._api import describe
-from conftest import ALL_DTYPES, assert_matches_sdpa, randn, sdpa
+from conftest import ALL_DTYPES, assert_matches_sdpa, max_error, randn, sdpa
 
 QUERY_LENS = [1, 2, 5, 8]
 KV_LENS = [1, 7, 9, 32, 63, 67, 129, 400, 2000, 8192]
@@ -57,6 +57,62 @@ def test_decode_parity(gen, lq, lk, gqa, dtype, causal, layout, e):
     assert_matches_sdpa(out, q, k, v, causal)
     if lk >= 2000 and not causal:
         assert explain_plan(q, k, v, causal)["split_count"] > 1, "long KV goes through split-K"
+
+
+def vector_loads(q, k, v, causal=False):
+    """Whether the plan's decode dispatch reads K and V rows as vectors."""
+    decode = explain_plan(q, k, v, causal, kernel="decode")["dispatches"][0]
+    return bool(decode["constants"][_C.FC_DECODE_VECTOR_LOADS])
+
+
+def strided_kv(gen, lk, e, dtype, how):
+    """(1, 2, lk, e) views that defeat vector loads: every other column of a wider row ("columns"),
+    rows starting one element off the chunk alignment ("offset"), a row stride that is not a
+    multiple of the chunk ("pitch")."""
+    if how == "columns":
+        return randn(gen, 1, 2, lk, 2 * e, dtype=dtype)[..., ::2]
+    if how == "offset":
+        return randn(gen, 2 * lk * e + 1, dtype=dtype)[1:].view(1, 2, lk, e)
+    return randn(gen, 1, 2, lk, e + 1, dtype=dtype)[..., :e]
+
+
+@pytest.mark.parametrize("how", ["columns", "offset", "pitch"])
+@pytest.mark.parametrize("dtype,e,lk", [(torch.float32, 128, 90), (torch.float16, 64, 700), (torch.bfloat16, 256, 33)])
+def test_generic_loads_for_unaligned_or_strided_kv(gen, how, dtype, e, lk):
+    q = randn(gen, 1, 8, 2, e, dtype=dtype)
+    k, v = strided_kv(gen, lk, e, dtype, how), strided_kv(gen, lk, e, dtype, how)
+    assert not vector_loads(q, k, v)
+    assert_matches_sdpa(flash_attention(q, k, v, causal=True, kernel="decode"), q, k, v, causal=True)
+    contiguous = k.clone(memory_format=torch.contiguous_format), v.clone(memory_format=torch.contiguous_format)
+    assert vector_loads(q, *contiguous), "the same shapes, unit-strided and aligned, take vector loads"
+
+
+@pytest.mark.parametrize("e,hq,lq,rows,chunks", [(64, 16, 2, 16, 2), (128, 32, 1, 8, 4), (200, 8, 3, 4, 6)])
+@pytest.mark.parametrize("lk", [45, 1500])  # 1500: split over threadgroups, then merged
+def test_rows_capped_by_registers_stay_exact(gen, e, hq, lq, rows, chunks, lk):
+    dtype = torch.float16 if e == 128 else torch.float32
+    q, k, v = decode_inputs(gen, 1, 1, hq, lq, lk, e, e, dtype, "cache_blhd")
+    p = explain_plan(q, k, v)
+    decode = p["dispatches"][0]
+    assert decode["macros"]["FA_DECODE_ROWS"] == str(rows) and decode["grid"][1] == chunks
+    assert (p["split_count"] > 1) == (lk > 1000)
+    assert vector_loads(q, k, v)
+    assert_matches_sdpa(flash_attention(q, k, v), q, k, v)
+
+
+@pytest.mark.parametrize("shape,kind", [((2, 1, 1, -1), "bool"), ((1, 8, 3, -1), "float"), ((3, -1), "bool"),
+                                        ((2, 8, 1, -1), "float")])
+@pytest.mark.parametrize("lk", [45, 1200])  # 1200: split over threadgroups
+def test_masks_through_their_strides(gen, shape, kind, lk):
+    # GQA 4 packs 4 query heads x 3 rows per kv head; the mask is read per (row, key pair).
+    q, k, v = decode_inputs(gen, 2, 2, 4, 3, lk, 64, 64, torch.float16, "cache")
+    shape = tuple(lk if n == -1 else n for n in shape)
+    keep = torch.rand(*shape, generator=gen) > 0.4
+    mask = keep if kind == "bool" else torch.where(keep, torch.randn(*shape, generator=gen), float("-inf"))
+    out = flash_attention(q, k, v, attn_mask=mask, kernel="decode")
+    golden = sdpa(q.double(), k.double(), v.double(), attn_mask=mask if kind == "bool" else mask.double())
+    reference = sdpa(q, k, v, attn_mask=mask if kind == "bool" else mask.to(q.dtype))
+    assert max_error(out, golden) <= max(1e-5, 5 * max_error(reference, golden))
 
 
 @pytest.mark.parametrize("e,ev", [(0, 16), (1, 3), (37, 37), (96, 80), (64, 17), (200, 256), (256, 256)])
@@ -180,7 +236,7 @@ def test_no_split_when_it_does_not_pay(shape, why):
 
 def test_rows_beyond_the_register_budget_take_more_threadgroups():
     p = plan(1, 16, 2, 8, 100, e=256)  # 64 rows per kv head, 4 per threadgroup at E = 256
-    assert p["dispatches"][0]["macros"] == {"FA_DECODE_COLS": "8", "FA_DECODE_ROWS": "4"}
+    assert p["dispatches"][0]["macros"] == {"FA_DTYPE": "half", "FA_DECODE_COLS": "8", "FA_DECODE_ROWS": "4"}
     assert p["dispatches"][0]["grid"] == (1, 2 * 16, 1)
 
 

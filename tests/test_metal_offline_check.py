@@ -78,7 +78,7 @@ def test_a_compile_error_fails_the_check_and_names_the_specialisation(fake_xcrun
     monkeypatch.setenv("FAKE_XCRUN_FAIL", "-DFA_DECODE_COLS=2 -DFA_DECODE_ROWS=4")
     assert metal_offline_check.main(["--sources", "fa_decode.metal"]) == 1
     err = capsys.readouterr().err
-    assert "FAILED fa_decode.metal -std=metal3.1 [FA_DECODE_COLS=2 FA_DECODE_ROWS=4]" in err
+    assert "FAILED fa_decode.metal -std=metal3.1 [FA_DTYPE=half FA_DECODE_COLS=2 FA_DECODE_ROWS=4]" in err
     assert "planted failure" in err
 
 

@@ -287,8 +287,8 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
     return bytes;
 }
 
-// The planner's decision, for tests and curiosity: kernels with their grids, the split count and
-// the workspace size.
+// The planner's decision, for tests and curiosity: kernels with their grids, function constants and
+// costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
@@ -302,15 +302,20 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
         }
-        py::dict constants; // function-constant index -> integer value
+        py::dict constants; // function constants by index (FC_* of this module name some)
         for (uint32_t c = 0; c < d.n_constants; ++c) {
             constants[py::int_(d.constants[c].index)] = d.constants[c].i;
         }
-        dispatches.append(py::dict(py::arg("function") = d.function, py::arg("macros") = macros,
-                                   py::arg("constants") = constants,
+        const fa_dispatch_cost &c = d.cost;
+        py::dict cost(py::arg("threadgroup_bytes") = c.threadgroup_bytes, py::arg("registers") = c.registers,
+                      py::arg("flops") = c.flops, py::arg("useful_flops") = c.useful_flops,
+                      py::arg("min_bytes_read") = c.min_bytes_read, py::arg("min_bytes_written") = c.min_bytes_written);
+        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function,
+                                   py::arg("macros") = macros, py::arg("constants") = constants,
                                    py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
                                    py::arg("threadgroup") =
-                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2])));
+                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
+                                   py::arg("cost") = cost));
     }
     return py::dict(py::arg("dispatches") = dispatches, py::arg("empty") = plan.empty != 0,
                     py::arg("split_count") = plan.params.split_count,
@@ -496,6 +501,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("CONSTANT_BOOL") = static_cast<int>(MSL_CONSTANT_BOOL);
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
+    m.attr("FC_DECODE_VECTOR_LOADS") = static_cast<int>(FA_FC_DECODE_VECTOR_LOADS);
     m.attr("MAX_THREADGROUP_MEMORY") = static_cast<int>(MCPU_MAX_THREADGROUP_MEMORY);
 #if defined(__APPLE__)
     m.attr("HAS_METAL_BACKEND") = true;

@@ -1,0 +1,119 @@
+"""explain_plan's cost of each dispatch (threadgroup memory, registers, FLOPs with and without padding,
+minimum device bytes) against figures computed by hand, and its threadgroup memory against the
+kernel-scope arrays the kernel source declares."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flashattn_mps import explain_plan
+from test_instantiation import DEFINITION, preprocessed
+
+
+def inputs(b, hq, hkv, lq, lk, e, ev, dtype):
+    q = torch.empty(b, hq, lq, e, dtype=dtype)
+    k = torch.empty(b, hkv, lk, e, dtype=dtype)
+    v = torch.empty(b, hkv, lk, ev, dtype=dtype)
+    return q, k, v
+
+
+def costs(plan):
+    return [d["cost"] for d in plan["dispatches"]]
+
+
+def test_forward_causal_with_padded_head_dims():
+    # E = Ev = 72 pad to 80 (but only 9 slices are multiplied); fp16 at 80: BK 32, 4 SIMD-groups (32 rows per block). L = 100, S = 70:
+    # the blocks at rows 0, 32, 64, 96 load 1, 2, 3, 3 key tiles (their last row, capped at S).
+    q, k, v = inputs(2, 4, 2, 100, 70, 72, 72, torch.float16)
+    [cost] = costs(explain_plan(q, k, v, causal=True, kernel="forward"))
+    assert cost == {
+        "threadgroup_bytes": 32 * (80 + 8 + 80 + 8) * 2,  # K and V tiles, rows padded by 8
+        # Q (half: 1 register per fragment), O and S (float: 2) and one K/V fragment in flight
+        "registers": 80 // 8 + 80 // 8 * 2 + 32 // 8 * 2 + 1,
+        # the 8-wide slices holding data: 72 of the padded 80 (fa_slices in fa_fragments.h)
+        "flops": 2 * (2 * 4) * 9 * (32 * 32 * (72 + 72)),
+        # visible pairs per head: rows 0..69 see i + 1 keys, rows 70..99 all 70
+        "useful_flops": 2 * (72 + 72) * (2 * 4) * (70 * 71 // 2 + 30 * 70),
+        "min_bytes_read": 2 * 4 * 100 * 72 * 2 + 2 * 2 * 70 * (72 + 72) * 2,
+        "min_bytes_written": 2 * 4 * 100 * 72 * 2,
+    }
+
+
+def test_split_decode_and_its_merge():
+    # GQA 8 on one kv head: 8 rows in one threadgroup, COLS 4 (E = 100 pads to 128), split into 11
+    # shares of 288 keys (the last 121: its odd key is scored as a pair).
+    q, k, v = inputs(1, 8, 1, 1, 3001, 100, 100, torch.float16)
+    plan = explain_plan(q, k, v)
+    assert plan["split_count"] == 11 and plan["workspace_bytes"] == 11 * 8 * (100 + 2) * 4
+    decode, merge = costs(plan)
+    assert decode == {
+        "threadgroup_bytes": (2 * 8 * 8 + 8 * 128) * 4,  # (max, sum) per SIMD-group and row, an output row each
+        "registers": 8 * 2 * 4 + 4 * 4,  # query slices and accumulators of 8 rows, two keys' K and V
+        "flops": 2 * 128 * (8 * (10 * 288 + 122) + 8 * 3001),  # scores of every pair, values of every key
+        "useful_flops": 2 * (100 + 100) * 8 * 3001,
+        "min_bytes_read": 8 * 100 * 2 + 3001 * (100 + 100) * 2,
+        "min_bytes_written": 11 * 8 * (100 + 2) * 4,
+    }
+    assert merge == {"threadgroup_bytes": 0, "registers": 4, "flops": 2 * 128 * 11 * 8, "useful_flops": 0,
+                     "min_bytes_read": 11 * 8 * (100 + 2) * 4, "min_bytes_written": 8 * 100 * 2}
+
+
+def test_simple_kernel_with_a_broadcast_mask():
+    q, k, v = inputs(1, 2, 2, 5, 40, 40, 16, torch.float32)
+    mask = torch.ones(40, dtype=torch.bool)  # one row of S bools, broadcast to (1, 2, 5, 40)
+    [cost] = costs(explain_plan(q, k, v, attn_mask=mask, kernel="simple"))
+    assert cost == {
+        "threadgroup_bytes": 0,
+        "registers": 2 * 8,
+        "flops": 2 * 32 * (2 + 8) * 2 * 5 * 40,  # q.k over 2 slices of 32, the accumulator over 8
+        "useful_flops": 2 * (40 + 16) * 2 * 5 * 40,
+        "min_bytes_read": (2 * 5 * 40 + 2 * 40 * 40 + 2 * 40 * 16) * 4 + 40,
+        "min_bytes_written": 2 * 5 * 16 * 4,
+    }
+
+
+def test_causal_keys_past_the_queries_are_not_read():
+    q, k, v = inputs(1, 4, 4, 2, 500, 64, 64, torch.bfloat16)
+    plan = explain_plan(q, k, v, causal=True)  # row i sees keys 0..i: only keys 0 and 1 are read
+    [cost] = costs(plan)
+    assert cost["min_bytes_read"] == 4 * 2 * 64 * 2 + 4 * 2 * (64 + 64) * 2
+    assert cost["useful_flops"] == 2 * 128 * 4 * (1 + 2)
+
+
+ELEMENT_BYTES = {"float": 4, "half": 2, "bfloat": 2}
+
+
+def declared_threadgroup_bytes(text: str, kernel: str, template_args: list, dtype: str) -> int:
+    """Bytes of the kernel-scope `threadgroup T name[N];` arrays of kernel template `kernel`, N
+    evaluated with the template arguments and the body's constexpr ints."""
+    match = next(m for m in DEFINITION.finditer(text) if m.group(3) == kernel)
+    names = [p.split()[-1] for p in match.group(1).split(",")]
+    env = dict(zip(names, template_args))
+    body = text[match.end():text.find("\ntemplate", match.end())]
+    for name, expr in re.findall(r"constexpr int (\w+) = ([^;?]+);", body):
+        env[name] = eval(expr, {"__builtins__": {}}, env)
+    total = 0
+    for element, expr in re.findall(r"threadgroup (\w+) \w+\[([^\]]+)\];", body):
+        size = ELEMENT_BYTES[dtype] if element == "T" else ELEMENT_BYTES[element]
+        total += size * eval(expr, {"__builtins__": {}}, env)
+    return total
+
+
+@pytest.mark.parametrize("dtype,e,ev,kernel", [
+    (torch.float32, 256, 64, "forward"), (torch.float16, 128, 128, "forward"), (torch.bfloat16, 40, 200, "forward"),
+    (torch.float32, 64, 64, "decode"), (torch.float16, 256, 100, "decode"), (torch.bfloat16, 16, 16, "simple")])
+def test_threadgroup_bytes_match_the_kernel_source(dtype, e, ev, kernel):
+    q, k, v = inputs(1, 4, 1, 3, 50, e, ev, dtype)
+    d = explain_plan(q, k, v, kernel=kernel)["dispatches"][0]
+    macros = d["macros"]
+    type_name = macros["FA_DTYPE"]
+    if kernel == "forward":
+        args = ["T", int(macros["FA_BD"]), int(macros["FA_BDV"]), int(macros["FA_BK"]), int(macros["FA_WM"])]
+    elif kernel == "decode":
+        args = ["T", int(macros["FA_DECODE_COLS"]), int(macros["FA_DECODE_ROWS"])]
+    else:
+        args = ["T"]
+    text = preprocessed(d["source"], macros)
+    assert d["cost"]["threadgroup_bytes"] == declared_threadgroup_bytes(text, f"fa_{kernel}", args, type_name)
