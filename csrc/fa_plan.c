@@ -500,7 +500,7 @@ static double useful_flops(const fa_forward_args *a) {
 /* The forward kernel: per (batch, head), every query block of 8 WM rows multiplies S = Q K^T and
  * P V over each key tile it loads (all of them, or under the causal mask those up to its last row),
  * over E and Ev rounded up to 8 (the 8-wide slices it multiplies). Threadgroup memory: the K and V
- * tiles. Registers: the tile table's count (Q, O and S fragments and one K/V fragment). */
+ * tiles and the mask's tile votes. Registers: the tile table's count (Q, O and S fragments and one K/V fragment). */
 static void set_forward_cost(fa_plan_dispatch *d, const fa_forward_args *a, forward_tiles t) {
     const int64_t bq = 8 * t.wm, l = a->q.sizes[2], s = a->k.sizes[2], elem = dtype_bytes[a->q.dtype];
     double tiles = 0;
@@ -515,7 +515,8 @@ static void set_forward_cost(fa_plan_dispatch *d, const fa_forward_args *a, forw
      * (Q and the K/V fragment in flight are half for fp16 inputs); O and S are float. */
     const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
     const int32_t registers = t.bd / 8 * operand + t.bdv / 8 * 2 + t.bk / 8 * 2 + operand;
-    set_cost(d, (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * elem, registers,
+    const int64_t tiles_bytes = (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * elem;
+    set_cost(d, tiles_bytes + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers,
              flops, useful_flops(a), min_input_bytes(a), output_bytes(a));
 }
 

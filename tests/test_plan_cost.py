@@ -29,7 +29,7 @@ def test_forward_causal_with_padded_head_dims():
     q, k, v = inputs(2, 4, 2, 100, 70, 72, 72, torch.float16)
     [cost] = costs(explain_plan(q, k, v, causal=True, kernel="forward"))
     assert cost == {
-        "threadgroup_bytes": 32 * (80 + 8 + 80 + 8) * 2,  # K and V tiles, rows padded by 8
+        "threadgroup_bytes": 32 * (80 + 8 + 80 + 8) * 2 + 2 * 4,  # K and V tiles (rows padded by 8), votes
         # Q (half: 1 register per fragment), O and S (float: 2) and one K/V fragment in flight
         "registers": 80 // 8 + 80 // 8 * 2 + 32 // 8 * 2 + 1,
         # the 8-wide slices holding data: 72 of the padded 80 (fa_slices in fa_fragments.h)
@@ -82,7 +82,8 @@ def test_causal_keys_past_the_queries_are_not_read():
     assert cost["useful_flops"] == 2 * 128 * 4 * (1 + 2)
 
 
-ELEMENT_BYTES = {"float": 4, "half": 2, "bfloat": 2}
+ELEMENT_BYTES = {"float": 4, "half": 2, "bfloat": 2, "bool": 1}
+TILE_VEC = 4  # FA_TILE_VEC of metal/fa_params.h: elements of one fa_tile_storage<T>
 
 
 def declared_threadgroup_bytes(text: str, kernel: str, template_args: list, dtype: str) -> int:
@@ -90,13 +91,16 @@ def declared_threadgroup_bytes(text: str, kernel: str, template_args: list, dtyp
     evaluated with the template arguments and the body's constexpr ints."""
     match = next(m for m in DEFINITION.finditer(text) if m.group(3) == kernel)
     names = [p.split()[-1] for p in match.group(1).split(",")]
-    env = dict(zip(names, template_args))
+    env = dict(zip(names, template_args), fa_tile_vectors=lambda n: (n + TILE_VEC - 1) // TILE_VEC)
     body = text[match.end():text.find("\ntemplate", match.end())]
     for name, expr in re.findall(r"constexpr int (\w+) = ([^;?]+);", body):
         env[name] = eval(expr, {"__builtins__": {}}, env)
     total = 0
-    for element, expr in re.findall(r"threadgroup (\w+) \w+\[([^\]]+)\];", body):
-        size = ELEMENT_BYTES[dtype] if element == "T" else ELEMENT_BYTES[element]
+    for element, expr in re.findall(r"threadgroup ([\w<>]+) \w+\[([^\]]+)\];", body):
+        if element == "fa_tile_storage<T>":
+            size = TILE_VEC * ELEMENT_BYTES[dtype]
+        else:
+            size = ELEMENT_BYTES[dtype] if element == "T" else ELEMENT_BYTES[element]
         total += size * eval(expr, {"__builtins__": {}}, env)
     return total
 
