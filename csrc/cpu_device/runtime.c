@@ -32,8 +32,10 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
-#include <ucontext.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/ucontext.h> /* ucontext_t; macOS has it from <signal.h> */
+#endif
 
 #if defined(__GNUC__) && !defined(__APPLE__)
 #define TLS_SIGNAL_SAFE __attribute__((tls_model("initial-exec"))) /* read in signal handlers */
