@@ -66,6 +66,13 @@ def cache(tmp_path, monkeypatch):
     return path
 
 
+def replace_file(path, data: bytes):
+    """Gives path new contents as a new file: this process has the old one mapped (loaded)."""
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def cache_entries(cache):
     return sorted(p for p in os.listdir(cache) if p.endswith(".so"))
 
@@ -107,7 +114,7 @@ def test_planted_or_swapped_cache_entries_are_never_loaded(cache):
     key_a, key_b = key_a[:-3], key_b[:-3]
     # a library (and its manifest) copied under another key: rebuilt, never used
     for ext in (".so", ".sum"):
-        (cache / f"{key_a}{ext}").write_bytes((cache / f"{key_b}{ext}").read_bytes())
+        replace_file(cache / f"{key_a}{ext}", (cache / f"{key_b}{ext}").read_bytes())
     code = f"""
     import torch
     from flashattn_mps.metal_cpu import compile_library
@@ -152,9 +159,9 @@ def test_truncated_library_is_rebuilt_not_loaded(cache):
     source = unique(COPY)
     compile_library(source)
     (so,) = cache_entries(cache)
-    size = os.path.getsize(cache / so)
-    with open(cache / so, "r+b") as f:
-        f.truncate(size // 3)  # dlopen of this dies of SIGBUS
+    data = (cache / so).read_bytes()
+    size = len(data)
+    replace_file(cache / so, data[: size // 3])  # dlopen of this dies of SIGBUS
     (cache / "k.metal").write_text(source)
     result = run_python(f"""
     import torch
