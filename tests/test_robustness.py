@@ -114,7 +114,8 @@ def test_planted_or_swapped_cache_entries_are_never_loaded(cache):
     key_a, key_b = key_a[:-3], key_b[:-3]
     # a library (and its manifest) copied under another key: rebuilt, never used
     for ext in (".so", ".sum"):
-        replace_file(cache / f"{key_a}{ext}", (cache / f"{key_b}{ext}").read_bytes())
+        if (cache / f"{key_b}{ext}").exists():
+            replace_file(cache / f"{key_a}{ext}", (cache / f"{key_b}{ext}").read_bytes())
     code = f"""
     import torch
     from flashattn_mps.metal_cpu import compile_library
