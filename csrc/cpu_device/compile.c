@@ -1,9 +1,11 @@
 /* Compiles MSL source into a shared object for the CPU Metal device and loads it (ARCHITECTURE.md,
  * "Compilation pipeline"): `c++ -E` against empty <metal_stdlib> stubs, mcpu_preprocess, then
  * `c++ -shared -include msl_shim.h`. Libraries are cached in the process (by key, never unloaded)
- * and on disk as <cache>/<key>.so, where the key is a SHA-256 of everything that shapes the
- * binary. Several processes may build the same library at once: each builds in its own temporary
- * directory and rename()s the result into place, so nobody ever sees a partial file. */
+ * and on disk as <cache>/<key>.so with its manifest <key>.sum, where the key is a SHA-256 of
+ * everything that shapes the binary. Several processes may build the same library at once: each
+ * builds in its own temporary directory and rename()s the result into place, so nobody ever sees
+ * a partial file. What is loaded must be vouched for (README, "Security and robustness"): private
+ * entries only, never through a link, matching the manifest, reporting its key. */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu_device.h"
 #include "shim_files.h"
