@@ -101,6 +101,12 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = check_matches(&a->dv, "dv", 4, a->v.dtype, &a->v, "the shape of v", st))) {
         return rc;
     }
+    const fa_tensor *views[] = {&a->dq, &a->dk, &a->dv, &a->delta, &a->q, &a->k, &a->v, &a->out, &a->dout, &a->lse,
+                                &a->mask};
+    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask"};
+    if ((rc = fa_check_no_alias(views, names, 11, 4, st))) {
+        return rc;
+    }
 
     fa_backward_params *p = &plan->params;
     p->forward = forward.params;

@@ -201,6 +201,10 @@ int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int3
     if (float32_only && t->dtype != FA_F32) {
         return fa_fail(st, FA_ERR_TYPE, "%s: must be float32, got %s", name, dtype_names[t->dtype]);
     }
+    if (t->byte_offset % dtype_bytes[t->dtype] != 0) {
+        return fa_fail(st, FA_ERR_VALUE, "%s: byte offset %lld is not a multiple of the %s element size (%lld bytes)",
+                       name, (long long)t->byte_offset, dtype_names[t->dtype], (long long)dtype_bytes[t->dtype]);
+    }
     int64_t last = 0; /* offset of the last addressed element, in elements */
     int32_t empty = 0;
     for (int32_t d = 0; d < ndim; ++d) {
@@ -229,6 +233,81 @@ int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int3
                        name, (long long)t->byte_offset, (long long)last, (long long)t->storage_bytes);
     }
     return FA_OK;
+}
+
+/* The bytes [*lo, *hi) of its storage a validated view addresses; 0 if it addresses none. */
+static int32_t byte_extent(const fa_tensor *t, int64_t *lo, int64_t *hi) {
+    int64_t last = 0;
+    for (int32_t d = 0; d < t->ndim; ++d) {
+        if (t->sizes[d] == 0) {
+            return 0;
+        }
+        last += (t->sizes[d] - 1) * t->strides[d]; /* fa_check_tensor ruled out overflow */
+    }
+    *lo = t->byte_offset;
+    *hi = t->byte_offset + (last + 1) * dtype_bytes[t->dtype];
+    return t->storage != NULL;
+}
+
+/* Whether two elements of a validated view share an address: with the dims of size > 1 ordered by
+ * stride, each stride must pass the span of the smaller ones. */
+static int32_t overlaps_itself(const fa_tensor *t) {
+    int32_t order[FA_MAX_DIMS], n = 0;
+    for (int32_t d = 0; d < t->ndim; ++d) {
+        if (t->sizes[d] == 0) {
+            return 0;
+        }
+        if (t->sizes[d] > 1) {
+            int32_t i = n++;
+            for (; i > 0 && t->strides[order[i - 1]] > t->strides[d]; --i) {
+                order[i] = order[i - 1];
+            }
+            order[i] = d;
+        }
+    }
+    int64_t span = 0; /* offset of the last element of the dims so far */
+    for (int32_t i = 0; i < n; ++i) {
+        if (t->strides[order[i]] <= span) {
+            return 1;
+        }
+        span += (t->sizes[order[i]] - 1) * t->strides[order[i]];
+    }
+    return 0;
+}
+
+int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views,
+                          int32_t n_outputs, fa_status *st) {
+    for (int32_t i = 0; i < n_outputs; ++i) {
+        int64_t lo, hi, lo2, hi2;
+        if (!byte_extent(views[i], &lo, &hi)) {
+            continue;
+        }
+        if (overlaps_itself(views[i])) {
+            char shape[96];
+            fa_describe_shape(views[i], shape, sizeof shape);
+            return fa_fail(st, FA_ERR_VALUE,
+                           "%s: an output whose elements overlap (shape %s, strides %lld, %lld, ...); outputs must "
+                           "address each element once",
+                           names[i], shape, (long long)views[i]->strides[0], (long long)views[i]->strides[1]);
+        }
+        for (int32_t j = i + 1; j < n_views; ++j) {
+            if (byte_extent(views[j], &lo2, &hi2) && views[j]->storage == views[i]->storage && lo < hi2 && lo2 < hi) {
+                return fa_fail(st, FA_ERR_VALUE,
+                               "%s (bytes %lld..%lld of its storage) overlaps %s (bytes %lld..%lld of the same "
+                               "storage); an output must not alias an input or another output",
+                               names[i], (long long)lo, (long long)hi, names[j], (long long)lo2, (long long)hi2);
+            }
+        }
+    }
+    return FA_OK;
+}
+
+/* The outputs (the workspace once validated, out, lse) against each other and q, k, v, mask. */
+static int32_t check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
+    const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask};
+    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask"};
+    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 7 - !with_workspace,
+                             3 - !with_workspace, st);
 }
 
 static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
@@ -279,8 +358,8 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
 
 /* The mask, when present, is a (B, Hq, L, S) view of bool, float32 or q's dtype. */
 static int32_t check_mask(const fa_forward_args *a, fa_status *st) {
-    if (a->mask.ndim == 0) {
-        return FA_OK;
+    if (a->mask.ndim == 0 && a->mask.storage == NULL) {
+        return FA_OK; /* no mask; a 0-D descriptor with storage is refused below */
     }
     int32_t rc = fa_check_tensor(&a->mask, "mask", 4, 0, st);
     if (rc != FA_OK) {
@@ -627,7 +706,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (rc = check_shapes(a, st)) || (rc = check_mask(a, st))) {
+        (rc = check_shapes(a, st)) || (rc = check_mask(a, st)) || (rc = check_forward_aliases(a, 0, st))) {
         return rc;
     }
 
@@ -683,6 +762,9 @@ int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *w, fa_
     }
     if (rc == FA_OK && w->strides[0] != 1) {
         rc = fa_fail(st, FA_ERR_VALUE, "workspace: must be contiguous, got stride %lld", (long long)w->strides[0]);
+    }
+    if (rc == FA_OK) {
+        rc = check_forward_aliases(a, 1, st);
     }
     return rc;
 }

@@ -78,6 +78,10 @@ void fa_describe_shape(const fa_tensor *t, char *out, size_t len); /* "(2, 8, 12
 /* A descriptor is usable when its rank and dtype are as expected (float32 when float32_only) and
  * every element it addresses lies inside its storage. */
 int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only, fa_status *st);
+/* The first n_outputs of n_views validated views are written: none may overlap itself, another
+ * output or an input (threads run in no order). Fails with FA_ERR_VALUE naming the pair. */
+int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views,
+                          int32_t n_outputs, fa_status *st);
 
 /* The backward pass: three dispatches of fa_backward.metal, in this order, binding the same
  * buffers and fa_backward_params (fa_backward.c). A dispatch whose grid is empty is skipped. */

@@ -74,7 +74,9 @@ class Library:
     ) -> None:
         """Run `kernel` on grid x threadgroup threads and wait for it (like dispatchThreadgroups
         followed by waitUntilCompleted). Raises MetalDispatchError on a divergent barrier or
-        collective, a deadlock or a kernel failure, naming the kernel, source line and threads."""
+        collective, a deadlock or a kernel failure (an invalid memory access, a stack overflow),
+        or when the watchdog (`set_watchdog`) stops it, naming the kernel, source line and threads.
+        Ctrl-C stops it with KeyboardInterrupt."""
         if kernel not in self.kernels:
             raise ValueError(f"kernel {kernel!r} is not in this library; it has {list(self.kernels)}")
         grid3 = _size3("grid", grid)
@@ -118,5 +120,22 @@ def compile_library(
 
 
 def cache_dir() -> str:
-    """Where compiled libraries are cached ($FLASHATTN_MPS_CACHE overrides)."""
+    """Where compiled libraries are cached ($FLASHATTN_MPS_CACHE overrides). Created private (0700);
+    refused (MetalCompileError naming the path and the reason) if it, or an entry in it, is a
+    symbolic link, someone else's, or group- or world-writable."""
     return _C.cache_dir()
+
+
+def set_watchdog(seconds: float) -> None:
+    """Limit every CPU-device dispatch (of `Library.dispatch` and of `flash_attention` on CPU
+    tensors) to `seconds`: a longer one is stopped and raises MetalDispatchError naming the kernel.
+    0 (the default, or $FLASHATTN_MPS_CPU_WATCHDOG) means no limit. Ctrl-C stops a dispatch either
+    way (KeyboardInterrupt)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"seconds must be a number (0 for no limit), got {type(seconds).__name__}")
+    _C.set_cpu_watchdog(float(seconds))
+
+
+def watchdog() -> float:
+    """The CPU-device dispatch time limit in seconds (0: none); see `set_watchdog`."""
+    return _C.cpu_watchdog()

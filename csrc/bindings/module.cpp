@@ -25,6 +25,9 @@ PyObject *compile_error_type = nullptr;
 PyObject *dispatch_error_type = nullptr;
 
 [[noreturn]] void raise_status(const fa_status &st) {
+    if (PyErr_CheckSignals() != 0) { // Ctrl-C stopped the call: KeyboardInterrupt, not its error
+        throw py::error_already_set();
+    }
     switch (st.code) {
     case FA_ERR_VALUE:
         throw py::value_error(st.message);
@@ -549,4 +552,9 @@ PYBIND11_MODULE(_C, m) {
         .def("dispatch", &library_dispatch, py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"),
              py::arg("buffers"), py::arg("threadgroup_lengths"), py::arg("constants"));
     m.def("compile_library", &compile_library, py::arg("source"), py::arg("name"), py::arg("macros"));
+    m.def("set_cpu_watchdog", [](double seconds) {
+        fa_status st;
+        check(mcpu_set_watchdog(seconds, &st), st);
+    });
+    m.def("cpu_watchdog", &mcpu_watchdog);
 }

@@ -1,9 +1,11 @@
 /* Compiles MSL source into a shared object for the CPU Metal device and loads it (ARCHITECTURE.md,
  * "Compilation pipeline"): `c++ -E` against empty <metal_stdlib> stubs, mcpu_preprocess, then
  * `c++ -shared -include msl_shim.h`. Libraries are cached in the process (by key, never unloaded)
- * and on disk as <cache>/<key>.so, where the key is a SHA-256 of everything that shapes the
- * binary. Several processes may build the same library at once: each builds in its own temporary
- * directory and rename()s the result into place, so nobody ever sees a partial file. */
+ * and on disk as <cache>/<key>.so with its manifest <key>.sum, where the key is a SHA-256 of
+ * everything that shapes the binary. Several processes may build the same library at once: each
+ * builds in its own temporary directory and rename()s the result into place, so nobody ever sees
+ * a partial file. What is loaded must be vouched for (README, "Security and robustness"): private
+ * entries only, never through a link, matching the manifest, reporting its key. */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu_device.h"
 #include "shim_files.h"
@@ -18,8 +20,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifdef __APPLE__
@@ -50,6 +56,7 @@ static const char *const PRE_FLAGS[] = {
  * MSL's char is signed, which aarch64 Linux's is not by default. */
 static const char *const CC_FLAGS[] = {"-x",    "c++",    "-std=gnu++17", "-O2", "-fno-strict-aliasing",
                                        "-fsigned-char", "-fPIC", "-shared"};
+static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
 static const char *const STUBS[] = {"metal_stdlib", "metal_simdgroup", "metal_simdgroup_matrix",
                                     "metal_atomic", "metal_math",      "metal_compute",
                                     "metal_integer"};
@@ -105,8 +112,13 @@ static void sha_init(sha256 *s) {
 
 static void sha_update(sha256 *s, const void *data, uint64_t n) {
     const uint8_t *p = data;
-    for (uint64_t i = 0; i < n; i++) {
-        s->buf[s->len++ % 64] = p[i];
+    for (uint64_t i = 0; i < n;) {
+        if (s->len % 64 == 0 && n - i >= 64) { /* whole blocks straight from the input */
+            sha_block(s, p + i);
+            s->len += 64, i += 64;
+            continue;
+        }
+        s->buf[s->len++ % 64] = p[i++];
         if (s->len % 64 == 0) sha_block(s, s->buf);
     }
 }
@@ -144,7 +156,9 @@ static void shim_hash(char out[33]) {
 /* ---- files and processes ---- */
 
 static int32_t io_fail(fa_status *st, const char *what, const char *path) {
-    return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: cannot %s %s: %s", what, path, strerror(errno));
+    int32_t e = errno;
+    return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: cannot %s %s: %s%s", what, path, strerror(e),
+                   e == ENOSPC || e == EDQUOT ? " (the disk is full)" : "");
 }
 
 static int32_t join(char *out, const char *a, const char *b, fa_status *st) {
@@ -154,56 +168,96 @@ static int32_t join(char *out, const char *a, const char *b, fa_status *st) {
     return FA_OK;
 }
 
-static int32_t write_file(const char *path, const char *data, uint64_t n, fa_status *st) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) return io_fail(st, "create", path);
+static int32_t write_fd(int fd, const char *data, uint64_t n) {
     for (uint64_t done = 0; done < n;) {
         ssize_t w = write(fd, data + done, (size_t)(n - done));
         if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) {
-            close(fd);
-            return io_fail(st, "write", path);
-        }
+        if (w <= 0) return -1;
         done += (uint64_t)w;
+    }
+    return 0;
+}
+
+/* A new private file (inside a temporary directory). */
+static int32_t write_file(const char *path, const char *data, uint64_t n, fa_status *st) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0) return io_fail(st, "create", path);
+    if (write_fd(fd, data, n)) {
+        io_fail(st, "write", path);
+        close(fd);
+        return st->code;
     }
     return close(fd) ? io_fail(st, "write", path) : FA_OK;
 }
 
-/* The file's contents (at most max bytes), NUL-terminated, or NULL. */
-static char *read_file(const char *path, uint64_t max) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
+static void sync_dir(const char *dir) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+/* dir/name replaced atomically and durably by data: a private temporary file, fsync, rename,
+ * fsync of the directory. A crash leaves the old file or the new one, never a torn one. */
+static int32_t write_atomic(const char *dir, const char *name, const char *data, uint64_t n, fa_status *st) {
+    char tmp[PATH_BYTES], path[PATH_BYTES];
+    if (join(tmp, dir, "tmp-XXXXXX", st) || join(path, dir, name, st)) return st->code;
+    int fd = mkstemp(tmp);
+    if (fd < 0) return io_fail(st, "create a file in", dir);
+    int32_t rc = write_fd(fd, data, n) || fsync(fd) ? io_fail(st, "write", tmp) : FA_OK;
+    if (close(fd) && !rc) rc = io_fail(st, "write", tmp);
+    if (!rc && rename(tmp, path)) rc = io_fail(st, "create", path);
+    if (rc) unlink(tmp);
+    else sync_dir(dir);
+    return rc;
+}
+
+/* The rest of fd's file (at most max bytes), NUL-terminated, its length in *len; NULL on error. */
+static char *read_fd(int fd, uint64_t max, uint64_t *len) {
     char *p = NULL;
     uint64_t n = 0, cap = 0;
     for (;;) {
-        if (n + 4096 + 1 > cap) {
-            char *q = realloc(p, (size_t)(cap = 2 * cap + 4096 + 1));
-            if (!q) break;
+        if (n + 65536 + 1 > cap) {
+            char *q = realloc(p, (size_t)(cap = 2 * cap + 65536 + 1));
+            if (!q) {
+                free(p);
+                return NULL;
+            }
             p = q;
         }
-        size_t r = fread(p + n, 1, 4096, f);
-        n += r;
+        ssize_t r = read(fd, p + n, 65536);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) {
+            free(p);
+            return NULL;
+        }
+        n += (uint64_t)r;
         if (r == 0 || n >= max) break;
     }
-    fclose(f);
-    if (p) p[n < max ? n : max] = 0;
+    n = n < max ? n : max;
+    p[n] = 0;
+    if (len) *len = n;
     return p;
 }
 
+/* Deletes path and, for a directory, everything below it, never following symbolic links. */
 static void rm_tree(const char *path) {
-    DIR *d = opendir(path);
-    if (d) {
-        struct dirent *e;
-        char sub[PATH_BYTES];
-        while ((e = readdir(d)))
-            if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
-                snprintf(sub, sizeof sub, "%s/%s", path, e->d_name) < PATH_BYTES)
-                rm_tree(sub);
-        closedir(d);
-        rmdir(path);
-    } else {
+    struct stat sb;
+    if (lstat(path, &sb)) return;
+    DIR *d = S_ISDIR(sb.st_mode) ? opendir(path) : NULL;
+    if (!d) {
         unlink(path);
+        return;
     }
+    struct dirent *e;
+    char sub[PATH_BYTES];
+    while ((e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..") &&
+            snprintf(sub, sizeof sub, "%s/%s", path, e->d_name) < PATH_BYTES)
+            rm_tree(sub);
+    closedir(d);
+    rmdir(path);
 }
 
 static int32_t mkdir_p(const char *path, fa_status *st) {
@@ -216,38 +270,284 @@ static int32_t mkdir_p(const char *path, fa_status *st) {
         if (mkdir(p, 0700) && errno != EEXIST) return io_fail(st, "create directory", p);
         if (!(*c = end)) break;
     }
-    struct stat sb;
-    if (stat(path, &sb) || !S_ISDIR(sb.st_mode)) return io_fail(st, "use directory", path);
     return FA_OK;
 }
 
-/* Runs argv (no shell: paths may hold spaces) with stdout to out_path (or /dev/null) and stderr to
- * err_path. Returns the exit status, 256 + the signal if one killed it, or -1 (errno set) if it
- * could not be started. */
-static int32_t run(char *const argv[], const char *out_path, const char *err_path) {
+/* ---- what the cache trusts ---- */
+
+/* Why a cache entry cannot be trusted, or NULL: the cache trusts only what the current user alone
+ * can have written (code in it runs as this user). */
+static const char *untrusted(const struct stat *sb, char why[160]) {
+    if (S_ISLNK(sb->st_mode)) return "it is a symbolic link";
+    if (sb->st_uid != geteuid()) {
+        snprintf(why, 160, "it is owned by uid %u, not by the current user (uid %u)", (unsigned)sb->st_uid,
+                 (unsigned)geteuid());
+        return why;
+    }
+    if (sb->st_mode & (S_IWGRP | S_IWOTH)) {
+        snprintf(why, 160, "it is %s-writable (mode %03o)", sb->st_mode & S_IWOTH ? "world" : "group",
+                 (unsigned)(sb->st_mode & 0777));
+        return why;
+    }
+    return NULL;
+}
+
+static int32_t refuse(fa_status *st, const char *path, const char *why) {
+    return fa_fail(st, FA_ERR_COMPILE,
+                   "CPU Metal device: refusing to use %s from the kernel cache: %s; the cache trusts only "
+                   "entries that are not symbolic links, are owned by the current user and are writable by "
+                   "nobody else (fix or remove it, or set FLASHATTN_MPS_CACHE to a private directory)",
+                   path, why);
+}
+
+/* A directory the cache may use: refused if it is a symbolic link, not a directory, someone
+ * else's or writable by others. */
+static int32_t trusted_dir(const char *path, fa_status *st) {
+    struct stat sb;
+    char why[160];
+    if (lstat(path, &sb)) return io_fail(st, "use directory", path);
+    const char *bad = S_ISLNK(sb.st_mode) ? "it is a symbolic link" : !S_ISDIR(sb.st_mode) ? "it is not a directory"
+                                                                                          : untrusted(&sb, why);
+    return bad ? refuse(st, path, bad) : FA_OK;
+}
+
+/* The cache directory, created private (0700) if absent, then checked as trusted_dir. */
+static int32_t private_dir(const char *path, fa_status *st) {
+    struct stat sb;
+    if (lstat(path, &sb) && errno == ENOENT && mkdir_p(path, st)) return st->code;
+    return trusted_dir(path, st);
+}
+
+/* Opens a cache file for reading without following a symbolic link. Returns the descriptor, -1
+ * (errno ENOENT) when the file is absent, or -2 with st set when it is refused or unreadable. */
+static int open_trusted(const char *path, fa_status *st) {
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK); /* O_NONBLOCK: a planted FIFO */
+    if (fd < 0) {
+        if (errno == ENOENT) return -1;
+        if (errno == ELOOP || errno == EMLINK) refuse(st, path, "it is a symbolic link");
+        else io_fail(st, "open", path);
+        return -2;
+    }
+    struct stat sb;
+    char why[160];
+    const char *bad = fstat(fd, &sb) ? strerror(errno) : !S_ISREG(sb.st_mode) ? "it is not a regular file"
+                                                                                : untrusted(&sb, why);
+    if (bad) {
+        refuse(st, path, bad);
+        close(fd);
+        return -2;
+    }
+    return fd;
+}
+
+/* ---- processes ---- */
+
+enum { RUN_TIMEOUT = -2, RUN_INTERRUPTED = -3, DEFAULT_COMPILE_TIMEOUT = 600 };
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int make_pipe(int p[2]) {
+#ifdef __linux__
+    return pipe2(p, O_CLOEXEC);
+#else
+    if (pipe(p)) return -1;
+    fcntl(p[0], F_SETFD, FD_CLOEXEC);
+    fcntl(p[1], F_SETFD, FD_CLOEXEC);
+    return 0;
+#endif
+}
+
+typedef struct capture {
+    int fd;
+    char *text;
+    uint64_t len;
+} capture;
+
+/* Reads what is available; closes the pipe at its end. Keeps at most MAX_OUTPUT bytes. */
+static void drain(capture *c) {
+    char chunk[16384];
+    ssize_t r = read(c->fd, chunk, sizeof chunk);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN)) return;
+    if (r <= 0) {
+        close(c->fd);
+        c->fd = -1;
+        return;
+    }
+    uint64_t keep = c->len + (uint64_t)r > MAX_OUTPUT ? MAX_OUTPUT - c->len : (uint64_t)r;
+    char *t = keep ? realloc(c->text, (size_t)(c->len + keep + 1)) : c->text;
+    if (!t) return;
+    memcpy(t + c->len, chunk, (size_t)keep);
+    c->text = t;
+    c->len += keep;
+    t[c->len] = 0;
+}
+
+/* SIGINTs counted when this thread's compile started: one Ctrl-C stops all its compiler runs. */
+static _Thread_local uint64_t tls_interrupts;
+
+/* Runs argv (no shell: paths may hold spaces) in its own process group, stdin from /dev/null.
+ * stdout (when out != NULL) and stderr are captured through pipes, never files: on a full disk
+ * the compiler's message must still arrive. The whole process group is killed after `timeout`
+ * seconds or on SIGINT (since the compile began). Returns the exit status, 256 + the signal that killed it,
+ * RUN_TIMEOUT, RUN_INTERRUPTED, or -1 (errno set) if it could not be started. *err and *out
+ * receive malloc'ed text (possibly NULL). */
+static int32_t run(char *const argv[], char **out, char **err, double timeout) {
+    capture cap[2] = {{-1, NULL, 0}, {-1, NULL, 0}}; /* stderr, stdout */
+    int p[2][2] = {{-1, -1}, {-1, -1}};
+    *err = NULL;
+    if (out) *out = NULL;
+    if (make_pipe(p[0]) || (out && make_pipe(p[1]))) {
+        for (int i = 0; i < 4; i++)
+            if (p[i / 2][i % 2] >= 0) close(p[i / 2][i % 2]);
+        return -1;
+    }
     posix_spawn_file_actions_t fa;
-    if (posix_spawn_file_actions_init(&fa)) return -1;
+    posix_spawnattr_t attr;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawnattr_init(&attr);
     posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-    posix_spawn_file_actions_addopen(&fa, 1, out_path ? out_path : "/dev/null", O_WRONLY | O_CREAT | O_TRUNC,
-                                     0644);
-    posix_spawn_file_actions_addopen(&fa, 2, err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (out) posix_spawn_file_actions_adddup2(&fa, p[1][1], 1);
+    else posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_adddup2(&fa, p[0][1], 2);
+    sigset_t none, defaults;
+    sigemptyset(&none);
+    sigemptyset(&defaults);
+    int reset[] = {SIGINT, SIGPIPE, SIGTERM, SIGQUIT, SIGURG, SIGXFSZ};
+    for (uint64_t i = 0; i < COUNT(reset); i++) sigaddset(&defaults, reset[i]);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    posix_spawnattr_setpgroup(&attr, 0);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
     pid_t pid;
-    int rc = posix_spawnp(&pid, argv[0], &fa, NULL, argv, environ);
+    int rc = posix_spawnp(&pid, argv[0], &fa, &attr, argv, environ);
     posix_spawn_file_actions_destroy(&fa);
+    posix_spawnattr_destroy(&attr);
+    close(p[0][1]);
+    if (out) close(p[1][1]);
+    cap[0].fd = p[0][0];
+    cap[1].fd = out ? p[1][0] : -1;
     if (rc) {
+        for (int i = 0; i < 2; i++)
+            if (cap[i].fd >= 0) close(cap[i].fd);
         errno = rc;
         return -1;
     }
-    int status;
-    while (waitpid(pid, &status, 0) < 0)
-        if (errno != EINTR) return -1;
+    double deadline = now_seconds() + timeout;
+    int status = 0, result = 0, reaped = 0;
+    while (!reaped) {
+        struct pollfd fds[2];
+        nfds_t n = 0;
+        for (int i = 0; i < 2; i++)
+            if (cap[i].fd >= 0) fds[n++] = (struct pollfd){cap[i].fd, POLLIN, 0};
+        if (n) {
+            if (poll(fds, n, 50) > 0)
+                for (int i = 0; i < 2; i++)
+                    for (nfds_t k = 0; k < n; k++)
+                        if (cap[i].fd >= 0 && fds[k].fd == cap[i].fd && fds[k].revents) drain(&cap[i]);
+        } else {
+            pid_t w = waitpid(pid, &status, WNOHANG);
+            if (w == pid || (w < 0 && errno != EINTR)) {
+                reaped = 1;
+                break;
+            }
+            nanosleep(&(struct timespec){0, 20000000}, NULL);
+        }
+        int32_t stop = mcpu_interrupts() != tls_interrupts ? RUN_INTERRUPTED : now_seconds() > deadline ? RUN_TIMEOUT : 0;
+        if (stop) {
+            kill(-pid, SIGKILL); /* the compiler's own children (cc1plus, ld) too */
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+            }
+            result = stop;
+            break;
+        }
+    }
+    for (int i = 0; i < 2; i++)
+        if (cap[i].fd >= 0) close(cap[i].fd);
+    *err = cap[0].text;
+    if (out) *out = cap[1].text;
+    else free(cap[1].text);
+    if (result) return result;
     return WIFEXITED(status) ? WEXITSTATUS(status) : 256 + WTERMSIG(status);
 }
 
-static const char *compiler(void) {
-    const char *c = getenv("FLASHATTN_MPS_CXX");
-    if (!c || !*c) c = getenv("CXX");
-    return c && *c ? c : "c++";
+/* Seconds a compiler run may take: $FLASHATTN_MPS_COMPILE_TIMEOUT, else 600. */
+static int32_t compile_timeout(double *seconds, fa_status *st) {
+    const char *env = getenv("FLASHATTN_MPS_COMPILE_TIMEOUT");
+    *seconds = DEFAULT_COMPILE_TIMEOUT;
+    if (!env || !*env) return FA_OK;
+    char *end;
+    double v = strtod(env, &end);
+    if (*end || !(v > 0))
+        return fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_COMPILE_TIMEOUT='%s': expected a number of seconds > 0",
+                       env);
+    *seconds = v;
+    return FA_OK;
+}
+
+/* Why a compiler run failed to produce a status: for messages. */
+static const char *run_failure(int32_t status, double timeout, char buf[96]) {
+    if (status == RUN_TIMEOUT) snprintf(buf, 96, "it ran longer than %g s (FLASHATTN_MPS_COMPILE_TIMEOUT)", timeout);
+    else if (status == RUN_INTERRUPTED) snprintf(buf, 96, "interrupted (SIGINT)");
+    else snprintf(buf, 96, "%s", strerror(errno));
+    return buf;
+}
+
+/* The compiler command: $FLASHATTN_MPS_CXX, else $CXX, else "c++", split into words at blanks, with
+ * '...' and "..." quoting as in a shell (no expansions), so that CXX="ccache g++" works. */
+enum { MAX_WORDS = 32 };
+typedef struct command {
+    char text[PATH_BYTES];
+    char *argv[MAX_WORDS + 1];
+    uint32_t argc;
+    const char *source; /* the variable it came from, for messages */
+} command;
+
+static int32_t compiler(command *c, fa_status *st) {
+    const char *env = getenv("FLASHATTN_MPS_CXX");
+    c->source = "FLASHATTN_MPS_CXX";
+    if (!env || !*env) env = getenv("CXX"), c->source = "CXX";
+    if (!env || !*env) env = "c++", c->source = "the default";
+    if (strlen(env) >= sizeof c->text)
+        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command (%s) is longer than %zu bytes",
+                       c->source, sizeof c->text - 1);
+    char *w = c->text, quote = 0;
+    const char *r = env;
+    c->argc = 0;
+    for (;;) {
+        while (!quote && (*r == ' ' || *r == '\t')) r++;
+        if (!*r) break;
+        if (c->argc == MAX_WORDS)
+            return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has more than %d words",
+                           env, c->source, MAX_WORDS);
+        c->argv[c->argc++] = w;
+        for (; *r && (quote || (*r != ' ' && *r != '\t')); r++) {
+            if (quote ? *r == quote : (*r == '\'' || *r == '"')) quote = quote ? 0 : *r;
+            else if (*r == '\\' && quote != '\'' && r[1]) *w++ = *++r;
+            else *w++ = *r;
+        }
+        if (quote)
+            return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has an unterminated %c",
+                           env, c->source, quote);
+        *w++ = 0;
+    }
+    if (c->argc == 0)
+        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command (%s) is blank", c->source);
+    c->argv[c->argc] = NULL;
+    return FA_OK;
+}
+
+/* argv: the command's words, then `extra` (NULL-terminated). */
+static char **with_args(const command *c, char *const extra[], uint64_t n_extra) {
+    char **argv = calloc((size_t)(c->argc + n_extra + 1), sizeof *argv);
+    if (!argv) return NULL;
+    memcpy(argv, c->argv, c->argc * sizeof *argv);
+    memcpy(argv + c->argc, extra, (size_t)n_extra * sizeof *argv);
+    return argv;
 }
 
 /* ---- cache directory, compiler identity, shim directory ---- */
@@ -271,42 +571,38 @@ int32_t mcpu_cache_dir(char *out, size_t out_len, fa_status *st) {
     else
         return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: no cache directory (set FLASHATTN_MPS_CACHE)");
     if (n < 0 || (uint64_t)n >= out_len || n >= PATH_BYTES - 128)
-        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: cache directory path too long");
-    return mkdir_p(out, st);
+        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: cache directory path too long: %s", out);
+    while (n > 1 && out[n - 1] == '/') out[--n] = 0; /* lstat("link/") would follow the link */
+    return private_dir(out, st);
 }
 
 /* `<cxx> --version`, run once per process (again only if the compiler asked for changes). Returns
  * a malloc'ed copy. */
-static char *compiler_identity(const char *cache, const char *cxx, fa_status *st) {
+static char *compiler_identity(const command *cxx, double timeout, fa_status *st) {
     char *id = NULL;
     pthread_mutex_lock(&g_lock);
-    if (g_cxx && !strcmp(g_cxx, cxx)) id = strdup(g_cxx_id);
+    if (g_cxx && !strcmp(g_cxx, cxx->text)) id = strdup(g_cxx_id);
     pthread_mutex_unlock(&g_lock);
     if (id) return id;
-    char dir[PATH_BYTES], out[PATH_BYTES], err[PATH_BYTES];
-    if (join(dir, cache, "tmp-XXXXXX", st)) return NULL;
-    if (!mkdtemp(dir)) {
-        io_fail(st, "create directory in", cache);
-        return NULL;
-    }
-    join(out, dir, "version.txt", st);
-    join(err, dir, "stderr.txt", st);
-    char *argv[] = {(char *)cxx, "--version", NULL};
-    int32_t rc = run(argv, out, err);
+    mcpu_signals_ensure(); /* Ctrl-C stops the compiler */
+    char *version[] = {"--version"}, **argv = with_args(cxx, version, 1), *err = NULL, why[96];
+    int32_t rc = argv ? run(argv, &id, &err, timeout) : -1;
     int32_t saved = errno;
-    if (rc == 0) id = read_file(out, MAX_OUTPUT);
-    rm_tree(dir);
-    if (!id || !*id) {
+    free(argv);
+    if (rc || !id || !*id) {
+        errno = saved;
         fa_fail(st, FA_ERR_UNSUPPORTED,
-                "CPU Metal device: cannot run the C++ compiler '%s' (%s); set FLASHATTN_MPS_CXX or CXX", cxx,
-                rc < 0 ? strerror(saved)
-                : rc   ? "`--version` failed"
-                       : "no `--version` output");
+                "CPU Metal device: cannot run the C++ compiler '%s' (from %s): %s%s%s; set FLASHATTN_MPS_CXX or CXX",
+                cxx->text, cxx->source,
+                rc < 0 ? run_failure(rc, timeout, why) : rc ? "`--version` failed" : "no `--version` output",
+                err && *err ? ": " : "", err ? err : "");
         free(id);
+        free(err);
         return NULL;
     }
+    free(err);
     pthread_mutex_lock(&g_lock);
-    char *c = strdup(cxx), *i = strdup(id);
+    char *c = strdup(cxx->text), *i = strdup(id);
     if (c && i) {
         free(g_cxx);
         free(g_cxx_id);
@@ -320,28 +616,77 @@ static char *compiler_identity(const char *cache, const char *cxx, fa_status *st
     return id;
 }
 
-/* <cache>/shim-<hash>/ with the shim headers and include/ with empty <metal_*> stubs. Built in a
- * temporary directory and renamed into place, so an existing one is always complete. */
-static int32_t shim_dir(const char *cache, char *dir, fa_status *st) {
+/* Whether dir/name holds exactly `text` and the cache may trust it. */
+static int32_t holds(const char *dir, const char *name, const char *text) {
+    char path[PATH_BYTES];
+    fa_status ignored;
+    if (join(path, dir, name, &ignored)) return 0;
+    int fd = open_trusted(path, &ignored);
+    if (fd < 0) return 0;
+    uint64_t n, want = strlen(text);
+    char *got = read_fd(fd, want + 1, &n);
+    close(fd);
+    int32_t same = got && n == want && !memcmp(got, text, (size_t)n);
+    free(got);
+    return same;
+}
+
+/* Number of entries of a directory other than . and .., or -1. */
+static int64_t entries(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int64_t n = 0;
+    for (struct dirent *e; (e = readdir(d));) n += strcmp(e->d_name, ".") && strcmp(e->d_name, "..");
+    closedir(d);
+    return n;
+}
+
+/* Whether dir is a complete shim directory holding nothing else, every entry trusted. Every
+ * compiled library includes these headers: a planted or edited one must never be used. */
+static int32_t shim_intact(const char *dir) {
+    char inc[PATH_BYTES];
+    fa_status ignored;
+    if (trusted_dir(dir, &ignored) || join(inc, dir, "include", &ignored) || trusted_dir(inc, &ignored)) return 0;
+    if (entries(dir) != (int64_t)mcpu_shim_file_count + 1 || entries(inc) != (int64_t)COUNT(STUBS)) return 0;
+    for (uint32_t i = 0; i < mcpu_shim_file_count; i++)
+        if (!holds(dir, mcpu_shim_files[i].name, mcpu_shim_files[i].text)) return 0;
+    for (uint32_t i = 0; i < COUNT(STUBS); i++)
+        if (!holds(inc, STUBS[i], "")) return 0;
+    return 1;
+}
+
+/* <base>/shim-<hash>/ with the shim headers and include/ with empty <metal_*> stubs. Built in a
+ * temporary directory and renamed into place; an existing one is used only if it holds exactly
+ * these files with exactly this text, otherwise it is replaced (or refused if it is not ours). */
+static int32_t shim_dir(const char *base, char *dir, fa_status *st) {
     char hash[33], name[64], tmp[PATH_BYTES], path[PATH_BYTES], inc[PATH_BYTES];
     struct stat sb;
     shim_hash(hash);
     snprintf(name, sizeof name, "shim-%.16s", hash);
-    if (join(dir, cache, name, st)) return st->code;
-    if (!stat(dir, &sb) && S_ISDIR(sb.st_mode)) return FA_OK;
-    if (join(tmp, cache, "tmp-XXXXXX", st)) return st->code;
-    if (!mkdtemp(tmp)) return io_fail(st, "create directory in", cache);
-    int32_t rc = join(inc, tmp, "include", st);
-    if (!rc && mkdir(inc, 0755)) rc = io_fail(st, "create directory", inc);
-    for (uint32_t i = 0; !rc && i < mcpu_shim_file_count; i++)
-        if (!(rc = join(path, tmp, mcpu_shim_files[i].name, st)))
-            rc = write_file(path, mcpu_shim_files[i].text, strlen(mcpu_shim_files[i].text), st);
-    for (uint32_t i = 0; !rc && i < COUNT(STUBS); i++)
-        if (!(rc = join(path, inc, STUBS[i], st))) rc = write_file(path, "", 0, st);
-    if (!rc && chmod(tmp, 0755)) rc = io_fail(st, "set permissions of", tmp);
-    if (!rc && rename(tmp, dir) && !(errno == EEXIST || errno == ENOTEMPTY)) rc = io_fail(st, "create", dir);
-    rm_tree(tmp); /* nothing left if the rename happened; another process's copy won otherwise */
-    return rc;
+    if (join(dir, base, name, st)) return st->code;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        if (!lstat(dir, &sb)) {
+            if (shim_intact(dir)) return FA_OK;
+            char why[160];
+            const char *bad = untrusted(&sb, why);
+            if (bad) return refuse(st, dir, bad);
+            rm_tree(dir); /* ours but incomplete or edited: rebuild it */
+        }
+        if (join(tmp, base, "tmp-XXXXXX", st)) return st->code;
+        if (!mkdtemp(tmp)) return io_fail(st, "create directory in", base);
+        int32_t rc = join(inc, tmp, "include", st);
+        if (!rc && mkdir(inc, 0700)) rc = io_fail(st, "create directory", inc);
+        for (uint32_t i = 0; !rc && i < mcpu_shim_file_count; i++)
+            if (!(rc = join(path, tmp, mcpu_shim_files[i].name, st)))
+                rc = write_file(path, mcpu_shim_files[i].text, strlen(mcpu_shim_files[i].text), st);
+        for (uint32_t i = 0; !rc && i < COUNT(STUBS); i++)
+            if (!(rc = join(path, inc, STUBS[i], st))) rc = write_file(path, "", 0, st);
+        if (!rc && rename(tmp, dir) && !(errno == EEXIST || errno == ENOTEMPTY)) rc = io_fail(st, "create", dir);
+        rm_tree(tmp); /* nothing left if the rename happened; another process's copy won otherwise */
+        if (rc) return rc;
+    }
+    if (shim_intact(dir)) return FA_OK;
+    return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: %s keeps changing while it is written", dir);
 }
 
 int32_t mcpu_shim_dir(char *out, size_t out_len, fa_status *st) {
@@ -388,10 +733,12 @@ static int32_t boundary(const char *line) { return mentions(line, "error:") || m
 /* FA_ERR_COMPILE with the compiler's output, temporary-directory prefixes removed: first the first
  * error as .metal file:line:col (line markers give those; an error inside the shim is reported at
  * the first .metal location the compiler names for it), then the whole output. */
-static int32_t compile_error(fa_status *st, const char *what, int32_t rc, const char *err_path,
-                             const char *tmp, const char *shim) {
-    char *out = read_file(err_path, MAX_OUTPUT);
-    if (!out) return fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d)", what, rc);
+static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *out, const char *tmp,
+                             const char *shim) {
+    if (!out || !*out) {
+        free(out);
+        return fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d) without a message", what, rc);
+    }
     char prefix[PATH_BYTES];
     uint64_t pn = (uint64_t)snprintf(prefix, sizeof prefix, "%s/", tmp), w = 0, sn = strlen(shim);
     for (uint64_t r = 0; out[r];) {
@@ -430,7 +777,8 @@ static int32_t compile_error(fa_status *st, const char *what, int32_t rc, const 
     return FA_ERR_COMPILE;
 }
 
-/* A file name for the source inside the temporary directory: source_name without path separators. */
+/* A file name for the source inside the temporary directory: source_name without path separators
+ * and without a leading '.', which the build's own files (.preprocessed.ii, ...) start with. */
 static void safe_name(const char *source_name, char out[128]) {
     uint64_t n = 0;
     for (const char *c = source_name; *c && n < 100; c++)
@@ -438,24 +786,74 @@ static void safe_name(const char *source_name, char out[128]) {
     out[n] = 0;
 }
 
-/* Builds <cache>/<key>.so from source in the temporary directory tmp. */
-static int32_t build(const char *cxx, int32_t clang, const char *shim, const char *tmp, const char *so_path,
-                     const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
-                     fa_status *st) {
-    char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], err[PATH_BYTES], so[PATH_BYTES],
-        inc[PATH_BYTES], shim_h[PATH_BYTES];
+/* "note: ..." when the file system holding dir is (nearly) full, else "". */
+static void disk_note(const char *dir, char note[PATH_BYTES + 96]) {
+    struct statvfs fs;
+    uint64_t free_bytes = 0;
+    note[0] = 0;
+    if (!statvfs(dir, &fs) && (free_bytes = (uint64_t)fs.f_bavail * fs.f_frsize) < (64u << 20))
+        snprintf(note, PATH_BYTES + 96, "note: the file system holding %s has only %llu bytes free\n", dir,
+                 (unsigned long long)free_bytes);
+}
+
+/* One compiler run of the build; FA_OK or the failure in st. */
+static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_args, const char *what,
+                             const char *tmp, const char *shim, double timeout, fa_status *st) {
+    char **argv = with_args(cxx, args, n_args), *err = NULL, why[96];
+    if (!argv) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    int32_t status = run(argv, NULL, &err, timeout);
+    int32_t saved = errno;
+    free(argv);
+    if (status == 0) {
+        free(err);
+        return FA_OK;
+    }
+    if (status < 0) {
+        errno = saved;
+        fa_fail(st, status == -1 ? FA_ERR_UNSUPPORTED : FA_ERR_COMPILE,
+                "CPU Metal device: %s with '%s' (from %s) failed: %s", what, cxx->text, cxx->source,
+                run_failure(status, timeout, why));
+        free(err);
+        return st->code;
+    }
+    char note[PATH_BYTES + 96];
+    disk_note(tmp, note);
+    if (*note) { /* a full disk explains what the compiler says about it */
+        uint64_t n = strlen(note), m = err ? strlen(err) : 0;
+        char *both = malloc((size_t)(n + m + 1));
+        if (both) {
+            memcpy(both, note, (size_t)n);
+            memcpy(both + n, err ? err : "", (size_t)m + 1);
+            free(err);
+            err = both;
+        }
+    }
+    return compile_error(st, what, status, err, tmp, shim);
+}
+
+static const char KEY_MARK[] = "flashattn_mps CPU Metal library ";
+
+/* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
+ * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. */
+static int32_t build(const command *cxx, int32_t clang, int32_t clash, const char *shim, const char *tmp,
+                     const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
+                     uint32_t n_macros, double timeout, fa_status *st) {
+    char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], so[PATH_BYTES], inc[PATH_BYTES],
+        shim_h[PATH_BYTES];
     safe_name(source_name, base);
-    if (join(src, tmp, base, st) || join(pre, tmp, "preprocessed.ii", st) ||
-        join(cpp, tmp, "kernels.cpp", st) || join(err, tmp, "stderr.txt", st) ||
-        join(so, tmp, "library.so", st) || join(inc, shim, "include", st) ||
-        join(shim_h, shim, "msl_shim.h", st))
+    if (join(src, tmp, base, st) || join(pre, tmp, ".preprocessed.ii", st) || join(cpp, tmp, ".kernels.cpp", st) ||
+        join(so, tmp, ".library.so", st) || join(inc, shim, "include", st) || join(shim_h, shim, "msl_shim.h", st))
         return st->code;
 
     /* 1. the source, with a #line so diagnostics name source_name */
     const char *s = source + strspn(source, " \t");
     int32_t has_line = s[0] == '#' && !strncmp(s + 1 + strspn(s + 1, " \t"), "line", 4);
-    FILE *f = fopen(src, "wb");
-    if (!f) return io_fail(st, "create", src);
+    int fd = open(src, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    FILE *f = fd >= 0 ? fdopen(fd, "wb") : NULL;
+    if (!f) {
+        if (fd >= 0) close(fd);
+        return io_fail(st, "create", src);
+    }
     if (!has_line) {
         fputs("#line 1 \"", f);
         for (const char *c = source_name; *c; c++) {
@@ -465,14 +863,13 @@ static int32_t build(const char *cxx, int32_t clang, const char *shim, const cha
         fputs("\"\n", f);
     }
     fputs(source, f);
-    if (fclose(f)) return io_fail(st, "write", src);
+    if (ferror(f) | fclose(f)) return io_fail(st, "write", src);
 
     /* 2. c++ -E with the macros */
     uint64_t argc = 0, cap = COUNT(PRE_FLAGS) + n_macros + 8;
     char **argv = calloc((size_t)cap, sizeof *argv), **defs = calloc((size_t)n_macros + 1, sizeof *defs);
     int32_t rc = argv && defs ? FA_OK : fa_fail(st, FA_ERR_RUNTIME, "out of memory");
     if (!rc) {
-        argv[argc++] = (char *)cxx;
         for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) argv[argc++] = (char *)PRE_FLAGS[i];
         for (uint32_t i = 0; i < n_macros && !rc; i++) {
             const char *v = macros[i].value && *macros[i].value ? macros[i].value : "1";
@@ -490,46 +887,77 @@ static int32_t build(const char *cxx, int32_t clang, const char *shim, const cha
         argv[argc++] = "-o";
         argv[argc++] = pre;
     }
-    int32_t status = rc ? 0 : run(argv, NULL, err);
-    if (!rc && status < 0)
-        rc = fa_fail(st, FA_ERR_UNSUPPORTED, "cannot run the C++ compiler '%s': %s", cxx, strerror(errno));
-    if (!rc && status) rc = compile_error(st, "preprocessing", status, err, tmp, shim);
+    if (!rc) rc = compiler_step(cxx, argv, argc, "preprocessing", tmp, shim, timeout, st);
     for (uint32_t i = 0; defs && i < n_macros; i++) free(defs[i]);
     free(defs);
     free(argv);
     if (rc) return rc;
 
-    /* 3. the prepass */
-    char *text = read_file(pre, UINT64_MAX);
+    /* 3. the prepass, plus the key the library is built for */
+    fd = open(pre, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    char *text = fd >= 0 ? read_fd(fd, UINT64_MAX, NULL) : NULL;
+    if (fd >= 0) close(fd);
     if (!text) return io_fail(st, "read", pre);
     char *out = mcpu_preprocess(text, source_name, 0, st);
     free(text);
     if (!out) return st->code;
-    rc = write_file(cpp, out, strlen(out), st);
-    free(out);
+    char mark[160];
+    int n_mark = snprintf(mark, sizeof mark,
+                          "\nextern \"C\" __attribute__((visibility(\"default\"))) const char __msl_library_key[] ="
+                          " \"%s%s\";\n",
+                          KEY_MARK, key);
+    uint64_t n_out = strlen(out);
+    char *all = realloc(out, (size_t)(n_out + (uint64_t)n_mark + 1));
+    if (!all) {
+        free(out);
+        return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    }
+    memcpy(all + n_out, mark, (size_t)n_mark + 1);
+    rc = write_file(cpp, all, n_out + (uint64_t)n_mark, st);
+    free(all);
     if (rc) return rc;
 
-    /* 4. compile and link, then move into place atomically */
+    /* 4. compile and link */
     char *cc[COUNT(CC_FLAGS) + 10];
     uint64_t n = 0;
-    cc[n++] = (char *)cxx;
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) cc[n++] = (char *)CC_FLAGS[i];
     cc[n++] = clang ? "-Wno-unknown-attributes" : "-Wno-attributes";
+    if (clash) cc[n++] = (char *)STACK_CLASH_FLAG;
     cc[n++] = "-include";
     cc[n++] = shim_h;
     cc[n++] = cpp;
     cc[n++] = "-o";
     cc[n++] = so;
     cc[n++] = "-lm";
-    cc[n] = NULL;
-    status = run(cc, NULL, err);
-    if (status < 0)
-        return fa_fail(st, FA_ERR_UNSUPPORTED, "cannot run the C++ compiler '%s': %s", cxx, strerror(errno));
-    if (status) return compile_error(st, "compiling", status, err, tmp, shim);
-    if (rename(so, so_path)) return io_fail(st, "move the compiled library to", so_path);
-    return FA_OK;
+    return compiler_step(cxx, cc, n, "compiling", tmp, shim, timeout, st);
 }
 
+/* Whether the compiler takes STACK_CLASH_FLAG (probe each page of a large frame, so a frame larger
+ * than the fiber stack still lands on its guard). Decided by the compiler's identity, which is
+ * in the cache key; asked once per process and compiler. */
+static int32_t stack_clash_supported(const command *cxx, double timeout) {
+    static char *asked;
+    static int32_t answer;
+    pthread_mutex_lock(&g_lock);
+    int32_t known = asked && !strcmp(asked, cxx->text);
+    int32_t result = answer;
+    pthread_mutex_unlock(&g_lock);
+    if (known) return result;
+    char *args[] = {(char *)STACK_CLASH_FLAG, "-Werror", "-x", "c++", "-S", "-o", "/dev/null", "/dev/null"};
+    char **argv = with_args(cxx, args, COUNT(args)), *err = NULL;
+    int32_t status = argv ? run(argv, NULL, &err, timeout) : -1;
+    free(argv);
+    free(err);
+    if (status < 0) return 0; /* not an answer (stopped): the build's own runs say why */
+    pthread_mutex_lock(&g_lock);
+    free(asked);
+    asked = strdup(cxx->text);
+    answer = status == 0;
+    pthread_mutex_unlock(&g_lock);
+    return status == 0;
+}
+
+/* dlopens a library built for key (its __msl_library_key must say so) and binds it. */
 static mcpu_library *load(const char *path, const char *key, fa_status *st) {
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
@@ -539,6 +967,7 @@ static mcpu_library *load(const char *path, const char *key, fa_status *st) {
     void (*bind)(const msl_runtime_api *);
     *(void **)&bind = dlsym(h, "__msl_bind_runtime"); /* POSIX's way to get a function pointer */
     const char *const *names = (const char *const *)dlsym(h, "__msl_kernel_names");
+    const char *built_for = (const char *)dlsym(h, "__msl_library_key");
     const msl_runtime_api *api = mcpu_runtime_api();
     mcpu_library *lib = calloc(1, sizeof *lib);
     uint64_t n = 0;
@@ -547,6 +976,10 @@ static mcpu_library *load(const char *path, const char *key, fa_status *st) {
     if (!bind || !names || !api || api->abi_version != MSL_ABI_VERSION || !lib || !lib->fns) {
         fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: %s is not a kernel library for runtime ABI %u", path,
                 MSL_ABI_VERSION);
+        goto fail;
+    }
+    if (!built_for || strncmp(built_for, KEY_MARK, sizeof KEY_MARK - 1) || strcmp(built_for + sizeof KEY_MARK - 1, key)) {
+        fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: %s was built for another key than %s", path, key);
         goto fail;
     }
     for (uint64_t i = 0; i < n; i++) {
@@ -571,6 +1004,77 @@ fail:
     return NULL;
 }
 
+/* <key>.sum, what the cache knows of <key>.so: its key, size and digest. */
+static void manifest(char out[256], const char *key, const char *data, uint64_t n) {
+    sha256 s;
+    char digest[33];
+    sha_init(&s);
+    sha_update(&s, data, n);
+    sha_hex(&s, digest);
+    snprintf(out, 256, "%skey %s\nbytes %llu\nsha256-128 %s\n", KEY_MARK, key, (unsigned long long)n, digest);
+}
+
+enum { CACHE_MISS = 0, CACHE_HIT = 1, CACHE_REFUSED = -1 };
+
+/* <dir>/<key>.so, loaded only if the cache vouches for it: both it and <key>.sum are regular files
+ * only the current user can write (else CACHE_REFUSED, st says why), and the library's size and
+ * digest match the manifest, which names key (else CACHE_MISS with *damaged = 1: a truncated or
+ * swapped library is rebuilt, never loaded: dlopen of a truncated file dies of SIGBUS). */
+static int32_t load_cached(const char *dir, const char *key, mcpu_library **lib, int32_t *damaged, fa_status *st) {
+    char so[PATH_BYTES], sum[PATH_BYTES], name[64], want[256];
+    *lib = NULL;
+    *damaged = 0;
+    snprintf(name, sizeof name, "%s.so", key);
+    if (join(so, dir, name, st)) return CACHE_REFUSED;
+    snprintf(name, sizeof name, "%s.sum", key);
+    if (join(sum, dir, name, st)) return CACHE_REFUSED;
+    int fd_so = open_trusted(so, st);
+    if (fd_so == -2) return CACHE_REFUSED;
+    int fd_sum = fd_so >= 0 ? open_trusted(sum, st) : -1;
+    if (fd_sum == -2) {
+        close(fd_so);
+        return CACHE_REFUSED;
+    }
+    if (fd_so < 0 || fd_sum < 0) {
+        *damaged = fd_so >= 0; /* a library without its manifest: an interrupted install */
+        if (fd_so >= 0) close(fd_so);
+        return CACHE_MISS;
+    }
+    uint64_t n_so = 0, n_sum = 0;
+    char *data = read_fd(fd_so, UINT64_MAX, &n_so), *got = read_fd(fd_sum, 256, &n_sum);
+    close(fd_so);
+    close(fd_sum);
+    if (data && got) manifest(want, key, data, n_so);
+    *damaged = !data || !got || strcmp(got, want);
+    free(data);
+    free(got);
+    if (*damaged) return CACHE_MISS;
+    fa_status ignored;
+    *lib = load(so, key, &ignored);
+    *damaged = !*lib;
+    return *lib ? CACHE_HIT : CACHE_MISS;
+}
+
+/* Moves the built library into the cache as <key>.so (private, fsync'ed, renamed, directory
+ * fsync'ed), then writes its manifest <key>.sum the same way. */
+static int32_t install(const char *built, const char *dir, const char *key, fa_status *st) {
+    char so[PATH_BYTES], name[64], text[256];
+    snprintf(name, sizeof name, "%s.so", key);
+    if (join(so, dir, name, st)) return st->code;
+    int fd = open(built, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    uint64_t n = 0;
+    char *data = fd >= 0 ? read_fd(fd, UINT64_MAX, &n) : NULL;
+    int32_t rc = !data || fchmod(fd, 0700) || fsync(fd) ? io_fail(st, "read", built) : FA_OK;
+    if (fd >= 0) close(fd);
+    if (!rc) manifest(text, key, data, n);
+    free(data);
+    if (!rc && rename(built, so)) rc = io_fail(st, "move the compiled library to", so);
+    if (rc) return rc;
+    sync_dir(dir);
+    snprintf(name, sizeof name, "%s.sum", key);
+    return write_atomic(dir, name, text, strlen(text), st);
+}
+
 static mcpu_library *find(const char *key) {
     mcpu_library *l = g_libs;
     while (l && strcmp(l->key, key)) l = l->next;
@@ -586,6 +1090,110 @@ static int32_t valid_macro(const mcpu_macro *m) {
     return !m->value || !strpbrk(m->value, "\r\n");
 }
 
+/* Builds the library for key into the cache, or, when the cache is read-only, into a private
+ * temporary directory it is loaded from (and not kept). */
+static mcpu_library *build_and_load(const char *cache, const command *cxx, const char *id, double timeout,
+                                    const char *key, int32_t damaged, const char *source, const char *source_name,
+                                    const mcpu_macro *macros, uint32_t n_macros, fa_status *st) {
+    char base[PATH_BYTES], shim[PATH_BYTES], tmp[PATH_BYTES], built[PATH_BYTES], name[64];
+    mcpu_signals_ensure(); /* Ctrl-C stops the compiler */
+    int32_t writable = access(cache, W_OK) == 0;
+    if (writable) {
+        snprintf(base, sizeof base, "%s", cache);
+    } else {
+        const char *t = getenv("TMPDIR");
+        if (snprintf(base, sizeof base, "%s/flashattn_mps-XXXXXX", t && *t ? t : "/tmp") >= PATH_BYTES - 128 ||
+            !mkdtemp(base)) {
+            io_fail(st, "create a private build directory for the read-only cache", cache);
+            return NULL;
+        }
+    }
+    if (damaged && writable)
+        for (int i = 0; i < 2; i++) {
+            snprintf(name, sizeof name, i ? "%s.sum" : "%s.so", key);
+            if (!join(tmp, cache, name, st)) unlink(tmp);
+        }
+    mcpu_library *lib = NULL;
+    int32_t rc = shim_dir(base, shim, st) || join(tmp, base, "tmp-XXXXXX", st) ? st->code : FA_OK;
+    if (!rc && !mkdtemp(tmp)) rc = io_fail(st, "create directory in", base);
+    if (!rc) {
+        rc = build(cxx, strstr(id, "clang") != NULL, stack_clash_supported(cxx, timeout), shim, tmp, key, source,
+                   source_name, macros, n_macros, timeout, st);
+        if (!rc) rc = join(built, tmp, ".library.so", st);
+        if (!rc && writable && !(rc = install(built, cache, key, st))) {
+            int32_t again;
+            if (load_cached(cache, key, &lib, &again, st) == CACHE_MISS)
+                fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: the library just built for %s does not load from %s",
+                        key, cache);
+        } else if (!rc) {
+            lib = load(built, key, st);
+        }
+        rm_tree(tmp);
+    }
+    if (!writable) rm_tree(base);
+    return lib;
+}
+
+static int32_t compile(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+                       mcpu_library **out, fa_status *st) {
+    char cache[PATH_BYTES], key[33];
+    command cxx;
+    double timeout;
+    if (mcpu_cache_dir(cache, sizeof cache, st) || compiler(&cxx, st) || compile_timeout(&timeout, st))
+        return st->code;
+    tls_interrupts = mcpu_interrupts();
+    char *id = compiler_identity(&cxx, timeout, st);
+    if (!id) return st->code;
+
+    sha256 s;
+    sha_init(&s);
+    sha_field(&s, "flashattn_mps CPU Metal library v2");
+    sha_update(&s, &(uint32_t){MSL_ABI_VERSION}, 4);
+    sha_field(&s, source);
+    sha_field(&s, source_name);
+    for (uint32_t i = 0; i < n_macros; i++) {
+        sha_field(&s, macros[i].name);
+        sha_field(&s, macros[i].value && *macros[i].value ? macros[i].value : "1");
+    }
+    for (uint32_t i = 0; i < mcpu_shim_file_count; i++) {
+        sha_field(&s, mcpu_shim_files[i].name);
+        sha_field(&s, mcpu_shim_files[i].text);
+    }
+    for (uint32_t i = 0; i < cxx.argc; i++) sha_field(&s, cxx.argv[i]);
+    sha_field(&s, id);
+    for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) sha_field(&s, PRE_FLAGS[i]);
+    for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) sha_field(&s, CC_FLAGS[i]);
+    sha_hex(&s, key);
+
+    pthread_mutex_lock(&g_lock);
+    mcpu_library *lib = find(key);
+    pthread_mutex_unlock(&g_lock);
+    int32_t damaged = 0;
+    if (!lib && load_cached(cache, key, &lib, &damaged, st) == CACHE_REFUSED) {
+        free(id);
+        return st->code;
+    }
+    if (!lib) lib = build_and_load(cache, &cxx, id, timeout, key, damaged, source, source_name, macros, n_macros, st);
+    free(id);
+    if (!lib) return st->code;
+
+    pthread_mutex_lock(&g_lock);
+    mcpu_library *raced = find(key); /* another thread finished first: same object, keep theirs */
+    if (!raced) {
+        lib->next = g_libs;
+        g_libs = lib;
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (raced && raced != lib) {
+        dlclose(lib->handle); /* drops our reference; theirs keeps it loaded */
+        free(lib->fns);
+        free(lib);
+        lib = raced;
+    }
+    *out = lib;
+    return FA_OK;
+}
+
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
                              uint32_t n_macros, mcpu_library **out, fa_status *st) {
     fa_status local;
@@ -598,72 +1206,7 @@ int32_t mcpu_compile_library(const char *source, const char *source_name, const 
             return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: bad macro %u ('%s')", i,
                            macros[i].name ? macros[i].name : "(null)");
     if (!source_name || !*source_name) source_name = "kernel.metal";
-
-    char cache[PATH_BYTES], shim[PATH_BYTES], key[33], so_path[PATH_BYTES], tmp[PATH_BYTES];
-    if (mcpu_cache_dir(cache, sizeof cache, st)) return st->code;
-    const char *cxx = compiler();
-    char *id = compiler_identity(cache, cxx, st);
-    if (!id) return st->code;
-    int32_t clang = strstr(id, "clang") != NULL;
-
-    sha256 s;
-    sha_init(&s);
-    sha_field(&s, "flashattn_mps CPU Metal library");
-    sha_update(&s, &(uint32_t){MSL_ABI_VERSION}, 4);
-    sha_field(&s, source);
-    sha_field(&s, source_name);
-    for (uint32_t i = 0; i < n_macros; i++) {
-        sha_field(&s, macros[i].name);
-        sha_field(&s, macros[i].value && *macros[i].value ? macros[i].value : "1");
-    }
-    for (uint32_t i = 0; i < mcpu_shim_file_count; i++) {
-        sha_field(&s, mcpu_shim_files[i].name);
-        sha_field(&s, mcpu_shim_files[i].text);
-    }
-    sha_field(&s, cxx);
-    sha_field(&s, id);
-    for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) sha_field(&s, PRE_FLAGS[i]);
-    for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) sha_field(&s, CC_FLAGS[i]);
-    sha_hex(&s, key);
-    free(id);
-
-    pthread_mutex_lock(&g_lock);
-    mcpu_library *lib = find(key);
-    pthread_mutex_unlock(&g_lock);
-    if (lib) {
-        *out = lib;
-        return FA_OK;
-    }
-
-    char so_name[64];
-    snprintf(so_name, sizeof so_name, "%s.so", key);
-    if (shim_dir(cache, shim, st) || join(so_path, cache, so_name, st)) return st->code;
-    fa_status ignored; /* a cached object that does not load is rebuilt */
-    if (!access(so_path, R_OK)) lib = load(so_path, key, &ignored); /* maybe built by another process */
-    if (!lib) {
-        if (join(tmp, cache, "tmp-XXXXXX", st)) return st->code;
-        if (!mkdtemp(tmp)) return io_fail(st, "create directory in", cache);
-        int32_t rc = build(cxx, clang, shim, tmp, so_path, source, source_name, macros, n_macros, st);
-        rm_tree(tmp);
-        if (rc) return rc;
-        if (!(lib = load(so_path, key, st))) return st->code;
-    }
-
-    pthread_mutex_lock(&g_lock);
-    mcpu_library *raced = find(key); /* another thread finished first: same object, keep theirs */
-    if (!raced) {
-        lib->next = g_libs;
-        g_libs = lib;
-    }
-    pthread_mutex_unlock(&g_lock);
-    if (raced) {
-        dlclose(lib->handle); /* drops our reference; theirs keeps it loaded */
-        free(lib->fns);
-        free(lib);
-        lib = raced;
-    }
-    *out = lib;
-    return FA_OK;
+    return compile(source, source_name, macros, n_macros, out, st);
 }
 
 const char *const *mcpu_library_kernels(const mcpu_library *lib) {

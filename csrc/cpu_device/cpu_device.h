@@ -20,8 +20,10 @@ typedef struct mcpu_macro {
 
 /* Compile (or fetch from the in-process cache, then the on-disk cache) a library.
  * source_name names the source in diagnostics ("fa_simple.metal"). On a compile error returns
- * FA_ERR_COMPILE with the compiler's message, MSL file and line in st->message. Thread-safe and
- * safe across processes sharing the disk cache. */
+ * FA_ERR_COMPILE with the compiler's message, MSL file and line in st->message; also when the
+ * cache holds an entry it refuses to trust (README, "Security and robustness"). Compiler runs
+ * time out after $FLASHATTN_MPS_COMPILE_TIMEOUT seconds (default 600). Thread-safe and safe
+ * across processes sharing the disk cache. */
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
                              uint32_t n_macros, mcpu_library **out, fa_status *st);
 
@@ -36,8 +38,9 @@ mcpu_kernel_fn mcpu_library_kernel(const mcpu_library *lib, const char *name);
  * addresses with offsets applied); threadgroup_arg_lengths[i] sizes [[threadgroup(i)]];
  * constants[i] is function constant i (kind MSL_CONSTANT_UNDEFINED where not set).
  * Fails with FA_ERR_VALUE on bad geometry (more than 1024 threads, a zero dimension, more than
- * 32 KiB of threadgroup memory) and FA_ERR_RUNTIME on a divergence, deadlock or kernel failure,
- * naming the kernel, source line and threads. Thread-safe. */
+ * 32 KiB of threadgroup memory) and FA_ERR_RUNTIME on a divergence, deadlock or kernel failure
+ * (a fault of kernel code: invalid memory access, stack overflow; SIGINT; the watchdog), naming
+ * the kernel, source line and threads. Thread-safe. */
 typedef struct mcpu_dispatch_args {
     const char *kernel;
     uint32_t grid[3];
@@ -57,6 +60,19 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, fa_status *st);
 
 /* The runtime's function table that compiled libraries bind to (runtime.c). */
 const msl_runtime_api *mcpu_runtime_api(void);
+
+/* The dispatch time limit (README, "Security and robustness"): a dispatch running longer than
+ * `seconds` fails with FA_ERR_RUNTIME naming the kernel; 0 (the default) means no limit.
+ * Initially $FLASHATTN_MPS_CPU_WATCHDOG. Applies to dispatches started afterwards. */
+int32_t mcpu_set_watchdog(double seconds, fa_status *st);
+double mcpu_watchdog(void);
+
+/* SIGINT (Ctrl-C) while the device works: a dispatch fails with FA_ERR_RUNTIME ("interrupted"),
+ * a compile kills the compiler; the signal still reaches the handler installed before (Python's,
+ * which raises KeyboardInterrupt once the call returns). mcpu_signals_ensure installs the
+ * runtime's handlers (also for faults of kernel code) once; mcpu_interrupts counts SIGINTs. */
+void mcpu_signals_ensure(void);
+uint64_t mcpu_interrupts(void);
 
 /* Threadgroup memory a threadgroup may use, as on Apple7-9 GPUs. */
 enum { MCPU_MAX_THREADGROUP_MEMORY = 32768 };

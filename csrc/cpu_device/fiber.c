@@ -172,30 +172,48 @@ void mcpu_fiber_switch(mcpu_fiber *from, mcpu_fiber *to) {
 }
 #endif
 
-int mcpu_fiber_stack_alloc(mcpu_fiber *f, size_t bytes) {
+static size_t page_round(size_t bytes) {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    size_t size = (bytes + page - 1) / page * page;
+    return (bytes + page - 1) / page * page;
+}
+
+int mcpu_stack_region_reserve(mcpu_stack_region *r, size_t count, size_t stack_bytes, size_t guard_bytes) {
+    r->stack_bytes = page_round(stack_bytes);
+    r->guard_bytes = page_round(guard_bytes ? guard_bytes : 1);
+    r->count = count;
     int flags = MAP_PRIVATE | MAP_ANONYMOUS;
-#ifdef MAP_NORESERVE /* 256 KiB x 1024 fibers x workers is much address space, little memory */
+#ifdef MAP_NORESERVE /* 1024 slots of 320 KiB are much address space, little memory */
     flags |= MAP_NORESERVE;
 #endif
-#ifdef MAP_STACK
-    flags |= MAP_STACK;
-#endif
-    char *base = mmap(NULL, size + page, PROT_READ | PROT_WRITE, flags, -1, 0);
-    if (base == MAP_FAILED) return -1;
-    if (mprotect(base, page, PROT_NONE) != 0) { /* guard page: an overflow faults */
-        munmap(base, size + page);
-        return -1;
-    }
-    f->stack = base + page;
-    f->stack_size = size;
+    void *base = mmap(NULL, count * (r->stack_bytes + r->guard_bytes), PROT_NONE, flags, -1, 0);
+    r->base = base == MAP_FAILED ? NULL : base;
+    return r->base ? 0 : -1;
+}
+
+int mcpu_stack_region_take(mcpu_stack_region *r, size_t i, mcpu_fiber *f) {
+    char *stack = r->base + i * (r->stack_bytes + r->guard_bytes) + r->guard_bytes;
+    if (i >= r->count || mprotect(stack, r->stack_bytes, PROT_READ | PROT_WRITE) != 0) return -1;
+    f->stack = stack;
+    f->stack_size = r->stack_bytes;
     return 0;
 }
 
-void mcpu_fiber_stack_free(mcpu_fiber *f) {
-    if (!f->stack) return;
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    munmap((char *)f->stack - page, f->stack_size + page);
-    f->stack = NULL;
+void mcpu_stack_region_trim(mcpu_stack_region *r) {
+    if (!r->base) return;
+#if defined(MADV_DONTNEED) && defined(__linux__)
+    madvise(r->base, r->count * (r->stack_bytes + r->guard_bytes), MADV_DONTNEED);
+#elif defined(MADV_FREE)
+    madvise(r->base, r->count * (r->stack_bytes + r->guard_bytes), MADV_FREE);
+#endif
+}
+
+void mcpu_stack_region_release(mcpu_stack_region *r) {
+    if (r->base) munmap(r->base, r->count * (r->stack_bytes + r->guard_bytes));
+    r->base = NULL;
+}
+
+long mcpu_stack_region_guard_slot(const mcpu_stack_region *r, const void *addr) {
+    uintptr_t a = (uintptr_t)addr, base = (uintptr_t)r->base, slot = r->stack_bytes + r->guard_bytes;
+    if (!r->base || a < base || a >= base + r->count * slot || (a - base) % slot >= r->guard_bytes) return -1;
+    return (long)((a - base) / slot);
 }

@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-enum { MCPU_FIBER_STACK_BYTES = 256 * 1024 };
+enum { MCPU_FIBER_STACK_BYTES = 256 * 1024, MCPU_FIBER_GUARD_BYTES = 64 * 1024 };
 
 typedef struct mcpu_fiber {
 #ifdef MCPU_FIBER_ASM
@@ -25,16 +25,31 @@ typedef struct mcpu_fiber {
 #else
     ucontext_t uc;
 #endif
-    void *stack;       /* usable stack (above the guard page); NULL for an OS thread's own stack */
+    void *stack;       /* usable stack (above its guard); NULL for an OS thread's own stack */
     size_t stack_size;
     void (*entry)(void *);
     void *arg;
     void *asan_fake_stack; /* AddressSanitizer bookkeeping, unused otherwise */
 } mcpu_fiber;
 
-/* Maps a stack of `bytes` (rounded up to pages) plus a guard page below it. Returns 0 on success. */
-int mcpu_fiber_stack_alloc(mcpu_fiber *f, size_t bytes);
-void mcpu_fiber_stack_free(mcpu_fiber *f);
+/* The fiber stacks of one worker: one reserved mapping of `count` slots, each an inaccessible
+ * guard below a stack, so an overflow (with the kernels' stack-clash probes: a frame of any size)
+ * faults in the guard instead of landing in a neighbour's stack. Only the slots taken are made
+ * accessible, and only touched pages take memory. */
+typedef struct mcpu_stack_region {
+    char *base;
+    size_t count, stack_bytes, guard_bytes; /* both multiples of the page size */
+} mcpu_stack_region;
+
+/* Reserves the region (no memory yet). Returns 0 on success. */
+int mcpu_stack_region_reserve(mcpu_stack_region *r, size_t count, size_t stack_bytes, size_t guard_bytes);
+/* Makes slot i's stack accessible and gives it to f. Returns 0 on success. */
+int mcpu_stack_region_take(mcpu_stack_region *r, size_t i, mcpu_fiber *f);
+/* Returns every page of the region to the OS (stacks keep their addresses; contents are lost). */
+void mcpu_stack_region_trim(mcpu_stack_region *r);
+void mcpu_stack_region_release(mcpu_stack_region *r);
+/* The slot whose guard holds addr, or -1. */
+long mcpu_stack_region_guard_slot(const mcpu_stack_region *r, const void *addr);
 
 /* Prepares f (with a stack) to run entry(arg) at the next switch into it. entry must never return:
  * it ends by switching away for the last time. Re-initialising a fiber reuses its stack. */

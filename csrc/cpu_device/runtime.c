@@ -1,24 +1,47 @@
 /* The CPU Metal device's runtime: runs a dispatch with Metal's execution model.
  *
  * Threadgroups are taken from an atomic counter by the calling thread and by helper threads of a
- * lazily created pool. Each OS thread (a "worker") runs one threadgroup at a time, every GPU
- * thread of it as a fiber. A fiber runs until it reaches a sync point (api->sync) or returns; then
- * the worker switches straight to the next runnable fiber of a ready queue. The last thread to
- * arrive at a barrier releases the others (queues them) and carries on without a switch, so a
- * barrier costs one fiber switch per thread. */
+ * lazily created pool. Each OS thread runs one threadgroup at a time on a "worker" (fibers,
+ * stacks, threadgroup memory) borrowed from a bounded process-wide set, every GPU thread as a
+ * fiber. A fiber runs until it reaches a sync point (api->sync) or returns; then the worker
+ * switches straight to the next runnable fiber of a ready queue. The last thread to arrive at a
+ * barrier releases the others (queues them) and carries on without a switch, so a barrier costs
+ * one fiber switch per thread.
+ *
+ * Guards (README, "Security and robustness"): while a fiber runs kernel code (worker.in_kernel),
+ * SIGSEGV, SIGBUS, SIGILL and SIGFPE of that code jump back to the worker's home context (on a
+ * per-thread alternate signal stack, so a stack overflow is caught too) and fail the dispatch
+ * naming the kernel; an x86-64 integer division fault is completed with an unspecified value, as
+ * a GPU does. A watchdog thread, awake only while dispatches run, stops a dispatch on SIGINT or
+ * after the configured time limit, preempting kernel code with SIGURG. */
 #if !defined(_GNU_SOURCE)
-#define _GNU_SOURCE /* posix_memalign, sysconf(_SC_NPROCESSORS_ONLN), pthread_atfork under -std=c11 */
+#define _GNU_SOURCE /* posix_memalign, sysconf(_SC_NPROCESSORS_ONLN), REG_RIP, dladdr under -std=c11 */
 #endif
 #include "cpu_device.h"
 #include "fiber.h"
 
+#include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/ucontext.h> /* ucontext_t; macOS has it from <signal.h> */
+#endif
+
+#if defined(__GNUC__) && !defined(__APPLE__)
+#define TLS_SIGNAL_SAFE __attribute__((tls_model("initial-exec"))) /* read in signal handlers */
+#else
+#define TLS_SIGNAL_SAFE
+#endif
 
 enum {
     MAX_THREADS = MSL_MAX_THREADS_PER_THREADGROUP,
@@ -37,6 +60,11 @@ typedef struct job {
     fa_status *st;
     uint32_t helpers_wanted, helpers_joined, helpers_active; /* under pool.mu */
     struct job *next;                                        /* pool.jobs list */
+    /* the watchdog's, under pool.mu */
+    struct job *next_active; /* pool.active list */
+    uint64_t interrupts;     /* SIGINTs counted when it started */
+    double time_limit, started;
+    int32_t seen;
 } job;
 
 typedef enum { READY, WAITING, DONE } gstate;
@@ -59,10 +87,21 @@ typedef struct scope {
     const gthread *first; /* the first arrival: everyone else must wait at the same point */
 } scope;
 
-/* Per OS thread state, kept for the thread's life so fibers, stacks and memory are reused. */
+/* What an OS thread needs to run threadgroups: borrowed from the pool for one dispatch, so fibers,
+ * stacks and memory are reused and their number stays bounded however many threads dispatch. */
 typedef struct worker {
     mcpu_fiber home; /* the OS thread's own stack: threadgroups start and end here */
     job *job;
+    volatile sig_atomic_t in_kernel; /* a fiber runs kernel code: its faults are the kernel's */
+    sigjmp_buf escape;               /* in run_threadgroup: where a fault or a stop lands */
+    volatile int fault_signal, fault_code; /* 0: stopped (SIGINT, watchdog) */
+    void *volatile fault_address;
+    void *volatile fault_pc;
+    mcpu_stack_region stacks;
+    uint32_t n_stacks;    /* slots taken */
+    pthread_t thread;     /* the thread using it, while in_use */
+    int32_t in_use, trimmed; /* under pool.mu */
+    struct worker *next;  /* pool.workers list */
     gthread *running;
     uint32_t n_threads, n_simdgroups, n_done;
     scope group, simd[MAX_SIMDGROUPS];
@@ -81,7 +120,7 @@ typedef struct worker {
     gthread threads[MAX_THREADS];
 } worker;
 
-static _Thread_local worker *tls_worker;
+static _Thread_local worker *tls_worker TLS_SIGNAL_SAFE; /* the worker this thread uses, if any */
 
 /* ---- failures ---- */
 
@@ -144,6 +183,7 @@ static void list_threads(text *m, const worker *w, uint32_t lo, uint32_t hi) {
  * resumes and the fibers are never run again. simdgroup >= 0 lists that SIMD-group's threads,
  * -1 the whole threadgroup's, -2 none. */
 _Noreturn static void group_fail(worker *w, int32_t code, int simdgroup, const char *fmt, ...) {
+    w->in_kernel = 0;
     text m = {.len = 0};
     const uint32_t *p = w->tg.threadgroup_position;
     add(&m, "kernel '%s': ", w->job->launch->kernel_name);
@@ -212,9 +252,17 @@ static void release(worker *w, scope *s, const gthread *self) {
     }
 }
 
+/* Leaves the threadgroup of a failed dispatch for good (from runtime code on a fiber). */
+_Noreturn static void abandon(worker *w) {
+    mcpu_fiber_switch(&w->running->fiber, &w->home);
+    __builtin_trap(); /* an abandoned fiber is never resumed */
+}
+
 static void rt_sync(msl_thread *t, int32_t kind, const char *what, const char *file, uint32_t line) {
     gthread *g = (gthread *)t;
     worker *w = g->w;
+    w->in_kernel = 0;
+    if (atomic_load_explicit(&w->job->failed, memory_order_relaxed)) abandon(w); /* stopped, or failed elsewhere */
     g->state = WAITING;
     g->kind = kind, g->what = what, g->file = file, g->line = line;
     int tg_scope = kind == MSL_SYNC_THREADGROUP_BARRIER;
@@ -230,17 +278,21 @@ static void rt_sync(msl_thread *t, int32_t kind, const char *what, const char *f
         group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
     if (++s->arrived < s->live) {
         run_next(w, g);
+        w->in_kernel = 1;
         return;
     }
     g->state = READY;
     release(w, s, g);
+    w->in_kernel = 1;
 }
 
 /* What every fiber runs: the kernel for one GPU thread, then leave for good. */
 static void thread_main(void *arg) {
     gthread *g = arg;
     worker *w = g->w;
+    w->in_kernel = 1;
     w->job->fn();
+    w->in_kernel = 0;
     g->state = DONE;
     w->n_done++;
     uint32_t sg = g->t.simdgroup_index_in_threadgroup;
@@ -285,13 +337,24 @@ static void *rt_threadgroup_static(msl_thread *t, const void *key, uint64_t size
     return p;
 }
 
+/* message without a leading "kernel '<name>': ", which group_fail adds. */
+static const char *own_words(const worker *w, const char *message) {
+    const char *name = w->job->launch->kernel_name;
+    size_t n = strlen(name);
+    if (!strncmp(message, "kernel '", 8) && !strncmp(message + 8, name, n) && !strncmp(message + 8 + n, "': ", 3))
+        return message + 11 + n;
+    return message;
+}
+
 static void rt_fail(msl_thread *t, const char *message, const char *file, uint32_t line) {
-    group_fail(((gthread *)t)->w, FA_ERR_RUNTIME, -2, "%s (%s:%u, thread %u)", message, file, line,
+    worker *w = ((gthread *)t)->w;
+    group_fail(w, FA_ERR_RUNTIME, -2, "%s (%s:%u, thread %u)", own_words(w, message), file, line,
                t->thread_index_in_threadgroup);
 }
 
 static void rt_fail_argument(msl_thread *t, const char *message, const char *file, uint32_t line) {
-    group_fail(((gthread *)t)->w, FA_ERR_VALUE, -2, "%s (%s:%u)", message, file, line);
+    worker *w = ((gthread *)t)->w;
+    group_fail(w, FA_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
 }
 
 const msl_runtime_api *mcpu_runtime_api(void) {
@@ -300,24 +363,186 @@ const msl_runtime_api *mcpu_runtime_api(void) {
     return &api;
 }
 
+/* ---- signals: faults of kernel code, Ctrl-C, preemption ---- */
+
+static const int handled_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGINT, SIGURG};
+enum { N_HANDLED = sizeof handled_signals / sizeof handled_signals[0] };
+static struct sigaction previous[N_HANDLED]; /* what each handler passes other signals on to */
+static _Atomic uint64_t interrupts;           /* SIGINTs seen */
+
+static int handled_index(int sig) {
+    for (int i = 0; i < N_HANDLED; i++)
+        if (handled_signals[i] == sig) return i;
+    return 0;
+}
+
+/* The handler that was installed before ours, as the OS would have run it. */
+static void pass_on(int sig, siginfo_t *info, void *context) {
+    const struct sigaction *old = &previous[handled_index(sig)];
+    if (old->sa_flags & SA_SIGINFO) {
+        if (old->sa_sigaction) old->sa_sigaction(sig, info, context);
+    } else if (old->sa_handler == SIG_DFL) {
+        if (sig == SIGURG) return; /* ignored by default */
+        signal(sig, SIG_DFL);      /* a fault recurs on return and kills as it would have */
+        if (sig == SIGINT || info->si_code <= 0) raise(sig);
+    } else if (old->sa_handler != SIG_IGN) {
+        old->sa_handler(sig);
+    }
+}
+
+static void *context_pc(void *context) {
+    ucontext_t *uc = context;
+#if defined(__linux__) && defined(__x86_64__)
+    return (void *)uc->uc_mcontext.gregs[REG_RIP];
+#elif defined(__linux__) && defined(__aarch64__)
+    return (void *)uc->uc_mcontext.pc;
+#elif defined(__APPLE__) && defined(__x86_64__)
+    return (void *)uc->uc_mcontext->__ss.__rip;
+#elif defined(__APPLE__) && defined(__aarch64__)
+    return (void *)uc->uc_mcontext->__ss.__pc;
+#else
+    (void)uc;
+    return NULL;
+#endif
+}
+
+#if defined(__x86_64__) && (defined(__linux__) || defined(__APPLE__))
+#if defined(__linux__)
+#define REG_OF(uc, r) ((uc)->uc_mcontext.gregs[REG_##r])
+#define CTX_RIP(uc) REG_OF(uc, RIP)
+#define CTX_RAX(uc) REG_OF(uc, RAX)
+#define CTX_RDX(uc) REG_OF(uc, RDX)
+#else
+#define CTX_RIP(uc) ((uc)->uc_mcontext->__ss.__rip)
+#define CTX_RAX(uc) ((uc)->uc_mcontext->__ss.__rax)
+#define CTX_RDX(uc) ((uc)->uc_mcontext->__ss.__rdx)
+#endif
+/* Completes a faulting x86-64 DIV/IDIV (division by zero, INT_MIN / -1) as a GPU does, without a
+ * trap: the quotient is the dividend (INT_MIN / -1 wraps to INT_MIN, x / 0 is unspecified in MSL),
+ * the remainder 0. Returns 0 if the instruction at the fault is not one it understands. */
+static int complete_division(void *context) {
+    ucontext_t *uc = context;
+    const uint8_t *p = (const uint8_t *)CTX_RIP(uc);
+    int bytes = 4;
+    if (*p == 0x66) bytes = 2, p++;
+    if ((*p & 0xF0) == 0x40) bytes = (*p & 8) ? 8 : bytes, p++; /* REX */
+    uint8_t op = *p++;
+    if (op == 0xF6) bytes = 1;
+    else if (op != 0xF7) return 0;
+    uint8_t modrm = *p++, mod = modrm >> 6, reg = (modrm >> 3) & 7, rm = modrm & 7;
+    if (reg != 6 && reg != 7) return 0; /* DIV, IDIV */
+    if (mod != 3) {
+        if (rm == 4 && mod == 0 && (*p & 7) == 5) p += 4; /* SIB without base: disp32 */
+        if (rm == 4) p++;                                 /* the SIB byte */
+        if (mod == 0 && rm == 5) p += 4;                  /* RIP-relative */
+        p += mod == 1 ? 1 : mod == 2 ? 4 : 0;
+    }
+    uint64_t rax = (uint64_t)CTX_RAX(uc);
+    if (bytes == 1) CTX_RAX(uc) = (long long)(rax & ~(uint64_t)0xFF00); /* AL = low byte of AX, AH = 0 */
+    else if (bytes == 2) CTX_RDX(uc) = (long long)((uint64_t)CTX_RDX(uc) & ~(uint64_t)0xFFFF);
+    else if (bytes == 4) CTX_RAX(uc) = (long long)(uint32_t)rax, CTX_RDX(uc) = 0;
+    else CTX_RDX(uc) = 0;
+    CTX_RIP(uc) = (long long)(uintptr_t)p;
+    return 1;
+}
+#else
+static int complete_division(void *context) { /* aarch64 divides by zero without a trap */
+    (void)context;
+    return 0;
+}
+#endif
+
+static void on_signal(int sig, siginfo_t *info, void *context) {
+    int saved_errno = errno;
+    worker *w = tls_worker;
+    if (sig == SIGINT) {
+        atomic_fetch_add(&interrupts, 1);
+    } else if (w && w->in_kernel) {
+        if (sig == SIGURG && atomic_load(&w->job->failed)) { /* the watchdog stops this dispatch */
+            w->in_kernel = 0;
+            w->fault_signal = 0;
+            siglongjmp(w->escape, 1);
+        }
+        if (sig != SIGURG && info->si_code > 0) { /* raised by the kernel's own instruction */
+            if (sig == SIGFPE && complete_division(context)) {
+                errno = saved_errno;
+                return;
+            }
+            w->in_kernel = 0;
+            w->fault_signal = sig;
+            w->fault_code = info->si_code;
+            w->fault_address = info->si_addr;
+            w->fault_pc = context_pc(context);
+            siglongjmp(w->escape, 1);
+        }
+    }
+    pass_on(sig, info, context);
+    errno = saved_errno;
+}
+
+/* Installs on_signal where it is not (again, if someone replaced it), passing on to what was
+ * there. An ignored SIGINT stays ignored. Under pool.mu or from pthread_once. */
+static void ensure_handlers(void) {
+    for (int i = 0; i < N_HANDLED; i++) {
+        struct sigaction cur, sa;
+        if (sigaction(handled_signals[i], NULL, &cur)) continue;
+        if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_signal) continue;
+        if (handled_signals[i] == SIGINT && !(cur.sa_flags & SA_SIGINFO) && cur.sa_handler == SIG_IGN) continue;
+        previous[i] = cur;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_signal;
+        sigemptyset(&sa.sa_mask);
+        /* SA_NODEFER: siglongjmp leaves no signal blocked. SIGINT keeps the previous handler's
+         * SA_RESTART choice (Python relies on interrupted system calls). */
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER |
+                      (handled_signals[i] == SIGINT ? cur.sa_flags & SA_RESTART : SA_RESTART);
+        sigaction(handled_signals[i], &sa, NULL);
+    }
+}
+
+static pthread_once_t signals_once = PTHREAD_ONCE_INIT;
+
+void mcpu_signals_ensure(void) { pthread_once(&signals_once, ensure_handlers); }
+
+uint64_t mcpu_interrupts(void) { return atomic_load(&interrupts); }
+
+enum { SIGNAL_STACK_BYTES = 64 * 1024 };
+static pthread_key_t pool_key(void);
+static _Thread_local int32_t tls_signal_stack TLS_SIGNAL_SAFE;
+
+/* An alternate signal stack for this thread (unless it has one, e.g. faulthandler's), so that a
+ * fiber's stack overflow can be handled. Freed when the thread exits (pool.key). */
+static void signal_stack_for_this_thread(void) {
+    if (tls_signal_stack) return;
+    tls_signal_stack = 1;
+    stack_t cur;
+    if (sigaltstack(NULL, &cur) || !(cur.ss_flags & SS_DISABLE)) return;
+    void *p = mmap(NULL, SIGNAL_STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    stack_t ss = {.ss_sp = p, .ss_flags = 0, .ss_size = SIGNAL_STACK_BYTES};
+    if (sigaltstack(&ss, NULL)) munmap(p, SIGNAL_STACK_BYTES);
+    else pthread_setspecific(pool_key(), p);
+}
+
+static void signal_stack_free(void *stack) {
+    stack_t cur, off = {.ss_sp = NULL, .ss_flags = SS_DISABLE, .ss_size = 0};
+    if (!sigaltstack(NULL, &cur) && cur.ss_sp == stack && !(cur.ss_flags & SS_ONSTACK) && !sigaltstack(&off, NULL))
+        munmap(stack, SIGNAL_STACK_BYTES);
+}
+
 /* ---- running threadgroups ---- */
 
 static worker *worker_new(void) {
     worker *w = NULL;
     if (posix_memalign((void **)&w, 64, sizeof *w) != 0) return NULL;
     memset(w, 0, sizeof *w);
-    if (posix_memalign((void **)&w->tg_memory, 4096, MCPU_MAX_THREADGROUP_MEMORY) != 0) {
+    if (posix_memalign((void **)&w->tg_memory, 4096, MCPU_MAX_THREADGROUP_MEMORY) != 0 ||
+        mcpu_stack_region_reserve(&w->stacks, MAX_THREADS, MCPU_FIBER_STACK_BYTES, MCPU_FIBER_GUARD_BYTES)) {
+        free(w->tg_memory);
         free(w);
         return NULL;
     }
     return w;
-}
-
-static void worker_free(void *p) {
-    worker *w = p;
-    for (uint32_t i = 0; i < MAX_THREADS; i++) mcpu_fiber_stack_free(&w->threads[i].fiber);
-    free(w->tg_memory);
-    free(w);
 }
 
 /* Sets up what stays the same for every threadgroup of the dispatch. */
@@ -333,11 +558,11 @@ static int worker_prepare(worker *w, job *j) {
         w->tg_args[a] = w->tg_memory + w->tg_args_bytes;
         w->tg_args_bytes += (l->threadgroup_arg_lengths[a] + 15) & ~(uint64_t)15;
     }
+    for (; w->n_stacks < w->n_threads; w->n_stacks++)
+        if (mcpu_stack_region_take(&w->stacks, w->n_stacks, &w->threads[w->n_stacks].fiber) != 0) return -1;
     for (uint32_t i = 0; i < w->n_threads; i++) {
         gthread *g = &w->threads[i];
         msl_thread *t = &g->t;
-        if (!g->fiber.stack && mcpu_fiber_stack_alloc(&g->fiber, MCPU_FIBER_STACK_BYTES) != 0)
-            return -1;
         g->w = w;
         t->thread_position_in_threadgroup[0] = i % tptg[0];
         t->thread_position_in_threadgroup[1] = i / tptg[0] % tptg[1];
@@ -354,6 +579,34 @@ static int worker_prepare(worker *w, job *j) {
         t->group = &w->tg;
     }
     return 0;
+}
+
+/* Fails the dispatch for a fault of kernel code on w's running fiber (after the escape). */
+static void report_fault(worker *w) {
+    const gthread *g = w->running;
+    const uint32_t *p = w->tg.threadgroup_position, *tp = g->t.thread_position_in_threadgroup;
+    int sig = w->fault_signal;
+    text m = {.len = 0};
+    add(&m, "kernel '%s': ", w->job->launch->kernel_name);
+    long slot = mcpu_stack_region_guard_slot(&w->stacks, w->fault_address);
+    if (slot >= 0)
+        add(&m, "stack overflow: the thread's %zu KiB fiber stack is exhausted (deep recursion or large local "
+                "arrays)", w->stacks.stack_bytes / 1024);
+    else if (sig == SIGSEGV || sig == SIGBUS)
+        add(&m, "invalid memory access (%s) at address %p, e.g. an out-of-bounds index into a buffer",
+            sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", w->fault_address);
+    else if (sig == SIGFPE)
+        add(&m, "arithmetic fault (SIGFPE)");
+    else
+        add(&m, "illegal instruction (SIGILL), e.g. a trap the compiler put where behaviour is undefined");
+    add(&m, " in threadgroup (%u,%u,%u), thread (%u,%u,%u) of it (index %u)", p[0], p[1], p[2], tp[0], tp[1], tp[2],
+        g->t.thread_index_in_threadgroup);
+    Dl_info info;
+    if (w->fault_pc && dladdr(w->fault_pc, &info) && info.dli_sname)
+        add(&m, ", in %s+0x%lx", info.dli_sname, (unsigned long)((char *)w->fault_pc - (char *)info.dli_saddr));
+    if (g->file) add(&m, ", after its sync point at %s:%u (%s)", g->file, g->line, g->what);
+    else add(&m, ", before any sync point");
+    job_fail(w->job, FA_ERR_RUNTIME, m.buf);
 }
 
 static void run_threadgroup(worker *w, uint64_t index) {
@@ -382,12 +635,16 @@ static void run_threadgroup(worker *w, uint64_t index) {
             g->t.thread_position_in_grid[d] = pos[d] * tptg[d] + g->t.thread_position_in_threadgroup[d];
         }
         g->t.xchg_parity = 0;
+        g->file = NULL;
         mcpu_fiber_init(&g->fiber, thread_main, g);
         make_ready(w, g);
     }
-    gthread *first = take_ready(w);
-    w->running = first;
-    mcpu_fiber_switch(&w->home, &first->fiber); /* back when all threads exited or one failed */
+    w->running = take_ready(w);
+    if (sigsetjmp(w->escape, 0) == 0) /* a fault or a stop in kernel code comes back here */
+        mcpu_fiber_switch(&w->home, &w->running->fiber); /* back when all threads exited or one failed */
+    else if (w->fault_signal)
+        report_fault(w);
+    w->in_kernel = 0;
     w->running = NULL;
 }
 
@@ -400,34 +657,190 @@ static void work(worker *w, job *j) {
     }
 }
 
-/* ---- the pool: helper threads that join dispatches ---- */
+/* ---- the pool: workers, helper threads that join dispatches, the watchdog ---- */
+
+/* Workers: twice the cores, at least MIN_WORKERS, but their fiber stacks (two mappings each: guard
+ * and stack) may take at most half of vm.max_map_count (a default of 16 where it is not known). */
+enum { TRIM_AFTER_IDLE_SECONDS = 1, MIN_WORKERS = 4, DEFAULT_MAX_WORKERS = 16 };
 
 static struct {
     pthread_once_t once;
-    pthread_key_t key; /* frees a thread's worker when the thread exits */
+    pthread_key_t key; /* a thread's signal stack, freed when the thread exits */
     pthread_mutex_t mu;
     pthread_cond_t work, idle; /* a job wants helpers; a job's last helper left */
+    pthread_cond_t worker_free, watch; /* a worker was returned; the watchdog has a job to watch */
     job *jobs;                 /* dispatches open to helpers */
+    job *active;               /* every running dispatch */
+    worker *workers;           /* every worker */
+    uint32_t n_workers, max_workers;
     uint32_t n_helpers;        /* helper threads started (0 again after fork) */
-} pool = {PTHREAD_ONCE_INIT, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, NULL, 0};
+    int32_t watchdog_started, watchdog_waiting;
+} pool = {PTHREAD_ONCE_INIT, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, NULL, 0, 0, 0, 0, 0};
+
+/* The dispatch time limit in seconds (0: none): $FLASHATTN_MPS_CPU_WATCHDOG until set. */
+static _Atomic double time_limit;
+static const char *time_limit_error; /* a bad $FLASHATTN_MPS_CPU_WATCHDOG, reported by every dispatch */
+static pthread_once_t time_limit_once = PTHREAD_ONCE_INIT;
+
+static void time_limit_from_environment(void) {
+    const char *env = getenv("FLASHATTN_MPS_CPU_WATCHDOG");
+    char *end;
+    double v = env && *env ? strtod(env, &end) : 0;
+    if (env && *env && (*end || !(v >= 0) || v > 1e9)) time_limit_error = env;
+    else atomic_store(&time_limit, v);
+}
+
+int32_t mcpu_set_watchdog(double seconds, fa_status *st) {
+    pthread_once(&time_limit_once, time_limit_from_environment);
+    if (!(seconds >= 0) || seconds > 1e9)
+        return fa_fail(st, FA_ERR_VALUE, "watchdog: seconds must be a number in 0..1e9 (0 turns it off), got %g",
+                       seconds);
+    atomic_store(&time_limit, seconds);
+    time_limit_error = NULL;
+    return FA_OK;
+}
+
+double mcpu_watchdog(void) {
+    pthread_once(&time_limit_once, time_limit_from_environment);
+    return atomic_load(&time_limit);
+}
+
+static double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 static void pool_after_fork_in_child(void) { /* only the forking thread exists in the child */
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.work, NULL);
     pthread_cond_init(&pool.idle, NULL);
-    pool.jobs = NULL;
+    pthread_cond_init(&pool.worker_free, NULL);
+    pthread_cond_init(&pool.watch, NULL);
+    pool.jobs = pool.active = NULL;
+    for (worker *w = pool.workers; w; w = w->next) w->in_use = 0;
     pool.n_helpers = 0;
+    pool.watchdog_started = pool.watchdog_waiting = 0;
+}
+
+static pthread_key_t pool_key(void) { return pool.key; }
+
+static uint32_t worker_budget(void) {
+    long maps = 0;
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        if (fscanf(f, "%ld", &maps) != 1) maps = 0;
+        fclose(f);
+    }
+    long n = maps / 2 / (2 * MAX_THREADS);
+    return maps <= 0 ? DEFAULT_MAX_WORKERS : n < 1 ? 1 : (uint32_t)n;
 }
 
 static void pool_once(void) {
-    pthread_key_create(&pool.key, worker_free);
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    uint32_t n = cpus > 0 ? 2 * (uint32_t)cpus : MIN_WORKERS, budget = worker_budget();
+    n = n < MIN_WORKERS ? MIN_WORKERS : n;
+    pool.max_workers = n < budget ? n : budget;
+    pthread_key_create(&pool.key, signal_stack_free);
     pthread_atfork(NULL, NULL, pool_after_fork_in_child);
+    mcpu_signals_ensure();
 }
 
-static worker *this_worker(void) {
-    if (!tls_worker && (tls_worker = worker_new()) != NULL) pthread_setspecific(pool.key, tls_worker);
-    return tls_worker;
+/* A free worker for this thread (under pool.mu): an idle one, a new one while fewer than
+ * max_workers exist, else (wait) the next one returned, or NULL. */
+static worker *acquire_worker(int32_t wait) {
+    for (;;) {
+        for (worker *w = pool.workers; w; w = w->next)
+            if (!w->in_use) {
+                w->in_use = 1;
+                w->thread = pthread_self();
+                return w;
+            }
+        if (pool.n_workers < pool.max_workers) {
+            worker *w = worker_new();
+            if (!w) return NULL;
+            w->next = pool.workers;
+            pool.workers = w;
+            pool.n_workers++;
+            continue;
+        }
+        if (!wait) return NULL;
+        pthread_cond_wait(&pool.worker_free, &pool.mu);
+    }
+}
+
+static void release_worker(worker *w) { /* under pool.mu */
+    w->in_use = 0;
+    w->trimmed = 0;
+    pthread_cond_signal(&pool.worker_free);
+}
+
+/* Stops job j (under pool.mu) and preempts its kernel code. */
+static void stop_job(job *j) {
+    for (worker *w = pool.workers; w; w = w->next)
+        if (w->in_use && w->job == j && w->in_kernel) pthread_kill(w->thread, SIGURG);
+}
+
+/* Watches running dispatches every 50 ms: SIGINT or the time limit stops them. Trims the stacks
+ * of workers idle for a second. Sleeps while nothing runs. */
+static void *watchdog_main(void *unused) {
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the threads they concern */
+    pthread_mutex_lock(&pool.mu);
+    double idle_since = now_seconds();
+    for (;;) {
+        if (!pool.active) {
+            int32_t untrimmed = 0;
+            for (worker *w = pool.workers; w; w = w->next) untrimmed |= !w->in_use && !w->trimmed;
+            double idle = now_seconds() - idle_since;
+            if (untrimmed && idle >= TRIM_AFTER_IDLE_SECONDS) { /* give touched stack pages back */
+                for (worker *w = pool.workers; w; w = w->next)
+                    if (!w->in_use && !w->trimmed) mcpu_stack_region_trim(&w->stacks), w->trimmed = 1;
+                continue;
+            }
+            if (untrimmed) { /* dispatches starting meanwhile are seen within the second */
+                struct timespec t;
+                clock_gettime(CLOCK_REALTIME, &t);
+                t.tv_sec += TRIM_AFTER_IDLE_SECONDS;
+                pthread_cond_timedwait(&pool.watch, &pool.mu, &t);
+            } else {
+                pool.watchdog_waiting = 1; /* the next dispatch wakes it */
+                pthread_cond_wait(&pool.watch, &pool.mu);
+                pool.watchdog_waiting = 0;
+            }
+            continue;
+        }
+        struct timespec t;
+        clock_gettime(CLOCK_REALTIME, &t);
+        t.tv_nsec += 50000000;
+        if (t.tv_nsec >= 1000000000) t.tv_sec++, t.tv_nsec -= 1000000000;
+        pthread_cond_timedwait(&pool.watch, &pool.mu, &t);
+        ensure_handlers(); /* someone may have replaced ours since */
+        uint64_t seen_interrupts = atomic_load(&interrupts);
+        double now = now_seconds();
+        idle_since = now;
+        for (job *j = pool.active; j; j = j->next_active) {
+            if (!j->seen) j->seen = 1, j->started = now;
+            const char *name = j->launch->kernel_name;
+            if (seen_interrupts != j->interrupts) {
+                text m = {.len = 0};
+                add(&m, "kernel '%s': interrupted (SIGINT) after %.3g s", name, now - j->started);
+                job_fail(j, FA_ERR_RUNTIME, m.buf);
+            } else if (j->time_limit > 0 && now - j->started > j->time_limit) {
+                text m = {.len = 0};
+                add(&m,
+                    "kernel '%s': stopped by the CPU Metal device's watchdog after %.3g s (the limit is %g s; "
+                    "set it with flashattn_mps.metal_cpu.set_watchdog(seconds) or FLASHATTN_MPS_CPU_WATCHDOG, "
+                    "0 for none)",
+                    name, now - j->started, j->time_limit);
+                job_fail(j, FA_ERR_RUNTIME, m.buf);
+            }
+            if (atomic_load(&j->failed)) stop_job(j);
+        }
+    }
+    return NULL;
 }
 
 static job *open_job(void) {
@@ -439,28 +852,38 @@ static job *open_job(void) {
 }
 
 static void *helper_main(void *unused) {
-    worker *w = this_worker();
-    if (!w) return NULL;
+    signal_stack_for_this_thread();
     pthread_mutex_lock(&pool.mu);
     for (;;) {
         job *j;
         while (!(j = open_job())) pthread_cond_wait(&pool.work, &pool.mu);
-        j->helpers_joined++, j->helpers_active++;
+        j->helpers_joined++;
+        worker *w = acquire_worker(0);
+        if (!w) continue; /* every worker is busy: the job's other threads do its work */
+        j->helpers_active++;
         pthread_mutex_unlock(&pool.mu);
+        tls_worker = w;
         work(w, j);
+        tls_worker = NULL;
         pthread_mutex_lock(&pool.mu);
+        release_worker(w);
         if (--j->helpers_active == 0) pthread_cond_broadcast(&pool.idle);
     }
     return NULL;
 }
 
-static void start_helpers(void) { /* under pool.mu */
+static void start_threads(void) { /* under pool.mu */
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     for (long i = pool.n_helpers; i + 1 < cpus; i++) { /* the calling thread is the last worker */
         pthread_t th;
         if (pthread_create(&th, NULL, helper_main, NULL) != 0) break;
         pthread_detach(th);
         pool.n_helpers++;
+    }
+    pthread_t th;
+    if (!pool.watchdog_started && pthread_create(&th, NULL, watchdog_main, NULL) == 0) {
+        pthread_detach(th);
+        pool.watchdog_started = 1;
     }
 }
 
@@ -470,26 +893,44 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, fa_status *st) {
     atomic_init(&j.next_group, 0);
     atomic_init(&j.failed, 0);
     pthread_once(&pool.once, pool_once);
-    worker *w = this_worker();
-    if (!w) return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': out of memory", launch->kernel_name);
+    j.time_limit = mcpu_watchdog();
+    if (time_limit_error)
+        return fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_WATCHDOG='%s': expected seconds >= 0 (0: no limit)",
+                       time_limit_error);
+    signal_stack_for_this_thread();
+    pthread_mutex_lock(&pool.mu);
+    worker *w = acquire_worker(1);
+    if (!w) {
+        pthread_mutex_unlock(&pool.mu);
+        return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': out of memory for a worker", launch->kernel_name);
+    }
+    j.interrupts = atomic_load(&interrupts);
+    j.next_active = pool.active;
+    pool.active = &j;
+    if (pool.watchdog_waiting) pthread_cond_signal(&pool.watch), pool.watchdog_waiting = 0;
+    if (!pool.watchdog_started || (j.n_groups > 1 && pool.n_helpers == 0)) start_threads();
     if (j.n_groups > 1) {
-        pthread_mutex_lock(&pool.mu);
-        if (pool.n_helpers == 0) start_helpers();
         j.helpers_wanted = j.n_groups - 1 < pool.n_helpers ? (uint32_t)j.n_groups - 1 : pool.n_helpers;
         j.next = pool.jobs;
         pool.jobs = &j;
         pthread_cond_broadcast(&pool.work);
-        pthread_mutex_unlock(&pool.mu);
     }
+    pthread_mutex_unlock(&pool.mu);
+    tls_worker = w;
     work(w, &j);
+    tls_worker = NULL;
+    pthread_mutex_lock(&pool.mu);
     if (j.n_groups > 1) {
-        pthread_mutex_lock(&pool.mu);
         job **p = &pool.jobs;
         while (*p != &j) p = &(*p)->next;
         *p = j.next;
         while (j.helpers_active) pthread_cond_wait(&pool.idle, &pool.mu);
-        pthread_mutex_unlock(&pool.mu);
     }
+    job **a = &pool.active;
+    while (*a != &j) a = &(*a)->next_active;
+    *a = j.next_active;
+    release_worker(w);
+    pthread_mutex_unlock(&pool.mu);
     if (atomic_load(&j.next_group) < j.n_groups) /* nobody could take them */
         job_fail(&j, FA_ERR_RUNTIME, "cannot map fiber stacks (out of memory or vm.max_map_count)");
     return atomic_load(&j.failed) ? st->code : FA_OK;
@@ -517,7 +958,11 @@ int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_s
             return fa_fail(st, FA_ERR_VALUE,
                            "kernel '%s': grid.%c * threadgroup.%c = %u * %u threads do not fit a uint",
                            a->kernel, axis[d], axis[d], a->grid[d], a->threadgroup[d]);
-        threads *= a->threadgroup[d];
+        if (__builtin_mul_overflow(threads, a->threadgroup[d], &threads))
+            return fa_fail(st, FA_ERR_VALUE,
+                           "kernel '%s': threadgroup %u x %u x %u overflows 64 bits; at most %u threads are allowed",
+                           a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
+                           MSL_MAX_THREADS_PER_THREADGROUP);
         if (__builtin_mul_overflow(groups, a->grid[d], &groups))
             return fa_fail(st, FA_ERR_VALUE, "kernel '%s': grid %u x %u x %u has too many threadgroups",
                            a->kernel, a->grid[0], a->grid[1], a->grid[2]);
