@@ -72,6 +72,13 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
     return d;
 }
 
+int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
+    const fa_tensor *views[] = {&a->dq, &a->dk, &a->dv, &a->delta, &a->q, &a->k, &a->v, &a->out, &a->dout, &a->lse,
+                                &a->mask};
+    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask"};
+    return fa_check_no_alias(views, names, 11, 4, st);
+}
+
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
     if (a == NULL || plan == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "fa_plan_backward: NULL argument");
@@ -101,10 +108,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = check_matches(&a->dv, "dv", 4, a->v.dtype, &a->v, "the shape of v", st))) {
         return rc;
     }
-    const fa_tensor *views[] = {&a->dq, &a->dk, &a->dv, &a->delta, &a->q, &a->k, &a->v, &a->out, &a->dout, &a->lse,
-                                &a->mask};
-    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask"};
-    if ((rc = fa_check_no_alias(views, names, 11, 4, st))) {
+    if ((rc = fa_plan_check_backward_aliases(a, st))) {
         return rc;
     }
 

@@ -16,6 +16,9 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
         return FA_OK;
     }
     int32_t rc = fa_plan_check_workspace(ready->workspace_bytes, &args->workspace, st);
+    if (rc == FA_OK) {
+        rc = fa_plan_check_forward_aliases(args, ready->workspace_bytes > 0, st);
+    }
     if (rc != FA_OK) {
         return rc;
     }

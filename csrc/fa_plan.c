@@ -302,8 +302,7 @@ int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *name
     return FA_OK;
 }
 
-/* The outputs (the workspace once validated, out, lse) against each other and q, k, v, mask. */
-static int32_t check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
+int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
     const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask};
     const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask"};
     return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 7 - !with_workspace,
@@ -706,7 +705,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (rc = check_shapes(a, st)) || (rc = check_mask(a, st)) || (rc = check_forward_aliases(a, 0, st))) {
+        (rc = check_shapes(a, st)) || (rc = check_mask(a, st))) {
         return rc;
     }
 
@@ -762,9 +761,6 @@ int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *w, fa_
     }
     if (rc == FA_OK && w->strides[0] != 1) {
         rc = fa_fail(st, FA_ERR_VALUE, "workspace: must be contiguous, got stride %lld", (long long)w->strides[0]);
-    }
-    if (rc == FA_OK) {
-        rc = check_forward_aliases(a, 1, st);
     }
     return rc;
 }

@@ -56,6 +56,15 @@ int32_t fa_plan_forward(const fa_forward_args *args, fa_plan *plan, fa_status *s
 /* Checks that a plan needing workspace_bytes has a valid float32 workspace of at least that. */
 int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *workspace, fa_status *st);
 
+/* Pointer-dependent, so checked on every call (fa_forward_execute), cached plan or not: the outputs
+ * (out, lse and, with_workspace, the validated workspace) overlap neither each other nor q, k, v,
+ * mask, nor themselves. */
+int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st);
+
+/* The same for the backward: dq, dk, dv, delta against each other and every input (called by
+ * fa_plan_backward and, for a cached plan, by fa_backward_prepare). */
+int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st);
+
 /* The pipeline key of one dispatch (pointers into it). */
 /* A dispatch's grid (threadgroups) and 1-D threadgroup size. */
 void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads);

@@ -92,6 +92,10 @@ static void shape_of(const fa_tensor *t, int32_t device, shape_key *s) {
     }
 }
 
+/* A mask is present when it has dims or storage: a 0-D descriptor with storage is refused by
+ * fa_check_tensor, never taken for "no mask". */
+static int32_t has_mask(const fa_tensor *m) { return m->ndim != 0 || m->storage != NULL; }
+
 static const fa_backend *backend_of(int32_t device, fa_status *st) {
     return device == FA_DEVICE_MPS ? fa_metal_backend(st) : fa_cpu_backend();
 }
@@ -119,13 +123,14 @@ static int32_t resolve(const fa_backend *backend, const fa_plan_dispatch *steps,
     return FA_OK;
 }
 
-/* The checks a cached plan cannot vouch for: every descriptor's elements inside its storage. */
+/* The checks a cached plan cannot vouch for: every descriptor's elements inside its storage (the
+ * outputs' aliasing is checked by fa_forward_execute, for every call). */
 static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
     int32_t rc;
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        (has_mask(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
         return rc;
     }
     return FA_OK;
@@ -190,10 +195,10 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
         }
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
-        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        (has_mask(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
         return rc;
     }
-    return FA_OK;
+    return fa_plan_check_backward_aliases(a, st);
 }
 
 int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready, fa_status *st) {
