@@ -36,22 +36,46 @@
 
 #ifdef MSL_STRICT
 
-/* Type checking only: loose declarations returning the first argument's type. */
+/* Type checking only: loose declarations returning the first argument's type, but for min, max,
+ * clamp, fmin and fmax, which exist (as in Metal) for each type and its vectors, with every
+ * argument of that type (or a scalar bound of a vector's element type): min(long, int) and
+ * max(half, float) are ambiguous, as on a Mac. The scalar ones are defined, so that constant
+ * expressions such as max(BK, 8) work. */
 namespace metal {
 #define MSL_DECLARE(name) template <class T, class... U> T name(T, U...);
 MSL_DECLARE(exp) MSL_DECLARE(exp2) MSL_DECLARE(exp10) MSL_DECLARE(log) MSL_DECLARE(log2) MSL_DECLARE(log10)
 MSL_DECLARE(pow) MSL_DECLARE(powr) MSL_DECLARE(sqrt) MSL_DECLARE(rsqrt) MSL_DECLARE(fma) MSL_DECLARE(mad)
-MSL_DECLARE(fmax) MSL_DECLARE(fmin) MSL_DECLARE(clamp) MSL_DECLARE(saturate)
+MSL_DECLARE(saturate)
 MSL_DECLARE(select) MSL_DECLARE(abs) MSL_DECLARE(fabs) MSL_DECLARE(sign) MSL_DECLARE(floor) MSL_DECLARE(ceil)
 MSL_DECLARE(round) MSL_DECLARE(rint) MSL_DECLARE(trunc) MSL_DECLARE(fract) MSL_DECLARE(fmod) MSL_DECLARE(sin)
 MSL_DECLARE(cos) MSL_DECLARE(tan) MSL_DECLARE(tanh) MSL_DECLARE(sinh) MSL_DECLARE(cosh) MSL_DECLARE(atan)
 MSL_DECLARE(atan2) MSL_DECLARE(asin) MSL_DECLARE(acos) MSL_DECLARE(copysign) MSL_DECLARE(mix) MSL_DECLARE(step)
 MSL_DECLARE(normalize) MSL_DECLARE(divide) MSL_DECLARE(popcount) MSL_DECLARE(clz) MSL_DECLARE(ctz)
-MSL_DECLARE(mulhi) MSL_DECLARE(max) MSL_DECLARE(min)
+MSL_DECLARE(mulhi)
 #undef MSL_DECLARE
-/* defined, so that constant expressions such as max(BK, 8) work */
-template <class T> constexpr std::enable_if_t<std::is_arithmetic_v<T>, T> max(T a, T b) { return a < b ? b : a; }
-template <class T> constexpr std::enable_if_t<std::is_arithmetic_v<T>, T> min(T a, T b) { return b < a ? b : a; }
+/* F(S, N) for S's vectors */
+#define MSL_VECS(F, S) F(S, 2) F(S, 3) F(S, 4)
+#define MSL_PAIR_VEC(S, N, max, min)                                                                              \
+    vec<S, N> max(vec<S, N>, vec<S, N>); vec<S, N> max(vec<S, N>, S);                                             \
+    vec<S, N> min(vec<S, N>, vec<S, N>); vec<S, N> min(vec<S, N>, S);
+#define MSL_MINMAX_VEC(S, N) MSL_PAIR_VEC(S, N, max, min)                                                         \
+    vec<S, N> clamp(vec<S, N>, vec<S, N>, vec<S, N>); vec<S, N> clamp(vec<S, N>, S, S);
+#define MSL_FMINMAX_VEC(S, N) MSL_PAIR_VEC(S, N, fmax, fmin)
+#define MSL_MINMAX(S)                                                                                             \
+    constexpr S max(S a, S b) { return a < b ? b : a; }                                                           \
+    constexpr S min(S a, S b) { return b < a ? b : a; }                                                           \
+    constexpr S clamp(S x, S lo, S hi) { return min(max(x, lo), hi); }                                            \
+    MSL_VECS(MSL_MINMAX_VEC, S)
+#define MSL_FMINMAX(S) S fmax(S, S); S fmin(S, S); MSL_VECS(MSL_FMINMAX_VEC, S)
+MSL_MINMAX(float) MSL_MINMAX(half) MSL_MINMAX(bfloat) MSL_MINMAX(char) MSL_MINMAX(uchar) MSL_MINMAX(short)
+MSL_MINMAX(ushort) MSL_MINMAX(int) MSL_MINMAX(uint) MSL_MINMAX(long) MSL_MINMAX(ulong)
+MSL_FMINMAX(float) MSL_FMINMAX(half) MSL_FMINMAX(bfloat)
+#undef MSL_VECS
+#undef MSL_PAIR_VEC
+#undef MSL_MINMAX_VEC
+#undef MSL_FMINMAX_VEC
+#undef MSL_MINMAX
+#undef MSL_FMINMAX
 template <class T> auto isnan(T x) -> decltype(x != x);
 template <class T> auto isinf(T x) -> decltype(x != x);
 template <class T> auto isfinite(T x) -> decltype(x != x);

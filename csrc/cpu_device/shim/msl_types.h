@@ -203,13 +203,20 @@ struct half_format {
 #endif
 };
 
+template <class F, class T>
+constexpr bool implicit_from = std::is_same_v<F, half_format> || std::is_integral_v<T> || std::is_same_v<T, fp16<F>>;
+
 /* half and bfloat: stored in 16 bits, every operation computed in float and rounded back. For
  * + - * / and sqrt that is the correctly rounded result, float having >= 2p + 2 bits. */
 template <class F> struct fp16 {
     typename F::storage v;
 
     fp16() = default;
-    template <class T, std::enable_if_t<scalar_v<T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
+    /* MSL converts to bfloat implicitly only from integers (and bfloat); float, half and double
+     * need an explicit conversion. half converts from any scalar. */
+    template <class T, std::enable_if_t<scalar_v<T> && implicit_from<F, T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
+    template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
+    explicit constexpr fp16(T x) : v(F::from(x)) {}
     constexpr operator float() const { return F::to_float(v); }
     static constexpr fp16 from_bits(uint16_t b) {
         fp16 r{};
