@@ -1,8 +1,10 @@
 """The strict MSL check: a conformance check that refuses what Apple's Metal compiler refuses.
 
-    python -m flashattn_mps.strict_check [FILE.metal ...] [-D NAME=VALUE ...] [--clang PATH] [--jobs N]
+    python -m flashattn_mps.strict_check [FILE.metal ...] [-D NAME=VALUE ...] [-I DIR ...] [--clang PATH]
+                                         [--jobs N]
 
-With files, checks each (its own directory is searched for `#include "..."`) under the -D macros;
+With files, checks each under the -D macros (`#include "..."` searches the file's directory, then
+each -I DIR);
 with none, checks every (source, macros) the planner can emit. Exits non-zero on any violation;
 each is printed as `file:line:col: error: ... [rule: NAME]`.
 
@@ -19,7 +21,8 @@ mode, against the shim in strict mode:
   C-style casts; min/max/clamp/fmin/fmax exist per type (as in Metal: min(long, int) is
   ambiguous); SIMD-group functions take scalars and vectors of MSL's arithmetic types only;
   simdgroup_load/store take the matrix's element type in device or threadgroup memory only;
-  float-to-bfloat conversions must be explicit; variable-length arrays are refused;
+  float/half-to-bfloat and bfloat-to-half conversions must be explicit; variable-length arrays
+  are refused;
 - a kernel whose kernel-scope threadgroup variables exceed 32 KiB is refused at compile time
   (msl_kernel.h), as by the CPU device.
 It cannot see numerics, register pressure, races, nor anything only Apple's back end checks.
@@ -46,7 +49,7 @@ CLANG_RULES = [
     (re.compile(r"'(simdgroup_load|simdgroup_store)'"), "simdgroup-matrix-memory"),
     (re.compile(r"'(min|max|clamp|fmin|fmax)'"), "builtin-argument-types"),
     (re.compile(r"'simd_\w+'"), "simd-function-types"),
-    (re.compile(r"to 'bfloat'"), "bfloat-conversion"),
+    (re.compile(r"to 'bfloat'|from 'bfloat'.* to 'half'"), "bfloat-conversion"),
     (re.compile(r"address space"), "address-space"),
     (re.compile(r"file not found"), "std-library"),
 ]
@@ -133,7 +136,9 @@ def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (
         return Result(name, macros, False, str(exc), found)
     checked = subprocess.run(
         base + ["-fsyntax-only", "-DMSL_STRICT", "-Wno-unknown-attributes", "-Wfloat-conversion",
-                "-Werror=vla-extension", "-include", os.path.join(shim_dir, "msl_shim.h"), "-"],
+                "-Wimplicit-int-float-conversion", "-Werror=vla-extension",
+                # bfloat is char16_t here, whose arithmetic gives int: {a * b} is no narrowing in MSL
+                "-Wno-c++11-narrowing", "-include", os.path.join(shim_dir, "msl_shim.h"), "-"],
         input=rewritten, capture_output=True, text=True,
     )
     found = violations_of(checked.stderr, shim_dir)
@@ -157,8 +162,8 @@ def run(clang: str | None = None, jobs: int | None = None) -> list[Result]:
         return list(pool.map(lambda w: check_one(compiler, shim_dir, *w), work))
 
 
-def run_files(paths: list[str], macros: tuple = (), clang: str | None = None,
-              jobs: int | None = None) -> list[Result]:
+def run_files(paths: list[str], macros: tuple = (), clang: str | None = None, jobs: int | None = None,
+              include_dirs: tuple = ()) -> list[Result]:
     """Check the given MSL sources under the given macros."""
     compiler = find_clang(clang)
     shim_dir = _C.shim_dir()
@@ -167,7 +172,7 @@ def run_files(paths: list[str], macros: tuple = (), clang: str | None = None,
         with open(path, encoding="utf-8") as f:
             text = f.read()
         directory = os.path.dirname(os.path.abspath(path))
-        return check_one(compiler, shim_dir, path, text, macros, (directory,))
+        return check_one(compiler, shim_dir, path, text, macros, (directory,) + tuple(include_dirs))
 
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         return list(pool.map(one, paths))
@@ -185,13 +190,15 @@ def main(argv=None) -> int:
     parser.add_argument("files", nargs="*", metavar="FILE.metal", help="sources to check (default: the planner's)")
     parser.add_argument("-D", dest="macros", action="append", type=_macro, default=[], metavar="NAME=VALUE",
                         help="a macro for the given files")
+    parser.add_argument("-I", dest="include_dirs", action="append", default=[], metavar="DIR",
+                        help="a directory for the given files' #include \"...\"")
     parser.add_argument("--clang", help="clang++ to use")
     parser.add_argument("--jobs", type=int, help="parallel clang processes (default: all cores)")
     args = parser.parse_args(argv)
-    if args.macros and not args.files:
-        parser.error("-D applies to given files; the planner's specialisations bring their own macros")
+    if (args.macros or args.include_dirs) and not args.files:
+        parser.error("-D and -I apply to given files; the planner's specialisations bring their own")
     if args.files:
-        results = run_files(args.files, tuple(args.macros), args.clang, args.jobs)
+        results = run_files(args.files, tuple(args.macros), args.clang, args.jobs, tuple(args.include_dirs))
     else:
         results = run(args.clang, args.jobs)
     failed = [r for r in results if not r.ok]

@@ -946,6 +946,19 @@ static uint32_t call_args(const pp *P, uint64_t i) {
     return n;
 }
 
+/* How many functions named fn the source defines (`fn(...) {`): a call from one overload to
+ * another is no recursion, and which one a call picks is the compiler's business. */
+static uint32_t definitions(const pp *P, const char *fn) {
+    uint32_t n = 0;
+    for (uint64_t i = 0; i + 1 < P->n; i++)
+        if (word(P, i, fn) && is(P, i + 1, '(')) {
+            uint64_t k = skip_group(P, i + 1);
+            while (word(P, k, "const") || word(P, k, "noexcept")) k++;
+            n += is(P, k, '{');
+        }
+    return n;
+}
+
 /* How many arguments a call to the function whose parameter list opens at p takes. */
 static void param_counts(const pp *P, uint64_t p, uint32_t *min_args, uint32_t *max_args) {
     uint32_t n = call_args(P, p), defaults = 0;
@@ -981,7 +994,7 @@ static uint64_t walk_body(pp *P, uint64_t i, body *B) {
         if (word(P, i, "threadgroup") && stmt) i = threadgroup_decl(P, i, B);
         if (P->strict && word(P, i, "static") && stmt) static_local(P, i);
         if (P->strict && B->fn && word(P, i, B->fn) && is(P, i + 1, '(') && !is(P, i - 1, '.') &&
-            !is(P, i - 1, 'A')) {
+            !is(P, i - 1, 'A') && !is(P, i - 1, 'D') && definitions(P, B->fn) == 1) {
             uint32_t n = call_args(P, i + 1);
             if (n >= B->min_args && n <= B->max_args)
                 violation(P, i, "recursion", "function '%s' calls itself (MSL has no recursion)", B->fn);
@@ -1023,6 +1036,43 @@ static void statement(pp *P, uint64_t s, uint64_t e) {
     free(h.host);
 }
 
+/* Strict mode: a parameter `constant T a[N]` (an array in an address space, a pointer in MSL) is
+ * spelled `constant T *a` for clang, which refuses address-space-qualified parameters. */
+static void array_params(pp *P, uint64_t p) {
+    uint64_t close = skip_group(P, p) - 1;
+    for (uint64_t a = p + 1; a < close;) {
+        uint64_t b = a, name = 0, dims = 0;
+        int32_t space = 0, angle = 0;
+        for (; b < close && !(angle == 0 && is(P, b, ',')); b = opens(P, b) && !dims ? skip_group(P, b) : b + 1) {
+            if (is(P, b, '<')) angle++;
+            if (is(P, b, '>') && angle > 0) angle--;
+            if (address_space_word(P, b)) space = 1;
+            if (is(P, b, 'w') && !dims) name = b;
+            if (is(P, b, '[') && name == b - 1 && !dims) dims = b;
+        }
+        if (space && dims && skip_group(P, dims) == b) {
+            add_edit(P, P->t[name].a, P->t[name].a, dup_n(P, "*", 1));
+            add_edit(P, P->t[dims].a, P->t[b - 1].b, NULL);
+        }
+        a = b + 1;
+    }
+}
+
+/* Strict mode: a member function [s, e) (its head ends at h) for objects in device, constant or
+ * threadgroup memory (`f() device`) goes: clang has no address-space-qualified member functions,
+ * and keeping one would redeclare the thread version. Calls on such objects are not checked. */
+static void space_member(pp *P, uint64_t s, uint64_t h, uint64_t e) {
+    while ((word(P, s, "public") || word(P, s, "private") || word(P, s, "protected")) && is(P, s + 1, ':')) s += 2;
+    uint64_t k = s;
+    if (word(P, k, "template") && is(P, k + 1, '<')) k = skip_angles(P, k + 1);
+    while (k < h && !is(P, k, '(')) k = is(P, k, '[') ? skip_group(P, k) : k + 1;
+    if (k >= h) return;
+    k = skip_group(P, k);
+    while (word(P, k, "const") || word(P, k, "volatile")) k++;
+    if (k < h && (word(P, k, "device") || word(P, k, "constant") || word(P, k, "threadgroup")))
+        add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
+}
+
 /* Declarations of a namespace (or class) body from i; returns the index after its '}'. */
 static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
     while (i < P->n && !P->failed) {
@@ -1041,6 +1091,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
             if (is(P, j, '}')) return j + 1; /* unbalanced: leave it to the compiler */
             if (is(P, j, ';')) {
                 if (!in_class) statement(P, s, j);
+                if (in_class && P->strict) space_member(P, s, j, j + 1);
                 i = j + 1;
                 break;
             }
@@ -1069,6 +1120,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
                     head h;
                     scan_head(P, s, j, &h);
                     if (h.kernel && !h.explicit_inst) kernel_fn(P, s, j, &h, 1);
+                    if (!h.kernel && P->strict && h.paren < j) array_params(P, h.paren);
                     if (h.paren < j && h.paren > s && is(P, h.paren - 1, 'w') && !word(P, h.paren - 1, "operator")) {
                         name = text(P, h.paren - 1, h.paren);
                         B.fn = name;
@@ -1079,6 +1131,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
                 }
                 i = walk_body(P, j + 1, &B);
                 free(name);
+                if (in_class && P->strict) space_member(P, s, j, i);
             }
             break;
         }

@@ -37,8 +37,8 @@
 #ifdef MSL_STRICT
 
 /* Type checking only: loose declarations returning the first argument's type, but for min, max,
- * clamp, fmin and fmax, which exist (as in Metal) for each type and its vectors, with every
- * argument of that type (or a scalar bound of a vector's element type): min(long, int) and
+ * clamp, fmin and fmax, which exist (as in Metal) for each type but bfloat and its vectors, with
+ * every argument of that type (or a scalar bound of a vector's element type): min(long, int) and
  * max(half, float) are ambiguous, as on a Mac. The scalar ones are defined, so that constant
  * expressions such as max(BK, 8) work. */
 namespace metal {
@@ -67,9 +67,9 @@ MSL_DECLARE(mulhi)
     constexpr S clamp(S x, S lo, S hi) { return min(max(x, lo), hi); }                                            \
     MSL_VECS(MSL_MINMAX_VEC, S)
 #define MSL_FMINMAX(S) S fmax(S, S); S fmin(S, S); MSL_VECS(MSL_FMINMAX_VEC, S)
-MSL_MINMAX(float) MSL_MINMAX(half) MSL_MINMAX(bfloat) MSL_MINMAX(char) MSL_MINMAX(uchar) MSL_MINMAX(short)
+MSL_MINMAX(float) MSL_MINMAX(half) MSL_MINMAX(char) MSL_MINMAX(uchar) MSL_MINMAX(short)
 MSL_MINMAX(ushort) MSL_MINMAX(int) MSL_MINMAX(uint) MSL_MINMAX(long) MSL_MINMAX(ulong)
-MSL_FMINMAX(float) MSL_FMINMAX(half) MSL_FMINMAX(bfloat)
+MSL_FMINMAX(float) MSL_FMINMAX(half)
 #undef MSL_VECS
 #undef MSL_PAIR_VEC
 #undef MSL_MINMAX_VEC

@@ -237,6 +237,24 @@ template <class T> msl_rt::simd_data<T> simd_shuffle_rotate_up(T x, uint16_t del
     auto g = msl_rt::exchange(x, "simd_shuffle_rotate_up", file, line);
     return g.from((g.self + MSL_SIMD_WIDTH - delta % MSL_SIMD_WIDTH) % MSL_SIMD_WIDTH);
 }
+/* Lanes of each group of `modulo` (2, 4, ..., 32) shift by delta; the lanes shifted in come from
+ * filling_data's other end. */
+template <class T>
+msl_rt::simd_data<T> simd_shuffle_and_fill_up(T data, T filling_data, uint16_t delta, uint16_t modulo = MSL_SIMD_WIDTH,
+                                              MSL_CALLER) {
+    struct pair { T data, fill; };
+    auto g = msl_rt::exchange(pair{data, filling_data}, "simd_shuffle_and_fill_up", file, line);
+    uint32_t base = g.self / modulo * modulo, i = g.self % modulo;
+    return i >= delta ? g.from(base + i - delta).data : g.from(base + i + modulo - delta).fill;
+}
+template <class T>
+msl_rt::simd_data<T> simd_shuffle_and_fill_down(T data, T filling_data, uint16_t delta,
+                                                uint16_t modulo = MSL_SIMD_WIDTH, MSL_CALLER) {
+    struct pair { T data, fill; };
+    auto g = msl_rt::exchange(pair{data, filling_data}, "simd_shuffle_and_fill_down", file, line);
+    uint32_t base = g.self / modulo * modulo, i = g.self % modulo;
+    return i + delta < modulo ? g.from(base + i + delta).data : g.from(base + i + delta - modulo).fill;
+}
 template <class T> msl_rt::simd_data<T> simd_broadcast_first(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_broadcast_first", file, line);
     return g.get(msl_rt::lowest(g.lanes));
