@@ -109,54 +109,86 @@ def violations_of(output: str, shim_dir: str) -> list[str]:
     return found
 
 
-def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (),
-              include_dirs: tuple = ()) -> Result:
-    """Checks one source under one set of macros."""
+def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
+               include_dirs: tuple) -> str | Result:
+    """The source preprocessed and rewritten by the prepass in strict mode, or the failed Result."""
     if not text.startswith("#line"):
         text = f'#line 1 "{name}"\n' + text  # name the file in clang's messages
     defines = [f"-D{k}={v}" for k, v in macros]
     includes = [a for d in include_dirs for a in ("-I", d)]
-    base = [clang, "-x", "c++", "-std=gnu++17"]
     # Only Metal's headers (the shim's stand-ins) are found: no C++ standard library.
     expanded = subprocess.run(
-        base + ["-E", "-nostdinc", "-nostdinc++", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1",
-                "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
+        [clang, "-x", "c++", "-std=gnu++17", "-E", "-nostdinc", "-nostdinc++", "-D__METAL_VERSION__=310",
+         "-D__HAVE_BFLOAT__=1", "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
         input=text, capture_output=True, text=True,
     )
     if expanded.returncode != 0:
         found = violations_of(expanded.stderr, shim_dir)
         return Result(name, macros, False, "\n".join(found + [expanded.stderr]), found)
     try:
-        rewritten = _C.preprocess(expanded.stdout, name, True)
+        return _C.preprocess(expanded.stdout, name, True)
     except Exception as exc:  # the prepass's violations (or a source it cannot parse)
         found = [line for line in str(exc).splitlines() if ": error: " in line]
         return Result(name, macros, False, str(exc), found)
+
+
+def _syntax_check(clang: str, shim_dir: str, rewritten: str) -> tuple[bool, str, list[str]]:
+    """clang's front end on rewritten source against the strict shim: (ok, output, violations)."""
     checked = subprocess.run(
-        base + ["-fsyntax-only", "-DMSL_STRICT", "-Wno-unknown-attributes", "-Wfloat-conversion",
-                "-Werror=vla-extension",
-                # bfloat is char16_t here, whose arithmetic gives int: {a * b} is no narrowing in MSL
-                "-Wno-c++11-narrowing", "-include", os.path.join(shim_dir, "msl_shim.h"), "-"],
+        [clang, "-x", "c++", "-std=gnu++17", "-fsyntax-only", "-DMSL_STRICT", "-Wno-unknown-attributes",
+         "-Wfloat-conversion", "-Werror=vla-extension",
+         # bfloat is char16_t here, whose arithmetic gives int: {a * b} is no narrowing in MSL
+         "-Wno-c++11-narrowing", "-include", os.path.join(shim_dir, "msl_shim.h"), "-"],
         input=rewritten, capture_output=True, text=True,
     )
     found = violations_of(checked.stderr, shim_dir)
-    ok = checked.returncode == 0 and not found
-    return Result(name, macros, ok, "\n".join(found + [checked.stderr]) if found or not ok else checked.stderr,
-                  found)
+    return checked.returncode == 0 and not found, checked.stderr, found
 
 
-def run(clang: str | None = None, jobs: int | None = None) -> list[Result]:
+def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (),
+              include_dirs: tuple = ()) -> Result:
+    """Checks one source under one set of macros."""
+    rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs)
+    if isinstance(rewritten, Result):
+        return rewritten
+    ok, output, found = _syntax_check(clang, shim_dir, rewritten)
+    return Result(name, macros, ok, "\n".join(found + [output]) if not ok else output, found)
+
+
+def check_batch(clang: str, shim_dir: str, work: list[tuple[str, str, tuple]]) -> list[Result]:
+    """check_one for each (name, text, macros), with one clang front-end run for all of them: each
+    rewritten source in a namespace of its own (parsing the shim costs most of a run). A batch
+    that fails is checked again one by one, so each Result carries its own violations."""
+    results: list[Result | None] = []
+    parts = []
+    for k, (name, text, macros) in enumerate(work):
+        rewritten = _rewritten(clang, shim_dir, name, text, macros, ())
+        if isinstance(rewritten, Result):
+            results.append(rewritten)
+        else:
+            results.append(None)
+            parts.append(f"namespace __msl_specialisation_{k} {{\n{rewritten}\n}}\n")
+    if parts:
+        ok, output, _ = _syntax_check(clang, shim_dir, "".join(parts))
+        for k, (name, text, macros) in enumerate(work):
+            if results[k] is None:
+                results[k] = Result(name, macros, True, output) if ok else check_one(
+                    clang, shim_dir, name, text, macros)
+    return results
+
+
+def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> list[Result]:
     """Check every (source, macros) the planner can emit; returns one Result each."""
     compiler = find_clang(clang)
     sources = _sources.kernel_sources()
     shim_dir = _C.shim_dir()
-    work = []
-    for source_name, _function, macros in _C.specialisations():
-        work.append((source_name, sources[source_name], tuple(macros)))
+    work = [(name, sources[name], tuple(macros)) for name, _function, macros in _C.specialisations()]
     missing = sorted(set(sources) - {w[0] for w in work})
     # A .metal file the planner never emits would go unchecked: check it unspecialised too.
     work += [(name, sources[name], ()) for name in missing]
+    batches = [work[i:i + batch] for i in range(0, len(work), batch)]
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda w: check_one(compiler, shim_dir, *w), work))
+        return [r for results in pool.map(lambda b: check_batch(compiler, shim_dir, b), batches) for r in results]
 
 
 def run_files(paths: list[str], macros: tuple = (), clang: str | None = None, jobs: int | None = None,

@@ -1260,7 +1260,7 @@ static void address_space_cast(pp *P, uint64_t c) {
 static void strict_rules(pp *P) {
     for (uint64_t i = 0; i < P->n && !P->failed; i++) {
         for (uint64_t f = 0; f < sizeof FORBIDDEN / sizeof *FORBIDDEN; f++)
-            if (word(P, i, FORBIDDEN[f][0]) && !(f == 4 && is(P, i - 1, '=')))
+            if (word(P, i, FORBIDDEN[f][0]) && !(word(P, i, "delete") && is(P, i - 1, '='))) /* = delete */
                 violation(P, i, FORBIDDEN[f][1], "%s", FORBIDDEN[f][2]);
         if (word(P, i, "std") && is(P, i + 1, 'D'))
             violation(P, i, "std-library", "MSL has no C++ standard library (std::); use metal::");
