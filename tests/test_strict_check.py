@@ -202,18 +202,20 @@ def test_cpu_device_refuses_kernel_scope_threadgroup_memory_over_32_kib():
 CONVERSIONS_FIXED = ("kernel void cv(device bfloat *x [[buffer(0)]], device half *h [[buffer(1)]]) {\n"
                      "  float f = 1.5f * x[1]; x[0] = bfloat(f);\n"
                      "  h[0] = half(float(x[2]));\n"
-                     "  simdgroup_half8x8 m; simdgroup_load(m, h); }")
+                     "  simdgroup_half8x8 m; simdgroup_load(m, h);\n"
+                     "  long a = 1; int n = 2; h[1] = half(float(min(a, long(n)))); }")
 
 
 def test_cpu_device_shim_has_msl_conversions_and_simdgroup_types():
-    # float -> bfloat, bfloat -> half and a float matrix loaded from half memory: implicit in the
-    # old shim, refused by Apple's compiler (the corrected twin, CONVERSIONS_FIXED, compiles above)
+    # float -> bfloat, bfloat -> half, a float matrix loaded from half memory, min(long, int):
+    # accepted by the old shim, refused by Apple's compiler (the corrected twin, CONVERSIONS_FIXED, compiles above)
     bad = ("kernel void cv(device bfloat *x [[buffer(0)]], device half *h [[buffer(1)]]) {\n"
            "  float f = 1.5f * x[1]; x[0] = f;\n"
            "  h[0] = x[2];\n"
-           "  simdgroup_float8x8 m; simdgroup_load(m, h); }")
+           "  simdgroup_float8x8 m; simdgroup_load(m, h);\n"
+           "  long a = 1; int n = 2; h[1] = half(float(min(a, n))); }")
     with pytest.raises(MetalCompileError) as err:
         compile_library(PRELUDE + bad, name="conversions.metal")
     message = str(err.value)
-    for line in (4, 5, 6):
+    for line in (4, 5, 6, 7):
         assert f"conversions.metal:{line}:" in message, message

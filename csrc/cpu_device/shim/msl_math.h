@@ -2,8 +2,9 @@
  *
  * Every function works on scalars and, lane by lane, on vectors. Arguments of different types meet
  * in one type as in MSL's arithmetic (half and int give half, half and float give float, a scalar
- * with a vector gives the vector), so max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) all
- * resolve. half and bfloat are computed in float and rounded once. fast:: and precise:: are the
+ * with a vector gives the vector), but for min, max and clamp, which take one type as in Metal:
+ * max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) resolve, min(long, int) does not. half and
+ * bfloat are computed in float and rounded once. fast:: and precise:: are the
  * same functions: the CPU does not reproduce the GPU's fast-math error.
  * NaN follows the MSL specification: fmax, fmin, max, min return the other argument when exactly
  * one is NaN (NaN when both are); clamp(x, lo, hi) is fmin(fmax(x, lo), hi). */
@@ -106,6 +107,12 @@ template <class... X> using common_t = typename common_of<X...>::type;
 template <class... X>
 using floating_t = std::enable_if_t<is_floating_point_v<elem_t<common_t<X...>>>, common_t<X...>>;
 template <class... X> using int_t = std::enable_if_t<is_integral_v<elem_t<common_t<X...>>>, common_t<X...>>;
+/* min, max and clamp exist per type, as in Metal: every argument of the first one's type, or a
+ * scalar of its element type with a vector (a double, which MSL lacks, is a float literal) */
+template <class A, class B>
+constexpr bool same_kind_v = std::is_same_v<value_t<A>, value_t<B>> ||
+                             (info<A>::n > 1 && info<B>::n == 1 && std::is_same_v<elem_t<A>, value_t<B>>);
+template <class A, class... B> using matching_t = std::enable_if_t<(same_kind_v<A, B> && ...), common_t<A, B...>>;
 template <class X> struct bools { using type = bool; };
 template <class T, int N> struct bools<vec<T, N>> { using type = vec<bool, N>; };
 template <class X> using bool_t = typename bools<X>::type;
@@ -224,9 +231,9 @@ MSL_TEST(isfinite, std::isfinite(x))
 MSL_TEST(signbit, std::signbit(x))
 
 MSL_ANY(abs, common, is_floating_point_v<E> ? E(std::fabs(float(x))) : x < 0 ? E(-x) : x)
-MSL_ANY2(max, common, detail::lane_max(x, y))
-MSL_ANY2(min, common, detail::lane_min(x, y))
-template <class A, class B, class C, class R = detail::common_t<A, B, C>>
+MSL_ANY2(max, matching, detail::lane_max(x, y))
+MSL_ANY2(min, matching, detail::lane_min(x, y))
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>>
 constexpr R clamp(const A &x, const B &lo, const C &hi) {
     auto f = [](auto v, auto l, auto h) { return detail::lane_min(detail::lane_max(v, l), h); };
     return detail::map<R>(f, R(x), R(lo), R(hi));
