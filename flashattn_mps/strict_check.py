@@ -1,26 +1,59 @@
-"""The strict MSL check: every kernel source under every specialisation the planner can emit,
-type-checked by clang with Metal's address spaces kept apart.
+"""The strict MSL check: a conformance check that refuses what Apple's Metal compiler refuses.
 
-    python -m flashattn_mps.strict_check [--clang PATH] [--jobs N]
+    python -m flashattn_mps.strict_check [FILE.metal ...] [-D NAME=VALUE ...] [-I DIR ...] [--clang PATH]
+                                         [--jobs N]
 
-The CPU Metal device compiles MSL as ordinary C++, where `device`, `constant` and `threadgroup` are
-empty words, so a kernel passing a device pointer where a threadgroup pointer is expected would
-compile here and fail on a Mac. This check maps them to distinct clang address spaces (1, 2, 3) and
-runs `clang++ -fsyntax-only` on the pre-passed source, so such code fails here first.
+With files, checks each under the -D macros (`#include "..."` searches the file's directory, then
+each -I DIR);
+with none, checks every (source, macros) the planner can emit. Exits non-zero on any violation;
+each is printed as `file:line:col: error: ... [rule: NAME]`.
+
+The CPU Metal device compiles MSL as ordinary C++, which accepts much that Metal does not. This
+check runs clang's front end (`clang++ -fsyntax-only`) on the source after the prepass in strict
+mode, against the shim in strict mode:
+- the prepass refuses the C++ MSL lacks (MSL specification 1.5.4 and 2.1): double, goto, virtual,
+  new/delete, exceptions, dynamic_cast, typeid, thread_local, register, static locals other than
+  constants, std::, function pointers, direct recursion, a kernel named main; and, as the CPU
+  device also does, argument-table indices beyond 30 or used twice, more than 31 buffers, pointer
+  or reference kernel parameters without an address space, threadgroup variables outside kernel
+  scope;
+- clang sees `device`, `constant` and `threadgroup` as distinct address spaces, including in
+  C-style casts; min/max/clamp/fmin/fmax exist per type (as in Metal: min(long, int) is
+  ambiguous); SIMD-group functions take scalars and vectors of MSL's arithmetic types only;
+  simdgroup_load/store take the matrix's element type in device or threadgroup memory only;
+  float-to-bfloat and half-to-bfloat conversions must be explicit (the CPU device also refuses
+  bfloat-to-half); variable-length arrays are refused;
+- a kernel whose kernel-scope threadgroup variables exceed 32 KiB is refused at compile time
+  (msl_kernel.h), as by the CPU device.
+It cannot see numerics, register pressure, races, nor anything only Apple's back end checks.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import _C, _sources
 
 CLANG_CANDIDATES = ["clang++-19", "clang++-18", "clang++-17", "clang++-16", "clang++-15", "clang++"]
+
+# clang's diagnostics (in the strict shim) that break an MSL rule, by a pattern of their text.
+CLANG_RULES = [
+    (re.compile(r"address_space_cast"), "address-space-cast"),
+    (re.compile(r"variable length array"), "vla"),
+    (re.compile(r"'(simdgroup_load|simdgroup_store)'"), "simdgroup-matrix-memory"),
+    (re.compile(r"'(min|max|clamp|fmin|fmax)'"), "builtin-argument-types"),
+    (re.compile(r"'simd_\w+'"), "simd-function-types"),
+    (re.compile(r"to 'bfloat'"), "bfloat-conversion"),
+    (re.compile(r"address space"), "address-space"),
+    (re.compile(r"file not found"), "std-library"),
+]
+_DIAG = re.compile(r"^(?P<loc>[^\s:][^:]*:\d+:\d+): (?:fatal )?(?P<kind>error|warning|note): (?P<text>.*)$")
 
 
 @dataclass
@@ -28,7 +61,8 @@ class Result:
     source: str
     macros: tuple
     ok: bool
-    message: str
+    message: str  # every violation, one line each, then the compiler's own output
+    violations: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -48,53 +82,159 @@ def find_clang(explicit: str | None = None) -> str:
     )
 
 
-def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple) -> Result:
+def violations_of(output: str, shim_dir: str) -> list[str]:
+    """One `file:line:col: error: ... [rule: NAME]` line per error in clang's output (and per
+    bfloat conversion warning). The rule comes from the error's text, else from its notes; an
+    error inside the shim is placed at the first source location its notes name."""
+    diags = []  # [error or warning match, its notes]
+    for line in output.splitlines():
+        m = _DIAG.match(line)
+        if m and m["kind"] == "note" and diags:
+            diags[-1][1].append(m)
+        elif m and m["kind"] != "note":
+            diags.append((m, []))
+    found = []
+    for m, notes in diags:
+        tagged = re.search(r"\[rule: [\w-]+\]", m["text"])
+        rule = next((r for pattern, r in CLANG_RULES if pattern.search(m["text"])), None)
+        if rule is None:
+            rule = next((r for pattern, r in CLANG_RULES for n in notes if pattern.search(n["text"])), None)
+        if m["kind"] == "warning" and rule != "bfloat-conversion":
+            continue
+        text = m["text"] if tagged else f"{m['text']} [rule: {rule or 'type-check'}]"
+        loc = m["loc"]
+        if loc.startswith(shim_dir):
+            loc = next((n["loc"] for n in notes if not n["loc"].startswith(shim_dir)), loc)
+        found.append(f"{loc}: error: {text}")
+    return found
+
+
+def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
+               include_dirs: tuple) -> str | Result:
+    """The source preprocessed and rewritten by the prepass in strict mode, or the failed Result."""
     if not text.startswith("#line"):
         text = f'#line 1 "{name}"\n' + text  # name the file in clang's messages
     defines = [f"-D{k}={v}" for k, v in macros]
-    base = [clang, "-x", "c++", "-std=gnu++17"]
+    includes = [a for d in include_dirs for a in ("-I", d)]
+    # Only Metal's headers (the shim's stand-ins) are found: no C++ standard library.
     expanded = subprocess.run(
-        base + ["-E", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1", "-I", os.path.join(shim_dir, "include")]
-        + defines + ["-"],
+        [clang, "-x", "c++", "-std=gnu++17", "-E", "-nostdinc", "-nostdinc++", "-D__METAL_VERSION__=310",
+         "-D__HAVE_BFLOAT__=1", "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
         input=text, capture_output=True, text=True,
     )
     if expanded.returncode != 0:
-        return Result(name, macros, False, expanded.stderr)
-    rewritten = _C.preprocess(expanded.stdout, name, True)
+        found = violations_of(expanded.stderr, shim_dir)
+        return Result(name, macros, False, "\n".join(found + [expanded.stderr]), found)
+    try:
+        return _C.preprocess(expanded.stdout, name, True)
+    except Exception as exc:  # the prepass's violations (or a source it cannot parse)
+        found = [line for line in str(exc).splitlines() if ": error: " in line]
+        return Result(name, macros, False, str(exc), found)
+
+
+def _syntax_check(clang: str, shim_dir: str, rewritten: str) -> tuple[bool, str, list[str]]:
+    """clang's front end on rewritten source against the strict shim: (ok, output, violations)."""
     checked = subprocess.run(
-        base + ["-fsyntax-only", "-DMSL_STRICT", "-Wno-unknown-attributes", "-include",
-                os.path.join(shim_dir, "msl_shim.h"), "-"],
+        [clang, "-x", "c++", "-std=gnu++17", "-fsyntax-only", "-DMSL_STRICT", "-Wno-unknown-attributes",
+         "-Wfloat-conversion", "-Werror=vla-extension",
+         # bfloat is char16_t here, whose arithmetic gives int: {a * b} is no narrowing in MSL
+         "-Wno-c++11-narrowing", "-include", os.path.join(shim_dir, "msl_shim.h"), "-"],
         input=rewritten, capture_output=True, text=True,
     )
-    return Result(name, macros, checked.returncode == 0, checked.stderr)
+    found = violations_of(checked.stderr, shim_dir)
+    return checked.returncode == 0 and not found, checked.stderr, found
 
 
-def run(clang: str | None = None, jobs: int | None = None) -> list[Result]:
+def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (),
+              include_dirs: tuple = ()) -> Result:
+    """Checks one source under one set of macros."""
+    rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs)
+    if isinstance(rewritten, Result):
+        return rewritten
+    ok, output, found = _syntax_check(clang, shim_dir, rewritten)
+    return Result(name, macros, ok, "\n".join(found + [output]) if not ok else output, found)
+
+
+def check_batch(clang: str, shim_dir: str, work: list[tuple[str, str, tuple]]) -> list[Result]:
+    """check_one for each (name, text, macros), with one clang front-end run for all of them: each
+    rewritten source in a namespace of its own (parsing the shim costs most of a run). A batch
+    that fails is checked again one by one, so each Result carries its own violations."""
+    results: list[Result | None] = []
+    parts = []
+    for k, (name, text, macros) in enumerate(work):
+        rewritten = _rewritten(clang, shim_dir, name, text, macros, ())
+        if isinstance(rewritten, Result):
+            results.append(rewritten)
+        else:
+            results.append(None)
+            parts.append(f"namespace __msl_specialisation_{k} {{\n{rewritten}\n}}\n")
+    if parts:
+        ok, output, _ = _syntax_check(clang, shim_dir, "".join(parts))
+        for k, (name, text, macros) in enumerate(work):
+            if results[k] is None:
+                results[k] = Result(name, macros, True, output) if ok else check_one(
+                    clang, shim_dir, name, text, macros)
+    return results
+
+
+def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> list[Result]:
     """Check every (source, macros) the planner can emit; returns one Result each."""
     compiler = find_clang(clang)
     sources = _sources.kernel_sources()
     shim_dir = _C.shim_dir()
-    work = []
-    for source_name, _function, macros in _C.specialisations():
-        work.append((source_name, sources[source_name], tuple(macros)))
+    work = [(name, sources[name], tuple(macros)) for name, _function, macros in _C.specialisations()]
     missing = sorted(set(sources) - {w[0] for w in work})
-    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        results = list(pool.map(lambda w: check_one(compiler, shim_dir, *w), work))
     # A .metal file the planner never emits would go unchecked: check it unspecialised too.
-    results += [check_one(compiler, shim_dir, name, sources[name], ()) for name in missing]
-    return results
+    work += [(name, sources[name], ()) for name in missing]
+    batches = [work[i:i + batch] for i in range(0, len(work), batch)]
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return [r for results in pool.map(lambda b: check_batch(compiler, shim_dir, b), batches) for r in results]
+
+
+def run_files(paths: list[str], macros: tuple = (), clang: str | None = None, jobs: int | None = None,
+              include_dirs: tuple = ()) -> list[Result]:
+    """Check the given MSL sources under the given macros."""
+    compiler = find_clang(clang)
+    shim_dir = _C.shim_dir()
+
+    def one(path: str) -> Result:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        directory = os.path.dirname(os.path.abspath(path))
+        return check_one(compiler, shim_dir, path, text, macros, (directory,) + tuple(include_dirs))
+
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        return list(pool.map(one, paths))
+
+
+def _macro(text: str) -> tuple[str, str]:
+    name, _, value = text.partition("=")
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        raise argparse.ArgumentTypeError(f"-D expects NAME or NAME=VALUE, got {text!r}")
+    return name, value if _ else "1"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", metavar="FILE.metal", help="sources to check (default: the planner's)")
+    parser.add_argument("-D", dest="macros", action="append", type=_macro, default=[], metavar="NAME=VALUE",
+                        help="a macro for the given files")
+    parser.add_argument("-I", dest="include_dirs", action="append", default=[], metavar="DIR",
+                        help="a directory for the given files' #include \"...\"")
     parser.add_argument("--clang", help="clang++ to use")
     parser.add_argument("--jobs", type=int, help="parallel clang processes (default: all cores)")
     args = parser.parse_args(argv)
-    results = run(args.clang, args.jobs)
+    if (args.macros or args.include_dirs) and not args.files:
+        parser.error("-D and -I apply to given files; the planner's specialisations bring their own")
+    if args.files:
+        results = run_files(args.files, tuple(args.macros), args.clang, args.jobs, tuple(args.include_dirs))
+    else:
+        results = run(args.clang, args.jobs)
     failed = [r for r in results if not r.ok]
     for r in failed:
         print(f"FAILED {r.label}\n{r.message}", file=sys.stderr)
-    print(f"strict MSL check: {len(results) - len(failed)} of {len(results)} specialisations passed")
+    what = "sources" if args.files else "specialisations"
+    print(f"strict MSL check: {len(results) - len(failed)} of {len(results)} {what} passed")
     return 1 if failed else 0
 
 

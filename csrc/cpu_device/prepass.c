@@ -98,6 +98,8 @@ typedef struct pp {
     char **hosts; /* kernel host names, in order */
     uint64_t nhosts, hcap;
     sbuf launchers;
+    sbuf violations; /* MSL rules broken, one "file:line:col: error: ... [rule: name]" line each */
+    uint64_t cast_end; /* strict: the address-space casts rewritten so far end here */
     int32_t failed;
     char err[1024];
 } pp;
@@ -131,6 +133,18 @@ static void fail_at(pp *P, uint64_t i, const char *fmt, ...) {
     va_start(ap, fmt);
     if (n > 0 && (uint64_t)n < sizeof P->err) vsnprintf(P->err + n, sizeof P->err - (uint64_t)n, fmt, ap);
     va_end(ap);
+}
+
+/* A broken MSL rule at token i: collected, so that one run reports every violation; the source
+ * is then refused as a whole (mcpu_preprocess). */
+static void violation(pp *P, uint64_t i, const char *rule, const char *fmt, ...) {
+    tok t = P->t[i < P->n ? i : P->n - 1];
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    sb_printf(&P->violations, "%s:%u:%u: error: %s [rule: %s]\n", P->files[t.file], t.line, t.col, msg, rule);
 }
 
 static char *dup_n(pp *P, const char *s, uint64_t n) {
@@ -450,16 +464,50 @@ static void blank_attrs(pp *P, uint64_t i, uint64_t e) {
     }
 }
 
+/* Metal's argument tables: [[buffer(n)]] and [[threadgroup(n)]] take n in 0..30. */
+enum { MAX_ARG_INDEX = 30 };
+
+/* Whether [a, b) is one integer literal (decimal, hex, octal; suffixes ignored); its value in *v,
+ * UINT64_MAX when it does not fit in 64 bits. */
+static int32_t literal_value(const pp *P, uint64_t a, uint64_t b, uint64_t *v) {
+    if (b != a + 1 || !is(P, a, 'n')) return 0;
+    const char *c = P->src + P->t[a].a, *end = P->src + P->t[a].b;
+    uint64_t base = 10, x = 0;
+    if (c + 1 < end && c[0] == '0' && (c[1] == 'x' || c[1] == 'X'))
+        base = 16, c += 2;
+    else if (c[0] == '0')
+        base = 8;
+    for (; c < end && *c != 'u' && *c != 'U' && *c != 'l' && *c != 'L'; c++) {
+        if (*c == '\'') continue;
+        uint64_t d = is_digit(*c) ? (uint64_t)(*c - '0') : (uint64_t)((*c | 0x20) - 'a' + 10);
+        if (d >= base) return 0; /* a floating literal */
+        x = x > (UINT64_MAX - d) / base ? UINT64_MAX : x * base + d;
+    }
+    *v = x;
+    return 1;
+}
+
 /* Buffer and threadgroup parameters without an index attribute take the one after the previous
  * parameter's of their kind (0 first), as Metal assigns them (MLX relies on it). */
 typedef struct slots {
-    char *last[2];    /* the last explicit index of buffers [0] and threadgroup memory [1] */
-    uint32_t next[2]; /* parameters of that kind since */
+    char *last[2];      /* the last explicit index of buffers [0] and threadgroup memory [1] */
+    uint32_t next[2];   /* parameters of that kind since */
+    int32_t known[2];   /* whether the last index is a literal, of value value[kind] */
+    uint64_t value[2];
+    uint32_t used[2];   /* bit n: a non-optional parameter of that kind has index n */
+    uint32_t count[2];  /* parameters of that kind */
 } slots;
 
-/* One kernel parameter [a, b): appends its launcher argument and blanks its attributes. */
+static int32_t address_space_word(const pp *P, uint64_t k) {
+    return word(P, k, "device") || word(P, k, "constant") || word(P, k, "threadgroup") ||
+           word(P, k, "threadgroup_imageblock") || word(P, k, "object_data") || word(P, k, "ray_data");
+}
+
+/* One kernel parameter [a, b): appends its launcher argument and blanks its attributes. Checks
+ * Metal's rules for it: an address space on pointers and references, an index in the argument
+ * table (0..30), used once. */
 static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn, slots *sl, sbuf *out) {
-    int32_t ptr = 0, ref = 0, optional = 0, angle = 0, bound = 0, tg = 0;
+    int32_t ptr = 0, ref = 0, optional = 0, angle = 0, bound = 0, tg = 0, space = 0;
     const char *role = NULL; /* "buffer", "threadgroup", or NULL for a builtin */
     uint64_t role_item = 0, role_a = 0, role_b = 0;
     for (uint64_t k = a; k < b && !P->failed;) {
@@ -498,9 +546,14 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
         if (!angle && is(P, k, '*')) ptr = 1;
         if (!angle && is(P, k, '&')) ref = 1;
         if (word(P, k, "threadgroup")) tg = 1;
+        if (!angle && address_space_word(P, k)) space = 1;
         k = opens(P, k) ? skip_group(P, k) : k + 1;
     }
     if (P->failed) return;
+    if ((ptr || ref) && !space)
+        violation(P, a, "pointer-address-space",
+                  "kernel '%s': pointer or reference parameter %u has no address space (device, constant or "
+                  "threadgroup)", fn, index);
     sb_puts(out, index ? ", " : "");
     if (bound && !role) {
         sb_printf(out, "::msl_rt::builtin::%.*s(__t)", (int)(P->t[role_item].b - P->t[role_item].a),
@@ -508,22 +561,50 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
         return;
     }
     int32_t kind = bound ? role[0] == 't' : tg;
-    char *n = NULL;
+    const char *table = kind ? "threadgroup" : "buffer";
     if (bound) {
         free(sl->last[kind]);
-        sl->last[kind] = n = text(P, role_a, role_b);
+        sl->last[kind] = text(P, role_a, role_b);
         sl->next[kind] = 0;
+        sl->known[kind] = literal_value(P, role_a, role_b, &sl->value[kind]);
     }
     uint32_t plus = bound ? 0 : ++sl->next[kind];
-    /* value parameters bind like references: the proxy's T& converts to T */
-    sb_printf(out, "::msl_rt::%s_%s(__t, ", kind ? "threadgroup" : "buffer", ptr && !ref ? "ptr" : "ref");
-    if (n)
-        sb_puts(out, n);
-    else if (sl->last[kind])
-        sb_printf(out, "(%s) + %u", sl->last[kind], plus);
+    /* the index: a number when known here, else checked by the compiler (msl_kernel.h) */
+    sbuf at = {0};
+    uint64_t v = 0;
+    int32_t known = 1;
+    if (!sl->last[kind])
+        v = plus - 1;
+    else if (sl->known[kind])
+        v = sl->value[kind] > UINT64_MAX - plus ? UINT64_MAX : sl->value[kind] + plus;
     else
-        sb_printf(out, "%u", plus - 1);
+        known = 0;
+    if (known)
+        sb_printf(&at, "%llu", (unsigned long long)v);
+    else if (plus)
+        sb_printf(&at, "::msl_rt::argument_index<(%s) + %u>()", sl->last[kind], plus);
+    else
+        sb_printf(&at, "::msl_rt::argument_index<(%s)>()", sl->last[kind]);
+    if (known && v > MAX_ARG_INDEX) {
+        violation(P, bound ? role_a : a, kind ? "threadgroup-index" : "buffer-index",
+                  "kernel '%s': parameter %u is bound to [[%s(%llu)]], beyond Metal's argument table (%s "
+                  "indices are 0 to %d)", fn, index, table, (unsigned long long)v, table, MAX_ARG_INDEX);
+    } else if (known && !optional && (sl->used[kind] >> v & 1u)) {
+        violation(P, bound ? role_a : a, kind ? "threadgroup-index-reused" : "buffer-index-reused",
+                  "kernel '%s': parameter %u is bound to [[%s(%llu)]], which another parameter already uses",
+                  fn, index, table, (unsigned long long)v);
+    } else if (known && !optional) {
+        sl->used[kind] |= 1u << v;
+    }
+    if (++sl->count[kind] == MAX_ARG_INDEX + 2)
+        violation(P, a, kind ? "threadgroup-count" : "buffer-count",
+                  "kernel '%s': more than %d %s parameters (Metal's argument table has %d entries)", fn,
+                  MAX_ARG_INDEX + 1, table, MAX_ARG_INDEX + 1);
+    /* value parameters bind like references: the proxy's T& converts to T */
+    sb_printf(out, "::msl_rt::%s_%s(__t, %s", table, ptr && !ref ? "ptr" : "ref", at.p ? at.p : "0");
     sb_puts(out, optional && !kind ? ", true)" : ")");
+    if (at.oom) oom(P);
+    free(at.p);
 }
 
 /* Launcher arguments for the parameter list at p (its '('). */
@@ -535,7 +616,7 @@ static char *params(pp *P, uint64_t p, const char *fn) {
     }
     sbuf out = {0};
     sb_puts(&out, "");
-    slots sl = {{NULL, NULL}, {0, 0}};
+    slots sl = {{NULL, NULL}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}};
     uint64_t a = p + 1;
     uint32_t index = 0;
     if (word(P, a, "void") && a + 1 == close) a = close;
@@ -601,6 +682,7 @@ static void kernel_fn(pp *P, uint64_t s, uint64_t e, head *h, int32_t definition
     }
     char *fn = text(P, name, name + 1);
     if (!fn) return;
+    if (!strcmp(fn, "main")) violation(P, name, "kernel-main", "a kernel function may not be named main");
     blank_attrs(P, s, h->paren);
     char *args = params(P, h->paren, fn);
     if (args && h->is_template) {
@@ -761,10 +843,35 @@ static void constant_decl(pp *P, uint64_t s, uint64_t e) {
 
 /* ---- scopes ---- */
 
+/* What walk_body knows of the function it walks. */
+enum { MAX_TG_VARS = 64 };
+typedef struct body {
+    const char *kernel; /* the kernel's name; NULL in any other function */
+    const char *fn;     /* a namespace-scope function's name (to find direct recursion), or NULL */
+    uint32_t min_args, max_args;
+    uint32_t depth;     /* of the block being walked; the body's own is 1 */
+    /* the kernel-scope threadgroup variables of the open blocks, with their blocks' depths */
+    char *tg[MAX_TG_VARS];
+    uint32_t tg_depth[MAX_TG_VARS], ntg;
+} body;
+
+/* After the declaration ending at token e: the compiler refuses the kernel when the threadgroup
+ * variables in scope exceed Metal's 32 KiB, naming the kernel and the bytes (msl_kernel.h). */
+static void threadgroup_budget(pp *P, uint64_t e, body *B) {
+    sbuf r = {0};
+    sb_printf(&r, " struct __msl_kernel_%s; static_assert(::msl_rt::threadgroup_memory<__msl_kernel_%s, 0", B->kernel,
+              B->kernel);
+    for (uint32_t k = 0; k < B->ntg; k++) sb_printf(&r, " + sizeof(%s)", B->tg[k]);
+    sb_puts(&r, ">::fits, \"\");");
+    if (r.oom) oom(P);
+    add_edit(P, P->t[e].b, P->t[e].b, r.p);
+}
+
 /* Kernel-scope `threadgroup T a[N][M], b;` at i: storage per threadgroup instead of per thread
  * (strict mode: `static`, which clang accepts in an address space). Pointer declarations
- * (`threadgroup T *p = ...;`) stay. Returns the index to continue from. */
-static uint64_t threadgroup_decl(pp *P, uint64_t i) {
+ * (`threadgroup T *p = ...;`) stay. Outside a kernel such variables break MSL's rules. Returns
+ * the index to continue from. */
+static uint64_t threadgroup_decl(pp *P, uint64_t i, body *B) {
     uint64_t e = i + 1;
     while (e < P->n && !is(P, e, ';') && !is(P, e, '{') && !is(P, e, '}'))
         e = opens(P, e) ? skip_group(P, e) : e + 1;
@@ -793,6 +900,14 @@ static uint64_t threadgroup_decl(pp *P, uint64_t i) {
         }
         if (first) type = text(P, i + 1, name);
         char *nm = text(P, name, name + 1), *dm = text(P, dims, b);
+        if (!B->kernel && first)
+            violation(P, name, "threadgroup-scope",
+                      "threadgroup variable '%s' declared outside a kernel function's scope (pass a threadgroup "
+                      "pointer from the kernel instead)", nm ? nm : "");
+        if (B->kernel && nm && B->ntg < MAX_TG_VARS) {
+            B->tg_depth[B->ntg] = B->depth;
+            B->tg[B->ntg++] = dup_n(P, nm, strlen(nm));
+        }
         if (type && nm && dm)
             sb_printf(&r, "%sauto &%s = ::msl_rt::threadgroup_static<%s%s>([] {});", first ? "" : " ", nm,
                       type, dm);
@@ -813,18 +928,77 @@ static uint64_t threadgroup_decl(pp *P, uint64_t i) {
     } else {
         add_edit(P, P->t[i].a, P->t[e].b, r.p);
     }
+    if (B->kernel) threadgroup_budget(P, e, B);
     return e;
 }
 
+/* Arguments of the call whose '(' is at i: top-level commas + 1, 0 for an empty list. */
+static uint32_t call_args(const pp *P, uint64_t i) {
+    uint64_t close = skip_group(P, i) - 1;
+    if (close == i + 1) return 0;
+    uint32_t n = 1;
+    int32_t angle = 0;
+    for (uint64_t k = i + 1; k < close; k = opens(P, k) ? skip_group(P, k) : k + 1) {
+        if (is(P, k, '<')) angle++;
+        if (is(P, k, '>') && angle > 0) angle--;
+        if (is(P, k, ',') && !angle) n++;
+    }
+    return n;
+}
+
+/* How many functions named fn the source defines (`fn(...) {`): a call from one overload to
+ * another is no recursion, and which one a call picks is the compiler's business. */
+static uint32_t definitions(const pp *P, const char *fn) {
+    uint32_t n = 0;
+    for (uint64_t i = 0; i + 1 < P->n; i++)
+        if (word(P, i, fn) && is(P, i + 1, '(')) {
+            uint64_t k = skip_group(P, i + 1);
+            while (word(P, k, "const") || word(P, k, "noexcept")) k++;
+            n += is(P, k, '{');
+        }
+    return n;
+}
+
+/* How many arguments a call to the function whose parameter list opens at p takes. */
+static void param_counts(const pp *P, uint64_t p, uint32_t *min_args, uint32_t *max_args) {
+    uint32_t n = call_args(P, p), defaults = 0;
+    if (n == 1 && word(P, p + 1, "void") && is(P, p + 2, ')')) n = 0;
+    int32_t angle = 0;
+    for (uint64_t k = p + 1; k < skip_group(P, p) - 1; k = opens(P, k) ? skip_group(P, k) : k + 1) {
+        if (is(P, k, '<')) angle++;
+        if (is(P, k, '>') && angle > 0) angle--;
+        if (is(P, k, '=') && !angle) defaults++;
+    }
+    *min_args = n - (defaults < n ? defaults : n);
+    *max_args = n;
+}
+
+/* A statement-start `static` in a function body: MSL has no static locals but constants. */
+static void static_local(pp *P, uint64_t i) {
+    for (uint64_t k = i + 1; k < P->n && !is(P, k, ';') && !is(P, k, '{') && !is(P, k, '='); k++)
+        if (word(P, k, "constexpr") || word(P, k, "constant")) return;
+    violation(P, i, "static-local", "static local variable (MSL allows static only for constexpr or constant)");
+}
+
 /* A function body from just after its '{'; returns the index after its '}'. */
-static uint64_t walk_body(pp *P, uint64_t i) {
-    uint64_t depth = 1;
+static uint64_t walk_body(pp *P, uint64_t i, body *B) {
+    B->depth = 1;
     for (; i < P->n && !P->failed; i++) {
         char k = P->t[i].k;
-        if (k == '{') depth++;
-        if (k == '}' && --depth == 0) return i + 1;
-        if (word(P, i, "threadgroup") && (is(P, i - 1, ';') || is(P, i - 1, '{') || is(P, i - 1, '}')))
-            i = threadgroup_decl(P, i);
+        if (k == '{') B->depth++;
+        if (k == '}') {
+            while (B->ntg && B->tg_depth[B->ntg - 1] >= B->depth) free(B->tg[--B->ntg]);
+            if (--B->depth == 0) return i + 1;
+        }
+        int32_t stmt = is(P, i - 1, ';') || is(P, i - 1, '{') || is(P, i - 1, '}');
+        if (word(P, i, "threadgroup") && stmt) i = threadgroup_decl(P, i, B);
+        if (P->strict && word(P, i, "static") && stmt) static_local(P, i);
+        if (P->strict && B->fn && word(P, i, B->fn) && is(P, i + 1, '(') && !is(P, i - 1, '.') &&
+            !is(P, i - 1, 'A') && !is(P, i - 1, 'D') && definitions(P, B->fn) == 1) {
+            uint32_t n = call_args(P, i + 1);
+            if (n >= B->min_args && n <= B->max_args)
+                violation(P, i, "recursion", "function '%s' calls itself (MSL has no recursion)", B->fn);
+        }
     }
     return i;
 }
@@ -862,6 +1036,43 @@ static void statement(pp *P, uint64_t s, uint64_t e) {
     free(h.host);
 }
 
+/* Strict mode: a parameter `constant T a[N]` (an array in an address space, a pointer in MSL) is
+ * spelled `constant T *a` for clang, which refuses address-space-qualified parameters. */
+static void array_params(pp *P, uint64_t p) {
+    uint64_t close = skip_group(P, p) - 1;
+    for (uint64_t a = p + 1; a < close;) {
+        uint64_t b = a, name = 0, dims = 0;
+        int32_t space = 0, angle = 0;
+        for (; b < close && !(angle == 0 && is(P, b, ',')); b = opens(P, b) && !dims ? skip_group(P, b) : b + 1) {
+            if (is(P, b, '<')) angle++;
+            if (is(P, b, '>') && angle > 0) angle--;
+            if (address_space_word(P, b)) space = 1;
+            if (is(P, b, 'w') && !dims) name = b;
+            if (is(P, b, '[') && name == b - 1 && !dims) dims = b;
+        }
+        if (space && dims && skip_group(P, dims) == b) {
+            add_edit(P, P->t[name].a, P->t[name].a, dup_n(P, "*", 1));
+            add_edit(P, P->t[dims].a, P->t[b - 1].b, NULL);
+        }
+        a = b + 1;
+    }
+}
+
+/* Strict mode: a member function [s, e) (its head ends at h) for objects in device, constant or
+ * threadgroup memory (`f() device`) goes: clang has no address-space-qualified member functions,
+ * and keeping one would redeclare the thread version. Calls on such objects are not checked. */
+static void space_member(pp *P, uint64_t s, uint64_t h, uint64_t e) {
+    while ((word(P, s, "public") || word(P, s, "private") || word(P, s, "protected")) && is(P, s + 1, ':')) s += 2;
+    uint64_t k = s;
+    if (word(P, k, "template") && is(P, k + 1, '<')) k = skip_angles(P, k + 1);
+    while (k < h && !is(P, k, '(')) k = is(P, k, '[') ? skip_group(P, k) : k + 1;
+    if (k >= h) return;
+    k = skip_group(P, k);
+    while (word(P, k, "const") || word(P, k, "volatile")) k++;
+    if (k < h && (word(P, k, "device") || word(P, k, "constant") || word(P, k, "threadgroup")))
+        add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
+}
+
 /* Declarations of a namespace (or class) body from i; returns the index after its '}'. */
 static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
     while (i < P->n && !P->failed) {
@@ -880,6 +1091,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
             if (is(P, j, '}')) return j + 1; /* unbalanced: leave it to the compiler */
             if (is(P, j, ';')) {
                 if (!in_class) statement(P, s, j);
+                if (in_class && P->strict) space_member(P, s, j, j + 1);
                 i = j + 1;
                 break;
             }
@@ -902,13 +1114,24 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
             } else if (kind == SC_LINKAGE || kind == SC_CLASS) {
                 i = walk_scope(P, j + 1, kind == SC_CLASS);
             } else {
+                body B = {0};
+                char *name = NULL;
                 if (!in_class) {
                     head h;
                     scan_head(P, s, j, &h);
                     if (h.kernel && !h.explicit_inst) kernel_fn(P, s, j, &h, 1);
+                    if (!h.kernel && P->strict && h.paren < j) array_params(P, h.paren);
+                    if (h.paren < j && h.paren > s && is(P, h.paren - 1, 'w') && !word(P, h.paren - 1, "operator")) {
+                        name = text(P, h.paren - 1, h.paren);
+                        B.fn = name;
+                        param_counts(P, h.paren, &B.min_args, &B.max_args);
+                        if (h.kernel) B.kernel = name;
+                    }
                     free(h.host);
                 }
-                i = walk_body(P, j + 1);
+                i = walk_body(P, j + 1, &B);
+                free(name);
+                if (in_class && P->strict) space_member(P, s, j, i);
             }
             break;
         }
@@ -941,6 +1164,110 @@ static void clashes(pp *P) {
                 add_edit(P, P->t[i].a, P->t[i].b, NULL);
                 break;
             }
+    }
+}
+
+/* ---- MSL's restrictions (strict mode) ---- */
+
+/* C++ that MSL lacks, by keyword (MSL specification, 1.5.4 "Restrictions", and 2.1: no double). */
+static const char *const FORBIDDEN[][3] = {
+    {"double", "double", "MSL has no double; use float"},
+    {"goto", "goto", "MSL has no goto"},
+    {"virtual", "virtual", "MSL has no virtual functions"},
+    {"new", "new-delete", "MSL has no new"},
+    {"delete", "new-delete", "MSL has no delete"},
+    {"try", "exceptions", "MSL has no exceptions (try)"},
+    {"catch", "exceptions", "MSL has no exceptions (catch)"},
+    {"throw", "exceptions", "MSL has no exceptions (throw)"},
+    {"dynamic_cast", "dynamic-cast", "MSL has no dynamic_cast"},
+    {"typeid", "typeid", "MSL has no typeid (type identification)"},
+    {"thread_local", "storage-class", "MSL has no thread_local storage"},
+    {"register", "storage-class", "MSL has no register storage"},
+};
+
+static int32_t prefix_op(const pp *P, uint64_t k) {
+    return is(P, k, '&') || is(P, k, '*') || is(P, k, '-') || is(P, k, '+') || is(P, k, '!') || is(P, k, '~');
+}
+
+/* The end of the operand a C-style cast at k applies to: prefix operators, a primary expression
+ * (a name, a literal, a parenthesised group) and its postfix operators. */
+static uint64_t operand_end(const pp *P, uint64_t k) {
+    while (k < P->n && prefix_op(P, k)) k++;
+    if (is(P, k, '(')) {
+        k = skip_group(P, k);
+        if (k < P->n && (is(P, k, 'w') || is(P, k, 'n') || is(P, k, '('))) return operand_end(P, k); /* a cast */
+    } else if (is(P, k, 'w') || is(P, k, 'n') || is(P, k, 's') || is(P, k, 'c')) {
+        k++;
+        while (is(P, k, 'D') && is(P, k + 1, 'w')) k += 2;
+        if (is(P, k, '<')) {
+            uint64_t g = skip_angles(P, k);
+            if (g < P->n && (is(P, g, '(') || is(P, g, 'D'))) k = g;
+        }
+    } else {
+        return k;
+    }
+    for (;;) {
+        if (is(P, k, '[') || is(P, k, '('))
+            k = skip_group(P, k);
+        else if ((is(P, k, '.') || is(P, k, 'A') || is(P, k, 'D')) && is(P, k + 1, 'w'))
+            k += 2;
+        else if ((is(P, k, '+') || is(P, k, '-')) && P->t[k + 1].k == P->t[k].k && P->t[k + 1].a == P->t[k].b)
+            k += 2;
+        else
+            return k;
+    }
+}
+
+/* A C-style cast to a device, constant or threadgroup pointer at c (its '('): clang lets such a
+ * cast change the address space, Metal does not, so it becomes a call that accepts only a
+ * pointer of the same address space (msl_kernel.h). */
+static void address_space_cast(pp *P, uint64_t c) {
+    if (c < P->cast_end) return;
+    if (c > 0 && (is(P, c - 1, ')') || is(P, c - 1, ']') || is(P, c - 1, '>') ||
+                  (is(P, c - 1, 'w') && !word(P, c - 1, "return"))))
+        return; /* a call, sizeof, decltype, a parameter list */
+    uint64_t k = c + 1;
+    while (word(P, k, "const") || word(P, k, "volatile")) k++;
+    if (!word(P, k, "device") && !word(P, k, "constant") && !word(P, k, "threadgroup")) return;
+    uint64_t close = skip_group(P, c) - 1, stars = 0;
+    for (k++; k < close; k++) {
+        if (is(P, k, '<')) {
+            k = skip_angles(P, k) - 1;
+            continue;
+        }
+        if (is(P, k, '*')) stars++;
+        else if (!(is(P, k, 'w') || is(P, k, 'D')) || stars) {
+            if (!(stars && (word(P, k, "const") || word(P, k, "volatile")))) return;
+        }
+    }
+    if (!stars || !is(P, close, ')')) return;
+    uint64_t n = close + 1;
+    if (!(is(P, n, 'w') || is(P, n, 'n') || is(P, n, '(') || prefix_op(P, n))) return;
+    uint64_t end = operand_end(P, n);
+    if (end == n) return;
+    char *type = text(P, c + 1, close);
+    sbuf r = {0};
+    sb_printf(&r, "::msl_strict::address_space_cast<%s>(", type ? type : "");
+    free(type);
+    if (r.oom) oom(P);
+    add_edit(P, P->t[c].a, P->t[close].b, r.p);
+    add_edit(P, P->t[end - 1].b, P->t[end - 1].b, dup_n(P, ")", 1));
+    P->cast_end = end;
+}
+
+/* The rules a token pass can see: forbidden keywords, the C++ standard library, function
+ * pointers, address-space casts. */
+static void strict_rules(pp *P) {
+    for (uint64_t i = 0; i < P->n && !P->failed; i++) {
+        for (uint64_t f = 0; f < sizeof FORBIDDEN / sizeof *FORBIDDEN; f++)
+            if (word(P, i, FORBIDDEN[f][0]) && !(word(P, i, "delete") && is(P, i - 1, '='))) /* = delete */
+                violation(P, i, FORBIDDEN[f][1], "%s", FORBIDDEN[f][2]);
+        if (word(P, i, "std") && is(P, i + 1, 'D'))
+            violation(P, i, "std-library", "MSL has no C++ standard library (std::); use metal::");
+        if (is(P, i, '(') && is(P, i + 1, '*') &&
+            ((is(P, i + 2, 'w') && is(P, i + 3, ')') && is(P, i + 4, '(')) || (is(P, i + 2, ')') && is(P, i + 3, '('))))
+            violation(P, i, "function-pointer", "function pointer (MSL has none outside [[visible]] functions)");
+        if (is(P, i, '(')) address_space_cast(P, i);
     }
 }
 
@@ -1008,7 +1335,13 @@ char *mcpu_preprocess(const char *source, const char *source_name, int32_t stric
     if (!P.failed) tokenize(&P);
     if (!P.failed) walk_scope(&P, 0, 0);
     if (!P.failed) clashes(&P);
-    char *out = P.failed ? NULL : render(&P);
+    if (!P.failed && P.strict) strict_rules(&P);
+    if (P.violations.oom) oom(&P);
+    if (!P.failed && P.violations.n) {
+        P.violations.p[--P.violations.n] = 0; /* the last newline */
+        fa_fail(st, FA_ERR_COMPILE, "%s", P.violations.p);
+    }
+    char *out = P.failed || P.violations.n ? NULL : render(&P);
     if (P.failed) fa_fail(st, FA_ERR_COMPILE, "%s", P.err);
     free(P.t);
     for (uint64_t i = 0; i < P.ned; i++) free(P.ed[i].text);
@@ -1020,5 +1353,6 @@ char *mcpu_preprocess(const char *source, const char *source_name, int32_t stric
     free_strs(P.fc, P.nfc);
     free_strs(P.hosts, P.nhosts);
     free(P.launchers.p);
+    free(P.violations.p);
     return out;
 }

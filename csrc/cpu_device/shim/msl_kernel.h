@@ -213,7 +213,39 @@ template <class T, class Site> T &threadgroup_static(Site) {
     return *static_cast<T *>(api->threadgroup_static(api->current(), &site, sizeof(T), alignof(T)));
 }
 
+/* A [[buffer(n)]] or [[threadgroup(n)]] index the prepass could not read (a constant expression):
+ * checked here against Metal's argument table, 0 to 30. */
+template <unsigned long long N> constexpr uint32_t argument_index() {
+    static_assert(N <= 30, "argument index beyond Metal's argument table (0 to 30) [rule: buffer-index]");
+    return static_cast<uint32_t>(N);
+}
+
+/* After each kernel-scope threadgroup declaration the prepass asserts
+ * `threadgroup_memory<__msl_kernel_NAME, sizeof(a) + sizeof(b) ...>::fits`: the kernel is refused
+ * at compile time, as Metal's pipeline creation refuses it, and the message names the kernel (the
+ * tag type) and the bytes. */
+template <class Kernel, unsigned long long Bytes> struct threadgroup_memory {
+    static_assert(Bytes <= 32768,
+                  "kernel-scope threadgroup memory beyond Metal's 32 KiB (32768 bytes) [rule: threadgroup-memory]");
+    static constexpr bool fits = true;
+};
+
 } // namespace msl_rt
+
+#ifdef MSL_STRICT
+/* `(device T *)p` becomes `address_space_cast<device T *>(p)` (prepass.c): only a pointer of the
+ * same address space (or a null pointer constant) converts, as in Metal. */
+namespace msl_strict {
+template <class T> struct space : std::integral_constant<int, 0> {};
+template <class T> struct space<device T> : std::integral_constant<int, 1> {};
+template <class T> struct space<constant T> : std::integral_constant<int, 2> {};
+template <class T> struct space<threadgroup T> : std::integral_constant<int, 3> {};
+template <class To, class From, std::enable_if_t<space<std::remove_pointer_t<To>>::value == space<From>::value, int> = 0>
+To address_space_cast(From *p);
+template <class To, class I, std::enable_if_t<std::is_integral<I>::value, int> = 0> To address_space_cast(I);
+template <class To> To address_space_cast(decltype(nullptr));
+} // namespace msl_strict
+#endif
 
 namespace metal {
 using ::msl_rt::is_function_constant_defined;

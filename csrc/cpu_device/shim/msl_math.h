@@ -2,8 +2,9 @@
  *
  * Every function works on scalars and, lane by lane, on vectors. Arguments of different types meet
  * in one type as in MSL's arithmetic (half and int give half, half and float give float, a scalar
- * with a vector gives the vector), so max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) all
- * resolve. half and bfloat are computed in float and rounded once. fast:: and precise:: are the
+ * with a vector gives the vector), but for min, max and clamp, which take one type as in Metal:
+ * max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) resolve, min(long, int) does not. half and
+ * bfloat are computed in float and rounded once. fast:: and precise:: are the
  * same functions: the CPU does not reproduce the GPU's fast-math error.
  * NaN follows the MSL specification: fmax, fmin, max, min return the other argument when exactly
  * one is NaN (NaN when both are); clamp(x, lo, hi) is fmin(fmax(x, lo), hi). */
@@ -36,22 +37,46 @@
 
 #ifdef MSL_STRICT
 
-/* Type checking only: loose declarations returning the first argument's type. */
+/* Type checking only: loose declarations returning the first argument's type, but for min, max,
+ * clamp, fmin and fmax, which exist (as in Metal) for each type but bfloat and its vectors, with
+ * every argument of that type (or a scalar bound of a vector's element type): min(long, int) and
+ * max(half, float) are ambiguous, as on a Mac. The scalar ones are defined, so that constant
+ * expressions such as max(BK, 8) work. */
 namespace metal {
 #define MSL_DECLARE(name) template <class T, class... U> T name(T, U...);
 MSL_DECLARE(exp) MSL_DECLARE(exp2) MSL_DECLARE(exp10) MSL_DECLARE(log) MSL_DECLARE(log2) MSL_DECLARE(log10)
 MSL_DECLARE(pow) MSL_DECLARE(powr) MSL_DECLARE(sqrt) MSL_DECLARE(rsqrt) MSL_DECLARE(fma) MSL_DECLARE(mad)
-MSL_DECLARE(fmax) MSL_DECLARE(fmin) MSL_DECLARE(clamp) MSL_DECLARE(saturate)
+MSL_DECLARE(saturate)
 MSL_DECLARE(select) MSL_DECLARE(abs) MSL_DECLARE(fabs) MSL_DECLARE(sign) MSL_DECLARE(floor) MSL_DECLARE(ceil)
 MSL_DECLARE(round) MSL_DECLARE(rint) MSL_DECLARE(trunc) MSL_DECLARE(fract) MSL_DECLARE(fmod) MSL_DECLARE(sin)
 MSL_DECLARE(cos) MSL_DECLARE(tan) MSL_DECLARE(tanh) MSL_DECLARE(sinh) MSL_DECLARE(cosh) MSL_DECLARE(atan)
 MSL_DECLARE(atan2) MSL_DECLARE(asin) MSL_DECLARE(acos) MSL_DECLARE(copysign) MSL_DECLARE(mix) MSL_DECLARE(step)
 MSL_DECLARE(normalize) MSL_DECLARE(divide) MSL_DECLARE(popcount) MSL_DECLARE(clz) MSL_DECLARE(ctz)
-MSL_DECLARE(mulhi) MSL_DECLARE(max) MSL_DECLARE(min)
+MSL_DECLARE(mulhi)
 #undef MSL_DECLARE
-/* defined, so that constant expressions such as max(BK, 8) work */
-template <class T> constexpr std::enable_if_t<std::is_arithmetic_v<T>, T> max(T a, T b) { return a < b ? b : a; }
-template <class T> constexpr std::enable_if_t<std::is_arithmetic_v<T>, T> min(T a, T b) { return b < a ? b : a; }
+/* F(S, N) for S's vectors */
+#define MSL_VECS(F, S) F(S, 2) F(S, 3) F(S, 4)
+#define MSL_PAIR_VEC(S, N, max, min)                                                                              \
+    vec<S, N> max(vec<S, N>, vec<S, N>); vec<S, N> max(vec<S, N>, S);                                             \
+    vec<S, N> min(vec<S, N>, vec<S, N>); vec<S, N> min(vec<S, N>, S);
+#define MSL_MINMAX_VEC(S, N) MSL_PAIR_VEC(S, N, max, min)                                                         \
+    vec<S, N> clamp(vec<S, N>, vec<S, N>, vec<S, N>); vec<S, N> clamp(vec<S, N>, S, S);
+#define MSL_FMINMAX_VEC(S, N) MSL_PAIR_VEC(S, N, fmax, fmin)
+#define MSL_MINMAX(S)                                                                                             \
+    constexpr S max(S a, S b) { return a < b ? b : a; }                                                           \
+    constexpr S min(S a, S b) { return b < a ? b : a; }                                                           \
+    constexpr S clamp(S x, S lo, S hi) { return min(max(x, lo), hi); }                                            \
+    MSL_VECS(MSL_MINMAX_VEC, S)
+#define MSL_FMINMAX(S) S fmax(S, S); S fmin(S, S); MSL_VECS(MSL_FMINMAX_VEC, S)
+MSL_MINMAX(float) MSL_MINMAX(half) MSL_MINMAX(char) MSL_MINMAX(uchar) MSL_MINMAX(short)
+MSL_MINMAX(ushort) MSL_MINMAX(int) MSL_MINMAX(uint) MSL_MINMAX(long) MSL_MINMAX(ulong)
+MSL_FMINMAX(float) MSL_FMINMAX(half)
+#undef MSL_VECS
+#undef MSL_PAIR_VEC
+#undef MSL_MINMAX_VEC
+#undef MSL_FMINMAX_VEC
+#undef MSL_MINMAX
+#undef MSL_FMINMAX
 template <class T> auto isnan(T x) -> decltype(x != x);
 template <class T> auto isinf(T x) -> decltype(x != x);
 template <class T> auto isfinite(T x) -> decltype(x != x);
@@ -82,6 +107,12 @@ template <class... X> using common_t = typename common_of<X...>::type;
 template <class... X>
 using floating_t = std::enable_if_t<is_floating_point_v<elem_t<common_t<X...>>>, common_t<X...>>;
 template <class... X> using int_t = std::enable_if_t<is_integral_v<elem_t<common_t<X...>>>, common_t<X...>>;
+/* min, max and clamp exist per type, as in Metal: every argument of the first one's type, or a
+ * scalar of its element type with a vector (a double, which MSL lacks, is a float literal) */
+template <class A, class B>
+constexpr bool same_kind_v = std::is_same_v<value_t<A>, value_t<B>> ||
+                             (info<A>::n > 1 && info<B>::n == 1 && std::is_same_v<elem_t<A>, value_t<B>>);
+template <class A, class... B> using matching_t = std::enable_if_t<(same_kind_v<A, B> && ...), common_t<A, B...>>;
 template <class X> struct bools { using type = bool; };
 template <class T, int N> struct bools<vec<T, N>> { using type = vec<bool, N>; };
 template <class X> using bool_t = typename bools<X>::type;
@@ -200,9 +231,9 @@ MSL_TEST(isfinite, std::isfinite(x))
 MSL_TEST(signbit, std::signbit(x))
 
 MSL_ANY(abs, common, is_floating_point_v<E> ? E(std::fabs(float(x))) : x < 0 ? E(-x) : x)
-MSL_ANY2(max, common, detail::lane_max(x, y))
-MSL_ANY2(min, common, detail::lane_min(x, y))
-template <class A, class B, class C, class R = detail::common_t<A, B, C>>
+MSL_ANY2(max, matching, detail::lane_max(x, y))
+MSL_ANY2(min, matching, detail::lane_min(x, y))
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>>
 constexpr R clamp(const A &x, const B &lo, const C &hi) {
     auto f = [](auto v, auto l, auto h) { return detail::lane_min(detail::lane_max(v, l), h); };
     return detail::map<R>(f, R(x), R(lo), R(hi));

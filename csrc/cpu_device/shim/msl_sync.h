@@ -81,6 +81,24 @@ inline uint32_t simd_sync(int32_t kind, const char *what, const char *file, unsi
 
 inline uint32_t lowest(uint32_t lanes) { return (uint32_t)__builtin_ctz(lanes); }
 
+/* What MSL's SIMD-group functions take: a scalar or vector of float, half, bfloat or an integer
+ * type (not bool, not a struct, not a pointer); simd_data<T> is T for those only. */
+#ifdef MSL_STRICT
+template <class T, class = void> struct lane_type { using type = T; };
+template <class T>
+struct lane_type<T, std::enable_if_t<!std::is_pointer<T>::value, std::void_t<decltype(std::declval<T &>()[0])>>> {
+    using type = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<T &>()[0])>>;
+};
+template <class T> using lane_t = typename lane_type<T>::type;
+#else
+template <class T> using lane_t = std::conditional_t<(metal::detail::info<T>::n > 0), metal::detail::elem_t<T>, void>;
+#endif
+template <class E>
+constexpr bool simd_element = std::is_same<E, float>::value || std::is_same<E, half>::value ||
+                              std::is_same<E, bfloat>::value ||
+                              (std::is_integral<E>::value && !std::is_same<E, bool>::value);
+template <class T> using simd_data = std::enable_if_t<simd_element<lane_t<T>>, T>;
+
 /* A tree over the participating lanes, as a butterfly would: the upper half is combined into the
  * lower half (lane i with lane i + 16, then + 8, ...). Each op is T's own, so half and bfloat round
  * after every addition. The first lane to get here computes it; the others copy its result. */
@@ -151,41 +169,41 @@ inline void simdgroup_barrier(mem_flags, MSL_CALLER) {
 
 /* ---- SIMD-group collectives, over the lanes that have not returned ---- */
 
-template <class T> T simd_sum(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_sum(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_sum", file, line), [](T a, T b) { return T(a + b); });
 }
-template <class T> T simd_product(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_product(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_product", file, line), [](T a, T b) { return T(a * b); });
 }
-template <class T> T simd_max(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_max(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_max", file, line), [](T a, T b) { return T(max(a, b)); });
 }
-template <class T> T simd_min(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_min(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_min", file, line), [](T a, T b) { return T(min(a, b)); });
 }
-template <class T> T simd_and(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_and(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_and", file, line), [](T a, T b) { return T(a & b); });
 }
-template <class T> T simd_or(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_or(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_or", file, line), [](T a, T b) { return T(a | b); });
 }
-template <class T> T simd_xor(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_xor(T x, MSL_CALLER) {
     return msl_rt::fold(msl_rt::exchange(x, "simd_xor", file, line), [](T a, T b) { return T(a ^ b); });
 }
 
-template <class T> T simd_prefix_exclusive_sum(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_prefix_exclusive_sum(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_prefix_exclusive_sum", file, line);
     return msl_rt::scan(g, msl_rt::below(g.self), T(0), [](T a, T b) { return T(a + b); });
 }
-template <class T> T simd_prefix_inclusive_sum(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_prefix_inclusive_sum(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_prefix_inclusive_sum", file, line);
     return T(msl_rt::scan(g, msl_rt::below(g.self), T(0), [](T a, T b) { return T(a + b); }) + x);
 }
-template <class T> T simd_prefix_exclusive_product(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_prefix_exclusive_product(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_prefix_exclusive_product", file, line);
     return msl_rt::scan(g, msl_rt::below(g.self), T(1), [](T a, T b) { return T(a * b); });
 }
-template <class T> T simd_prefix_inclusive_product(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_prefix_inclusive_product(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_prefix_inclusive_product", file, line);
     return T(msl_rt::scan(g, msl_rt::below(g.self), T(1), [](T a, T b) { return T(a * b); }) * x);
 }
@@ -193,33 +211,51 @@ template <class T> T simd_prefix_inclusive_product(T x, MSL_CALLER) {
 /* Shuffles: a source lane outside the SIMD-group keeps the caller's value for the _up and _down
  * forms (they do not wrap: MSL spec, table 6.14); any other lane that did not take part yields
  * garbage. */
-template <class T> T simd_shuffle(T x, uint16_t lane, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_shuffle(T x, uint16_t lane, MSL_CALLER) {
     return msl_rt::exchange(x, "simd_shuffle", file, line).from(lane);
 }
-template <class T> T simd_broadcast(T x, uint16_t lane, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_broadcast(T x, uint16_t lane, MSL_CALLER) {
     return msl_rt::exchange(x, "simd_broadcast", file, line).from(lane);
 }
-template <class T> T simd_shuffle_xor(T x, uint16_t mask, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_shuffle_xor(T x, uint16_t mask, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_shuffle_xor", file, line);
     return g.from(g.self ^ mask);
 }
-template <class T> T simd_shuffle_down(T x, uint16_t delta, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_shuffle_down(T x, uint16_t delta, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_shuffle_down", file, line);
     return g.self + delta < MSL_SIMD_WIDTH ? g.from(g.self + delta) : x;
 }
-template <class T> T simd_shuffle_up(T x, uint16_t delta, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_shuffle_up(T x, uint16_t delta, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_shuffle_up", file, line);
     return delta <= g.self ? g.from(g.self - delta) : x;
 }
-template <class T> T simd_shuffle_rotate_down(T x, uint16_t delta, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_shuffle_rotate_down(T x, uint16_t delta, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_shuffle_rotate_down", file, line);
     return g.from((g.self + delta) % MSL_SIMD_WIDTH);
 }
-template <class T> T simd_shuffle_rotate_up(T x, uint16_t delta, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> simd_shuffle_rotate_up(T x, uint16_t delta, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_shuffle_rotate_up", file, line);
     return g.from((g.self + MSL_SIMD_WIDTH - delta % MSL_SIMD_WIDTH) % MSL_SIMD_WIDTH);
 }
-template <class T> T simd_broadcast_first(T x, MSL_CALLER) {
+/* Lanes of each group of `modulo` (2, 4, ..., 32) shift by delta; the lanes shifted in come from
+ * filling_data's other end. */
+template <class T>
+msl_rt::simd_data<T> simd_shuffle_and_fill_up(T data, T filling_data, uint16_t delta, uint16_t modulo = MSL_SIMD_WIDTH,
+                                              MSL_CALLER) {
+    struct pair { T data, fill; };
+    auto g = msl_rt::exchange(pair{data, filling_data}, "simd_shuffle_and_fill_up", file, line);
+    uint32_t base = g.self / modulo * modulo, i = g.self % modulo;
+    return i >= delta ? g.from(base + i - delta).data : g.from(base + i + modulo - delta).fill;
+}
+template <class T>
+msl_rt::simd_data<T> simd_shuffle_and_fill_down(T data, T filling_data, uint16_t delta,
+                                                uint16_t modulo = MSL_SIMD_WIDTH, MSL_CALLER) {
+    struct pair { T data, fill; };
+    auto g = msl_rt::exchange(pair{data, filling_data}, "simd_shuffle_and_fill_down", file, line);
+    uint32_t base = g.self / modulo * modulo, i = g.self % modulo;
+    return i + delta < modulo ? g.from(base + i + delta).data : g.from(base + i + delta - modulo).fill;
+}
+template <class T> msl_rt::simd_data<T> simd_broadcast_first(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "simd_broadcast_first", file, line);
     return g.get(msl_rt::lowest(g.lanes));
 }
@@ -291,22 +327,36 @@ simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
 /* Element (r, c) of the matrix is src[(origin.y + r) * elements_per_row + origin.x + c], or with
  * transpose_matrix src[(origin.x + c) * elements_per_row + origin.y + r]: the origin is (column,
  * row) of the matrix, as in metal-flash-attention's simdgroup_matrix_storage. Each lane moves its
- * own two elements, so loads and stores need no sync. Pointers to any address space. */
-template <class T, int Cols, int Rows, class U>
-void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const U *src, uint64_t elements_per_row = Cols,
+ * own two elements, so loads and stores need no sync. As in Metal, the memory holds the matrix's
+ * own element type, in device or threadgroup memory (strict mode; here every pointer is plain). */
+#ifdef MSL_STRICT
+#define MSL_SIMDGROUP_LOAD_STORE(space)                                                                           \
+    template <class T, int Cols, int Rows>                                                                        \
+    void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const space T *src, ulong elements_per_row = Cols,    \
+                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);                         \
+    template <class T, int Cols, int Rows>                                                                        \
+    void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, space T *dst, ulong elements_per_row = Cols,   \
+                         ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);
+MSL_SIMDGROUP_LOAD_STORE(device)
+MSL_SIMDGROUP_LOAD_STORE(threadgroup)
+#undef MSL_SIMDGROUP_LOAD_STORE
+#else
+template <class T, int Cols, int Rows>
+void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const T *src, uint64_t elements_per_row = Cols,
                     ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
     for (int j = 0; j < 2; j++) {
-        d.elements[j] = T(src[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)]);
+        d.elements[j] = src[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)];
     }
 }
 
-template <class T, int Cols, int Rows, class U>
-void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, U *dst, uint64_t elements_per_row = Cols,
+template <class T, int Cols, int Rows>
+void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, T *dst, uint64_t elements_per_row = Cols,
                      ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
     for (int j = 0; j < 2; j++) {
         dst[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)] = a.elements[j];
     }
 }
+#endif
 
 } // namespace metal
 

@@ -77,6 +77,15 @@ using std::remove_reference;
 using std::remove_reference_t;
 using std::true_type;
 
+/* T without its address space (Metal's remove_addrspace) */
+template <class T> struct remove_addrspace { using type = T; };
+#ifdef MSL_STRICT
+template <class T> struct remove_addrspace<device T> { using type = T; };
+template <class T> struct remove_addrspace<constant T> { using type = T; };
+template <class T> struct remove_addrspace<threadgroup T> { using type = T; };
+#endif
+template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
+
 #define MSL_TRAIT(name, expr)                                                                                     \
     template <class T> struct name : bool_constant<(expr)> {};                                                    \
     template <class T> constexpr bool name##_v = name<T>::value;
@@ -203,13 +212,21 @@ struct half_format {
 #endif
 };
 
+/* MSL 3.1: bfloat converts implicitly only to float (and from integers here); float and half never
+ * convert to bfloat implicitly, nor bfloat to half. */
+template <class F, class T>
+constexpr bool implicit_from = std::is_same_v<T, fp16<F>> || std::is_integral_v<T> ||
+                               (std::is_same_v<F, half_format> && !std::is_same_v<T, fp16<bfloat_format>>);
+
 /* half and bfloat: stored in 16 bits, every operation computed in float and rounded back. For
  * + - * / and sqrt that is the correctly rounded result, float having >= 2p + 2 bits. */
 template <class F> struct fp16 {
     typename F::storage v;
 
     fp16() = default;
-    template <class T, std::enable_if_t<scalar_v<T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
+    template <class T, std::enable_if_t<scalar_v<T> && implicit_from<F, T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
+    template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
+    explicit constexpr fp16(T x) : v(F::from(x)) {}
     constexpr operator float() const { return F::to_float(v); }
     static constexpr fp16 from_bits(uint16_t b) {
         fp16 r{};
