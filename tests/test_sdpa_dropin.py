@@ -376,7 +376,9 @@ def test_compile_fullgraph_without_graph_breaks(gen, dynamic, core_calls, caplog
         golden = attend(q.detach().double(), k.detach().double(), v.detach().double(), mask)
         assert max_error(out.detach(), golden) < 1e-5
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert caplog.text == ""
+    # no warning and nothing of ours (torch 2.14 logs its own tracing at DEBUG level: not ours to judge)
+    ours = [r for r in caplog.records if r.levelno >= logging.WARNING or r.name.startswith("flashattn_mps")]
+    assert not ours, [r.getMessage() for r in ours]
     assert core_calls["forward"] == 6 and core_calls["backward"] == 6
     if dynamic:
         assert counters["stats"]["unique_graphs"] == 1
