@@ -89,6 +89,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.mask = a->mask;
     forward_args.scale = a->scale;
     forward_args.causal = a->causal;
+    forward_args.band = a->band;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
@@ -122,10 +123,10 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
     fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
-    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch, a->causal,
-                           threads);
+    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch,
+                           forward.banded, threads);
     fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype);
-    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, a->causal,
+    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward.banded,
                            threads);
     return FA_OK;
 }

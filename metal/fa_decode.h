@@ -126,7 +126,7 @@ template <typename T, int COLS, int ROWS>
   // Loops over rows keep the constant bound ROWS so they unroll and these arrays stay in
   // registers.
   long head[ROWS];     // query head of row r
-  int position[ROWS];  // query row index i of row r: under the causal mask it sees keys 0..i
+  int position[ROWS];  // query row index i of row r: under the band it sees keys i + band_lo .. i + band_hi
   long mask_row[ROWS]; // offset of mask[b, head, i, 0]
   float q_reg[ROWS][COLS];
   float acc[ROWS][COLS];
@@ -145,14 +145,19 @@ template <typename T, int COLS, int ROWS>
     }
     state[r] = fa_softmax_init();
   }
+  // The keys some row of this threadgroup sees under the band: rows are consecutive positions,
+  // except that a chunk crossing into the next query head starts again at 0.
+  const int first_position = first % p.q_len;
+  const bool wraps = first_position + rows > p.q_len;
+  const fa_range keys = fa_visible_keys(p, wraps ? 0 : first_position, wraps ? p.q_len : rows);
 
-  // Top-left causal: no row sees a key at or past L. This split's share of the keys is
-  // [begin, end); this SIMD-group takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
-  const int kv_end = fa_causal ? min(p.kv_len, p.q_len) : p.kv_len;
-  const int begin = int(group.x) * p.split_keys;
+  // This split's share of the keys, within those the rows see, is [begin, end); this SIMD-group
+  // takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
+  const int split_begin = p.split_begin + int(group.x) * p.split_keys;
+  const int begin = max(split_begin, keys.begin);
   // No int overflow near S = 2^31; a plain comparison, since MSL's min() is not documented for long.
-  const long split_end = long(begin) + p.split_keys;
-  const int end = split_end < long(kv_end) ? int(split_end) : kv_end;
+  const long split_end = long(split_begin) + p.split_keys;
+  const int end = split_end < long(keys.end) ? int(split_end) : keys.end;
   const int j0 = begin + 2 * int(sg);
   const device T *k_row = k + b * p.k_strides[0] + kv_h * p.k_strides[1] + long(j0) * p.k_strides[2];
   const device T *v_row = v + b * p.v_strides[0] + kv_h * p.v_strides[1] + long(j0) * p.v_strides[2];
@@ -185,7 +190,7 @@ template <typename T, int COLS, int ROWS>
         // masked key is skipped rather than weighted 0, so NaN in its value stays out of the row.
         const int key = j + t;
         const long mask_at = mask_row[r] + mask_key + t * p.mask_strides[3];
-        if ((t == 1 && !second) || (fa_causal && key > position[r]) || fa_mask_excludes(mask, mask_at)) {
+        if ((t == 1 && !second) || fa_band_hides(p, position[r], key) || fa_mask_excludes(mask, mask_at)) {
           continue;
         }
         fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(score[t], mask, mask_at), v_reg[t]);

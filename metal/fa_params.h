@@ -20,7 +20,7 @@ typedef int32_t fa_i32;
 #define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
 
 // Function-constant indices (specialisation at pipeline creation).
-#define FA_FC_CAUSAL 0    // bool: top-left causal mask tril(ones(L, S))
+#define FA_FC_BAND 0      // bool: each row sees only a band of keys (band_lo, band_hi below): causal, windows
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
 #define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
 #define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
@@ -61,6 +61,13 @@ typedef struct fa_params {
     fa_i32 split_keys;
     fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
     fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
+  // Under FA_FC_BAND row i sees the keys j with i + band_lo <= j <= i + band_hi (and j < S): the
+  // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan.c). The
+  // planner keeps both in [-L, S], so i + either fits 32 bits.
+  fa_i32 band_lo;
+  fa_i32 band_hi;
+  fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
+  fa_i32 pad1;
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.
@@ -80,7 +87,7 @@ typedef struct fa_backward_params {
 
 #ifdef __METAL_VERSION__
 // The kernels' view of the function constants above.
-constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
+constant bool fa_banded [[function_constant(FA_FC_BAND)]];
 constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
 constant int fa_mask_kind [[function_constant(FA_FC_MASK_KIND)]];
 constant bool fa_contiguous_tiles [[function_constant(FA_FC_CONTIGUOUS_TILES)]];

@@ -3,7 +3,7 @@
 //
 // Lane l keeps columns l, l + 32, ... of the query row and of the output row, so one build serves
 // every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 256 (columns past E or Ev are predicated off).
-// Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_CAUSAL,
+// Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_BAND,
 // FA_FC_WRITE_LSE and FA_FC_MASK_KIND. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
 // 32 * FA_SIMPLE_ROWS_PER_GROUP threads (the planner reads both constants from fa_params.h).
 #include <metal_stdlib>
@@ -50,9 +50,9 @@ template <typename T>
   }
   fa_online_softmax state = fa_softmax_init();
 
-  // Top-left causal: row i sees keys 0..i.
-  const int keys = fa_causal ? min(p.kv_len, row + 1) : p.kv_len;
-  for (int j = 0; j < keys; ++j) {
+  // Under the band (causal, window) row i sees keys [begin, end) only.
+  const fa_range keys = fa_visible_keys(p, row, 1);
+  for (int j = keys.begin; j < keys.end; ++j) {
     const long mask_at = fa_mask_offset(p, b, h, row, j);
     if (fa_mask_excludes(mask, mask_at)) {
       continue; // weight 0, and NaN in the value stays out of the row
