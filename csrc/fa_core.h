@@ -95,6 +95,7 @@ typedef struct fa_forward_args {
     int32_t causal; /* hide keys past each row's diagonal (top-left unless band.bottom_right) */
     int32_t kernel; /* fa_kernel_choice */
     fa_band_args band;
+    double softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before masks; 0: none */
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -119,6 +120,7 @@ typedef struct fa_backward_args {
     double scale;
     int32_t causal;
     fa_band_args band; /* the forward's */
+    double softcap;    /* the forward's */
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

@@ -416,6 +416,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
     start_dispatch(d, source, kernel, a->q.dtype);
     add_constant_bool(d, FA_FC_BAND, plan->banded);
+    add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     return d;
@@ -720,6 +721,10 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if ((rc = set_band(a, plan, st)) != FA_OK) {
         return rc;
     }
+    if (!(a->softcap >= 0.0 && a->softcap <= 1e30)) { /* NaN fails too */
+        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->softcap);
+    }
+    p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
     const int32_t kernel = a->kernel != FA_KERNEL_AUTO         ? a->kernel

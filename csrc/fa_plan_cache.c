@@ -23,14 +23,14 @@ typedef struct shape_key {
 /* sources: fa_sources_generation(), so new kernel text is never run through an old pipeline. */
 typedef struct forward_key {
     int32_t sources, device, kernel, causal, has_lse, reserved;
-    double scale;
+    double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, mask;
 } forward_key;
 
 typedef struct backward_key {
     int32_t sources, device, causal, has_lse;
-    double scale;
+    double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask;
 } backward_key;
@@ -146,6 +146,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     key.has_lse = a->lse.storage != NULL;
     key.scale = a->scale;
     key.band = a->band; /* no padding in fa_band_args: compared as bytes */
+    key.softcap = a->softcap;
     shape_of(&a->q, a->device, &key.q);
     shape_of(&a->k, a->device, &key.k);
     shape_of(&a->v, a->device, &key.v);
@@ -211,6 +212,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     key.has_lse = a->lse.storage != NULL;
     key.scale = a->scale;
     key.band = a->band; /* no padding in fa_band_args: compared as bytes */
+    key.softcap = a->softcap;
     const fa_tensor *tensors[] = {&a->q, &a->k, &a->v, &a->out, &a->lse, &a->dout, &a->delta, &a->dq, &a->dk, &a->dv};
     shape_key *shapes[] = {&key.q, &key.k, &key.v, &key.out, &key.lse, &key.dout, &key.delta, &key.dq, &key.dk, &key.dv};
     for (uint32_t i = 0; i < sizeof tensors / sizeof tensors[0]; ++i) {

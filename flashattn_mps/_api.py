@@ -153,6 +153,14 @@ def _check_window(window_size, who: str) -> tuple:
     return int(left), int(right)
 
 
+def _check_softcap(softcap, who: str) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{who}: softcap must be a float, got {_given(softcap)}")
+    if not (0.0 <= softcap < math.inf):
+        raise ValueError(f"{who}: softcap must be 0.0 (none) or positive and finite, got {softcap}")
+    return float(softcap)
+
+
 def _band_of(causal, window_size):
     """flash_attention's causal (False, True, "bottom_right") and window_size as the core's causal
     flag and band: None (SDPA's top-left causal, no window) or (bottom_right, left, right)."""
@@ -238,6 +246,7 @@ def flash_attention(
     kernel: str = "auto",
     return_lse: bool = False,
     window_size=None,
+    softcap: float = 0.0,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -266,6 +275,8 @@ def flash_attention(
             unbounded on that side; with causal the right side is 0), as flash-attn's sliding
             window; combinable with attn_mask. Key tiles wholly outside are never visited, so the
             cost grows with the window, not with S.
+        softcap: 0.0, or a positive number: each scaled score s becomes softcap * tanh(s / softcap)
+            before masks (Gemma 2's logit softcapping); the backward differentiates through tanh.
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
@@ -279,19 +290,20 @@ def flash_attention(
     double backward raises.
     """
     if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False):
+            and (causal is True or causal is False) and softcap == 0.0:
         return attend(q, k, v, attn_mask, causal, scale)
     causal, band = _band_of(causal, window_size)
-    return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band)
+    return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
+                  _check_softcap(softcap, "flash_attention"))
 
 
 def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
-           band=None, seq_major=False):
+           band=None, seq_major=False, softcap=0.0):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
-    out is allocated the same way (flash_attn_func's layout)."""
+    out is allocated the same way (flash_attn_func's layout). softcap: a checked float."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -305,13 +317,14 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major)
+        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major)
+    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap)
     return (out, lse) if return_lse else out
 
 
-def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False):
+def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
+                 softcap=0.0):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
     if q.is_cpu:  # _C checks that every tensor is on this device
@@ -342,14 +355,14 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if not _sources.registered:
         _sources.ensure_registered()
     try:
-        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band)
+        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap)
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 
 
-def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None):
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0):
     """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
     device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
@@ -360,12 +373,12 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     if not _sources.registered:
         _sources.ensure_registered()
-    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band)
+    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap)
     return dq, dk, dv
 
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
-                 kernel: str = "auto", window_size=None) -> dict:
+                 kernel: str = "auto", window_size=None, softcap: float = 0.0) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
     launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -388,7 +401,7 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
-                           causal, code, mask=mask, band=band)
+                           causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"))
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

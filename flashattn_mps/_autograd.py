@@ -1,10 +1,11 @@
 """flash_attention's gradients: eagerly through a torch.autograd.Function, and as torch.library ops
 for torch.compile, export and tracing.
 
-`flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale, band, seq_major) -> (out, lse)`
+`flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale, band, seq_major, softcap) -> (out,
+lse)`
 runs the forward kernels and keeps the float32 log-sum-exp of each row;
-`flashattn_mps::attention_backward(dout, q, k, v, out, lse, attn_mask, causal, scale, band) -> (dq, dk,
-dv)` runs the fused backward (csrc/fa_backward.c). band is None or the ints (bottom_right, left,
+`flashattn_mps::attention_backward(dout, q, k, v, out, lse, attn_mask, causal, scale, band, softcap) -> (dq,
+dk, dv)` runs the fused backward (csrc/fa_backward.c). band is None or the ints (bottom_right, left,
 right) of _api._band_of; seq_major allocates out as flash_attn_func's (B, L, H, Ev).
 Both have fake implementations, so torch.compile traces them without graph breaks, and
 register_autograd joins them. A custom op's eager dispatch costs tens of microseconds in PyTorch,
@@ -35,10 +36,10 @@ class _Attention(torch.autograd.Function):
     -> (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major):
-        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major)
+    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap):
+        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap)
         ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.causal, ctx.scale, ctx.band = causal, scale, band
+        ctx.causal, ctx.scale, ctx.band, ctx.softcap = causal, scale, band, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -46,25 +47,25 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         _refuse_double_backward()
         q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool, band=None,
-                            seq_major=False):
+                            seq_major=False, softcap=0.0):
     """flash_attention for calls that need autograd or are being traced (flashattn_mps._api routes
     them here)."""
     scale_value = _scale_value(q.shape[-1], scale)
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0:
         _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
         out, lse = torch.ops.flashattn_mps.attention_forward(
-            q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major
+            q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major, softcap
         )
     else:
         mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
-        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major)
+        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap)
     return (out, lse) if return_lse else out
 
 
@@ -81,9 +82,10 @@ def attention_forward(
     scale: float,
     band: Optional[list[int]] = None,
     seq_major: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major)
+    return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap)
 
 
 def _band_tuple(band: Optional[list[int]]):
@@ -91,7 +93,7 @@ def _band_tuple(band: Optional[list[int]]):
 
 
 @attention_forward.register_fake
-def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False):
+def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0):
     if seq_major:
         out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
     else:
@@ -112,31 +114,34 @@ def attention_backward(
     causal: bool,
     scale: float,
     band: Optional[list[int]] = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band))
+    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None):
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, causal, scale, band, _seq_major = inputs
+    q, k, v, attn_mask, causal, scale, band, _seq_major, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.causal = causal
     ctx.scale = scale
     ctx.band = band
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
     _refuse_double_backward()
     q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale, ctx.band)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale, ctx.band,
+                                    ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

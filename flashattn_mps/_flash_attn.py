@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import _check_window, _given, attend
+from ._api import _check_softcap, _check_window, _given, attend
 
 _UNSUPPORTED = "flash_attn_func: {} is not supported by flashattn_mps yet (got {})"
 
@@ -27,8 +27,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         window_size: (left, right): query i sees keys in [i + S - L - left, i + S - L + right];
             -1 leaves that side unbounded. With causal the right side is 0. Key tiles wholly outside
             the window are never visited (forward and backward).
-        softcap, alibi_slopes: must be 0.0 and None (not implemented: anything else raises
-            NotImplementedError).
+        softcap: 0.0, or > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2),
+            forward and backward (the gradient goes through tanh).
+        alibi_slopes: must be None (not implemented: anything else raises NotImplementedError).
         deterministic: accepted and ignored: the backward here is always deterministic (no atomics).
         return_attn_probs: must be False (raises NotImplementedError).
 
@@ -39,8 +40,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise TypeError(f"flash_attn_func: dropout_p must be a float, got {_given(dropout_p)}")
     if dropout_p != 0.0:
         raise NotImplementedError(_UNSUPPORTED.format("dropout_p > 0", dropout_p))
-    if softcap != 0.0:
-        raise NotImplementedError(_UNSUPPORTED.format("softcap", softcap))
     if alibi_slopes is not None:
         raise NotImplementedError(_UNSUPPORTED.format("alibi_slopes", _given(alibi_slopes)))
     if return_attn_probs is not False:
@@ -50,6 +49,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if deterministic is not True and deterministic is not False:
         raise TypeError(f"flash_attn_func: deterministic must be a bool, got {_given(deterministic)}")
     left, right = _check_window(window_size, "flash_attn_func")
+    softcap = _check_softcap(softcap, "flash_attn_func")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"flash_attn_func: {name} must be a torch.Tensor, got {_given(t)}")
@@ -58,5 +58,5 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, softmax_scale,
-                 _C.KERNEL_AUTO, False, (1, left, right), True)
+                 _C.KERNEL_AUTO, False, (1, left, right), True, softcap)
     return out.transpose(1, 2)

@@ -20,6 +20,7 @@
 #include "fa_params.h"
 #include "fa_schedule.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -137,13 +138,15 @@ template <typename T, int BD, int BDV, int BK, int WM>
           const int col = 8 * j + at.x + e; // the query row q0 + col
           const bool visible = !(test_band && fa_band_hides(f, q0 + col, my_key)) &&
                                !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
-          float score = s_frag[j].thread_elements()[e];
+          const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
+          float score = capped;
           if (visible && add_mask && col < valid_rows) {
             score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_query_stride));
           }
           const float prob = visible ? fa_softmax_probability(score, lse_tile[col]) : 0.0f;
           s_frag[j].thread_elements()[e] = prob;
-          dp_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]);
+          dp_frag[j].thread_elements()[e] =
+              prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]) * fa_softcap_gradient(f, capped);
         }
         entry += 8 * mask_query_stride;
       }

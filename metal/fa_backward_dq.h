@@ -19,6 +19,7 @@
 #include "fa_params.h"
 #include "fa_schedule.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -127,12 +128,14 @@ template <typename T, int BD, int BDV, int BK, int WM>
         const int key = k0 + 8 * j + at.x + e;
         const bool visible = !(test_bounds && (key >= f.kv_len || fa_band_hides(f, my_row, key))) &&
                              !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
-        float score = s_frag[j].thread_elements()[e];
+        const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
+        float score = capped;
         if (visible && add_mask) {
           score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
         }
         const float prob = visible ? fa_softmax_probability(score, row_lse_log2) : 0.0f;
-        s_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - row_delta);
+        s_frag[j].thread_elements()[e] =
+            prob * (dp_frag[j].thread_elements()[e] - row_delta) * fa_softcap_gradient(f, capped);
       }
       entry += 8 * mask_key_stride;
     }

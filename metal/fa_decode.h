@@ -31,6 +31,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -193,7 +194,8 @@ template <typename T, int COLS, int ROWS>
         if ((t == 1 && !second) || fa_band_hides(p, position[r], key) || fa_mask_excludes(mask, mask_at)) {
           continue;
         }
-        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(score[t], mask, mask_at), v_reg[t]);
+        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(fa_softcap_score(p, score[t]), mask, mask_at),
+                                   v_reg[t]);
       }
     }
   }

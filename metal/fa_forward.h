@@ -20,6 +20,7 @@
 #include "fa_params.h"
 #include "fa_schedule.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -109,6 +110,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     }
     fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
     fa_frags_scale<BK / 8>(s_frag, p.scale_log2);
+    fa_softcap_frags<BK / 8>(p, s_frag);
 
     // Per-score masking: bounds and the band in MIXED tiles, a bool mask's bits unless the
     // slice is wholly kept, an additive mask everywhere it is present (padding rows read nothing).

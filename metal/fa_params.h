@@ -25,6 +25,7 @@ typedef int32_t fa_i32;
 #define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
 #define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
+#define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -53,7 +54,7 @@ typedef struct fa_params {
     fa_i64 o_strides[4];
     fa_i64 lse_strides[3]; // (batch, head, row) of the float32 log-sum-exp
     float scale_log2;      // scale * log2(e): scores live in base 2 so softmax uses exp2
-    float pad0;
+    float softcap_log2;    // softcap * log2(e) under FA_FC_SOFTCAP (fa_variants.h)
     // Split-K of the decode kernel: each row's keys are shared by split_count threadgroups,
     // split_keys keys each. With more than one, partial results go to the workspace (layout in
     // fa_decode.h) and fa_decode_merge combines them.

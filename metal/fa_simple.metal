@@ -11,6 +11,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -65,7 +66,7 @@ template <typename T>
         partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
       }
     }
-    const float score = fa_mask_score(simd_sum(partial) * p.scale_log2, mask, mask_at);
+    const float score = fa_mask_score(fa_softcap_score(p, simd_sum(partial) * p.scale_log2), mask, mask_at);
     const fa_softmax_step step = fa_softmax_push(state, score);
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {

@@ -1,5 +1,5 @@
-"""flash_attn_func (flash-attn 2's API) and the band options of flash_attention: bottom-right causal
-and sliding windows, in every kernel (prefill, decode with split-K, simple, backward), against
+"""flash_attn_func (flash-attn 2's API) and the options of flash_attention beyond SDPA: bottom-right
+causal, sliding windows and softcap, in every kernel (prefill, decode with split-K, simple, backward), against
 float64 references written in plain torch on materialised scores."""
 from __future__ import annotations
 
@@ -28,14 +28,16 @@ def visible(l, s, causal, bottom_right, window, device="cpu"):
     return keep
 
 
-def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None):
-    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D); rows that
-    see no key give zeros."""
+def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0):
+    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
+    flash-attn's order: scale, softcap, masks; rows that see no key give zeros."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, 1)
     v = v.repeat_interleave(hq // hkv, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     keep = visible(q.shape[2], k.shape[2], causal, bottom_right, window)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = keep & attn_mask
@@ -65,45 +67,50 @@ def sdpa_view(*tensors):
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
-# (causal, window): flash-attn's options, alone and together.
-VARIANTS = [(True, (-1, -1)), (False, (5, 3)), (True, (7, -1)), (False, (-1, 0)), (False, (0, 0)),
-            (False, (2, -1)), (True, (0, 4)), (False, (40, 40))]
+# (causal, window, softcap): flash-attn's options, alone and together.
+VARIANTS = [(True, (-1, -1), 0.0), (False, (5, 3), 0.0), (True, (7, -1), 0.0), (False, (-1, 0), 0.0),
+            (False, (0, 0), 0.0), (False, (2, -1), 0.0), (True, (0, 4), 0.0), (False, (40, 40), 0.0),
+            (False, (-1, -1), 0.7), (True, (-1, -1), 2.0), (False, (6, 1), 0.5), (True, (3, -1), 1.5)]
 LENGTHS = [(37, 53), (53, 37), (1, 40), (3, 70), (24, 24), (70, 9)]
 KERNELS = ["auto", "forward", "decode", "simple"]
 
-FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=30, seed=16,
+FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=36, seed=16,
                                cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
 def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
-    (l, s), (causal, window) = lengths, variant
+    (l, s), (causal, window, softcap) = lengths, variant
     q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
+    q = q * 4  # scores of several units, so the softcap bends them
     if kernel == "auto":
-        out = flash_attn_func(q, k, v, causal=causal, window_size=window)
+        out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
         assert out.shape == (2, l, 4, 24) and out.is_contiguous()
         out, bottom_right = out.transpose(1, 2), True
     else:  # flash_attention's options with a chosen kernel: without causal the window is top-left
         out = flash_attention(*sdpa_view(q, k, v), causal="bottom_right" if causal else False, window_size=window,
-                              kernel=kernel)
+                              kernel=kernel, softcap=softcap)
         bottom_right = causal
-    check(out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window)
+    check(out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window, softcap=softcap)
 
 
-GRADIENT_CASES = sample_product([LENGTHS[:3] + [(24, 24)], VARIANTS[:4], ALL_DTYPES], count=8, seed=61,
+GRADIENT_CASES = sample_product([LENGTHS[:3] + [(24, 24)], VARIANTS[:4] + VARIANTS[-3:], ALL_DTYPES], count=10, seed=61,
                                 cost=lambda c: c[0][0] * c[0][1], per_value=2, max_cost=3000)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype", GRADIENT_CASES)
 def test_gradients_match_reference(gen, lengths, variant, dtype):
-    (l, s), (causal, window) = lengths, variant
-    inputs = [t.requires_grad_() for t in flash_inputs(gen, 1, l, s, 4, 2, 32, 16, dtype)]
+    (l, s), (causal, window, softcap) = lengths, variant
+    q, k, v = flash_inputs(gen, 1, l, s, 4, 2, 32, 16, dtype)
+    inputs = [t.requires_grad_() for t in (q * 3, k, v)]
     dout = randn(gen, 1, l, 4, 16, dtype=dtype)
-    grads = torch.autograd.grad(flash_attn_func(*inputs, causal=causal, window_size=window), inputs, dout)
+    out = flash_attn_func(*inputs, causal=causal, window_size=window, softcap=softcap)
+    grads = torch.autograd.grad(out, inputs, dout)
 
     def reference_grads(tensors):
         leaves = [t.detach().clone().requires_grad_() for t in tensors]
-        out = reference(*sdpa_view(*leaves), causal=causal, bottom_right=True, window=window).transpose(1, 2)
+        out = reference(*sdpa_view(*leaves), causal=causal, bottom_right=True, window=window,
+                        softcap=softcap).transpose(1, 2)
         return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
     golden = reference_grads([t.double() for t in inputs])
@@ -151,9 +158,10 @@ def test_bottom_right_causal_without_window_and_empty_rows(gen):
 def test_one_plan_per_band(gen):
     """The plan cache keys plans by the band: the same shapes with other windows get their own."""
     q, k, v = flash_inputs(gen, 1, 33, 33, 2, 2, 16, 16, torch.float32)
-    for causal, window in [(False, (2, 2)), (False, (-1, -1)), (True, (4, 0)), (False, (2, 2)), (True, (-1, -1))]:
-        out = flash_attn_func(q, k, v, causal=causal, window_size=window).transpose(1, 2)
-        check(out, sdpa_view(q, k, v), causal=causal, bottom_right=True, window=window)
+    for causal, window, softcap in [(False, (2, 2), 0.0), (False, (-1, -1), 0.0), (True, (4, 0), 0.0),
+                                    (False, (2, 2), 0.0), (True, (4, 0), 0.3), (True, (-1, -1), 0.0)]:
+        out = flash_attn_func(q * 3, k, v, causal=causal, window_size=window, softcap=softcap).transpose(1, 2)
+        check(out, sdpa_view(q * 3, k, v), causal=causal, bottom_right=True, window=window, softcap=softcap)
 
 
 def test_any_input_strides(gen):
@@ -186,7 +194,7 @@ def test_tiles_visited_grow_with_the_window_not_with_s():
 
 
 @pytest.mark.parametrize("option, value, error", [
-    ("dropout_p", 0.1, NotImplementedError), ("softcap", 30.0, NotImplementedError),
+    ("dropout_p", 0.1, NotImplementedError), ("softcap", -1.0, ValueError), ("softcap", "1", TypeError),
     ("alibi_slopes", torch.ones(2), NotImplementedError), ("return_attn_probs", True, NotImplementedError),
     ("window_size", (3,), TypeError), ("window_size", (-2, 0), ValueError), ("window_size", (1.0, 2), TypeError),
     ("causal", "yes", TypeError),
@@ -211,4 +219,5 @@ def test_flash_attention_refuses_bad_band_options(gen):
 def test_opcheck_with_band(gen):
     """The torch.library ops carry the band and flash_attn_func's output layout."""
     q, k, v = (t.requires_grad_() for t in sdpa_view(*flash_inputs(gen, 1, 9, 12, 2, 1, 16, 8, torch.float32)))
-    torch.library.opcheck(torch.ops.flashattn_mps.attention_forward, (q, k, v, None, True, 0.25, [1, 3, 0], True))
+    torch.library.opcheck(torch.ops.flashattn_mps.attention_forward,
+                          (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5))
