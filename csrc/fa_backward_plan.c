@@ -91,6 +91,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.causal = a->causal;
     forward_args.band = a->band;
     forward_args.softcap = a->softcap;
+    forward_args.alibi_slopes = a->alibi_slopes;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;

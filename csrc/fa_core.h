@@ -96,6 +96,10 @@ typedef struct fa_forward_args {
     int32_t kernel; /* fa_kernel_choice */
     fa_band_args band;
     double softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before masks; 0: none */
+    /* ALiBi (ndim 0 when absent): (B, Hq) float32 slopes (stride 0 where broadcast); adds
+     * -slope[b, h] * |i + d - j| to the scaled (and capped) score of query i and key j, d = S - L
+     * with band.bottom_right, else 0. */
+    fa_tensor alibi_slopes;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -121,6 +125,7 @@ typedef struct fa_backward_args {
     int32_t causal;
     fa_band_args band; /* the forward's */
     double softcap;    /* the forward's */
+    fa_tensor alibi_slopes; /* the forward's (no gradient flows to the slopes) */
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

@@ -417,6 +417,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     start_dispatch(d, source, kernel, a->q.dtype);
     add_constant_bool(d, FA_FC_BAND, plan->banded);
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
+    add_constant_bool(d, FA_FC_ALIBI, a->alibi_slopes.ndim != 0);
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     return d;
@@ -725,6 +726,19 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->softcap);
     }
     p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
+    p->diagonal = a->band.bottom_right ? p->kv_len - p->q_len : 0;
+    if (a->alibi_slopes.ndim != 0) {
+        if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
+            return rc;
+        }
+        if (a->alibi_slopes.sizes[0] != p->batch || a->alibi_slopes.sizes[1] != p->q_heads) {
+            char shape[64];
+            fa_describe_shape(&a->alibi_slopes, shape, sizeof shape);
+            return fa_fail(st, FA_ERR_VALUE, "alibi_slopes: must be (B, Hq) = (%d, %d), got %s", p->batch,
+                           p->q_heads, shape);
+        }
+        copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
+    }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
     const int32_t kernel = a->kernel != FA_KERNEL_AUTO         ? a->kernel

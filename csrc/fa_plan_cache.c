@@ -25,14 +25,14 @@ typedef struct forward_key {
     int32_t sources, device, kernel, causal, has_lse, reserved;
     double scale, softcap;
     fa_band_args band;
-    shape_key q, k, v, out, lse, mask;
+    shape_key q, k, v, out, lse, mask, alibi;
 } forward_key;
 
 typedef struct backward_key {
     int32_t sources, device, causal, has_lse;
     double scale, softcap;
     fa_band_args band;
-    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask;
+    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi;
 } backward_key;
 
 typedef struct plan_table {
@@ -127,7 +127,8 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
+        (a->alibi_slopes.ndim != 0 && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -156,6 +157,9 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     }
     if (a->mask.ndim != 0) {
         shape_of(&a->mask, a->device, &key.mask);
+    }
+    if (a->alibi_slopes.ndim != 0) {
+        shape_of(&a->alibi_slopes, a->device, &key.alibi);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
@@ -194,7 +198,8 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
         }
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
-        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
+        (a->alibi_slopes.ndim != 0 && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -220,6 +225,9 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     if (a->mask.ndim != 0) {
         shape_of(&a->mask, a->device, &key.mask);
+    }
+    if (a->alibi_slopes.ndim != 0) {
+        shape_of(&a->alibi_slopes, a->device, &key.alibi);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {

@@ -153,6 +153,25 @@ def _check_window(window_size, who: str) -> tuple:
     return int(left), int(right)
 
 
+def _validate_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
+    """ALiBi slopes as the (B, Hq) view the core reads (a batch stride of 0 for (Hq,) slopes)."""
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"flash_attention: alibi_slopes must be a torch.Tensor or None, got {_type_name(slopes)}")
+    if slopes.dtype != torch.float32 or slopes.device != q.device:
+        raise TypeError(
+            f"flash_attention: alibi_slopes must be float32 on q's device ({q.device}), got {slopes.dtype} on "
+            f"{slopes.device}"
+        )
+    batch, heads = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"flash_attention: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got "
+            f"{tuple(slopes.shape)}"
+        )
+    slopes = slopes.detach()
+    return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
+
+
 def _check_softcap(softcap, who: str) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"{who}: softcap must be a float, got {_given(softcap)}")
@@ -247,6 +266,7 @@ def flash_attention(
     return_lse: bool = False,
     window_size=None,
     softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -277,6 +297,9 @@ def flash_attention(
             cost grows with the window, not with S.
         softcap: 0.0, or a positive number: each scaled score s becomes softcap * tanh(s / softcap)
             before masks (Gemma 2's logit softcapping); the backward differentiates through tanh.
+        alibi_slopes: None, or float32 (Hq,) or (B, Hq) slopes on q's device: adds
+            -slope * |d_i - j| to the score of query i and key j (ALiBi; d_i the diagonal as for
+            window_size), after softcap. The slopes get no gradient (as in flash-attn).
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
@@ -290,20 +313,21 @@ def flash_attention(
     double backward raises.
     """
     if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False) and softcap == 0.0:
+            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None:
         return attend(q, k, v, attn_mask, causal, scale)
     causal, band = _band_of(causal, window_size)
     return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
-                  _check_softcap(softcap, "flash_attention"))
+                  _check_softcap(softcap, "flash_attention"), alibi_slopes)
 
 
 def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
-           band=None, seq_major=False, softcap=0.0):
+           band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
-    out is allocated the same way (flash_attn_func's layout). softcap: a checked float."""
+    out is allocated the same way (flash_attn_func's layout). softcap: a checked float;
+    alibi_slopes: None or the user's (H,) or (B, H) tensor (checked here)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -317,14 +341,16 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap)
+        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
+                                        alibi_slopes)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap)
+    alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi)
     return (out, lse) if return_lse else out
 
 
 def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
-                 softcap=0.0):
+                 softcap=0.0, alibi=None):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
     if q.is_cpu:  # _C checks that every tensor is on this device
@@ -355,14 +381,15 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if not _sources.registered:
         _sources.ensure_registered()
     try:
-        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap)
+        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
+                   alibi)
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 
 
-def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0):
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None):
     """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
     device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
@@ -373,12 +400,13 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     if not _sources.registered:
         _sources.ensure_registered()
-    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap)
+    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
+                alibi)
     return dq, dk, dv
 
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
-                 kernel: str = "auto", window_size=None, softcap: float = 0.0) -> dict:
+                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
     launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -401,7 +429,8 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
-                           causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"))
+                           causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
+                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q))
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

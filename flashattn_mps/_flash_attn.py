@@ -29,7 +29,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             the window are never visited (forward and backward).
         softcap: 0.0, or > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2),
             forward and backward (the gradient goes through tanh).
-        alibi_slopes: must be None (not implemented: anything else raises NotImplementedError).
+        alibi_slopes: None, or float32 (H,) or (B, H): adds -slope * |i + S - L - j| to the score of
+            query i and key j (after softcap); the slopes get no gradient, as in flash-attn.
         deterministic: accepted and ignored: the backward here is always deterministic (no atomics).
         return_attn_probs: must be False (raises NotImplementedError).
 
@@ -40,8 +41,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise TypeError(f"flash_attn_func: dropout_p must be a float, got {_given(dropout_p)}")
     if dropout_p != 0.0:
         raise NotImplementedError(_UNSUPPORTED.format("dropout_p > 0", dropout_p))
-    if alibi_slopes is not None:
-        raise NotImplementedError(_UNSUPPORTED.format("alibi_slopes", _given(alibi_slopes)))
     if return_attn_probs is not False:
         raise NotImplementedError(_UNSUPPORTED.format("return_attn_probs=True", _given(return_attn_probs)))
     if causal is not True and causal is not False:
@@ -58,5 +57,5 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, softmax_scale,
-                 _C.KERNEL_AUTO, False, (1, left, right), True, softcap)
+                 _C.KERNEL_AUTO, False, (1, left, right), True, softcap, alibi_slopes)
     return out.transpose(1, 2)

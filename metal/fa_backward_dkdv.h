@@ -36,6 +36,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device T *dv [[buffer(9)]],
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
+    const device float *alibi_slopes [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -91,6 +92,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     const device T *do_src = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(q_begin) * p.do_strides[2];
     const device float *lse_head = lse + b * f.lse_strides[0] + h * f.lse_strides[1];
     const device float *delta_head = delta + b * p.delta_strides[0] + h * p.delta_strides[1];
+    const float slope_log2 = fa_alibi_slope(f, alibi_slopes, b, h);
     long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, q_begin + at.x, my_key);
     for (int q0 = q_begin; q0 < queries.end;
          q0 += BK, ++tile, q_src += q_step, do_src += do_step, mask_at += BK * mask_query_stride) {
@@ -139,7 +141,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
           const bool visible = !(test_band && fa_band_hides(f, q0 + col, my_key)) &&
                                !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
           const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
-          float score = capped;
+          float score = capped + fa_alibi_bias(f, slope_log2, q0 + col, my_key);
           if (visible && add_mask && col < valid_rows) {
             score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_query_stride));
           }

@@ -34,6 +34,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device T *dq [[buffer(7)]],
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
+    const device float *alibi_slopes [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -76,6 +77,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const float row_lse_log2 =
       row_valid ? lse[b * f.lse_strides[0] + h * f.lse_strides[1] + long(my_row) * f.lse_strides[2]] * M_LOG2E_F
                 : INFINITY;
+  const float slope_log2 = fa_alibi_slope(f, alibi_slopes, b, h);
   const float row_delta =
       row_valid ? delta[b * p.delta_strides[0] + h * p.delta_strides[1] + long(my_row) * p.delta_strides[2]] : 0.0f;
 
@@ -129,7 +131,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
         const bool visible = !(test_bounds && (key >= f.kv_len || fa_band_hides(f, my_row, key))) &&
                              !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
         const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
-        float score = capped;
+        float score = capped + fa_alibi_bias(f, slope_log2, my_row, key);
         if (visible && add_mask) {
           score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
         }

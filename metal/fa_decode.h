@@ -104,6 +104,7 @@ template <typename T, int COLS, int ROWS>
     constant fa_params &p [[buffer(5)]],
     device float *workspace [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
+    const device float *alibi_slopes [[buffer(8)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -129,6 +130,7 @@ template <typename T, int COLS, int ROWS>
   long head[ROWS];     // query head of row r
   int position[ROWS];  // query row index i of row r: under the band it sees keys i + band_lo .. i + band_hi
   long mask_row[ROWS]; // offset of mask[b, head, i, 0]
+  float slope[ROWS];   // ALiBi slope of row r's head (fa_variants.h)
   float q_reg[ROWS][COLS];
   float acc[ROWS][COLS];
   fa_online_softmax state[ROWS];
@@ -137,6 +139,7 @@ template <typename T, int COLS, int ROWS>
     head[r] = kv_h * p.gqa_factor + row / p.q_len;
     position[r] = row % p.q_len;
     mask_row[r] = fa_mask_offset(p, b, head[r], position[r], 0);
+    slope[r] = fa_alibi_slope(p, alibi_slopes, b, head[r]);
     // Scaled into the base-2 domain once instead of scaling every score.
     const device T *q_row = q + b * p.q_strides[0] + head[r] * p.q_strides[1] + long(position[r]) * p.q_strides[2];
     fa_decode_load<T, COLS>(q_reg[r], q_row, p.q_strides[3], p.head_dim, lane, false);
@@ -194,8 +197,8 @@ template <typename T, int COLS, int ROWS>
         if ((t == 1 && !second) || fa_band_hides(p, position[r], key) || fa_mask_excludes(mask, mask_at)) {
           continue;
         }
-        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(fa_softcap_score(p, score[t]), mask, mask_at),
-                                   v_reg[t]);
+        const float varied = fa_softcap_score(p, score[t]) + fa_alibi_bias(p, slope[r], position[r], key);
+        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(varied, mask, mask_at), v_reg[t]);
       }
     }
   }

@@ -33,6 +33,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
+    const device float *alibi_slopes [[buffer(8)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -71,6 +72,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     fa_frag_fill(o_frag[d], 0.0f);
   }
   fa_online_softmax row_state = fa_softmax_init();
+  const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
 
   // Tiles advance by pointer steps; the lane's mask entries by one offset per tile (fa_mask.h).
   const device T *k_src = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
@@ -110,7 +112,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     }
     fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
     fa_frags_scale<BK / 8>(s_frag, p.scale_log2);
-    fa_softcap_frags<BK / 8>(p, s_frag);
+    fa_variant_frags<BK / 8>(p, s_frag, slope_log2, my_row, k0 + at.x);
 
     // Per-score masking: bounds and the band in MIXED tiles, a bool mask's bits unless the
     // slice is wholly kept, an additive mask everywhere it is present (padding rows read nothing).

@@ -26,6 +26,7 @@ typedef int32_t fa_i32;
 #define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 #define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
+#define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -68,7 +69,8 @@ typedef struct fa_params {
   fa_i32 band_lo;
   fa_i32 band_hi;
   fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
-  fa_i32 pad1;
+  fa_i32 diagonal;    // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
+  fa_i64 alibi_strides[2]; // (batch, head) of the float32 slopes under FA_FC_ALIBI; batch 0 for (H,) slopes
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.

@@ -24,6 +24,7 @@ template <typename T>
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
+    const device float *alibi_slopes [[buffer(8)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -50,6 +51,7 @@ template <typename T>
     acc[c] = 0.0f;
   }
   fa_online_softmax state = fa_softmax_init();
+  const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
 
   // Under the band (causal, window) row i sees keys [begin, end) only.
   const fa_range keys = fa_visible_keys(p, row, 1);
@@ -66,7 +68,8 @@ template <typename T>
         partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
       }
     }
-    const float score = fa_mask_score(fa_softcap_score(p, simd_sum(partial) * p.scale_log2), mask, mask_at);
+    const float varied = fa_softcap_score(p, simd_sum(partial) * p.scale_log2) + fa_alibi_bias(p, slope_log2, row, j);
+    const float score = fa_mask_score(varied, mask, mask_at);
     const fa_softmax_step step = fa_softmax_push(state, score);
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {

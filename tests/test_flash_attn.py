@@ -1,5 +1,5 @@
 """flash_attn_func (flash-attn 2's API) and the options of flash_attention beyond SDPA: bottom-right
-causal, sliding windows and softcap, in every kernel (prefill, decode with split-K, simple, backward), against
+causal, sliding windows, softcap and ALiBi, in every kernel (prefill, decode with split-K, simple, backward), against
 float64 references written in plain torch on materialised scores."""
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def visible(l, s, causal, bottom_right, window, device="cpu"):
     return keep
 
 
-def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0):
+def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
+              alibi=None):
     """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
-    flash-attn's order: scale, softcap, masks; rows that see no key give zeros."""
+    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
+    give zeros."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, 1)
     v = v.repeat_interleave(hq // hkv, 1)
@@ -38,6 +40,11 @@ def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap > 0:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        l, s = q.shape[2], k.shape[2]
+        distance = (torch.arange(l)[:, None] + (s - l if bottom_right else 0) - torch.arange(s)[None, :]).abs()
+        slopes = alibi.to(scores.dtype).expand(q.shape[0], hq)[:, :, None, None]
+        scores = scores - slopes * distance.to(scores.dtype)
     keep = visible(q.shape[2], k.shape[2], causal, bottom_right, window)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = keep & attn_mask
@@ -67,50 +74,63 @@ def sdpa_view(*tensors):
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
-# (causal, window, softcap): flash-attn's options, alone and together.
-VARIANTS = [(True, (-1, -1), 0.0), (False, (5, 3), 0.0), (True, (7, -1), 0.0), (False, (-1, 0), 0.0),
-            (False, (0, 0), 0.0), (False, (2, -1), 0.0), (True, (0, 4), 0.0), (False, (40, 40), 0.0),
-            (False, (-1, -1), 0.7), (True, (-1, -1), 2.0), (False, (6, 1), 0.5), (True, (3, -1), 1.5)]
+# (causal, window, softcap, ALiBi slopes' shape): flash-attn's options, alone and together.
+VARIANTS = [(True, (-1, -1), 0.0, None), (False, (5, 3), 0.0, None), (True, (7, -1), 0.0, None),
+            (False, (-1, 0), 0.0, None), (False, (0, 0), 0.0, None), (False, (2, -1), 0.0, None),
+            (True, (0, 4), 0.0, None), (False, (40, 40), 0.0, None), (False, (-1, -1), 0.7, None),
+            (True, (-1, -1), 2.0, None), (False, (6, 1), 0.5, None), (True, (3, -1), 1.5, None),
+            (False, (-1, -1), 0.0, "h"), (True, (-1, -1), 0.0, "bh"), (True, (9, -1), 1.0, "h"),
+            (False, (4, 4), 0.0, "bh")]
 LENGTHS = [(37, 53), (53, 37), (1, 40), (3, 70), (24, 24), (70, 9)]
 KERNELS = ["auto", "forward", "decode", "simple"]
 
-FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=36, seed=16,
+def slopes(gen, kind, b, h):
+    """ALiBi slopes of the given shape kind, or None."""
+    if kind is None:
+        return None
+    return torch.rand(*((h,) if kind == "h" else (b, h)), generator=gen) * 0.5
+
+
+FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=40, seed=16,
                                cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
 def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
-    (l, s), (causal, window, softcap) = lengths, variant
+    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
     q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
     q = q * 4  # scores of several units, so the softcap bends them
+    alibi = slopes(gen, alibi_kind, 2, 4)
     if kernel == "auto":
-        out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+        out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
         assert out.shape == (2, l, 4, 24) and out.is_contiguous()
         out, bottom_right = out.transpose(1, 2), True
     else:  # flash_attention's options with a chosen kernel: without causal the window is top-left
         out = flash_attention(*sdpa_view(q, k, v), causal="bottom_right" if causal else False, window_size=window,
-                              kernel=kernel, softcap=softcap)
+                              kernel=kernel, softcap=softcap, alibi_slopes=alibi)
         bottom_right = causal
-    check(out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window, softcap=softcap)
+    check(out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window, softcap=softcap,
+          alibi=alibi)
 
 
-GRADIENT_CASES = sample_product([LENGTHS[:3] + [(24, 24)], VARIANTS[:4] + VARIANTS[-3:], ALL_DTYPES], count=10, seed=61,
+GRADIENT_CASES = sample_product([LENGTHS[:3] + [(24, 24)], VARIANTS[:4] + VARIANTS[-7:], ALL_DTYPES], count=12, seed=61,
                                 cost=lambda c: c[0][0] * c[0][1], per_value=2, max_cost=3000)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype", GRADIENT_CASES)
 def test_gradients_match_reference(gen, lengths, variant, dtype):
-    (l, s), (causal, window, softcap) = lengths, variant
+    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
     q, k, v = flash_inputs(gen, 1, l, s, 4, 2, 32, 16, dtype)
     inputs = [t.requires_grad_() for t in (q * 3, k, v)]
     dout = randn(gen, 1, l, 4, 16, dtype=dtype)
-    out = flash_attn_func(*inputs, causal=causal, window_size=window, softcap=softcap)
+    alibi = slopes(gen, alibi_kind, 1, 4)
+    out = flash_attn_func(*inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
     grads = torch.autograd.grad(out, inputs, dout)
 
     def reference_grads(tensors):
         leaves = [t.detach().clone().requires_grad_() for t in tensors]
         out = reference(*sdpa_view(*leaves), causal=causal, bottom_right=True, window=window,
-                        softcap=softcap).transpose(1, 2)
+                        softcap=softcap, alibi=alibi).transpose(1, 2)
         return torch.autograd.grad(out, leaves, dout.to(out.dtype))
 
     golden = reference_grads([t.double() for t in inputs])
@@ -158,10 +178,16 @@ def test_bottom_right_causal_without_window_and_empty_rows(gen):
 def test_one_plan_per_band(gen):
     """The plan cache keys plans by the band: the same shapes with other windows get their own."""
     q, k, v = flash_inputs(gen, 1, 33, 33, 2, 2, 16, 16, torch.float32)
-    for causal, window, softcap in [(False, (2, 2), 0.0), (False, (-1, -1), 0.0), (True, (4, 0), 0.0),
-                                    (False, (2, 2), 0.0), (True, (4, 0), 0.3), (True, (-1, -1), 0.0)]:
-        out = flash_attn_func(q * 3, k, v, causal=causal, window_size=window, softcap=softcap).transpose(1, 2)
-        check(out, sdpa_view(q * 3, k, v), causal=causal, bottom_right=True, window=window, softcap=softcap)
+    per_head, per_batch_head = torch.tensor([0.3, 0.1]), torch.tensor([[0.1, 0.3]])
+    for causal, window, softcap, alibi in [
+            (False, (2, 2), 0.0, None), (False, (-1, -1), 0.0, None), (True, (4, 0), 0.0, None),
+            (False, (2, 2), 0.0, None), (True, (4, 0), 0.3, None), (True, (-1, -1), 0.0, per_head),
+            (True, (-1, -1), 0.0, per_batch_head), (True, (-1, -1), 0.0, per_head[:1].expand(2)),
+            (True, (-1, -1), 0.0, None)]:
+        out = flash_attn_func(q * 3, k, v, causal=causal, window_size=window, softcap=softcap,
+                              alibi_slopes=alibi).transpose(1, 2)
+        check(out, sdpa_view(q * 3, k, v), causal=causal, bottom_right=True, window=window, softcap=softcap,
+              alibi=alibi)
 
 
 def test_any_input_strides(gen):
@@ -195,13 +221,14 @@ def test_tiles_visited_grow_with_the_window_not_with_s():
 
 @pytest.mark.parametrize("option, value, error", [
     ("dropout_p", 0.1, NotImplementedError), ("softcap", -1.0, ValueError), ("softcap", "1", TypeError),
-    ("alibi_slopes", torch.ones(2), NotImplementedError), ("return_attn_probs", True, NotImplementedError),
+    ("alibi_slopes", torch.ones(3), ValueError), ("alibi_slopes", torch.ones(2, dtype=torch.float64), TypeError),
+    ("return_attn_probs", True, NotImplementedError),
     ("window_size", (3,), TypeError), ("window_size", (-2, 0), ValueError), ("window_size", (1.0, 2), TypeError),
     ("causal", "yes", TypeError),
 ])
 def test_flash_attn_func_refuses_clearly(gen, option, value, error):
     q, k, v = flash_inputs(gen, 1, 4, 4, 2, 2, 16, 16, torch.float32)
-    with pytest.raises(error, match=option.split("_p")[0]):
+    with pytest.raises(error, match=option.split("_p")[0].split("_s")[0]):
         flash_attn_func(q, k, v, **{option: value})
 
 
@@ -220,4 +247,4 @@ def test_opcheck_with_band(gen):
     """The torch.library ops carry the band and flash_attn_func's output layout."""
     q, k, v = (t.requires_grad_() for t in sdpa_view(*flash_inputs(gen, 1, 9, 12, 2, 1, 16, 8, torch.float32)))
     torch.library.opcheck(torch.ops.flashattn_mps.attention_forward,
-                          (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5))
+                          (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, torch.tensor([0.2, 0.4])))
