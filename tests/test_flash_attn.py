@@ -248,3 +248,30 @@ def test_opcheck_with_band(gen):
     q, k, v = (t.requires_grad_() for t in sdpa_view(*flash_inputs(gen, 1, 9, 12, 2, 1, 16, 8, torch.float32)))
     torch.library.opcheck(torch.ops.flashattn_mps.attention_forward,
                           (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, torch.tensor([0.2, 0.4])))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_every_option_with_attn_mask_and_gradients(gen, dtype):
+    """flash_attention with a window, softcap, ALiBi and an additive mask at once, forward and backward
+    (top-left diagonal), against the float64 reference."""
+    q, k, v = (randn(gen, 1, 4, n, 24, dtype=dtype) for n in (29, 41, 41))
+    k, v = k[:, :2], v[:, :2]
+    q = q * 3
+    mask = randn(gen, 1, 1, 29, 41, dtype=dtype)
+    alibi = torch.rand(4, generator=gen)
+    options = dict(window=(5, 7), softcap=1.5, alibi=alibi, attn_mask=mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, window_size=(5, 7), softcap=1.5, alibi_slopes=alibi, attn_mask=mask)
+    check(out.detach(), (q, k, v), **options)
+    dout = randn(gen, *out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    def reference_grads(tensors, **extra):
+        refs = [t.detach().clone().requires_grad_() for t in tensors]
+        return torch.autograd.grad(reference(*refs, **extra), refs, dout.to(refs[0].dtype))
+
+    golden = reference_grads([t.double() for t in (q, k, v)], **{**options, "attn_mask": mask.double()})
+    same_dtype = reference_grads((q, k, v), **options)
+    for name, ours, gold, ref in zip("qkv", grads, golden, same_dtype):
+        error, reference_error = max_error(ours, gold), max_error(ref, gold)
+        assert error <= max(1e-5, 5 * reference_error), (name, error, reference_error)
