@@ -21,7 +21,7 @@
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
  *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
  *   dQ     8 WM query rows per threadgroup, the forward's launch:             (ceil(L / 32), Hq, B)
- * Under the causal mask the blocks become the slowest axis, heaviest first (metal/fa_schedule.h):
+ * Under a band (causal, window) the blocks become the slowest axis, heaviest first (metal/fa_schedule.h):
  * dK/dV (Hkv, B, ceil(S / 32)) from the first key block, dQ (Hq, B, ceil(L / 32)) from the last
  * query block. Each kernel checks the contiguous tile path on the two operands it streams: Q and dO
  * for dK/dV, K and V for dQ.

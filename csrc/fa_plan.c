@@ -88,8 +88,8 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
  *
  * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
  * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
- * core of a 40-core GPU; a 10-core one queues them) the visible keys (S, or min(S, L) under the
- * causal mask) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
+ * core of a 40-core GPU; a 10-core one queues them) the visible keys (S, or under a band the keys
+ * from row 0's first to row L - 1's last: a window's, not S) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
  * most DECODE_MAX_SPLITS = 128 of them; 256 keys keep the partial results' round trip through the
  * workspace to about 1/16 of the K/V traffic at 8 rows of Ev = 128. Each share's length is a
  * multiple of 2 * FA_DECODE_SIMD_GROUPS (a key pair per SIMD-group) so its SIMD-groups get equal
@@ -442,8 +442,8 @@ static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_
  * Counted from the shapes alone; keys an attn_mask hides count as visible. FLOPs are 2 x the
  * multiply-adds the kernel issues over its padded dims, rows and tiles; the useful FLOPs are SDPA's
  * 2 (E + Ev) per visible (query, key) pair, so flops / useful_flops is the padding waste. The minimum
- * bytes read are every distinct input element once (broadcast dims once, keys past L not under the
- * causal mask); the bytes written are the outputs (or a split's partial results). */
+ * bytes read are every distinct input element once (broadcast dims once, keys outside every row's
+ * band not); the bytes written are the outputs (or a split's partial results). */
 
 enum { FORWARD_TILE_PAD = 8 /* FA_TILE_PAD of metal/fa_loader.h: row padding of threadgroup tiles */ };
 

@@ -1,11 +1,13 @@
 // Which block of which (batch, head) a threadgroup of the tiled kernels (forward, dK/dV, dQ) owns.
 //
 // Without a band (causal mask, window) every block costs the same and the grid is (blocks, heads,
-// batch), so consecutive threadgroups share a head's K and V. Under a causal one a block's cost grows with its position
-// (a query block sees the keys up to its diagonal; a key block the queries from it on), and a GPU
-// starts threadgroups roughly in grid order: the planner then makes the blocks the slowest axis,
-// (heads, batch, blocks), and blocks are numbered heaviest first across all heads, so the light
-// ones fill the tail instead of a few heavy ones running alone at the end (longest job first).
+// batch), so consecutive threadgroups share a head's K and V. Under a causal band a block's cost
+// grows with its position (a query block sees the keys up to its diagonal; a key block the
+// queries from it on), and a GPU starts threadgroups roughly in grid order: the planner then makes
+// the blocks the slowest axis, (heads, batch, blocks), and blocks are numbered heaviest first
+// across all heads, so the light ones fill the tail instead of a few heavy ones running alone at
+// the end (longest job first). A window alone costs about the same per block; the order does no
+// harm there.
 #ifndef FA_SCHEDULE_H
 #define FA_SCHEDULE_H
 
