@@ -275,3 +275,13 @@ def test_every_option_with_attn_mask_and_gradients(gen, dtype):
     for name, ours, gold, ref in zip("qkv", grads, golden, same_dtype):
         error, reference_error = max_error(ours, gold), max_error(ref, gold)
         assert error <= max(1e-5, 5 * reference_error), (name, error, reference_error)
+
+
+def test_sdpa_drop_in_takes_the_bottom_right_path_for_a_lower_right_causal_bias(gen):
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = randn(gen, 1, 2, 7, 16), randn(gen, 1, 2, 20, 16), randn(gen, 1, 2, 20, 16)
+    bias = causal_lower_right(7, 20)
+    assert "causal (CausalBias, lower right)" in flashattn_mps.explain(q, k, v, attn_mask=bias)
+    out = flashattn_mps.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    check(out, (q, k, v), causal=True, bottom_right=True)
