@@ -411,13 +411,19 @@ static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
     add_macro(d, "FA_WM", t.wm);
 }
 
+/* ALiBi slopes are present when the descriptor has dims or storage: a 0-D one with storage is
+ * refused by fa_check_tensor, never taken for "none". */
+static int32_t has_alibi(const fa_forward_args *a) {
+    return a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL;
+}
+
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
     start_dispatch(d, source, kernel, a->q.dtype);
     add_constant_bool(d, FA_FC_BAND, plan->banded);
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
-    add_constant_bool(d, FA_FC_ALIBI, a->alibi_slopes.ndim != 0);
+    add_constant_bool(d, FA_FC_ALIBI, has_alibi(a));
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     return d;
@@ -727,7 +733,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
     p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
     p->diagonal = a->band.bottom_right ? p->kv_len - p->q_len : 0;
-    if (a->alibi_slopes.ndim != 0) {
+    if (has_alibi(a)) {
         if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
             return rc;
         }

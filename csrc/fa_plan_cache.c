@@ -128,7 +128,8 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
         (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (a->alibi_slopes.ndim != 0 && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
+        ((a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) &&
+         (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -158,7 +159,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     if (a->mask.ndim != 0) {
         shape_of(&a->mask, a->device, &key.mask);
     }
-    if (a->alibi_slopes.ndim != 0) {
+    if (a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) {
         shape_of(&a->alibi_slopes, a->device, &key.alibi);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
@@ -199,7 +200,8 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
         (a->mask.ndim != 0 && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (a->alibi_slopes.ndim != 0 && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
+        ((a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) &&
+         (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -226,7 +228,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     if (a->mask.ndim != 0) {
         shape_of(&a->mask, a->device, &key.mask);
     }
-    if (a->alibi_slopes.ndim != 0) {
+    if (a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) {
         shape_of(&a->alibi_slopes, a->device, &key.alibi);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);

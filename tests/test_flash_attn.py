@@ -285,3 +285,15 @@ def test_sdpa_drop_in_takes_the_bottom_right_path_for_a_lower_right_causal_bias(
     assert "causal (CausalBias, lower right)" in flashattn_mps.explain(q, k, v, attn_mask=bias)
     out = flashattn_mps.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     check(out, (q, k, v), causal=True, bottom_right=True)
+
+
+def test_c_layer_refuses_malformed_alibi_slopes(gen):
+    """A 0-D slopes descriptor with storage is refused, not taken for "no ALiBi"; so are other shapes."""
+    q = randn(gen, 1, 2, 4, 16)
+    slopes = torch.ones(2)
+    storage = slopes.untyped_storage()
+    zero_d = (storage.data_ptr(), storage.nbytes(), 0, flashattn_mps._C.DTYPE_FLOAT32, (), ())
+    for bad, message in ((zero_d, "alibi_slopes"), (slopes[None, :1], r"alibi_slopes: must be \(B, Hq\)")):
+        with pytest.raises(ValueError, match=message):
+            flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
+                                     alibi_slopes=bad)
