@@ -33,7 +33,11 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     const fa_tensor *mask = args->mask.storage != NULL ? &args->mask : present;
     d.bindings[BACKWARD_TENSORS + 1].storage = mask->storage;
     d.bindings[BACKWARD_TENSORS + 1].byte_offset = mask->byte_offset;
-    d.n_bindings = BACKWARD_TENSORS + 2;
+    /* [[buffer(12)]]: the ALiBi slopes, untouched unless FA_FC_ALIBI. */
+    const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
+    d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;
+    d.bindings[BACKWARD_TENSORS + 2].byte_offset = slopes->byte_offset;
+    d.n_bindings = BACKWARD_TENSORS + 3;
     int32_t rc = FA_OK;
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];

@@ -21,7 +21,7 @@
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
  *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
  *   dQ     8 WM query rows per threadgroup, the forward's launch:             (ceil(L / 32), Hq, B)
- * Under the causal mask the blocks become the slowest axis, heaviest first (metal/fa_schedule.h):
+ * Under a band (causal, window) the blocks become the slowest axis, heaviest first (metal/fa_schedule.h):
  * dK/dV (Hkv, B, ceil(S / 32)) from the first key block, dQ (Hq, B, ceil(L / 32)) from the last
  * query block. Each kernel checks the contiguous tile path on the two operands it streams: Q and dO
  * for dK/dV, K and V for dQ.
@@ -96,6 +96,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.mask = a->mask;
     forward_args.scale = a->scale;
     forward_args.causal = a->causal;
+    forward_args.band = a->band;
+    forward_args.softcap = a->softcap;
+    forward_args.alibi_slopes = a->alibi_slopes;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
@@ -132,10 +135,10 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
     fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
-    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch, a->causal,
-                           threads);
+    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch,
+                           forward.banded, threads);
     fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype);
-    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, a->causal,
+    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward.banded,
                            threads);
     return FA_OK;
 }

@@ -66,12 +66,24 @@ typedef enum fa_kernel_choice {
 } fa_kernel_choice;
 
 /* Forward attention, SDPA semantics: q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev),
- * out (B,Hq,L,Ev), query head h reads kv head h / (Hq/Hkv); causal is the top-left mask
- * tril(ones(L,S)). lse, when lse.storage is not NULL, is (B,Hq,L) float32 and receives the
+ * out (B,Hq,L,Ev), query head h reads kv head h / (Hq/Hkv). The band (causal, window) is that of
+ * fa_band_args below. lse, when lse.storage is not NULL, is (B,Hq,L) float32 and receives the
  * natural-log log-sum-exp of each row's scaled scores.
  * The core allocates nothing: a call that needs scratch memory (split-K partial results) says how
  * much through fa_forward_workspace_bytes, and the caller passes it as `workspace`, a 1-D float32
  * tensor on the same device of at least that many bytes (storage NULL when none is needed). */
+/* Which keys each query row sees besides attn_mask, with `causal` of the args. Row i's diagonal
+ * key is d_i = i (top-left, SDPA's is_causal) or d_i = i + S - L (bottom_right, flash-attn's).
+ * causal hides the keys past d_i; when windowed, the keys outside [d_i - window_left,
+ * d_i + window_right] are hidden too (-1: unbounded on that side; with causal the right side is 0,
+ * as flash-attn). All zero (memset) is SDPA's behaviour. A row that sees no key gives zeros;
+ * kernels skip the key tiles wholly outside. */
+typedef struct fa_band_args {
+    int32_t bottom_right;
+    int32_t windowed;
+    int64_t window_left, window_right;
+} fa_band_args;
+
 typedef struct fa_forward_args {
     int32_t device; /* fa_device: which backend runs it */
     fa_tensor q, k, v, out, lse;
@@ -80,8 +92,14 @@ typedef struct fa_forward_args {
      * bool (true takes part) or additive float32 or q's dtype (added to the scaled scores). */
     fa_tensor mask;
     double scale;
-    int32_t causal;
+    int32_t causal; /* hide keys past each row's diagonal (top-left unless band.bottom_right) */
     int32_t kernel; /* fa_kernel_choice */
+    fa_band_args band;
+    double softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before masks; 0: none */
+    /* ALiBi (ndim 0 when absent): (B, Hq) float32 slopes (stride 0 where broadcast); adds
+     * -slope[b, h] * |i + d - j| to the scaled (and capped) score of query i and key j, d = S - L
+     * with band.bottom_right, else 0. */
+    fa_tensor alibi_slopes;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -91,7 +109,7 @@ int32_t fa_forward(const fa_forward_args *args, fa_status *st);
  * -1 with st set when they are invalid. */
 int64_t fa_forward_workspace_bytes(const fa_forward_args *args, fa_status *st);
 
-/* Gradients of attention: given the forward's q, k, v, scale and causal, its out and lse (written by
+/* Gradients of attention: given the forward's q, k, v, scale, causal and band, its out and lse (written by
  * fa_forward for exactly these arguments) and dout, the gradient of out (B,Hq,L,Ev), writes dq, dk,
  * dv (the shapes of q, k, v; any strides; all of q's dtype). delta is (B,Hq,L) float32 scratch the
  * core fills with rowsum(dout * out) and then reads. Neither an L x S matrix nor float atomics:
@@ -105,6 +123,9 @@ typedef struct fa_backward_args {
     fa_tensor mask; /* the forward's attn_mask (ndim 0 when absent), as in fa_forward_args */
     double scale;
     int32_t causal;
+    fa_band_args band; /* the forward's */
+    double softcap;    /* the forward's */
+    fa_tensor alibi_slopes; /* the forward's (no gradient flows to the slopes) */
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

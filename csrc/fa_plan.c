@@ -88,8 +88,8 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
  *
  * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
  * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
- * core of a 40-core GPU; a 10-core one queues them) the visible keys (S, or min(S, L) under the
- * causal mask) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
+ * core of a 40-core GPU; a 10-core one queues them) the visible keys (S, or under a band the keys
+ * from row 0's first to row L - 1's last: a window's, not S) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
  * most DECODE_MAX_SPLITS = 128 of them; 256 keys keep the partial results' round trip through the
  * workspace to about 1/16 of the K/V traffic at 8 rows of Ev = 128. Each share's length is a
  * multiple of 2 * FA_DECODE_SIMD_GROUPS (a key pair per SIMD-group) so its SIMD-groups get equal
@@ -448,9 +448,9 @@ void fa_plan_set_contiguous_tiles(fa_plan_dispatch *d, const fa_tensor *a, const
 }
 
 void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_block, uint32_t heads, uint32_t batch,
-                            int32_t causal, uint32_t threads) {
+                            int32_t banded, uint32_t threads) {
     const uint32_t blocks = (uint32_t)((rows + rows_per_block - 1) / rows_per_block);
-    if (causal) {
+    if (banded) {
         fa_plan_set_geometry(d, heads, batch, blocks, threads); /* heaviest first, fa_schedule.h */
     } else {
         fa_plan_set_geometry(d, blocks, heads, batch, threads);
@@ -489,11 +489,19 @@ static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
     add_macro(d, "FA_WM", t.wm);
 }
 
+/* ALiBi slopes are present when the descriptor has dims or storage: a 0-D one with storage is
+ * refused by fa_check_tensor, never taken for "none". */
+static int32_t has_alibi(const fa_forward_args *a) {
+    return a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL;
+}
+
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
     start_dispatch(d, source, kernel, a->q.dtype);
-    add_constant_bool(d, FA_FC_CAUSAL, a->causal);
+    add_constant_bool(d, FA_FC_BAND, plan->banded);
+    add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
+    add_constant_bool(d, FA_FC_ALIBI, has_alibi(a));
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     return d;
@@ -518,23 +526,51 @@ static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_
  * Counted from the shapes alone; keys an attn_mask hides count as visible. FLOPs are 2 x the
  * multiply-adds the kernel issues over its padded dims, rows and tiles; the useful FLOPs are SDPA's
  * 2 (E + Ev) per visible (query, key) pair, so flops / useful_flops is the padding waste. The minimum
- * bytes read are every distinct input element once (broadcast dims once, keys past L not under the
- * causal mask); the bytes written are the outputs (or a split's partial results). */
+ * bytes read are every distinct input element once (broadcast dims once, keys outside every row's
+ * band not); the bytes written are the outputs (or a split's partial results). */
 
 enum { FORWARD_TILE_PAD = 8 /* FA_TILE_PAD of metal/fa_loader.h: row padding of threadgroup tiles */ };
 
-/* Keys some row can see: under the top-left causal mask none sees a key at or past L. */
-static int64_t visible_keys(const fa_forward_args *a) {
-    return a->causal && a->q.sizes[2] < a->k.sizes[2] ? a->q.sizes[2] : a->k.sizes[2];
+/* The keys some row of rows [row0, row0 + rows) sees under the band (fa_visible_keys of
+ * metal/fa_mask.h), as [*begin, *end); all S without one. */
+static void band_keys(const fa_plan *plan, int64_t row0, int64_t rows, int64_t *begin, int64_t *end) {
+    const fa_params *p = &plan->params;
+    *begin = 0;
+    *end = p->kv_len;
+    if (plan->banded) {
+        const int64_t last = (row0 + rows < p->q_len ? row0 + rows : p->q_len) - 1;
+        *begin = row0 + p->band_lo > 0 ? row0 + p->band_lo : 0;
+        *end = last + p->band_hi + 1 < p->kv_len ? last + p->band_hi + 1 : p->kv_len;
+    }
 }
 
-/* Visible (query, key) pairs of one (batch, query head); row i sees min(i + 1, S) keys when causal. */
-static double visible_pairs(const fa_forward_args *a) {
-    const double l = (double)a->q.sizes[2], s = (double)a->k.sizes[2];
-    if (!a->causal) {
+/* Keys some row can see. */
+static int64_t visible_keys(const fa_plan *plan) {
+    int64_t begin, end;
+    band_keys(plan, 0, plan->params.q_len, &begin, &end);
+    return end > begin ? end - begin : 0;
+}
+
+/* Sum of clamp(x, 0, s) over x = a .. a + n - 1. */
+static double clamped_sum(int64_t a, int64_t n, int64_t s) {
+    const int64_t first = a > 0 ? a : 0, last = a + n - 1 < s ? a + n - 1 : s;
+    double sum = first <= last ? ((double)first + (double)last) * (double)(last - first + 1) / 2 : 0;
+    const int64_t above_from = a > s + 1 ? a : s + 1; /* x > s count s each */
+    if (a + n > above_from) {
+        sum += (double)s * (double)(a + n - above_from);
+    }
+    return sum;
+}
+
+/* Visible (query, key) pairs of one (batch, query head): row i sees the keys
+ * [max(0, i + lo), min(S, i + hi + 1)), a range never negative since lo <= hi + 1. */
+static double visible_pairs(const fa_plan *plan) {
+    const fa_params *p = &plan->params;
+    const double l = (double)p->q_len, s = (double)p->kv_len;
+    if (!plan->banded) {
         return l * s;
     }
-    return l <= s ? l * (l + 1) / 2 : s * (s + 1) / 2 + (l - s) * s;
+    return clamped_sum(p->band_hi + 1, p->q_len, p->kv_len) - clamped_sum(p->band_lo, p->q_len, p->kv_len);
 }
 
 /* Elements of a view that are distinct in memory (a dim of stride 0 is one element deep). */
@@ -547,11 +583,11 @@ static int64_t distinct_elements(const fa_tensor *t) {
 }
 
 /* q, the visible keys' rows of k and v, and the mask, each element once. */
-static int64_t min_input_bytes(const fa_forward_args *a) {
+static int64_t min_input_bytes(const fa_plan *plan, const fa_forward_args *a) {
     const int64_t elem = dtype_bytes[a->q.dtype], keys = a->k.sizes[2];
     int64_t bytes = distinct_elements(&a->q) * elem;
     if (keys > 0) {
-        bytes += (distinct_elements(&a->k) + distinct_elements(&a->v)) / keys * visible_keys(a) * elem;
+        bytes += (distinct_elements(&a->k) + distinct_elements(&a->v)) / keys * visible_keys(plan) * elem;
     }
     if (a->mask.ndim != 0) {
         bytes += distinct_elements(&a->mask) * dtype_bytes[a->mask.dtype];
@@ -564,27 +600,30 @@ static int64_t output_bytes(const fa_forward_args *a) {
     return rows * a->v.sizes[3] * dtype_bytes[a->q.dtype] + (a->lse.storage != NULL ? rows * 4 : 0);
 }
 
-static void set_cost(fa_plan_dispatch *d, int64_t threadgroup_bytes, int32_t registers, double flops,
+static void set_cost(fa_plan_dispatch *d, int64_t threadgroup_bytes, int32_t registers, double flops, double tiles,
                      double useful_flops, int64_t bytes_read, int64_t bytes_written) {
-    const fa_dispatch_cost cost = {threadgroup_bytes, registers, flops, useful_flops, bytes_read, bytes_written};
+    const fa_dispatch_cost cost = {threadgroup_bytes, registers, flops, tiles, useful_flops, bytes_read, bytes_written};
     d->cost = cost;
 }
 
 /* SDPA's work: 2 (E + Ev) per visible pair of every (batch, query head). */
-static double useful_flops(const fa_forward_args *a) {
-    return 2.0 * (double)(a->q.sizes[3] + a->v.sizes[3]) * (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(a);
+static double useful_flops(const fa_plan *plan, const fa_forward_args *a) {
+    return 2.0 * (double)(a->q.sizes[3] + a->v.sizes[3]) * (double)(a->q.sizes[0] * a->q.sizes[1]) *
+           visible_pairs(plan);
 }
 
 /* The forward kernel: per (batch, head), every query block of 8 WM rows multiplies S = Q K^T and
- * P V over each key tile it loads (all of them, or under the causal mask those up to its last row),
+ * P V over each key tile it visits (all of them, or under a band those from its first row's first
+ * key to its last row's last: band_keys),
  * over E and Ev rounded up to 8 (the 8-wide slices it multiplies). Threadgroup memory: the K and V
  * tiles and the mask's tile votes. Registers: the tile table's count (Q, O and S fragments and one K/V fragment). */
-static void set_forward_cost(fa_plan_dispatch *d, const fa_forward_args *a, forward_tiles t) {
-    const int64_t bq = 8 * t.wm, l = a->q.sizes[2], s = a->k.sizes[2], elem = dtype_bytes[a->q.dtype];
+static void set_forward_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a, forward_tiles t) {
+    const int64_t bq = 8 * t.wm, l = a->q.sizes[2], elem = dtype_bytes[a->q.dtype];
     double tiles = 0;
     for (int64_t q0 = 0; q0 < l; q0 += bq) {
-        const int64_t end = a->causal && q0 + bq < s ? q0 + bq : s;
-        tiles += (double)((end + t.bk - 1) / t.bk);
+        int64_t begin, end;
+        band_keys(plan, q0, bq, &begin, &end);
+        tiles += end > begin ? (double)((end - begin + t.bk - 1) / t.bk) : 0;
     }
     /* The products skip 8-wide slices of the padded widths that hold only padding (fa_fragments.h). */
     const int64_t issued_width = (a->q.sizes[3] + 7) / 8 * 8 + (a->v.sizes[3] + 7) / 8 * 8;
@@ -594,17 +633,19 @@ static void set_forward_cost(fa_plan_dispatch *d, const fa_forward_args *a, forw
     const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
     const int32_t registers = t.bd / 8 * operand + t.bdv / 8 * 2 + t.bk / 8 * 2 + operand;
     const int64_t tiles_bytes = (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * elem;
-    set_cost(d, tiles_bytes + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers,
-             flops, useful_flops(a), min_input_bytes(a), output_bytes(a));
+    set_cost(d, tiles_bytes + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers, flops,
+             tiles * (double)(a->q.sizes[0] * a->q.sizes[1]), useful_flops(plan, a), min_input_bytes(plan, a),
+             output_bytes(a));
 }
 
 /* The simple kernel: per visible pair, q.k over the 32-column slices E reaches and the accumulator
  * update over all FA_SIMPLE_MAX_PER_LANE slices; it keeps a query row and an accumulator per lane. */
-static void set_simple_cost(fa_plan_dispatch *d, const fa_forward_args *a) {
+static void set_simple_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a) {
     const int64_t slices = (a->q.sizes[3] + 31) / 32;
     const double per_pair = 2.0 * 32 * (double)(slices + FA_SIMPLE_MAX_PER_LANE);
-    set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(a),
-             useful_flops(a), min_input_bytes(a), output_bytes(a));
+    const double pairs = (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(plan);
+    set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * pairs, pairs, useful_flops(plan, a),
+             min_input_bytes(plan, a), output_bytes(a));
 }
 
 /* The decode kernel: every row takes both scores of each key pair of its kv range (a trailing odd
@@ -613,22 +654,50 @@ static void set_simple_cost(fa_plan_dispatch *d, const fa_forward_args *a) {
  * multiply-add per padded column and split for each row (no SDPA work of its own). */
 static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t cols, int32_t rows) {
     const fa_params *p = &plan->params;
-    const int64_t kv_end = visible_keys(a), width = 32 * cols;
-    double scored = 0; /* keys each row scores, over all splits */
-    for (int64_t begin = 0; begin < kv_end; begin += p->split_keys) {
+    const int64_t kv_end = p->split_begin + visible_keys(plan), width = 32 * cols;
+    double scored = 0; /* keys each row scores, over all splits (at most: a threadgroup's rows may see fewer) */
+    for (int64_t begin = p->split_begin; begin < kv_end; begin += p->split_keys) {
         const int64_t n = kv_end - begin < p->split_keys ? kv_end - begin : p->split_keys;
         scored += (double)(2 * ((n + 1) / 2));
     }
     const double heads = (double)((int64_t)p->batch * p->q_heads), all_rows = heads * p->q_len;
-    const double flops = 2.0 * (double)width * (all_rows * scored + heads * visible_pairs(a));
+    const double flops = 2.0 * (double)width * (all_rows * scored + heads * visible_pairs(plan));
     const int32_t sg = FA_DECODE_SIMD_GROUPS;
     const int64_t split_bytes = plan->workspace_bytes;
     set_cost(&plan->dispatches[0], (int64_t)(2 * sg * rows + sg * width) * 4, decode_lane_floats(cols, rows), flops,
-             useful_flops(a), min_input_bytes(a), p->split_count > 1 ? split_bytes : output_bytes(a));
+             all_rows * scored, useful_flops(plan, a), min_input_bytes(plan, a),
+             p->split_count > 1 ? split_bytes : output_bytes(a));
     if (plan->n_dispatches > 1) {
-        set_cost(&plan->dispatches[1], 0, cols, 2.0 * (double)width * p->split_count * all_rows, 0, split_bytes,
+        set_cost(&plan->dispatches[1], 0, cols, 2.0 * (double)width * p->split_count * all_rows, 0, 0, split_bytes,
                  output_bytes(a));
     }
+}
+
+/* The band of row i is [i + band_lo, i + band_hi] (fa_params.h; fa_core.h says what the args
+ * mean). Unbounded sides become -L and S, so every bound stays within [-L, S]. */
+static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
+    fa_params *p = &plan->params;
+    const fa_band_args *w = &a->band;
+    if (w->windowed && (w->window_left < -1 || w->window_right < -1)) {
+        return fa_fail(st, FA_ERR_VALUE, "window_size: each side must be -1 (unbounded) or >= 0, got (%lld, %lld)",
+                       (long long)w->window_left, (long long)w->window_right);
+    }
+    const int64_t l = p->q_len, s = p->kv_len, diagonal = w->bottom_right ? s - l : 0;
+    const int64_t left = w->windowed ? w->window_left : -1, right = a->causal ? 0 : w->windowed ? w->window_right : -1;
+    plan->banded = a->causal || left >= 0 || right >= 0;
+    if (!plan->banded) {
+        return FA_OK;
+    }
+    if (l + s > INT32_MAX) {
+        return fa_fail(st, FA_ERR_VALUE, "causal or window_size: L + S must be below 2^31, got L = %lld, S = %lld",
+                       (long long)l, (long long)s);
+    }
+    /* Clamped before the sums, so a window of up to 2^63 - 1 cannot overflow. */
+    const int64_t lo = left < 0 || left > l + s ? -l : diagonal - left;
+    const int64_t hi = right < 0 || right > l + s ? s : diagonal + right;
+    p->band_lo = (fa_i32)(lo < -l ? -l : lo > s ? s : lo);
+    p->band_hi = (fa_i32)(hi < -l ? -l : hi > s ? s : hi);
+    return FA_OK;
 }
 
 static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
@@ -636,16 +705,16 @@ static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     set_forward_macros(d, t);
     fa_plan_set_contiguous_tiles(d, &a->k, &a->v, a->device);
-    fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, (uint32_t)a->q.sizes[1], (uint32_t)a->q.sizes[0], a->causal,
-                           32u * (uint32_t)t.wm);
-    set_forward_cost(d, a, t);
+    fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, (uint32_t)a->q.sizes[1], (uint32_t)a->q.sizes[0],
+                           plan->banded, 32u * (uint32_t)t.wm);
+    set_forward_cost(plan, d, a, t);
     return FA_OK;
 }
 
 static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
     fa_plan_dispatch *d = add_dispatch(plan, a, simple_source, "fa_simple");
     set_row_blocks(d, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
-    set_simple_cost(d, a);
+    set_simple_cost(plan, d, a);
     return FA_OK;
 }
 
@@ -668,8 +737,11 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
                        "too many query rows for the decode kernel: %lld per kv head (at most 2^31-1) on %d kv heads",
                        (long long)head_rows, p->kv_heads);
     }
-    const int64_t keys = a->causal && p->q_len < p->kv_len ? p->q_len : p->kv_len;
-    p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks, keys, &p->split_count);
+    int64_t first_key, end_key; /* the keys some row sees: the splits share them */
+    band_keys(plan, 0, p->q_len, &first_key, &end_key);
+    p->split_begin = (fa_i32)first_key;
+    p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks,
+                                      end_key > first_key ? end_key - first_key : 0, &p->split_count);
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
@@ -731,6 +803,26 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     /* With E == 0 every score is exactly 0 whatever the scale (SDPA gives the mean of v even for
      * the default scale 1/sqrt(0) = inf), so the scale must not turn 0 into NaN. */
     p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->scale * 1.4426950408889634);
+    if ((rc = set_band(a, plan, st)) != FA_OK) {
+        return rc;
+    }
+    if (!(a->softcap >= 0.0 && a->softcap <= 1e30)) { /* NaN fails too */
+        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->softcap);
+    }
+    p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
+    p->diagonal = a->band.bottom_right ? p->kv_len - p->q_len : 0;
+    if (has_alibi(a)) {
+        if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
+            return rc;
+        }
+        if (a->alibi_slopes.sizes[0] != p->batch || a->alibi_slopes.sizes[1] != p->q_heads) {
+            char shape[64];
+            fa_describe_shape(&a->alibi_slopes, shape, sizeof shape);
+            return fa_fail(st, FA_ERR_VALUE, "alibi_slopes: must be (B, Hq) = (%d, %d), got %s", p->batch,
+                           p->q_heads, shape);
+        }
+        copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
+    }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
     const int32_t kernel = a->kernel != FA_KERNEL_AUTO         ? a->kernel

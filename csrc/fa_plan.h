@@ -20,6 +20,7 @@ typedef struct fa_dispatch_cost {
     int64_t threadgroup_bytes;  /* kernel-scope threadgroup memory of one threadgroup */
     int32_t registers;          /* 32-bit registers per thread the configuration budgets for its arrays */
     double flops;               /* 2 x multiply-adds the kernel issues, padding of dims, rows and tiles included */
+    double tiles;               /* key tiles the threadgroups visit (forward); scores computed (simple, decode) */
     double useful_flops;        /* 2 (E + Ev) per visible (query, key) pair: SDPA's own work */
     int64_t min_bytes_read;     /* device bytes the dispatch must read at least (each input element once) */
     int64_t min_bytes_written;  /* device bytes it writes */
@@ -46,6 +47,7 @@ typedef struct fa_plan {
     fa_plan_dispatch dispatches[FA_MAX_PLAN_DISPATCHES];
     uint32_t n_dispatches;
     int32_t empty;           /* nothing to launch (L == 0 or an empty batch): the output is empty too */
+    int32_t banded;          /* FA_FC_BAND: causal or a window limits each row's keys (params.band_lo/hi) */
     int64_t workspace_bytes; /* scratch the dispatches share (fa_forward_workspace_bytes) */
     fa_params params;
 } fa_plan;
@@ -77,7 +79,7 @@ fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *dispatch);
 enum { FA_CONTIGUOUS_MAX_ROW_STRIDE = (1 << 23) }; /* (32 tile rows + 128 threads) x 2^23 < 2^31 */
 void fa_plan_set_contiguous_tiles(fa_plan_dispatch *d, const fa_tensor *a, const fa_tensor *b, int32_t device);
 void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_block, uint32_t heads, uint32_t batch,
-                            int32_t causal, uint32_t threads);
+                            int32_t banded, uint32_t threads);
 
 /* Helpers the backward planner (fa_backward_plan.c) shares with the forward's. */
 const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages */

@@ -23,14 +23,16 @@ typedef struct shape_key {
 /* sources: fa_sources_generation(), so new kernel text is never run through an old pipeline. */
 typedef struct forward_key {
     int32_t sources, device, kernel, causal, has_lse, reserved;
-    double scale;
-    shape_key q, k, v, out, lse, mask;
+    double scale, softcap;
+    fa_band_args band;
+    shape_key q, k, v, out, lse, mask, alibi;
 } forward_key;
 
 typedef struct backward_key {
     int32_t sources, device, causal, has_lse;
-    double scale;
-    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask;
+    double scale, softcap;
+    fa_band_args band;
+    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi;
 } backward_key;
 
 typedef struct plan_table {
@@ -92,9 +94,9 @@ static void shape_of(const fa_tensor *t, int32_t device, shape_key *s) {
     }
 }
 
-/* A mask is present when it has dims or storage: a 0-D descriptor with storage is refused by
- * fa_check_tensor, never taken for "no mask". */
-static int32_t has_mask(const fa_tensor *m) { return m->ndim != 0 || m->storage != NULL; }
+/* An optional descriptor (mask, ALiBi slopes) is present when it has dims or storage: a 0-D
+ * descriptor with storage is refused by fa_check_tensor, never taken for "absent". */
+static int32_t present(const fa_tensor *t) { return t->ndim != 0 || t->storage != NULL; }
 
 static const fa_backend *backend_of(int32_t device, fa_status *st) {
     return device == FA_DEVICE_MPS ? fa_metal_backend(st) : fa_cpu_backend();
@@ -130,7 +132,8 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (has_mask(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
+        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -148,6 +151,8 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     key.causal = a->causal != 0;
     key.has_lse = a->lse.storage != NULL;
     key.scale = a->scale;
+    key.band = a->band; /* no padding in fa_band_args: compared as bytes */
+    key.softcap = a->softcap;
     shape_of(&a->q, a->device, &key.q);
     shape_of(&a->k, a->device, &key.k);
     shape_of(&a->v, a->device, &key.v);
@@ -157,6 +162,9 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     }
     if (a->mask.ndim != 0) {
         shape_of(&a->mask, a->device, &key.mask);
+    }
+    if (a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) {
+        shape_of(&a->alibi_slopes, a->device, &key.alibi);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
@@ -195,7 +203,8 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
         }
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
-        (has_mask(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st)))) {
+        (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
+        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
         return rc;
     }
     return fa_plan_check_backward_aliases(a, st);
@@ -212,6 +221,8 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     key.causal = a->causal != 0;
     key.has_lse = a->lse.storage != NULL;
     key.scale = a->scale;
+    key.band = a->band; /* no padding in fa_band_args: compared as bytes */
+    key.softcap = a->softcap;
     const fa_tensor *tensors[] = {&a->q, &a->k, &a->v, &a->out, &a->lse, &a->dout, &a->delta, &a->dq, &a->dk, &a->dv};
     shape_key *shapes[] = {&key.q, &key.k, &key.v, &key.out, &key.lse, &key.dout, &key.delta, &key.dq, &key.dk, &key.dv};
     for (uint32_t i = 0; i < sizeof tensors / sizeof tensors[0]; ++i) {
@@ -219,6 +230,9 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     if (a->mask.ndim != 0) {
         shape_of(&a->mask, a->device, &key.mask);
+    }
+    if (a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) {
+        shape_of(&a->alibi_slopes, a->device, &key.alibi);
     }
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {

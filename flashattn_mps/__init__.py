@@ -4,15 +4,19 @@
 `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
 enable_gqa=True)` computes, without ever forming the L x S score matrix. MPS tensors run on Metal;
 CPU tensors run the same Metal kernels on the CPU Metal device (see `flashattn_mps.metal_cpu`).
+`flash_attn_func` is flash-attn 2's function of that name ((B, L, H, D) layout, bottom-right causal,
+sliding windows) over the same kernels.
 """
 from ._C import MetalCompileError, MetalDispatchError
 from ._api import explain_plan, flash_attention
+from ._flash_attn import flash_attn_func
 from . import _autograd  # registers the torch.library ops that make flash_attention differentiable
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 
 __version__ = "0.1.0"
 __all__ = [
     "flash_attention",
+    "flash_attn_func",
     "scaled_dot_product_attention",
     "explain",
     "explain_plan",

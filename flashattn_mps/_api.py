@@ -142,6 +142,56 @@ def _check_causal_and_scale(causal, scale) -> float:
     return None if scale is None else float(scale)
 
 
+def _check_window(window_size, who: str) -> tuple:
+    """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"{who}: window_size must be a pair of ints (left, right), got {_given(window_size)}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"{who}: window_size sides must be -1 (unbounded) or >= 0, got ({left}, {right})")
+    return int(left), int(right)
+
+
+def _validate_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
+    """ALiBi slopes as the (B, Hq) view the core reads (a batch stride of 0 for (Hq,) slopes)."""
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"flash_attention: alibi_slopes must be a torch.Tensor or None, got {_type_name(slopes)}")
+    if slopes.dtype != torch.float32 or slopes.device != q.device:
+        raise TypeError(
+            f"flash_attention: alibi_slopes must be float32 on q's device ({q.device}), got {slopes.dtype} on "
+            f"{slopes.device}"
+        )
+    batch, heads = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"flash_attention: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got "
+            f"{tuple(slopes.shape)}"
+        )
+    slopes = slopes.detach()
+    return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
+
+
+def _check_softcap(softcap, who: str) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{who}: softcap must be a float, got {_given(softcap)}")
+    if not (0.0 <= softcap < math.inf):
+        raise ValueError(f"{who}: softcap must be 0.0 (none) or positive and finite, got {softcap}")
+    return float(softcap)
+
+
+def _band_of(causal, window_size):
+    """flash_attention's causal (False, True, "bottom_right") and window_size as the core's causal
+    flag and band: None (SDPA's top-left causal, no window) or (bottom_right, left, right)."""
+    bottom_right = isinstance(causal, str) and causal == "bottom_right"
+    if isinstance(causal, str) and not bottom_right:
+        raise ValueError(f"flash_attention: causal must be True, False or 'bottom_right', got {_given(causal)}")
+    left, right = (-1, -1) if window_size is None else _check_window(window_size, "flash_attention")
+    if window_size is None and not bottom_right:
+        return causal, None
+    return (True if bottom_right else causal), (int(bottom_right), left, right)
+
+
 def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
     """SDPA's rule: bool, float32, or the query's dtype."""
     return mask_dtype in (torch.bool, torch.float32, query_dtype)
@@ -208,12 +258,15 @@ def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool = False,
+    causal=False,
     scale: Optional[float] = None,
     *,
     attn_mask: Optional[torch.Tensor] = None,
     kernel: str = "auto",
     return_lse: bool = False,
+    window_size=None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -224,7 +277,9 @@ def flash_attention(
         k: (B, Hkv, S, E) or (Hkv, S, E); Hq must be a multiple of Hkv (GQA/MQA): query head h
             attends with key/value head h // (Hq // Hkv).
         v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 256.
-        causal: SDPA's top-left mask tril(ones(L, S)): query i sees keys 0..i.
+        causal: True: SDPA's top-left mask tril(ones(L, S)), query i sees keys 0..i;
+            "bottom_right": flash-attn's, query i sees keys 0..i + S - L (rows that see none give
+            zeros). The diagonal d_i (i, or i + S - L) also anchors window_size.
         scale: multiplies q.k; default 1/sqrt(E).
         attn_mask: None, or a mask broadcastable to (B, Hq, L, S) ((Hq, L, S) for 3-D inputs): bool
             (True takes part) or float32 / q's dtype added to the scaled scores, as SDPA's. Read
@@ -236,6 +291,15 @@ def flash_attention(
             kernel), for tests and benchmarks.
         return_lse: also return the float32 log-sum-exp of each row's scaled scores,
             (B, Hq, L) or (Hq, L): log(sum_j exp(scale * q_i . k_j)), -inf for a row with no key.
+        window_size: None, or (left, right): query i sees only keys d_i - left .. d_i + right (-1:
+            unbounded on that side; with causal the right side is 0), as flash-attn's sliding
+            window; combinable with attn_mask. Key tiles wholly outside are never visited, so the
+            cost grows with the window, not with S.
+        softcap: 0.0, or a positive number: each scaled score s becomes softcap * tanh(s / softcap)
+            before masks (Gemma 2's logit softcapping); the backward differentiates through tanh.
+        alibi_slopes: None, or float32 (Hq,) or (B, Hq) slopes on q's device: adds
+            -slope * |d_i - j| to the score of query i and key j (ALiBi; d_i the diagonal as for
+            window_size), after softcap. The slopes get no gradient (as in flash-attn).
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
@@ -248,15 +312,22 @@ def flash_attention(
     the torch.library ops of flashattn_mps._autograd; the log-sum-exp carries no gradient and
     double backward raises.
     """
-    if type(kernel) is str and kernel == "auto" and return_lse is False:
+    if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
+            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None:
         return attend(q, k, v, attn_mask, causal, scale)
-    return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse)
+    causal, band = _band_of(causal, window_size)
+    return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
+                  _check_softcap(softcap, "flash_attention"), alibi_slopes)
 
 
-def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False):
+def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
+           band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
-    bool): the lean entry the SDPA drop-in calls. causal and scale are checked here (cheaply when
-    they are a bool and a float or None)."""
+    bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
+    drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
+    bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
+    out is allocated the same way (flash_attn_func's layout). softcap: a checked float;
+    alibi_slopes: None or the user's (H,) or (B, H) tensor (checked here)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -270,13 +341,16 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse)
+        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
+                                        alibi_slopes)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse)
+    alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi)
     return (out, lse) if return_lse else out
 
 
-def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool):
+def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
+                 softcap=0.0, alibi=None):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
     if q.is_cpu:  # _C checks that every tensor is on this device
@@ -297,19 +371,25 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
         scale = _scale_value(shape[-1], None)
     rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
     value_dim = v.shape[-1]
-    out = torch.empty_like(q, memory_format=_CONTIGUOUS) if value_dim == shape[-1] else q.new_empty((*rows, value_dim))
+    if seq_major:  # (B, L, H, Ev) in memory, seen as (B, H, L, Ev)
+        out = q.new_empty((shape[0], shape[2], shape[1], value_dim)).transpose(1, 2)
+    elif value_dim == shape[-1]:
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    else:
+        out = q.new_empty((*rows, value_dim))
     lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
     if not _sources.registered:
         _sources.ensure_registered()
     try:
-        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3)
+        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
+                   alibi)
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 
 
-def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float):
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None):
     """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
     device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
@@ -320,22 +400,27 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float):
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     if not _sources.registered:
         _sources.ensure_registered()
-    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3)
+    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
+                alibi)
     return dq, dk, dv
 
 
-def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *, attn_mask=None,
-                 kernel: str = "auto") -> dict:
-    """What `flash_attention(q, k, v, causal, scale, kernel=kernel)` would launch, without running it:
+def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
+                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None) -> dict:
+    """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
+    launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
     "split_count", "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches
     reach the GPU). split_count > 1 means the keys are split over threadgroups and a second dispatch
     merges the partial results. "constants" are the function constants by index. "cost" turns a
     timing into utilisation and bandwidth: "threadgroup_bytes" per threadgroup, "registers" (32-bit,
-    per thread) the configuration budgets, "flops" the kernel issues (padding included) and
+    per thread) the configuration budgets, "flops" the kernel issues (padding included), "tiles"
+    (the key tiles the forward kernel's threadgroups visit; the scores the simple and decode
+    kernels compute: under causal or a window only those the band reaches) and
     "useful_flops" (2 (E + Ev) per visible query-key pair), and "min_bytes_read" /
     "min_bytes_written" (each input element once, the outputs); an attn_mask's hidden keys count as
     visible (csrc/fa_plan.c says how each figure is counted)."""
+    causal, band = _band_of(causal, window_size)
     _validate(q, k, v, causal, scale, attn_mask)
     code = _check_options(kernel, False)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
@@ -344,7 +429,8 @@ def explain_plan(q, k, v, causal: bool = False, scale: Optional[float] = None, *
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
-                           causal, code, mask=mask)
+                           causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
+                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q))
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

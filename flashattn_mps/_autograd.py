@@ -1,9 +1,12 @@
 """flash_attention's gradients: eagerly through a torch.autograd.Function, and as torch.library ops
 for torch.compile, export and tracing.
 
-`flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale) -> (out, lse)` runs the forward
-kernels and keeps the float32 log-sum-exp of each row; `flashattn_mps::attention_backward(dout, q, k,
-v, out, lse, attn_mask, causal, scale) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c).
+`flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale, band, seq_major, softcap,
+alibi_slopes) -> (out, lse)`
+runs the forward kernels and keeps the float32 log-sum-exp of each row;
+`flashattn_mps::attention_backward(dout, q, k, v, out, lse, attn_mask, causal, scale, band, softcap,
+alibi_slopes) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c). band is None or the ints (bottom_right, left,
+right) of _api._band_of; seq_major allocates out as flash_attn_func's (B, L, H, Ev).
 Both have fake implementations, so torch.compile traces them without graph breaks, and
 register_autograd joins them. A custom op's eager dispatch costs tens of microseconds in PyTorch,
 so eager calls that need gradients take `_Attention`, an autograd.Function over the same two
@@ -17,7 +20,7 @@ from typing import Optional
 import torch
 
 from . import _C, _api
-from ._api import _scale_value, _validate, _validate_mask, backward_core, forward_core
+from ._api import _scale_value, _validate, _validate_alibi, _validate_mask, backward_core, forward_core
 
 
 def _refuse_double_backward() -> None:
@@ -29,36 +32,42 @@ def _refuse_double_backward() -> None:
 
 
 class _Attention(torch.autograd.Function):
-    """Eager autograd: (q, k, v, the (B, Hq, L, S) mask view or None, causal, scale) -> (out, lse)."""
+    """Eager autograd: (q, k, v, the (B, Hq, L, S) mask view or None, causal, scale, band, seq_major)
+    -> (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale):
-        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True)
-        ctx.save_for_backward(q, k, v, out, lse, mask)
-        ctx.causal, ctx.scale = causal, scale
+    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi):
+        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi)
+        ctx.save_for_backward(q, k, v, out, lse, mask, alibi)
+        ctx.causal, ctx.scale, ctx.band, ctx.softcap = causal, scale, band, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         _refuse_double_backward()
-        q, k, v, out, lse, mask = ctx.saved_tensors
-        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, mask, alibi = ctx.saved_tensors
+        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band, ctx.softcap, alibi)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool):
+def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool, band=None,
+                            seq_major=False, softcap=0.0, alibi_slopes=None):
     """flash_attention for calls that need autograd or are being traced (flashattn_mps._api routes
     them here)."""
     scale_value = _scale_value(q.shape[-1], scale)
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0:
         _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
-        out, lse = torch.ops.flashattn_mps.attention_forward(q, k, v, attn_mask, causal, scale_value)
+        out, lse = torch.ops.flashattn_mps.attention_forward(
+            q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major, softcap,
+            alibi_slopes,
+        )
     else:
         mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
-        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value)
+        alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap, alibi)
     return (out, lse) if return_lse else out
 
 
@@ -67,15 +76,33 @@ _api._attention_through_torch = attention_through_torch
 
 @torch.library.custom_op("flashattn_mps::attention_forward", mutates_args=())
 def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    causal: bool,
+    scale: float,
+    band: Optional[list[int]] = None,
+    seq_major: bool = False,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True)
+    alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap,
+                        alibi)
+
+
+def _band_tuple(band: Optional[list[int]]):
+    return None if band is None else tuple(band)
 
 
 @attention_forward.register_fake
-def _(q, k, v, attn_mask, causal, scale):
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
+def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
+    if seq_major:
+        out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
+    else:
+        out = q.new_empty(q.shape[:-1] + v.shape[-1:])
     lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
     return out, lse
 
@@ -91,30 +118,37 @@ def attention_backward(
     attn_mask: Optional[torch.Tensor],
     causal: bool,
     scale: float,
+    band: Optional[list[int]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    return backward_core(dout, q, k, v, out, lse, mask, causal, scale)
+    alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale):
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0, alibi_slopes=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, causal, scale = inputs
+    q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes)
     ctx.causal = causal
     ctx.scale = scale
+    ctx.band = band
+    ctx.softcap = softcap
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
     _refuse_double_backward()
-    q, k, v, out, lse, attn_mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+    q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale, ctx.band,
+                                    ctx.softcap, alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

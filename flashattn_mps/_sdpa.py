@@ -36,7 +36,7 @@ class Route:
 
 class _KernelCall(NamedTuple):
     """A call the kernels take, its arguments resolved: autocast applied, a CausalBias turned into
-    is_causal or a bool mask, scale a float or None."""
+    is_causal (True, or "bottom_right" for a lower-right one) or a bool mask, scale a float or None."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -170,8 +170,8 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             return Route("torch", "a CausalBias with is_causal=True (torch raises)"), None
         if attn_mask.variant == CausalVariant.UPPER_LEFT or attn_mask.seq_len_q == attn_mask.seq_len_kv:
             attn_mask, is_causal, masking = None, True, "causal (CausalBias, upper left)"
-        else:  # the kernels' causal mask is top-left: the bottom-right one is a bool mask
-            attn_mask, masking = attn_mask._materialize(query.device), "CausalBias lower right, as a bool mask"
+        else:  # flash-attn's alignment: the kernels' bottom-right band, no mask
+            attn_mask, is_causal, masking = None, "bottom_right", "causal (CausalBias, lower right)"
     call, autocast_dtype = _autocast(_KernelCall(query, key, value, attn_mask, is_causal, scale))
     refusal = _kernel_refusal(call, dropout_p, enable_gqa, allow_cpu)
     if refusal is not None:
@@ -267,7 +267,10 @@ def _run_kernel(call: _KernelCall):
     query, key, value, attn_mask, is_causal, scale = call
     q, k, v = (_as_4d(t) for t in (query, key, value))
     mask = None if attn_mask is None else _as_4d(_broadcast_mask(attn_mask, query, key))
-    out = attend(q, k, v, mask, is_causal, scale)  # flash_attention's lean entry
+    if is_causal == "bottom_right":
+        out = attend(q, k, v, mask, True, scale, band=(1, -1, -1))
+    else:
+        out = attend(q, k, v, mask, is_causal, scale)  # flash_attention's lean entry
     return out.view(*query.shape[:-1], value.shape[-1])
 
 

@@ -20,6 +20,7 @@
 #include "fa_params.h"
 #include "fa_schedule.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -35,6 +36,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device T *dv [[buffer(9)]],
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
+    const device float *alibi_slopes [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -77,9 +79,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
     fa_frag_fill(dv_frag[d], 0.0f);
   }
 
-  // Top-left causal: query i sees key j only when j <= i, so no query before the block's first key
-  // sees any of its keys; those tiles are never loaded (and a block past L gets zeros).
-  const int q_begin = fa_causal ? key_block : 0;
+  // Under the band only queries [q_begin, q_end) see a key of this block: other tiles are never
+  // loaded (and a block no query sees gets zeros).
+  const fa_range queries = fa_visible_queries(f, key_block, 8 * WM);
+  const int q_begin = queries.begin;
   const long q_step = long(BK) * f.q_strides[2];
   const long do_step = long(BK) * p.do_strides[2];
   const long mask_query_stride = f.mask_strides[2]; // between the columns of this kernel's score tiles
@@ -89,11 +92,12 @@ template <typename T, int BD, int BDV, int BK, int WM>
     const device T *do_src = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(q_begin) * p.do_strides[2];
     const device float *lse_head = lse + b * f.lse_strides[0] + h * f.lse_strides[1];
     const device float *delta_head = delta + b * p.delta_strides[0] + h * p.delta_strides[1];
+    const float slope_log2 = fa_alibi_slope(f, alibi_slopes, b, h);
     long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, q_begin + at.x, my_key);
-    for (int q0 = q_begin; q0 < f.q_len;
+    for (int q0 = q_begin; q0 < queries.end;
          q0 += BK, ++tile, q_src += q_step, do_src += do_step, mask_at += BK * mask_query_stride) {
       const int valid_rows = min(BK, f.q_len - q0);
-      const int bounds_class = fa_key_tile_class(key0, q0, BK, f.kv_len);
+      const int bounds_class = fa_key_tile_class(f, key0, q0, BK);
       const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_query_stride, valid_rows,
                                                             key_valid, tile_votes, tile, sg, lane, at);
       if (!start.load) {
@@ -125,24 +129,26 @@ template <typename T, int BD, int BDV, int BK, int WM>
       fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
       fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, v_frag, do_tile, DO_PITCH, ev_slices, at);
 
-      // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the diagonal (ragged rows
-      // are handled by lse = +inf) and the bool mask's bits; an additive mask is added throughout.
-      const bool test_diagonal = fa_causal && start.tile_class == FA_TILE_MIXED;
+      // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the band (ragged rows are
+      // handled by lse = +inf) and the bool mask's bits; an additive mask is added throughout.
+      const bool test_band = fa_banded && start.tile_class == FA_TILE_MIXED;
       const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
       const bool add_mask = fa_mask_is_additive() && key_valid;
       long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         for (int e = 0; e < 2; ++e) {
           const int col = 8 * j + at.x + e; // the query row q0 + col
-          const bool visible = !(test_diagonal && my_key > q0 + col) &&
+          const bool visible = !(test_band && fa_band_hides(f, q0 + col, my_key)) &&
                                !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
-          float score = s_frag[j].thread_elements()[e];
+          const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
+          float score = capped + fa_alibi_bias(f, slope_log2, q0 + col, my_key);
           if (visible && add_mask && col < valid_rows) {
             score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_query_stride));
           }
           const float prob = visible ? fa_softmax_probability(score, lse_tile[col]) : 0.0f;
           s_frag[j].thread_elements()[e] = prob;
-          dp_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]);
+          dp_frag[j].thread_elements()[e] =
+              prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]) * fa_softcap_gradient(f, capped);
         }
         entry += 8 * mask_query_stride;
       }

@@ -19,6 +19,7 @@
 #include "fa_params.h"
 #include "fa_schedule.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -33,6 +34,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device T *dq [[buffer(7)]],
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
+    const device float *alibi_slopes [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -75,6 +77,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const float row_lse_log2 =
       row_valid ? lse[b * f.lse_strides[0] + h * f.lse_strides[1] + long(my_row) * f.lse_strides[2]] * M_LOG2E_F
                 : INFINITY;
+  const float slope_log2 = fa_alibi_slope(f, alibi_slopes, b, h);
   const float row_delta =
       row_valid ? delta[b * p.delta_strides[0] + h * p.delta_strides[1] + long(my_row) * p.delta_strides[2]] : 0.0f;
 
@@ -83,14 +86,16 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const long k_step = long(BK) * f.k_strides[2];
   const long v_step = long(BK) * f.v_strides[2];
   const long mask_key_stride = f.mask_strides[3];
-  long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, my_row, at.x);
-  // Top-left causal: tiles wholly past the block's last valid row are never loaded, as in the forward.
-  const int kv_end = fa_visible_keys(q_block, BQ, f.q_len, f.kv_len);
+  // Tiles outside the band of the block's rows are never loaded, as in the forward.
+  const fa_range keys = fa_visible_keys(f, q_block, BQ);
+  k_src += long(keys.begin) * f.k_strides[2];
+  v_src += long(keys.begin) * f.v_strides[2];
+  long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, my_row, keys.begin + at.x);
 
-  for (int k0 = 0, tile = 0; k0 < kv_end;
+  for (int k0 = keys.begin, tile = 0; k0 < keys.end;
        k0 += BK, ++tile, k_src += k_step, v_src += v_step, mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, f.kv_len - k0);
-    const int bounds_class = fa_query_tile_class(row0, k0, BK, f.q_len, f.kv_len);
+    const int bounds_class = fa_query_tile_class(f, row0, k0, BK);
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
                                                           row_valid, tile_votes, tile, sg, lane, at);
     if (!start.load) {
@@ -123,14 +128,16 @@ template <typename T, int BD, int BDV, int BK, int WM>
     for (int j = 0; j < BK / 8; ++j) {
       for (int e = 0; e < 2; ++e) {
         const int key = k0 + 8 * j + at.x + e;
-        const bool visible = !(test_bounds && (key >= f.kv_len || (fa_causal && key > my_row))) &&
+        const bool visible = !(test_bounds && (key >= f.kv_len || fa_band_hides(f, my_row, key))) &&
                              !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
-        float score = s_frag[j].thread_elements()[e];
+        const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
+        float score = capped + fa_alibi_bias(f, slope_log2, my_row, key);
         if (visible && add_mask) {
           score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
         }
         const float prob = visible ? fa_softmax_probability(score, row_lse_log2) : 0.0f;
-        s_frag[j].thread_elements()[e] = prob * (dp_frag[j].thread_elements()[e] - row_delta);
+        s_frag[j].thread_elements()[e] =
+            prob * (dp_frag[j].thread_elements()[e] - row_delta) * fa_softcap_gradient(f, capped);
       }
       entry += 8 * mask_key_stride;
     }

@@ -31,6 +31,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -103,6 +104,7 @@ template <typename T, int COLS, int ROWS>
     constant fa_params &p [[buffer(5)]],
     device float *workspace [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
+    const device float *alibi_slopes [[buffer(8)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -126,8 +128,9 @@ template <typename T, int COLS, int ROWS>
   // Loops over rows keep the constant bound ROWS so they unroll and these arrays stay in
   // registers.
   long head[ROWS];     // query head of row r
-  int position[ROWS];  // query row index i of row r: under the causal mask it sees keys 0..i
+  int position[ROWS];  // query row index i of row r: under the band it sees keys i + band_lo .. i + band_hi
   long mask_row[ROWS]; // offset of mask[b, head, i, 0]
+  float slope[ROWS];   // ALiBi slope of row r's head (fa_variants.h)
   float q_reg[ROWS][COLS];
   float acc[ROWS][COLS];
   fa_online_softmax state[ROWS];
@@ -136,6 +139,7 @@ template <typename T, int COLS, int ROWS>
     head[r] = kv_h * p.gqa_factor + row / p.q_len;
     position[r] = row % p.q_len;
     mask_row[r] = fa_mask_offset(p, b, head[r], position[r], 0);
+    slope[r] = fa_alibi_slope(p, alibi_slopes, b, head[r]);
     // Scaled into the base-2 domain once instead of scaling every score.
     const device T *q_row = q + b * p.q_strides[0] + head[r] * p.q_strides[1] + long(position[r]) * p.q_strides[2];
     fa_decode_load<T, COLS>(q_reg[r], q_row, p.q_strides[3], p.head_dim, lane, false);
@@ -145,14 +149,19 @@ template <typename T, int COLS, int ROWS>
     }
     state[r] = fa_softmax_init();
   }
+  // The keys some row of this threadgroup sees under the band: rows are consecutive positions,
+  // except that a chunk crossing into the next query head starts again at 0.
+  const int first_position = first % p.q_len;
+  const bool wraps = first_position + rows > p.q_len;
+  const fa_range keys = fa_visible_keys(p, wraps ? 0 : first_position, wraps ? p.q_len : rows);
 
-  // Top-left causal: no row sees a key at or past L. This split's share of the keys is
-  // [begin, end); this SIMD-group takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
-  const int kv_end = fa_causal ? min(p.kv_len, p.q_len) : p.kv_len;
-  const int begin = int(group.x) * p.split_keys;
+  // This split's share of the keys, within those the rows see, is [begin, end); this SIMD-group
+  // takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
+  const int split_begin = p.split_begin + int(group.x) * p.split_keys;
+  const int begin = max(split_begin, keys.begin);
   // No int overflow near S = 2^31; a plain comparison, since MSL's min() is not documented for long.
-  const long split_end = long(begin) + p.split_keys;
-  const int end = split_end < long(kv_end) ? int(split_end) : kv_end;
+  const long split_end = long(split_begin) + p.split_keys;
+  const int end = split_end < long(keys.end) ? int(split_end) : keys.end;
   const int j0 = begin + 2 * int(sg);
   const device T *k_row = k + b * p.k_strides[0] + kv_h * p.k_strides[1] + long(j0) * p.k_strides[2];
   const device T *v_row = v + b * p.v_strides[0] + kv_h * p.v_strides[1] + long(j0) * p.v_strides[2];
@@ -185,10 +194,11 @@ template <typename T, int COLS, int ROWS>
         // masked key is skipped rather than weighted 0, so NaN in its value stays out of the row.
         const int key = j + t;
         const long mask_at = mask_row[r] + mask_key + t * p.mask_strides[3];
-        if ((t == 1 && !second) || (fa_causal && key > position[r]) || fa_mask_excludes(mask, mask_at)) {
+        if ((t == 1 && !second) || fa_band_hides(p, position[r], key) || fa_mask_excludes(mask, mask_at)) {
           continue;
         }
-        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(score[t], mask, mask_at), v_reg[t]);
+        const float varied = fa_softcap_score(p, score[t]) + fa_alibi_bias(p, slope[r], position[r], key);
+        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(varied, mask, mask_at), v_reg[t]);
       }
     }
   }

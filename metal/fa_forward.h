@@ -20,6 +20,7 @@
 #include "fa_params.h"
 #include "fa_schedule.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -32,6 +33,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
+    const device float *alibi_slopes [[buffer(8)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -70,6 +72,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     fa_frag_fill(o_frag[d], 0.0f);
   }
   fa_online_softmax row_state = fa_softmax_init();
+  const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
 
   // Tiles advance by pointer steps; the lane's mask entries by one offset per tile (fa_mask.h).
   const device T *k_src = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
@@ -77,15 +80,17 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const long k_step = long(BK) * p.k_strides[2];
   const long v_step = long(BK) * p.v_strides[2];
   const long mask_key_stride = p.mask_strides[3];
-  long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(p, b, h, my_row, at.x);
-  // Top-left causal: no row of this block sees a key at or past its last valid row + 1, so those
-  // tiles are never loaded.
-  const int kv_end = fa_visible_keys(q_block, BQ, p.q_len, p.kv_len);
+  // Under the band (causal, window) the rows of this block see only keys [begin, end): tiles
+  // outside are never loaded.
+  const fa_range keys = fa_visible_keys(p, q_block, BQ);
+  k_src += long(keys.begin) * p.k_strides[2];
+  v_src += long(keys.begin) * p.v_strides[2];
+  long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(p, b, h, my_row, keys.begin + at.x);
 
-  for (int k0 = 0, tile = 0; k0 < kv_end;
+  for (int k0 = keys.begin, tile = 0; k0 < keys.end;
        k0 += BK, ++tile, k_src += k_step, v_src += v_step, mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, p.kv_len - k0);
-    const int bounds_class = fa_query_tile_class(row0, k0, BK, p.q_len, p.kv_len);
+    const int bounds_class = fa_query_tile_class(p, row0, k0, BK);
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
                                                           row_valid, tile_votes, tile, sg, lane, at);
     if (!start.load) {
@@ -107,8 +112,9 @@ template <typename T, int BD, int BDV, int BK, int WM>
     }
     fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
     fa_frags_scale<BK / 8>(s_frag, p.scale_log2);
+    fa_variant_frags<BK / 8>(p, s_frag, slope_log2, my_row, k0 + at.x);
 
-    // Per-score masking: bounds and the diagonal in MIXED tiles, a bool mask's bits unless the
+    // Per-score masking: bounds and the band in MIXED tiles, a bool mask's bits unless the
     // slice is wholly kept, an additive mask everywhere it is present (padding rows read nothing).
     const bool test_bounds = start.tile_class == FA_TILE_MIXED;
     const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
@@ -119,7 +125,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
         for (int e = 0; e < 2; ++e) {
           const int key = k0 + 8 * j + at.x + e;
           const float score = s_frag[j].thread_elements()[e]; // (no references to vector elements in MSL)
-          if (test_bounds && (key >= p.kv_len || (fa_causal && key > my_row))) {
+          if (test_bounds && (key >= p.kv_len || fa_band_hides(p, my_row, key))) {
             s_frag[j].thread_elements()[e] = -INFINITY;
           } else if (test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0) {
             s_frag[j].thread_elements()[e] = -INFINITY;

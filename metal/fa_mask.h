@@ -4,10 +4,10 @@
 // pays nothing once Metal folds the branches.
 //
 // Tile classes. Each SIMD-group classifies its 8-row slice of every score tile before the matrix
-// work: BLOCKED tiles (every score masked: past the causal diagonal, padding rows or keys, or a
+// work: BLOCKED tiles (every score masked: outside the band (causal, window), padding rows or keys, or a
 // bool mask that excludes the whole slice) are skipped, and when every SIMD-group of the
 // threadgroup is blocked the K/V (or Q/dO) tile is not even loaded; VISIBLE tiles (inside the
-// bounds, below the diagonal and, under a bool mask, wholly kept) skip the per-score tests; MIXED
+// bounds, inside the band and, under a bool mask, wholly kept) skip the per-score tests; MIXED
 // ones test each score. Additive masks are read for every score they touch, and a tile is never
 // skipped on their account alone: -inf added to a NaN or +inf score gives NaN, as SDPA's does.
 //
@@ -28,23 +28,31 @@ inline long fa_mask_offset(constant fa_params &p, long b, long h, long i, long j
   return b * p.mask_strides[0] + h * p.mask_strides[1] + i * p.mask_strides[2] + j * p.mask_strides[3];
 }
 
-// The class, from bounds and the causal diagonal alone, of the tile of rows row0 .. row0 + 7 and
-// keys k0 .. k0 + BK - 1 (query-side kernels: forward, dQ).
-inline int fa_query_tile_class(int row0, int k0, int bk, int q_len, int kv_len) {
-  if (row0 >= q_len || (fa_causal && k0 > row0 + 7)) {
+// The band (fa_params.h): whether it hides key `key` from row `row`.
+inline bool fa_band_hides(constant fa_params &p, int row, int key) {
+  return fa_banded && (key < row + p.band_lo || key > row + p.band_hi);
+}
+
+// The class, from bounds and the band alone, of the tile of rows row0 .. row0 + 7 and keys
+// k0 .. k0 + BK - 1 (query-side kernels: forward, dQ).
+inline int fa_query_tile_class(constant fa_params &p, int row0, int k0, int bk) {
+  if (row0 >= p.q_len || (fa_banded && (k0 > row0 + 7 + p.band_hi || k0 + bk - 1 < row0 + p.band_lo))) {
     return FA_TILE_BLOCKED;
   }
-  const bool inside = k0 + bk <= kv_len && (!fa_causal || k0 + bk - 1 <= row0);
+  const bool inside = k0 + bk <= p.kv_len &&
+                      (!fa_banded || (k0 + bk - 1 <= row0 + p.band_hi && k0 >= row0 + 7 + p.band_lo));
   return inside ? FA_TILE_VISIBLE : FA_TILE_MIXED;
 }
 
-// The same for the key side (dK/dV): keys key0 .. key0 + 7 against queries q0 .. q0 + BQ - 1.
-// Queries past L need no test here (their probability is 0 through lse = +inf).
-inline int fa_key_tile_class(int key0, int q0, int bq, int kv_len) {
-  if (key0 >= kv_len || (fa_causal && q0 + bq - 1 < key0)) {
+// The same for the key side (dK/dV): keys key0 .. key0 + 7 against queries q0 .. q0 + BQ - 1
+// (query i sees key j when j - band_hi <= i <= j - band_lo). Queries past L need no test here
+// (their probability is 0 through lse = +inf).
+inline int fa_key_tile_class(constant fa_params &p, int key0, int q0, int bq) {
+  if (key0 >= p.kv_len || (fa_banded && (q0 + bq - 1 < key0 - p.band_hi || q0 > key0 + 7 - p.band_lo))) {
     return FA_TILE_BLOCKED;
   }
-  return !fa_causal || key0 + 7 <= q0 ? FA_TILE_VISIBLE : FA_TILE_MIXED;
+  return !fa_banded || (q0 >= key0 + 7 - p.band_hi && q0 + bq - 1 <= key0 - p.band_lo) ? FA_TILE_VISIBLE
+                                                                                      : FA_TILE_MIXED;
 }
 
 // A lane's bool-mask entries over NB fragments of a tile: bit 2 j + e set when the entry of column
@@ -144,10 +152,33 @@ inline fa_tile_start fa_start_tile(int tile_class, const device uchar *mask, lon
   return start;
 }
 
-// The keys a query block's valid rows can see under the top-left causal mask, or all of them:
-// later tiles are never visited.
-inline int fa_visible_keys(int q_block, int bq, int q_len, int kv_len) {
-  return fa_causal ? metal::min(kv_len, metal::min(q_block + bq, q_len)) : kv_len;
+// A range [begin, end) of keys or query rows; empty when end <= begin.
+struct fa_range {
+  int begin;
+  int end;
+};
+
+// The keys some valid row of rows row0 .. row0 + rows - 1 can see under the band, or all of them:
+// tiles outside are never visited (csrc/fa_plan.c counts them the same way).
+inline fa_range fa_visible_keys(constant fa_params &p, int row0, int rows) {
+  fa_range r = {0, p.kv_len};
+  if (fa_banded) {
+    const int last = metal::min(row0 + rows, p.q_len) - 1;
+    r.begin = metal::max(0, row0 + p.band_lo);
+    r.end = metal::min(p.kv_len, last + p.band_hi + 1);
+  }
+  return r;
+}
+
+// The query rows that see some key of keys key0 .. key0 + keys - 1 under the band, or all of them.
+inline fa_range fa_visible_queries(constant fa_params &p, int key0, int keys) {
+  fa_range r = {0, p.q_len};
+  if (fa_banded) {
+    const int last = metal::min(key0 + keys, p.kv_len) - 1;
+    r.begin = metal::max(0, key0 - p.band_hi);
+    r.end = metal::min(p.q_len, last - p.band_lo + 1);
+  }
+  return r;
 }
 
 #endif

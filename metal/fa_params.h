@@ -20,11 +20,13 @@ typedef int32_t fa_i32;
 #define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
 
 // Function-constant indices (specialisation at pipeline creation).
-#define FA_FC_CAUSAL 0    // bool: top-left causal mask tril(ones(L, S))
+#define FA_FC_BAND 0      // bool: each row sees only a band of keys (band_lo, band_hi below): causal, windows
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
 #define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
 #define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
+#define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
+#define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -53,7 +55,7 @@ typedef struct fa_params {
     fa_i64 o_strides[4];
     fa_i64 lse_strides[3]; // (batch, head, row) of the float32 log-sum-exp
     float scale_log2;      // scale * log2(e): scores live in base 2 so softmax uses exp2
-    float pad0;
+    float softcap_log2;    // softcap * log2(e) under FA_FC_SOFTCAP (fa_variants.h)
     // Split-K of the decode kernel: each row's keys are shared by split_count threadgroups,
     // split_keys keys each. With more than one, partial results go to the workspace (layout in
     // fa_decode.h) and fa_decode_merge combines them.
@@ -61,6 +63,14 @@ typedef struct fa_params {
     fa_i32 split_keys;
     fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
     fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
+  // Under FA_FC_BAND row i sees the keys j with i + band_lo <= j <= i + band_hi (and j < S): the
+  // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan.c). The
+  // planner keeps both in [-L, S], so i + either fits 32 bits.
+  fa_i32 band_lo;
+  fa_i32 band_hi;
+  fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
+  fa_i32 diagonal;    // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
+  fa_i64 alibi_strides[2]; // (batch, head) of the float32 slopes under FA_FC_ALIBI; batch 0 for (H,) slopes
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.
@@ -80,7 +90,7 @@ typedef struct fa_backward_params {
 
 #ifdef __METAL_VERSION__
 // The kernels' view of the function constants above.
-constant bool fa_causal [[function_constant(FA_FC_CAUSAL)]];
+constant bool fa_banded [[function_constant(FA_FC_BAND)]];
 constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
 constant int fa_mask_kind [[function_constant(FA_FC_MASK_KIND)]];
 constant bool fa_contiguous_tiles [[function_constant(FA_FC_CONTIGUOUS_TILES)]];

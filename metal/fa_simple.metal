@@ -3,7 +3,7 @@
 //
 // Lane l keeps columns l, l + 32, ... of the query row and of the output row, so one build serves
 // every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 256 (columns past E or Ev are predicated off).
-// Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_CAUSAL,
+// Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_BAND,
 // FA_FC_WRITE_LSE and FA_FC_MASK_KIND. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
 // 32 * FA_SIMPLE_ROWS_PER_GROUP threads (the planner reads both constants from fa_params.h).
 #include <metal_stdlib>
@@ -11,6 +11,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -23,6 +24,7 @@ template <typename T>
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
+    const device float *alibi_slopes [[buffer(8)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -49,10 +51,11 @@ template <typename T>
     acc[c] = 0.0f;
   }
   fa_online_softmax state = fa_softmax_init();
+  const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
 
-  // Top-left causal: row i sees keys 0..i.
-  const int keys = fa_causal ? min(p.kv_len, row + 1) : p.kv_len;
-  for (int j = 0; j < keys; ++j) {
+  // Under the band (causal, window) row i sees keys [begin, end) only.
+  const fa_range keys = fa_visible_keys(p, row, 1);
+  for (int j = keys.begin; j < keys.end; ++j) {
     const long mask_at = fa_mask_offset(p, b, h, row, j);
     if (fa_mask_excludes(mask, mask_at)) {
       continue; // weight 0, and NaN in the value stays out of the row
@@ -65,7 +68,8 @@ template <typename T>
         partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
       }
     }
-    const float score = fa_mask_score(simd_sum(partial) * p.scale_log2, mask, mask_at);
+    const float varied = fa_softcap_score(p, simd_sum(partial) * p.scale_log2) + fa_alibi_bias(p, slope_log2, row, j);
+    const float score = fa_mask_score(varied, mask, mask_at);
     const fa_softmax_step step = fa_softmax_push(state, score);
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {

@@ -34,6 +34,7 @@ def test_forward_causal_with_padded_head_dims():
         "registers": 80 // 8 + 80 // 8 * 2 + 32 // 8 * 2 + 1,
         # the 8-wide slices holding data: 72 of the padded 80 (fa_slices in fa_fragments.h)
         "flops": 2 * (2 * 4) * 9 * (32 * 32 * (72 + 72)),
+        "tiles": (2 * 4) * 9,  # the key tiles visited: 1 + 2 + 3 + 3 per head
         # visible pairs per head: rows 0..69 see i + 1 keys, rows 70..99 all 70
         "useful_flops": 2 * (72 + 72) * (2 * 4) * (70 * 71 // 2 + 30 * 70),
         "min_bytes_read": 2 * 4 * 100 * 72 * 2 + 2 * 2 * 70 * (72 + 72) * 2,
@@ -52,11 +53,12 @@ def test_split_decode_and_its_merge():
         "threadgroup_bytes": (2 * 8 * 8 + 8 * 128) * 4,  # (max, sum) per SIMD-group and row, an output row each
         "registers": 8 * 2 * 4 + 4 * 4,  # query slices and accumulators of 8 rows, two keys' K and V
         "flops": 2 * 128 * (8 * (10 * 288 + 122) + 8 * 3001),  # scores of every pair, values of every key
+        "tiles": 8 * (10 * 288 + 122),  # the scores computed
         "useful_flops": 2 * (100 + 100) * 8 * 3001,
         "min_bytes_read": 8 * 100 * 2 + 3001 * (100 + 100) * 2,
         "min_bytes_written": 11 * 8 * (100 + 2) * 4,
     }
-    assert merge == {"threadgroup_bytes": 0, "registers": 4, "flops": 2 * 128 * 11 * 8, "useful_flops": 0,
+    assert merge == {"threadgroup_bytes": 0, "registers": 4, "flops": 2 * 128 * 11 * 8, "tiles": 0, "useful_flops": 0,
                      "min_bytes_read": 11 * 8 * (100 + 2) * 4, "min_bytes_written": 8 * 100 * 2}
 
 
@@ -68,6 +70,7 @@ def test_simple_kernel_with_a_broadcast_mask():
         "threadgroup_bytes": 0,
         "registers": 2 * 8,
         "flops": 2 * 32 * (2 + 8) * 2 * 5 * 40,  # q.k over 2 slices of 32, the accumulator over 8
+        "tiles": 2 * 5 * 40,  # the scores computed
         "useful_flops": 2 * (40 + 16) * 2 * 5 * 40,
         "min_bytes_read": (2 * 5 * 40 + 2 * 40 * 40 + 2 * 40 * 16) * 4 + 40,
         "min_bytes_written": 2 * 5 * 16 * 4,

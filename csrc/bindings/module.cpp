@@ -223,9 +223,25 @@ void set_tensor_dtypes(py::dict codes) {
     tensor_reader.dtype_codes = codes.release().ptr();
 }
 
+// band: None (SDPA's: top-left causal, no window) or the ints (bottom_right, window_left,
+// window_right), -1 for an unbounded side (fa_band_args).
+fa_band_args band_args(py::handle band) {
+    fa_band_args b;
+    std::memset(&b, 0, sizeof b);
+    if (band.is_none()) {
+        return b;
+    }
+    const auto fields = band.cast<std::tuple<int64_t, int64_t, int64_t>>();
+    b.bottom_right = std::get<0>(fields) != 0;
+    b.windowed = 1;
+    b.window_left = std::get<1>(fields);
+    b.window_right = std::get<2>(fields);
+    return b;
+}
+
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                             bool unbatched = false) {
+                             py::handle band, double softcap, py::handle alibi, bool unbatched = false) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -238,6 +254,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.scale = scale;
     args.causal = causal;
     args.kernel = kernel;
+    args.band = band_args(band);
+    args.softcap = softcap;
+    args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device); // already (B, Hq)
     return args;
 }
 
@@ -245,8 +264,10 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 // for a float32 tensor of at least n bytes, only when the plan needs one; the binding keeps it
 // alive while the kernels run.
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-             double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched) {
-    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, unbatched);
+             double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
+             py::handle band, double softcap, py::handle alibi) {
+    fa_forward_args args =
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, unbatched);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -276,8 +297,10 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
 }
 
 int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                                py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask) {
-    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
+                                py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
+                                py::handle band, double softcap, py::handle alibi) {
+    const fa_forward_args args =
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
     fa_status st;
     int64_t bytes;
     {
@@ -293,8 +316,10 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
 // The planner's decision, for tests and curiosity: kernels with their grids, function constants and
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-                      double scale, bool causal, int32_t kernel, py::handle mask) {
-    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask);
+                      double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
+                      py::handle alibi) {
+    const fa_forward_args args =
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -311,7 +336,7 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
         }
         const fa_dispatch_cost &c = d.cost;
         py::dict cost(py::arg("threadgroup_bytes") = c.threadgroup_bytes, py::arg("registers") = c.registers,
-                      py::arg("flops") = c.flops, py::arg("useful_flops") = c.useful_flops,
+                      py::arg("flops") = c.flops, py::arg("tiles") = c.tiles, py::arg("useful_flops") = c.useful_flops,
                       py::arg("min_bytes_read") = c.min_bytes_read, py::arg("min_bytes_written") = c.min_bytes_written);
         dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function,
                                    py::arg("macros") = macros, py::arg("constants") = constants,
@@ -327,7 +352,7 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched) {
+              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -344,6 +369,9 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.mask = to_tensor(mask, "mask", device, unbatched);
     args.scale = scale;
     args.causal = causal;
+    args.band = band_args(band);
+    args.softcap = softcap;
+    args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
     fa_status st;
     int32_t rc;
     {
@@ -525,20 +553,25 @@ PYBIND11_MODULE(_C, m) {
           "prepends a batch dim of 1 to every torch.Tensor argument",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
-          py::arg("mask") = py::none(), py::arg("unbatched") = false);
+          py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
+          py::arg("alibi_slopes") = py::none());
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-          py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none());
+          py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
+          py::arg("alibi_slopes") = py::none());
     m.def("plan_forward", &plan_forward, "The plan forward would run: dispatches, split count, workspace bytes",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-          py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none());
+          py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
+          py::arg("band") = py::none(), py::arg("softcap") = 0.0,
+          py::arg("alibi_slopes") = py::none());
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
-          py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false);
+          py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
+          py::arg("alibi_slopes") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));

@@ -1,0 +1,299 @@
+"""flash_attn_func (flash-attn 2's API) and the options of flash_attention beyond SDPA: bottom-right
+causal, sliding windows, softcap and ALiBi, in every kernel (prefill, decode with split-K, simple, backward), against
+float64 references written in plain torch on materialised scores."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashattn_mps
+from flashattn_mps import explain_plan, flash_attention, flash_attn_func
+from conftest import ALL_DTYPES, max_error, randn, sample_product
+
+
+def visible(l, s, causal, bottom_right, window, device="cpu"):
+    """(L, S) bool: which keys each query sees (flash-attn's rule; the diagonal of row i is i + S - L
+    when bottom_right, else i)."""
+    i = torch.arange(l, device=device)[:, None]
+    j = torch.arange(s, device=device)[None, :]
+    diagonal = i + (s - l if bottom_right else 0)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    keep = torch.ones(l, s, dtype=torch.bool, device=device)
+    if left >= 0:
+        keep &= j >= diagonal - left
+    if right >= 0:
+        keep &= j <= diagonal + right
+    return keep
+
+
+def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
+              alibi=None):
+    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
+    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
+    give zeros."""
+    hq, hkv = q.shape[1], k.shape[1]
+    k = k.repeat_interleave(hq // hkv, 1)
+    v = v.repeat_interleave(hq // hkv, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi is not None:
+        l, s = q.shape[2], k.shape[2]
+        distance = (torch.arange(l)[:, None] + (s - l if bottom_right else 0) - torch.arange(s)[None, :]).abs()
+        slopes = alibi.to(scores.dtype).expand(q.shape[0], hq)[:, :, None, None]
+        scores = scores - slopes * distance.to(scores.dtype)
+    keep = visible(q.shape[2], k.shape[2], causal, bottom_right, window)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        keep = keep & attn_mask
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).to(q.dtype)
+    probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
+    return probs @ v
+
+
+def check(actual, inputs, factor=5.0, **options):
+    """PyTorch's rule against the float64 reference: error <= max(1e-5, factor x the same-dtype
+    reference's error)."""
+    golden = reference(*[t.double() for t in inputs], **options)
+    same_dtype = reference(*inputs, **options)
+    assert actual.shape == golden.shape and actual.dtype == inputs[0].dtype
+    error, reference_error = max_error(actual, golden), max_error(same_dtype, golden)
+    assert error <= max(1e-5, factor * reference_error), (error, reference_error)
+
+
+def flash_inputs(gen, b, l, s, hq, hkv, e, ev, dtype):
+    return randn(gen, b, l, hq, e, dtype=dtype), randn(gen, b, s, hkv, e, dtype=dtype), randn(gen, b, s, hkv, ev, dtype=dtype)
+
+
+def sdpa_view(*tensors):
+    return tuple(t.transpose(1, 2) for t in tensors)
+
+
+# (causal, window, softcap, ALiBi slopes' shape): flash-attn's options, alone and together.
+VARIANTS = [(True, (-1, -1), 0.0, None), (False, (5, 3), 0.0, None), (True, (7, -1), 0.0, None),
+            (False, (-1, 0), 0.0, None), (False, (0, 0), 0.0, None), (False, (2, -1), 0.0, None),
+            (True, (0, 4), 0.0, None), (False, (40, 40), 0.0, None), (False, (-1, -1), 0.7, None),
+            (True, (-1, -1), 2.0, None), (False, (6, 1), 0.5, None), (True, (3, -1), 1.5, None),
+            (False, (-1, -1), 0.0, "h"), (True, (-1, -1), 0.0, "bh"), (True, (9, -1), 1.0, "h"),
+            (False, (4, 4), 0.0, "bh")]
+LENGTHS = [(37, 53), (53, 37), (1, 40), (3, 70), (24, 24), (70, 9)]
+KERNELS = ["auto", "forward", "decode", "simple"]
+
+def slopes(gen, kind, b, h):
+    """ALiBi slopes of the given shape kind, or None."""
+    if kind is None:
+        return None
+    return torch.rand(*((h,) if kind == "h" else (b, h)), generator=gen) * 0.5
+
+
+FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=40, seed=16,
+                               cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
+
+
+@pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
+def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
+    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
+    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
+    q = q * 4  # scores of several units, so the softcap bends them
+    alibi = slopes(gen, alibi_kind, 2, 4)
+    if kernel == "auto":
+        out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+        assert out.shape == (2, l, 4, 24) and out.is_contiguous()
+        out, bottom_right = out.transpose(1, 2), True
+    else:  # flash_attention's options with a chosen kernel: without causal the window is top-left
+        out = flash_attention(*sdpa_view(q, k, v), causal="bottom_right" if causal else False, window_size=window,
+                              kernel=kernel, softcap=softcap, alibi_slopes=alibi)
+        bottom_right = causal
+    check(out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window, softcap=softcap,
+          alibi=alibi)
+
+
+GRADIENT_CASES = sample_product([LENGTHS[:3] + [(24, 24)], VARIANTS[:4] + VARIANTS[-7:], ALL_DTYPES], count=12, seed=61,
+                                cost=lambda c: c[0][0] * c[0][1], per_value=2, max_cost=3000)
+
+
+@pytest.mark.parametrize("lengths, variant, dtype", GRADIENT_CASES)
+def test_gradients_match_reference(gen, lengths, variant, dtype):
+    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
+    q, k, v = flash_inputs(gen, 1, l, s, 4, 2, 32, 16, dtype)
+    inputs = [t.requires_grad_() for t in (q * 3, k, v)]
+    dout = randn(gen, 1, l, 4, 16, dtype=dtype)
+    alibi = slopes(gen, alibi_kind, 1, 4)
+    out = flash_attn_func(*inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+    grads = torch.autograd.grad(out, inputs, dout)
+
+    def reference_grads(tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out = reference(*sdpa_view(*leaves), causal=causal, bottom_right=True, window=window,
+                        softcap=softcap, alibi=alibi).transpose(1, 2)
+        return torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+    golden = reference_grads([t.double() for t in inputs])
+    same_dtype = reference_grads(inputs)
+    for name, ours, gold, ref in zip("qkv", grads, golden, same_dtype):
+        error, reference_error = max_error(ours, gold), max_error(ref, gold)
+        assert error <= max(1e-5, 5 * reference_error), (name, error, reference_error)
+
+
+@pytest.mark.parametrize("window, splits", [((300, 0), 1), ((700, 200), 2), ((1500, -1), 5)])
+def test_decode_split_k_over_the_window(gen, window, splits):
+    """Decode rows far into a long cache: the splits share only the window's keys (at least 256
+    each), not S."""
+    q, k, v = flash_inputs(gen, 1, 2, 3000, 4, 1, 32, 32, torch.float32)
+    plan = explain_plan(*sdpa_view(q, k, v), causal="bottom_right", window_size=window)
+    assert plan["split_count"] == splits
+    check(flash_attn_func(q, k, v, causal=True, window_size=window).transpose(1, 2), sdpa_view(q, k, v),
+          causal=True, bottom_right=True, window=window)
+
+
+def test_top_left_window_and_attn_mask(gen):
+    """flash_attention's window is anchored on SDPA's top-left diagonal and combines with a mask."""
+    q, k, v = (randn(gen, 1, 2, n, 16) for n in (30, 45, 45))
+    mask = torch.rand(30, 45, generator=gen) > 0.3
+    out = flash_attention(q, k, v, attn_mask=mask, window_size=(6, 2))
+    check(out, (q, k, v), causal=False, bottom_right=False, window=(6, 2), attn_mask=mask)
+    additive = randn(gen, 1, 1, 30, 45)
+    out = flash_attention(q, k, v, causal=True, window_size=(4, -1), kernel="simple")
+    check(out, (q, k, v), causal=True, bottom_right=False, window=(4, -1))
+    out = flash_attention(q, k, v, attn_mask=additive, window_size=(3, 3), kernel="decode")
+    check(out, (q, k, v), window=(3, 3), attn_mask=additive)
+
+
+def test_bottom_right_causal_without_window_and_empty_rows(gen):
+    """L > S: the first L - S rows see no key and give zeros, with zero gradients."""
+    q, k, v = (t.requires_grad_() for t in flash_inputs(gen, 1, 20, 6, 2, 2, 16, 16, torch.float32))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert (out[:, :14] == 0).all()
+    out.sum().backward()
+    assert (q.grad[:, :14] == 0).all() and q.grad[:, 14:].abs().sum() > 0
+    check(flash_attention(*sdpa_view(q.detach(), k.detach(), v.detach()), causal="bottom_right"),
+          sdpa_view(q.detach(), k.detach(), v.detach()), causal=True, bottom_right=True)
+
+
+def test_one_plan_per_band(gen):
+    """The plan cache keys plans by the band: the same shapes with other windows get their own."""
+    q, k, v = flash_inputs(gen, 1, 33, 33, 2, 2, 16, 16, torch.float32)
+    per_head, per_batch_head = torch.tensor([0.3, 0.1]), torch.tensor([[0.1, 0.3]])
+    for causal, window, softcap, alibi in [
+            (False, (2, 2), 0.0, None), (False, (-1, -1), 0.0, None), (True, (4, 0), 0.0, None),
+            (False, (2, 2), 0.0, None), (True, (4, 0), 0.3, None), (True, (-1, -1), 0.0, per_head),
+            (True, (-1, -1), 0.0, per_batch_head), (True, (-1, -1), 0.0, per_head[:1].expand(2)),
+            (True, (-1, -1), 0.0, None)]:
+        out = flash_attn_func(q * 3, k, v, causal=causal, window_size=window, softcap=softcap,
+                              alibi_slopes=alibi).transpose(1, 2)
+        check(out, sdpa_view(q * 3, k, v), causal=causal, bottom_right=True, window=window, softcap=softcap,
+              alibi=alibi)
+
+
+def test_any_input_strides(gen):
+    """Sliced, permuted flash-layout views are read in place; the output is contiguous (B, L, H, Dv)."""
+    base = randn(gen, 2, 40, 5, 3, 24)
+    q, k, v = base[:, 3:, 1:5, 0, :16], base[:, :30, :2, 1, 2:18], base[:, :30, :2, 2, 4:12]
+    out = flash_attn_func(q, k, v, causal=True, window_size=(9, -1), softmax_scale=0.3)
+    assert out.shape == (2, 37, 4, 8) and out.is_contiguous()
+    check(out.transpose(1, 2), sdpa_view(q, k, v), causal=True, bottom_right=True, window=(9, -1), scale=0.3)
+
+
+def tiles(plan):
+    return plan["dispatches"][0]["cost"]["tiles"]
+
+
+def test_tiles_visited_grow_with_the_window_not_with_s():
+    def plan(l, s, window, kernel="auto"):
+        q, k = torch.empty(1, 1, l, 64), torch.empty(1, 1, s, 64)
+        return explain_plan(q, k, k, causal="bottom_right", window_size=window, kernel=kernel)
+
+    # Prefill: 256 queries at the end of 1024 or 8192 keys.
+    short, long_ = tiles(plan(256, 1024, (128, 0))), tiles(plan(256, 8192, (128, 0)))
+    assert short == long_ > 0
+    assert tiles(plan(256, 8192, (512, 0))) > 2 * long_
+    assert tiles(plan(256, 8192, (-1, -1))) > 10 * long_  # plain bottom-right causal sees all earlier keys
+    # Decode (split-K and one split alike) and the simple kernel: scores computed.
+    for kernel in ("decode", "simple"):
+        assert tiles(plan(1, 4096, (256, 0), kernel)) == tiles(plan(1, 65536, (256, 0), kernel)) <= 2 * 258
+        assert tiles(plan(1, 65536, (1024, 0), kernel)) > 3 * tiles(plan(1, 65536, (256, 0), kernel))
+
+
+@pytest.mark.parametrize("option, value, error", [
+    ("dropout_p", 0.1, NotImplementedError), ("softcap", -1.0, ValueError), ("softcap", "1", TypeError),
+    ("alibi_slopes", torch.ones(3), ValueError), ("alibi_slopes", torch.ones(2, dtype=torch.float64), TypeError),
+    ("return_attn_probs", True, NotImplementedError),
+    ("window_size", (3,), TypeError), ("window_size", (-2, 0), ValueError), ("window_size", (1.0, 2), TypeError),
+    ("causal", "yes", TypeError),
+])
+def test_flash_attn_func_refuses_clearly(gen, option, value, error):
+    q, k, v = flash_inputs(gen, 1, 4, 4, 2, 2, 16, 16, torch.float32)
+    with pytest.raises(error, match=option.split("_p")[0].split("_s")[0]):
+        flash_attn_func(q, k, v, **{option: value})
+
+
+def test_flash_attention_refuses_bad_band_options(gen):
+    q = randn(gen, 1, 2, 4, 16)
+    with pytest.raises(ValueError, match="bottom_right"):
+        flash_attention(q, q, q, causal="bottom_left")
+    with pytest.raises(ValueError, match="window_size"):
+        flash_attention(q, q, q, window_size=(0, -3))
+    with pytest.raises(ValueError, match="window_size"):
+        flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
+                                 band=(0, -5, 0))
+
+
+def test_opcheck_with_band(gen):
+    """The torch.library ops carry the band and flash_attn_func's output layout."""
+    q, k, v = (t.requires_grad_() for t in sdpa_view(*flash_inputs(gen, 1, 9, 12, 2, 1, 16, 8, torch.float32)))
+    torch.library.opcheck(torch.ops.flashattn_mps.attention_forward,
+                          (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, torch.tensor([0.2, 0.4])))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_every_option_with_attn_mask_and_gradients(gen, dtype):
+    """flash_attention with a window, softcap, ALiBi and an additive mask at once, forward and backward
+    (top-left diagonal), against the float64 reference."""
+    q, k, v = (randn(gen, 1, 4, n, 24, dtype=dtype) for n in (29, 41, 41))
+    k, v = k[:, :2], v[:, :2]
+    q = q * 3
+    mask = randn(gen, 1, 1, 29, 41, dtype=dtype)
+    alibi = torch.rand(4, generator=gen)
+    options = dict(window=(5, 7), softcap=1.5, alibi=alibi, attn_mask=mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, window_size=(5, 7), softcap=1.5, alibi_slopes=alibi, attn_mask=mask)
+    check(out.detach(), (q, k, v), **options)
+    dout = randn(gen, *out.shape, dtype=dtype)
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    def reference_grads(tensors, **extra):
+        refs = [t.detach().clone().requires_grad_() for t in tensors]
+        return torch.autograd.grad(reference(*refs, **extra), refs, dout.to(refs[0].dtype))
+
+    golden = reference_grads([t.double() for t in (q, k, v)], **{**options, "attn_mask": mask.double()})
+    same_dtype = reference_grads((q, k, v), **options)
+    for name, ours, gold, ref in zip("qkv", grads, golden, same_dtype):
+        error, reference_error = max_error(ours, gold), max_error(ref, gold)
+        assert error <= max(1e-5, 5 * reference_error), (name, error, reference_error)
+
+
+def test_sdpa_drop_in_takes_the_bottom_right_path_for_a_lower_right_causal_bias(gen):
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v = randn(gen, 1, 2, 7, 16), randn(gen, 1, 2, 20, 16), randn(gen, 1, 2, 20, 16)
+    bias = causal_lower_right(7, 20)
+    assert "causal (CausalBias, lower right)" in flashattn_mps.explain(q, k, v, attn_mask=bias)
+    out = flashattn_mps.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    check(out, (q, k, v), causal=True, bottom_right=True)
+
+
+def test_c_layer_refuses_malformed_alibi_slopes(gen):
+    """A 0-D slopes descriptor with storage is refused, not taken for "no ALiBi"; so are other shapes."""
+    q = randn(gen, 1, 2, 4, 16)
+    slopes = torch.ones(2)
+    storage = slopes.untyped_storage()
+    zero_d = (storage.data_ptr(), storage.nbytes(), 0, flashattn_mps._C.DTYPE_FLOAT32, (), ())
+    for bad, message in ((zero_d, "alibi_slopes"), (slopes[None, :1], r"alibi_slopes: must be \(B, Hq\)")):
+        with pytest.raises(ValueError, match=message):
+            flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
+                                     alibi_slopes=bad)
