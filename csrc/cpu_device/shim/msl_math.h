@@ -4,8 +4,8 @@
  * in one type as in MSL's arithmetic (half and int give half, half and float give float, a scalar
  * with a vector gives the vector), but for min, max and clamp, which take one type as in Metal:
  * max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) resolve, min(long, int) does not. half and
- * bfloat are computed in float and rounded once. fast:: and precise:: are the
- * same functions: the CPU does not reproduce the GPU's fast-math error.
+ * bfloat are computed in float and rounded once. fast:: and precise:: forward to the same
+ * functions (see the end): the CPU does not reproduce the GPU's fast-math error.
  * NaN follows the MSL specification: fmax, fmin, max, min return the other argument when exactly
  * one is NaN (NaN when both are); clamp(x, lo, hi) is fmin(fmax(x, lo), hi). */
 #ifndef MSL_MATH_H
@@ -277,13 +277,26 @@ template <class A, class V = detail::floating_t<A>> constexpr V normalize(const 
 
 #endif /* MSL_STRICT */
 
+/* metal::fast and metal::precise declare their own functions, forwarding to metal's (the CPU does
+ * not reproduce the GPU's fast-math error): an overload that user code adds to one of them (a
+ * bfloat exp in metal::fast) joins the set instead of hiding every other, as it would behind a
+ * using-directive. By value, so that an argument's address space and cv-qualifiers drop. */
+#define MSL_MATH_FUNCTIONS(X)                                                                                     \
+    X(exp) X(exp2) X(exp10) X(log) X(log2) X(log10) X(pow) X(powr) X(sqrt) X(rsqrt) X(fabs) X(floor) X(ceil)     \
+    X(round) X(rint) X(trunc) X(sin) X(cos) X(tan) X(sinh) X(cosh) X(tanh) X(asin) X(acos) X(atan) X(sign)       \
+    X(fract) X(saturate) X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix)     \
+    X(isnan) X(isinf) X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length)           \
+    X(normalize)
+#define MSL_FORWARD(name)                                                                                         \
+    template <class... A> constexpr auto name(A... a)->decltype(::metal::name(a...)) { return ::metal::name(a...); }
 namespace metal {
 namespace fast {
-using namespace metal;
+MSL_MATH_FUNCTIONS(MSL_FORWARD)
 }
 namespace precise {
-using namespace metal;
+MSL_MATH_FUNCTIONS(MSL_FORWARD)
 }
 } // namespace metal
+#undef MSL_FORWARD
 
 #endif
