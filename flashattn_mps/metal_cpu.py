@@ -7,7 +7,7 @@ tensors with Metal's execution model. The same runtime the C core uses for CPU t
 `grid` counts threadgroups (as `dispatchThreadgroups`); `buffers[i]` binds `[[buffer(i)]]` and is a
 CPU tensor (device memory, written in place, its storage offset honoured) or bytes (`setBytes`);
 `threadgroup_memory[i]` is the byte length of `[[threadgroup(i)]]`; `constants` maps
-function-constant indices to bool, int or float values.
+function-constant indices (0..65535, as in Metal) to bool, int or float values.
 """
 from __future__ import annotations
 

@@ -51,3 +51,24 @@ def test_float_still_does_not_convert_implicitly_to_bfloat():
         build("""
             METAL_FUNC bfloat twice(bfloat x) { return x + x; }
             kernel void k(device bfloat *out [[buffer(0)]]) { out[0] = twice(1.5f); }""")
+
+
+def test_function_constant_indices_up_to_65535():
+    # MLX numbers its constants from 100 up, llama.cpp from 300 past 1000.
+    lib = build("""
+        constant bool has_bias [[function_constant(100)]];
+        constant int scale [[function_constant(1024)]];
+        constant float offset [[function_constant(65535)]];
+        constant bool unset [[function_constant(302)]];
+        kernel void k(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          out[i] = float(i * scale) + (has_bias ? offset : 0.0f) + (is_function_constant_defined(unset) ? 1e6f : 0.0f);
+        }""")
+    out = torch.zeros(8)
+    lib.dispatch("k", (1,), (8,), [out], constants={65535: 0.5, 100: True, 1024: 3})
+    assert out.tolist() == [3.0 * i + 0.5 for i in range(8)]
+    with pytest.raises(ValueError, match="65535"):
+        lib.dispatch("k", (1,), (8,), [out], constants={65536: 1})
+    with pytest.raises(MetalCompileError, match="65535"):
+        build("""
+            constant int too_far [[function_constant(65536)]];
+            kernel void k(device int *out [[buffer(0)]]) { out[0] = too_far; }""")

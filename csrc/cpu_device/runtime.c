@@ -979,9 +979,15 @@ int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_s
         return fa_fail(st, FA_ERR_VALUE,
                        "kernel '%s': n_threadgroup_args = %u (at most %u, with threadgroup_arg_lengths set)",
                        a->kernel, a->n_threadgroup_args, MSL_MAX_THREADGROUP_ARGS);
-    if (a->n_constants > MSL_MAX_FUNCTION_CONSTANTS || (a->n_constants && !a->constants))
+    if (a->n_constants > MSL_FUNCTION_CONSTANT_INDICES || (a->n_constants && !a->constants))
         return fa_fail(st, FA_ERR_VALUE, "kernel '%s': n_constants = %u (at most %u, with constants set)",
-                       a->kernel, a->n_constants, MSL_MAX_FUNCTION_CONSTANTS);
+                       a->kernel, a->n_constants, MSL_FUNCTION_CONSTANT_INDICES);
+    for (uint32_t i = 0; i < a->n_constants; i++)
+        if (a->constants[i].index >= MSL_FUNCTION_CONSTANT_INDICES ||
+            (i && a->constants[i].index <= a->constants[i - 1].index))
+            return fa_fail(st, FA_ERR_VALUE,
+                           "kernel '%s': constants[%u] has index %u; indices must be 0..%u, increasing",
+                           a->kernel, i, a->constants[i].index, MSL_FUNCTION_CONSTANT_INDICES - 1);
     uint64_t tg_bytes = 0; /* a multiple of 16, as each length is rounded up to 16 */
     for (uint32_t i = 0; i < a->n_threadgroup_args; i++) {
         uint64_t len = a->threadgroup_arg_lengths[i];

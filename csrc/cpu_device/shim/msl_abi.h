@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define MSL_ABI_VERSION 1u
+#define MSL_ABI_VERSION 2u
 #ifdef __cplusplus
 #define MSL_ALIGN16 alignas(16)
 #else
@@ -28,7 +28,8 @@ extern "C" {
 #define MSL_XCHG_BYTES 64u
 #define MSL_MAX_BUFFERS 31u
 #define MSL_MAX_THREADGROUP_ARGS 31u
-#define MSL_MAX_FUNCTION_CONSTANTS 64u
+/* Function-constant indices are 0..65535 as in Metal; a dispatch sets at most 65536 of them. */
+#define MSL_FUNCTION_CONSTANT_INDICES 65536u
 
 typedef enum msl_constant_kind {
     MSL_CONSTANT_UNDEFINED = 0,
@@ -38,7 +39,8 @@ typedef enum msl_constant_kind {
 } msl_constant_kind;
 
 typedef struct msl_constant_value {
-    int32_t kind; /* msl_constant_kind */
+    int32_t kind;   /* msl_constant_kind */
+    uint32_t index; /* [[function_constant(index)]] */
     int64_t i;
     double f;
 } msl_constant_value;
@@ -50,7 +52,7 @@ typedef struct msl_launch {
     uint32_t n_buffers;
     uint32_t n_threadgroup_args; /* [[threadgroup(n)]] arguments bound */
     const uint64_t *threadgroup_arg_lengths;
-    const msl_constant_value *constants; /* indexed by function-constant index */
+    const msl_constant_value *constants; /* the constants set, by increasing index */
     uint32_t n_constants;
     uint32_t threadgroups_per_grid[3];
     uint32_t threads_per_threadgroup[3];

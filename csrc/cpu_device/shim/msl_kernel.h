@@ -158,11 +158,22 @@ MSL_RT_BUILTIN(dispatch_quadgroups_per_threadgroup, v1((group_threads(t) + 3u) /
 #undef MSL_RT_BUILTIN
 } // namespace builtin
 
-/* Function constants: the current dispatch's value n, or NULL when it is not set. Also safe
- * outside a dispatch (static initialisers at dlopen time): then there is no thread and no value. */
+/* Function constants: the current dispatch's value n, or NULL when it is not set (a binary search
+ * of the launch's table, sorted by index). Also safe outside a dispatch (static initialisers at
+ * dlopen time): then there is no thread and no value. */
 inline const msl_constant_value *constant_value(msl_thread *t, uint32_t n) {
-    if (!t || n >= t->launch->n_constants || !t->launch->constants) return nullptr;
-    const msl_constant_value *c = &t->launch->constants[n];
+    if (!t) return nullptr;
+    const msl_constant_value *c = t->launch->constants;
+    for (uint32_t count = t->launch->n_constants; count > 0;) { /* c[0, count) may hold n */
+        uint32_t mid = count / 2;
+        if (c[mid].index < n) {
+            c += mid + 1;
+            count -= mid + 1;
+        } else {
+            count = mid;
+        }
+    }
+    if (c == t->launch->constants + t->launch->n_constants || c->index != n) return nullptr;
     return c->kind == MSL_CONSTANT_UNDEFINED ? nullptr : c;
 }
 
@@ -171,6 +182,7 @@ inline const msl_constant_value *constant_value(msl_thread *t, uint32_t n) {
  * literal 0 never converts to it). Reading an unset constant fails the dispatch, as Metal fails
  * the pipeline, naming the declaration's .metal line. */
 template <class T, uint32_t N> struct function_constant {
+    static_assert(N < MSL_FUNCTION_CONSTANT_INDICES, "function-constant index beyond Metal's 0..65535");
     const char *name, *file;
     uint32_t line;
     operator T() const {
