@@ -72,3 +72,59 @@ def test_function_constant_indices_up_to_65535():
         build("""
             constant int too_far [[function_constant(65536)]];
             kernel void k(device int *out [[buffer(0)]]) { out[0] = too_far; }""")
+
+
+def test_apple_internal_builtins_of_real_headers():
+    # bfloat helpers written the way Apple-derived headers write them: the internal __metal_* math
+    # builtins with a fast-math mode, the SIMD builtins, and internal traits under the pragma.
+    lib = build("""
+        #pragma METAL internals : enable
+        template <typename T>
+        constexpr constant bool is_word = _disjunction<is_same<T, int>, is_same<T, uint>>::value;
+        #pragma METAL internals : disable
+        namespace metal {
+        METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(__metal_exp(static_cast<float>(x), __METAL_MAYBE_FAST_MATH__)); }
+        namespace fast {
+        METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(__metal_exp(static_cast<float>(x), __METAL_FAST_MATH__)); }
+        METAL_FUNC bfloat fmax3(bfloat x, bfloat y, bfloat z) {
+          return static_cast<bfloat>(__metal_fmax3(static_cast<float>(x), static_cast<float>(y), static_cast<float>(z), __METAL_FAST_MATH__));
+        }
+        }
+        namespace precise {
+        METAL_FUNC float log(float x) { return __metal_log(x, __METAL_PRECISE_MATH__); }
+        }
+        METAL_FUNC bfloat simd_sum(bfloat x) { return static_cast<bfloat>(__metal_simd_sum(static_cast<float>(x))); }
+        METAL_FUNC bfloat simd_shuffle_down(bfloat x, ushort d) {
+          return static_cast<bfloat>(__metal_simd_shuffle_down(static_cast<float>(x), d));
+        }
+        METAL_FUNC bfloat simd_shuffle_and_fill_up(bfloat x, bfloat fill, ushort d) {
+          return static_cast<bfloat>(__metal_simd_shuffle_and_fill_up(static_cast<float>(x), static_cast<float>(fill), d,
+                                                                     __metal_get_simdgroup_size(ushort())));
+        }
+        }
+        kernel void k(const device bfloat *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint i [[thread_position_in_grid]]) {
+          static_assert(is_word<int> && !is_word<float>, "_disjunction");
+          bfloat v = x[i];
+          out[8 * i + 0] = metal::exp(v);
+          out[8 * i + 1] = fast::exp(v);
+          out[8 * i + 2] = precise::log(float(i + 1));
+          out[8 * i + 3] = simd_sum(v);
+          out[8 * i + 4] = simd_shuffle_down(v, 1);
+          out[8 * i + 5] = simd_shuffle_and_fill_up(v, bfloat(-1.0f), 2);
+          out[8 * i + 6] = fast::fmax3(v, bfloat(0.25f), bfloat(-3.0f));
+          out[8 * i + 7] = float(__metal_get_thread_index_in_simdgroup(ushort()) + __metal_get_simdgroup_size(uint()));
+        }""")
+    x = torch.linspace(-1, 1, 32).bfloat16()
+    out = torch.zeros(32 * 8)
+    lib.dispatch("k", (1,), (32,), [x, out])
+    o = out.view(32, 8)
+    xf = x.float()
+    e = torch.exp(xf).bfloat16().float()
+    assert torch.equal(o[:, 0], e) and torch.equal(o[:, 1], e)
+    torch.testing.assert_close(o[:, 2], torch.log(torch.arange(1, 33).float()))
+    assert torch.equal(o[:, 3], torch.full((32,), xf.sum().bfloat16().item()))  # sum of bfloat-exact values, exact in float
+    assert torch.equal(o[:31, 4], xf[1:]) and o[31, 4] == xf[31]
+    assert torch.equal(o[2:, 5], xf[:-2]) and torch.equal(o[:2, 5], torch.tensor([-1.0, -1.0]))
+    assert torch.equal(o[:, 6], xf.clamp(min=0.25))
+    assert torch.equal(o[:, 7], torch.arange(32).float() + 32)

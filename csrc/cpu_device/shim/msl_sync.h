@@ -295,6 +295,42 @@ inline bool simd_is_first(MSL_CALLER) {
     return msl_rt::lane_id() == msl_rt::lowest(lanes);
 }
 
+} // namespace metal
+
+/* Apple's internal SIMD-group builtins, which real headers call (MLX's bfloat SIMD functions), global as
+ * compiler builtins are. */
+#define MSL_SIMD_BUILTIN1(name)                                                                                   \
+    template <class T> auto __metal_##name(T x, MSL_CALLER)->decltype(::metal::name(x, line, file)) {                     \
+        return ::metal::name(x, line, file);                                                                               \
+    }
+#define MSL_SIMD_BUILTIN2(name)                                                                                   \
+    template <class T> auto __metal_##name(T x, uint16_t k, MSL_CALLER)->decltype(::metal::name(x, k, line, file)) {      \
+        return ::metal::name(x, k, line, file);                                                                            \
+    }
+#define MSL_SIMD_BUILTIN_FILL(name)                                                                               \
+    template <class T>                                                                                            \
+    auto __metal_##name(T data, T fill, uint16_t delta, uint16_t modulo, MSL_CALLER)                              \
+        ->decltype(::metal::name(data, fill, delta, modulo, line, file)) {                                                 \
+        return ::metal::name(data, fill, delta, modulo, line, file);                                                       \
+    }
+MSL_SIMD_BUILTIN1(simd_sum) MSL_SIMD_BUILTIN1(simd_product) MSL_SIMD_BUILTIN1(simd_max) MSL_SIMD_BUILTIN1(simd_min)
+MSL_SIMD_BUILTIN1(simd_and) MSL_SIMD_BUILTIN1(simd_or) MSL_SIMD_BUILTIN1(simd_xor)
+MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum)
+MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product)
+MSL_SIMD_BUILTIN1(simd_broadcast_first)
+MSL_SIMD_BUILTIN2(simd_shuffle) MSL_SIMD_BUILTIN2(simd_broadcast) MSL_SIMD_BUILTIN2(simd_shuffle_xor)
+MSL_SIMD_BUILTIN2(simd_shuffle_down) MSL_SIMD_BUILTIN2(simd_shuffle_up) MSL_SIMD_BUILTIN2(simd_shuffle_rotate_down)
+MSL_SIMD_BUILTIN2(simd_shuffle_rotate_up)
+MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up) MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_down)
+#undef MSL_SIMD_BUILTIN1
+#undef MSL_SIMD_BUILTIN2
+#undef MSL_SIMD_BUILTIN_FILL
+/* the SIMD-group's width and the caller's lane, in the argument's type */
+template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::api->current()->threads_per_simdgroup); }
+template <class T> T __metal_get_thread_index_in_simdgroup(T) { return T(msl_rt::lane_id()); }
+
+namespace metal {
+
 /* ---- simdgroup_matrix ---- */
 
 template <class T, int Cols, int Rows> struct simdgroup_matrix {

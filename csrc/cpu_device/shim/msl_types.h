@@ -86,6 +86,10 @@ template <class T> struct remove_addrspace<threadgroup T> { using type = T; };
 #endif
 template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
 
+/* Apple's internal traits that real headers use (under `#pragma METAL internals : enable`) */
+template <class... B> struct _disjunction : std::disjunction<B...> {};
+template <class... B> struct _conjunction : std::conjunction<B...> {};
+
 #define MSL_TRAIT(name, expr)                                                                                     \
     template <class T> struct name : bool_constant<(expr)> {};                                                    \
     template <class T> constexpr bool name##_v = name<T>::value;
