@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from flashattn_mps.metal_cpu import MetalCompileError, compile_library
+from flashattn_mps.metal_cpu import MetalCompileError, MetalDispatchError, compile_library
 
 HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
 
@@ -128,3 +128,25 @@ def test_apple_internal_builtins_of_real_headers():
     assert torch.equal(o[2:, 5], xf[:-2]) and torch.equal(o[:2, 5], torch.tensor([-1.0, -1.0]))
     assert torch.equal(o[:, 6], xf.clamp(min=0.25))
     assert torch.equal(o[:, 7], torch.arange(32).float() + 32)
+
+
+def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():
+    # A dead read of an optional pointer argument whose function constant is false (a mask pointer
+    # read before the branch that would use it) reads zeroes instead of killing the process.
+    lib = build("""
+        constant bool has_mask [[function_constant(200)]];
+        constant bool write_it [[function_constant(201)]];
+        kernel void k(device float *out [[buffer(0)]], const device float *mask [[buffer(1), function_constant(has_mask)]],
+                      device float *scratch [[buffer(2), function_constant(has_mask)]],
+                      uint i [[thread_position_in_grid]]) {
+          float m = mask[i * 1024];
+          out[i] = has_mask ? m : m + 2.0f;
+          if (write_it) scratch[i] = 1.0f;
+        }""")
+    out = torch.full((16,), -1.0)
+    lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: False})
+    assert out.tolist() == [2.0] * 16
+    lib.dispatch("k", (1,), (16,), [out, torch.arange(16 * 1024).float()], constants={200: True, 201: False})
+    assert out.tolist() == [1024.0 * i for i in range(16)]
+    with pytest.raises(MetalDispatchError, match="'k'"):
+        lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: True})

@@ -357,9 +357,20 @@ static void rt_fail_argument(msl_thread *t, const char *message, const char *fil
     group_fail(w, FA_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
 }
 
+static const void *unbound_region;
+static void map_unbound_region(void) {
+    void *p = mmap(NULL, MSL_UNBOUND_BYTES, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    unbound_region = p == MAP_FAILED ? NULL : p;
+}
+static const void *rt_unbound_storage(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, map_unbound_region);
+    return unbound_region;
+}
+
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
-                                        rt_fail, rt_fail_argument};
+                                        rt_fail, rt_fail_argument, rt_unbound_storage};
     return &api;
 }
 

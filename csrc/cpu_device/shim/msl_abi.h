@@ -30,6 +30,8 @@ extern "C" {
 #define MSL_MAX_THREADGROUP_ARGS 31u
 /* Function-constant indices are 0..65535 as in Metal; a dispatch sets at most 65536 of them. */
 #define MSL_FUNCTION_CONSTANT_INDICES 65536u
+/* Bytes of the read-only zeroed storage an unbound optional buffer argument points to. */
+#define MSL_UNBOUND_BYTES 65536u
 
 typedef enum msl_constant_kind {
     MSL_CONSTANT_UNDEFINED = 0,
@@ -121,6 +123,9 @@ typedef struct msl_runtime_api {
     /* Like fail, for a dispatch whose arguments do not fit the kernel (an unbound [[buffer(n)]]):
      * reported as a bad argument (FA_ERR_VALUE), not a kernel failure. */
     void (*fail_argument)(msl_thread *t, const char *message, const char *file, uint32_t line);
+    /* MSL_UNBOUND_BYTES of zeroes, read-only (a write faults, failing the dispatch): what an
+     * optional [[buffer(n), function_constant(c)]] argument left unbound refers to. */
+    const void *(*unbound_storage)(void);
 } msl_runtime_api;
 
 #ifdef __cplusplus
