@@ -11,6 +11,7 @@ function-constant indices (0..65535, as in Metal) to bool, int or float values.
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -108,7 +109,10 @@ def compile_library(
 
     Macro values are converted with str() (None and True define the macro as 1, False as 0). Compiled libraries
     are cached in memory and on disk (see `cache_dir()`). Raises MetalCompileError carrying the
-    compiler's message with the MSL file and line."""
+    compiler's message with the MSL file and line: the first error first, then as much of the
+    output as the message holds (about 8 KiB). The whole output is the exception's `log`, kept in
+    the file `log_path` of the cache directory (None when the cache is read-only: then `log` is the
+    message)."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     pairs = []
@@ -116,7 +120,28 @@ def compile_library(
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"macros: {key!r} is not a valid macro name")
         pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
-    return Library(_C.compile_library(source, name, pairs), name)
+    try:
+        return Library(_C.compile_library(source, name, pairs), name)
+    except MetalCompileError as error:
+        _attach_log(error)
+        raise
+
+
+_LOG_LINE = re.compile(r"^the whole compiler output \(\d+ errors, \d+ bytes\): (.+)$", re.MULTILINE)
+
+
+def _attach_log(error: Exception) -> None:
+    """error.log_path and error.log: the file the C layer named in the message, and its text."""
+    message = str(error)
+    found = _LOG_LINE.search(message)
+    error.log_path = found.group(1) if found else None
+    error.log = message
+    if error.log_path:
+        try:
+            with open(error.log_path, encoding="utf-8", errors="replace") as f:
+                error.log = f.read()
+        except OSError:  # removed since (a concurrent rebuild, a cleaned cache): the message is what remains
+            error.log_path = None
 
 
 def cache_dir() -> str:

@@ -150,3 +150,17 @@ def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():
     assert out.tolist() == [1024.0 * i for i in range(16)]
     with pytest.raises(MetalDispatchError, match="'k'"):
         lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: True})
+
+
+def test_a_long_compile_log_stays_whole():
+    # 200 distinct errors: far beyond the message's 8 KiB, all kept in the exception's log.
+    body = "\n".join(f"  float v{i} = undeclared_{i};" for i in range(200))
+    with pytest.raises(MetalCompileError) as caught:
+        build("kernel void k(device float *out [[buffer(0)]]) {\n" + body + "\n}")
+    error = caught.value
+    message = str(error)
+    assert message.startswith("ecosystem.metal:") and "undeclared_0" in message.splitlines()[0]
+    assert len(message) < 8192 and "undeclared_199" not in message
+    assert error.log_path and error.log_path in message
+    assert all(f"undeclared_{i}" in error.log for i in (0, 100, 199))
+    assert "(200 errors," in message
