@@ -164,3 +164,68 @@ def test_a_long_compile_log_stays_whole():
     assert error.log_path and error.log_path in message
     assert all(f"undeclared_{i}" in error.log for i in (0, 100, 199))
     assert "(200 errors," in message
+
+
+def test_library_pieces_real_kernels_use():
+    lib = compile_library("""
+        #include <metal_stdlib>
+        #include <metal_common>
+        #include <metal_matrix>
+        using namespace metal;
+        template <class T> struct strip { using type = metal::remove_addrspace_t<T>; };
+        kernel void k(const device float *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint i [[thread_position_in_grid]]) {
+          static_assert(is_same_v<strip<float>::type, float>, "remove_addrspace_t");
+          metal::array<float, 3> a = {1.0f, 2.0f, 3.0f};
+          uniform<float> u = make_uniform(x[0]);
+          float4 partial = {x[i], 2.0f};                 // lanes 2 and 3 are 0
+          float4 one = {x[i]};                           // 1 lane, not a broadcast
+          float4x4 m(2.0f);                              // diagonal
+          m[3] = float4(1.0f, 2.0f, 3.0f, 4.0f);
+          float4 mv = m * float4(1.0f, 1.0f, 1.0f, 1.0f);
+          half4x4 h = half4x4(half(1.0h)) * half4x4(half(3.0h));
+          device float *o = out + 16 * i;
+          o[0] = a[0] + a[1] * a[2] + float(a.size());   // 1 + 6 + 3
+          o[1] = u;
+          o[2] = partial.y + partial.z + partial.w + one.x + one.y + one.w;
+          o[3] = mv.x; o[4] = mv.w;
+          o[5] = float(h[2][2]) + float(h[2][1]);
+          o[6] = quad_sum(x[i]);
+          o[7] = quad_shuffle_xor(x[i], 1);
+          o[8] = quad_broadcast(x[i], 3);
+          o[9] = quad_prefix_exclusive_sum(x[i]);
+          o[10] = float(uint16_t(quad_ballot(i % 2 == 0)));
+          o[11] = simd_shuffle_and_fill_down(x[i], -x[i], 1, 4);
+          o[12] = quad_shuffle_down(x[i], 1);
+          o[13] = quad_is_first() ? 1.0f : 0.0f;
+        }
+        kernel void mm(const device float *a [[buffer(0)]], const device float *b [[buffer(1)]],
+                       device float *out [[buffer(2)]]) {
+          simdgroup_float8x8 ma, mb;
+          simdgroup_load(ma, a, 8);
+          simdgroup_load(mb, b, 8);
+          simdgroup_float8x8 r = ma * mb + ma;
+          simdgroup_store(r, out, 8);
+        }""", name="ecosystem.metal")
+    x = torch.arange(32).float()
+    out = torch.zeros(32 * 16)
+    lib.dispatch("k", (1,), (32,), [x, out])
+    o = out.view(32, 16)
+    q = x.view(8, 4)
+    assert (o[:, 0] == 10).all() and (o[:, 1] == 0).all()
+    assert torch.equal(o[:, 2], x + 2)
+    assert (o[:, 3] == 3).all() and (o[:, 4] == 4).all()  # row 0: 2 + 1; row 3: the last column's 4
+    assert (o[:, 5] == 3).all()
+    assert torch.equal(o[:, 6], q.sum(1).repeat_interleave(4))
+    assert torch.equal(o[:, 7], q[:, [1, 0, 3, 2]].reshape(-1))
+    assert torch.equal(o[:, 8], q[:, 3].repeat_interleave(4))
+    assert torch.equal(o[:, 9], (q.cumsum(1) - q).reshape(-1))
+    assert (o[:, 10] == 0b0101).all()
+    fill = torch.cat([q[:, 1:], -q[:, :1]], 1).reshape(-1)
+    assert torch.equal(o[:, 11], fill)
+    assert torch.equal(o[:, 12], torch.cat([q[:, 1:], q[:, 3:]], 1).reshape(-1))
+    assert torch.equal(o[:, 13], torch.tensor([1.0, 0, 0, 0] * 8))
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    r = torch.zeros(8, 8)
+    lib.dispatch("mm", (1,), (32,), [a, b, r])
+    torch.testing.assert_close(r, a @ b + a)

@@ -57,9 +57,11 @@ static const char *const PRE_FLAGS[] = {
 static const char *const CC_FLAGS[] = {"-x",    "c++",    "-std=gnu++17", "-O2", "-fno-strict-aliasing",
                                        "-fsigned-char", "-fPIC", "-shared"};
 static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
-static const char *const STUBS[] = {"metal_stdlib", "metal_simdgroup", "metal_simdgroup_matrix",
-                                    "metal_atomic", "metal_math",      "metal_compute",
-                                    "metal_integer"};
+static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup", "metal_simdgroup_matrix",
+                                    "metal_atomic",    "metal_math",      "metal_compute",
+                                    "metal_integer",   "metal_common",    "metal_geometric",
+                                    "metal_relational", "metal_matrix",   "metal_array",
+                                    "metal_uniform",   "metal_types"};
 #define COUNT(a) (sizeof(a) / sizeof *(a))
 
 /* ---- SHA-256 (FIPS 180-4) ---- */

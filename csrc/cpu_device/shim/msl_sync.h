@@ -295,6 +295,98 @@ inline bool simd_is_first(MSL_CALLER) {
     return msl_rt::lane_id() == msl_rt::lowest(lanes);
 }
 
+/* ---- quad-group functions: over the 4 lanes 4q..4q+3 of the SIMD-group (one SIMD-group exchange,
+ * so every live lane of the SIMD-group must reach them, as it must for SIMD-group functions) ---- */
+
+} // namespace metal
+namespace msl_rt {
+/* op over the quad's lanes that took part, as a butterfly: (v0 op v2) op (v1 op v3) */
+template <class T, class Op> T quad_fold(const gathered<T> &g, Op op) {
+    uint32_t base = g.self & ~3u, mine = g.lanes >> base & 0xFu;
+    T v[4];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < 4; i++)
+        if (mine >> i & 1u) v[n++] = g.get(base + i);
+    if (n == 4) return op(op(v[0], v[2]), op(v[1], v[3]));
+    for (uint32_t i = 1; i < n; i++) v[0] = op(v[0], v[i]);
+    return v[0];
+}
+inline uint32_t quad_below(uint32_t lane) { return below(lane) & ~below(lane & ~3u); }
+} // namespace msl_rt
+namespace metal {
+
+#define MSL_QUAD_FOLD(name, expr)                                                                                 \
+    template <class T> msl_rt::simd_data<T> quad_##name(T x, MSL_CALLER) {                                         \
+        return msl_rt::quad_fold(msl_rt::exchange(x, "quad_" #name, file, line), [](T a, T b) { return T(expr); }); \
+    }
+MSL_QUAD_FOLD(sum, a + b) MSL_QUAD_FOLD(product, a * b) MSL_QUAD_FOLD(max, max(a, b)) MSL_QUAD_FOLD(min, min(a, b))
+MSL_QUAD_FOLD(and, a & b) MSL_QUAD_FOLD(or, a | b) MSL_QUAD_FOLD(xor, a ^ b)
+#undef MSL_QUAD_FOLD
+template <class T> msl_rt::simd_data<T> quad_prefix_exclusive_sum(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_prefix_exclusive_sum", file, line);
+    return msl_rt::scan(g, msl_rt::quad_below(g.self), T(0), [](T a, T b) { return T(a + b); });
+}
+template <class T> msl_rt::simd_data<T> quad_prefix_inclusive_sum(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_prefix_inclusive_sum", file, line);
+    return T(msl_rt::scan(g, msl_rt::quad_below(g.self), T(0), [](T a, T b) { return T(a + b); }) + x);
+}
+/* Shuffles within the quad; the _up and _down forms keep the caller's value past its ends. */
+template <class T> msl_rt::simd_data<T> quad_shuffle(T x, uint16_t lane, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle", file, line);
+    return g.from((g.self & ~3u) + lane % 4u);
+}
+template <class T> msl_rt::simd_data<T> quad_broadcast(T x, uint16_t lane, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_broadcast", file, line);
+    return g.from((g.self & ~3u) + lane % 4u);
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_xor(T x, uint16_t mask, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_xor", file, line);
+    return g.from((g.self & ~3u) + ((g.self ^ mask) & 3u));
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_down(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_down", file, line);
+    return (g.self & 3u) + delta < 4u ? g.from(g.self + delta) : x;
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_up(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_up", file, line);
+    return delta <= (g.self & 3u) ? g.from(g.self - delta) : x;
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_rotate_down(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_rotate_down", file, line);
+    return g.from((g.self & ~3u) + (g.self + delta) % 4u);
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_rotate_up(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_rotate_up", file, line);
+    return g.from((g.self & ~3u) + (g.self + 4u - delta % 4u) % 4u);
+}
+inline bool quad_all(bool expr, MSL_CALLER) {
+    return msl_rt::quad_fold(msl_rt::exchange(expr, "quad_all", file, line), [](bool a, bool b) { return a && b; });
+}
+inline bool quad_any(bool expr, MSL_CALLER) {
+    return msl_rt::quad_fold(msl_rt::exchange(expr, "quad_any", file, line), [](bool a, bool b) { return a || b; });
+}
+/* bit i stands for lane i of the quad */
+class quad_vote {
+  public:
+    typedef uint16_t vote_t;
+    explicit constexpr quad_vote(vote_t v = 0) : v(v) {}
+    explicit constexpr operator vote_t() const { return v; }
+    bool all() const { return v == 0xFu; }
+    bool any() const { return v != 0; }
+
+  private:
+    vote_t v;
+};
+inline quad_vote quad_ballot(bool expr, MSL_CALLER) {
+    auto g = msl_rt::exchange(uint32_t(expr) << (msl_rt::lane_id() & 3u), "quad_ballot", file, line);
+    return quad_vote(uint16_t(msl_rt::quad_fold(g, [](uint32_t a, uint32_t b) { return a | b; })));
+}
+inline bool quad_is_first(MSL_CALLER) {
+    uint32_t lanes = msl_rt::simd_sync(MSL_SYNC_SIMD_COLLECTIVE, "quad_is_first", file, line);
+    uint32_t lane = msl_rt::lane_id();
+    return lane == (lane & ~3u) + msl_rt::lowest(lanes >> (lane & ~3u) & 0xFu);
+}
+
 } // namespace metal
 
 /* Apple's internal SIMD-group builtins, which real headers call (MLX's bfloat SIMD functions), global as
@@ -439,6 +531,21 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, const si
                                    const simdgroup_matrix<TB, Cols, K> &b, const simdgroup_matrix<TC, Cols, Rows> &c,
                                    MSL_CALLER) {
     msl_rt::mma(d, a, b, &c, "simdgroup_multiply_accumulate", file, line);
+}
+
+/* a * b and a + b of SIMD-group matrices, as simdgroup_multiply and element by element */
+template <class T, int Cols, int Rows, int K>
+simdgroup_matrix<T, Cols, Rows> operator*(const simdgroup_matrix<T, K, Rows> &a, const simdgroup_matrix<T, Cols, K> &b) {
+    simdgroup_matrix<T, Cols, Rows> d;
+    const simdgroup_matrix<T, Cols, Rows> *no_c = nullptr;
+    msl_rt::mma(d, a, b, no_c, "simdgroup_matrix operator*", __FILE__, __LINE__);
+    return d;
+}
+template <class T, int Cols, int Rows>
+simdgroup_matrix<T, Cols, Rows> operator+(const simdgroup_matrix<T, Cols, Rows> &a, const simdgroup_matrix<T, Cols, Rows> &b) {
+    simdgroup_matrix<T, Cols, Rows> d;
+    d.elements = a.elements + b.elements;
+    return d;
 }
 
 /* ---- atomics: real atomics, since threadgroups run concurrently on several OS threads ---- */
