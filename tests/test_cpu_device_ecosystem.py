@@ -229,3 +229,33 @@ def test_library_pieces_real_kernels_use():
     r = torch.zeros(8, 8)
     lib.dispatch("mm", (1,), (32,), [a, b, r])
     torch.testing.assert_close(r, a @ b + a)
+
+
+def test_half_and_bfloat_overloads_resolve_as_in_msl():
+    lib = build("""
+        METAL_FUNC float which(float) { return 1.0f; }
+        METAL_FUNC float which(bfloat) { return 2.0f; }
+        struct my_bfloat16 {  // a library's own 16-bit float type, converting through float
+          uint16_t bits;
+          constexpr operator float() const { return as_type<float>(uint(bits) << 16); }
+        };
+        kernel void k(const device half *x [[buffer(0)]], const device ushort *b [[buffer(1)]],
+                      device float *out [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+          my_bfloat16 v{b[i]};
+          half h = static_cast<half>(v);
+          half implicit_h = v;
+          bfloat bf = static_cast<bfloat>(v);
+          out[4 * i + 0] = which(x[i]);       // f(half) picks f(float)
+          out[4 * i + 1] = which(bf);
+          out[4 * i + 2] = float(h) + float(implicit_h);
+          out[4 * i + 3] = float(bf);
+        }""")
+    x = torch.linspace(-1, 1, 8).half()
+    vals = torch.tensor([1.5, -2.25, 3.0, 0.5, 100.0, -0.125, 7.0, 1e-3]).bfloat16()
+    bits = vals.view(torch.int16).clone()
+    out = torch.zeros(32)
+    lib.dispatch("k", (1,), (8,), [x, bits, out])
+    o = out.view(8, 4)
+    assert (o[:, 0] == 1).all() and (o[:, 1] == 2).all()
+    assert torch.equal(o[:, 2], 2 * vals.float().half().float())
+    assert torch.equal(o[:, 3], vals.float())

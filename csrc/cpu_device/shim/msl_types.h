@@ -232,6 +232,16 @@ template <class F> struct fp16 {
     template <class T, std::enable_if_t<scalar_v<T> && implicit_from<F, T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
     template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
     explicit constexpr fp16(T x) : v(F::from(x)) {}
+    /* a class converting to float (a user's bfloat16_t): float to half is a standard conversion
+     * in MSL, so this one is implicit for half, explicit for bfloat (static_cast<bfloat>(x)) */
+    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
+                                            std::is_convertible_v<const T &, float> && implicit_from<F, float>,
+                                        int> = 0>
+    constexpr fp16(const T &x) : v(F::from(float(x))) {}
+    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
+                                            std::is_convertible_v<const T &, float> && !implicit_from<F, float>,
+                                        int> = 0>
+    explicit constexpr fp16(const T &x) : v(F::from(float(x))) {}
     constexpr operator float() const { return F::to_float(v); }
     static constexpr fp16 from_bits(uint16_t b) {
         fp16 r{};
@@ -511,15 +521,14 @@ template <class X, enable_if_t<is_same_v<detail::elem_t<X>, bool>, int> = 0> con
     return detail::count_true(x) > 0;
 }
 
-/* Reinterprets the bits (of the plain vector, for a swizzle or packed vector). */
-template <class T, class U> T as_type(const U &x) {
+/* Reinterprets the bits (of the plain vector, for a swizzle or packed vector); constexpr, as
+ * libraries' own 16-bit float types use it in constexpr conversions. */
+template <class T, class U> constexpr T as_type(const U &x) {
     if constexpr (detail::proxy_v<U>) {
         return as_type<T>(detail::value_t<U>(x));
     } else {
         static_assert(sizeof(T) == sizeof(U), "as_type needs types of the same size");
-        T t;
-        std::memcpy(&t, &x, sizeof t);
-        return t;
+        return __builtin_bit_cast(T, x);
     }
 }
 
