@@ -259,3 +259,39 @@ def test_half_and_bfloat_overloads_resolve_as_in_msl():
     assert (o[:, 0] == 1).all() and (o[:, 1] == 2).all()
     assert torch.equal(o[:, 2], 2 * vals.float().half().float())
     assert torch.equal(o[:, 3], vals.float())
+
+
+def test_simd_functions_act_on_the_active_lanes_in_divergent_control_flow():
+    lib = build("""
+        kernel void k(const device float *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint lane [[thread_index_in_simdgroup]], uint tid [[thread_index_in_threadgroup]]) {
+          float v = x[tid];
+          device float *o = out + 8 * tid;
+          if (lane < 12) {
+            o[0] = simd_sum(v);                                   // over lanes 0-11
+            o[1] = float(uint64_t(simd_active_threads_mask()));
+            o[2] = simd_is_first() ? 1.0f : 0.0f;
+          } else {
+            o[0] = simd_max(v);                                   // over lanes 12-31
+            o[1] = float(uint64_t(simd_ballot(lane % 2 == 0)));   // even lanes among 12-31
+            o[2] = simd_is_first() ? 1.0f : 0.0f;
+          }
+          if (lane % 3 == 0) o[3] = simd_prefix_exclusive_sum(1.0f);  // rank among lanes 0, 3, 6, ...
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+          o[4] = simd_sum(v);                                     // reconverged: all 32 lanes
+          if (lane >= 30) return;
+          o[5] = simd_sum(1.0f);                                  // 30 lanes left
+        }""")
+    x = torch.arange(64).float()
+    out = torch.full((64 * 8,), -7.0)
+    lib.dispatch("k", (1,), (64,), [x, out])
+    o = out.view(2, 32, 8)
+    for s in range(2):
+        xs = x[32 * s:32 * s + 32]
+        assert (o[s, :12, 0] == xs[:12].sum()).all() and (o[s, 12:, 0] == xs[12:].max()).all()
+        assert (o[s, :12, 1] == 0xFFF).all()
+        assert (o[s, 12:, 1] == sum(1 << i for i in range(12, 32, 2))).all()
+        assert o[s, :, 2].nonzero().flatten().tolist() == [0, 12]
+        assert o[s, 0::3, 3].tolist() == [float(i) for i in range(11)]
+        assert (o[s, :, 4] == xs.sum()).all()
+        assert (o[s, :30, 5] == 30).all() and (o[s, 30:, 5] == -7).all()

@@ -60,17 +60,24 @@ typedef struct msl_launch {
     uint32_t threads_per_threadgroup[3];
 } msl_launch;
 
-/* One SIMD-group's exchange area: lanes publish into slot[parity][lane], synchronise, then read.
- * Two parities let consecutive collectives proceed with one synchronisation each. */
+/* One SIMD-group's exchange area: a lane publishes into slot[its parity][lane], synchronises, then
+ * reads. Each lane's two parities let consecutive collectives proceed with one synchronisation
+ * each. A sync completes only when every live lane of the SIMD-group waits (at a SIMD-group sync
+ * or a threadgroup barrier), so every lane has finished reading the one before; it releases the
+ * lanes waiting at the earliest point, the active lanes (all of them unless control flow
+ * diverged). */
 typedef struct msl_simd_exchange {
     MSL_ALIGN16 unsigned char slot[2][MSL_SIMD_WIDTH][MSL_XCHG_BYTES];
     uint32_t live_lanes; /* bit i set while lane i has not returned; kept by the runtime */
-    /* live_lanes when the SIMD-group's latest sync completed: the lanes whose slots a collective
-     * reads. Set by the runtime; unlike live_lanes it stays put while released lanes read, even if
-     * one of them returns first. */
+    /* The active lanes of the SIMD-group's latest completed sync, whose slots a collective reads;
+     * sync_parity bit i: the parity lane i published in; generation: completed syncs. Set by the
+     * runtime; they stay put while released lanes read, even if one of them returns first. */
     uint32_t sync_lanes;
-    /* A reduction's result per parity: the first lane to read the exchange computes it, the others
-     * copy it. A lane publishing into parity p clears reduced[p]. Kernel side only. */
+    uint32_t sync_parity;
+    uint32_t generation;
+    /* A reduction's result: the first lane to read sync `generation` computes it into
+     * result[generation % 2] and sets reduced[generation % 2] = generation; the others copy it.
+     * Kernel side only (the runtime zeroes reduced per threadgroup). */
     MSL_ALIGN16 unsigned char result[2][MSL_XCHG_BYTES];
     uint32_t reduced[2];
 } msl_simd_exchange;

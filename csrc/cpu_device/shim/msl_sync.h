@@ -29,23 +29,24 @@ namespace msl_rt {
 
 /* One SIMD-group exchange, seen after its sync: the value each participating lane published.
  *
- * One sync per collective is enough with two parities. A lane publishes collective k into
- * slot[k % 2] and reads collective k's slots before it arrives at the sync of collective k + 1.
- * It writes slot[k % 2] again only in collective k + 2, after passing the sync of collective k + 1,
- * which completes only when every live lane has arrived there, that is, has finished reading
- * collective k. A lane that returns in between reads nothing more; its last value stays readable
- * and `lanes` (the runtime's snapshot at the sync) still counts it. The cached reduction result[p]
- * lives as slot[p] does: cleared by collective k's publishers, written by its first reader, read by
- * the others before they reach collective k + 1. */
+ * One sync per collective is enough with two parities per lane. A lane publishes its collective k
+ * into slot[k % 2][lane] and reads its collective's slots before it waits again. It writes
+ * slot[k % 2][lane] again only in its collective k + 2, after passing its sync k + 1, which
+ * completed only when every live lane of the SIMD-group was waiting, that is, had finished
+ * reading. A lane that returns in between reads nothing more; its last value stays readable and
+ * `lanes` (the runtime's snapshot at the sync) still counts it. In divergent control flow the
+ * active lanes' counts of collectives differ, hence a parity per lane (sync_parity). The cached
+ * reduction result[g % 2] of sync g is rewritten at sync g + 2, when every reader of g is done. */
 template <class T> struct gathered {
     msl_simd_exchange *x;
-    uint32_t parity;
-    uint32_t lanes; /* bit i: lane i took part */
+    uint32_t parities; /* bit i: the parity lane i published in */
+    uint32_t lanes;    /* bit i: lane i took part (was active) */
     uint32_t self;
+    uint32_t generation;
 
     T get(uint32_t lane) const { /* lane must have taken part */
         T v;
-        std::memcpy(&v, x->slot[parity][lane], sizeof v);
+        std::memcpy(&v, x->slot[parities >> lane & 1u][lane], sizeof v);
         return v;
     }
     /* A lane that did not take part (exited, beyond a partial SIMD-group, or >= 32) yields the
@@ -66,10 +67,9 @@ gathered<T> exchange(const T &value, const char *what, const char *file, unsigne
     msl_simd_exchange *x = t->simd_exchange;
     uint32_t parity = t->xchg_parity, lane = t->thread_index_in_simdgroup;
     std::memcpy(x->slot[parity][lane], &value, sizeof value);
-    x->reduced[parity] = 0;
     api->sync(t, MSL_SYNC_SIMD_COLLECTIVE, what, file, line);
     t->xchg_parity = parity ^ 1u;
-    return {x, parity, x->sync_lanes, lane};
+    return {x, x->sync_parity, x->sync_lanes, lane, x->generation};
 }
 
 /* A SIMD-group sync without values; returns the lanes that took part. */
@@ -103,9 +103,10 @@ template <class T> using simd_data = std::enable_if_t<simd_element<lane_t<T>>, T
  * lower half (lane i with lane i + 16, then + 8, ...). Each op is T's own, so half and bfloat round
  * after every addition. The first lane to get here computes it; the others copy its result. */
 template <class T, class Op> T fold(const gathered<T> &g, Op op) {
-    unsigned char *result = g.x->result[g.parity];
+    uint32_t p = g.generation & 1u;
+    unsigned char *result = g.x->result[p];
     T v[MSL_SIMD_WIDTH];
-    if (g.x->reduced[g.parity]) {
+    if (g.x->reduced[p] == g.generation) {
         std::memcpy(v, result, sizeof v[0]);
         return v[0];
     }
@@ -118,7 +119,7 @@ template <class T, class Op> T fold(const gathered<T> &g, Op op) {
         for (uint32_t i = 0, end = n <= half ? 0 : n - half < half ? n - half : half; i < end; i++)
             v[i] = op(v[i], v[i + half]);
     std::memcpy(result, v, sizeof v[0]);
-    g.x->reduced[g.parity] = 1;
+    g.x->reduced[p] = g.generation;
     return v[0];
 }
 
