@@ -74,8 +74,9 @@ class Library:
         constants: Optional[Mapping[int, Union[bool, int, float]]] = None,
     ) -> None:
         """Run `kernel` on grid x threadgroup threads and wait for it (like dispatchThreadgroups
-        followed by waitUntilCompleted). Raises MetalDispatchError on a divergent barrier or
-        collective, a deadlock or a kernel failure (an invalid memory access, a stack overflow),
+        followed by waitUntilCompleted). SIMD-group functions in divergent control flow act on the
+        active lanes, as in MSL. Raises MetalDispatchError on a divergent threadgroup barrier or
+        simdgroup_barrier, a deadlock or a kernel failure (an invalid memory access, a stack overflow),
         or when the watchdog (`set_watchdog`) stops it, naming the kernel, source line and threads.
         Ctrl-C stops it with KeyboardInterrupt."""
         if kernel not in self.kernels:

@@ -114,11 +114,12 @@ def test_apple_internal_builtins_of_real_headers():
           out[8 * i + 5] = simd_shuffle_and_fill_up(v, bfloat(-1.0f), 2);
           out[8 * i + 6] = fast::fmax3(v, bfloat(0.25f), bfloat(-3.0f));
           out[8 * i + 7] = float(__metal_get_thread_index_in_simdgroup(ushort()) + __metal_get_simdgroup_size(uint()));
+          out[256 + i] = float(__metal_nextafter(v, bfloat(INFINITY))) + __metal_nextafter(float(v), -INFINITY);
         }""")
     x = torch.linspace(-1, 1, 32).bfloat16()
-    out = torch.zeros(32 * 8)
+    out = torch.zeros(32 * 9)
     lib.dispatch("k", (1,), (32,), [x, out])
-    o = out.view(32, 8)
+    o = out[:256].view(32, 8)
     xf = x.float()
     e = torch.exp(xf).bfloat16().float()
     assert torch.equal(o[:, 0], e) and torch.equal(o[:, 1], e)
@@ -128,6 +129,9 @@ def test_apple_internal_builtins_of_real_headers():
     assert torch.equal(o[2:, 5], xf[:-2]) and torch.equal(o[:2, 5], torch.tensor([-1.0, -1.0]))
     assert torch.equal(o[:, 6], xf.clamp(min=0.25))
     assert torch.equal(o[:, 7], torch.arange(32).float() + 32)
+    up = torch.nextafter(x, torch.tensor(float("inf")).bfloat16()).float()
+    down = torch.nextafter(xf, torch.tensor(float("-inf")))
+    assert torch.equal(out[256:], up + down)
 
 
 def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():

@@ -54,7 +54,7 @@ MSL_DECLARE(atan2) MSL_DECLARE(asin) MSL_DECLARE(acos) MSL_DECLARE(copysign) MSL
 MSL_DECLARE(normalize) MSL_DECLARE(divide) MSL_DECLARE(popcount) MSL_DECLARE(clz) MSL_DECLARE(ctz)
 MSL_DECLARE(mulhi) MSL_DECLARE(acosh) MSL_DECLARE(asinh) MSL_DECLARE(atanh) MSL_DECLARE(cospi) MSL_DECLARE(sinpi)
 MSL_DECLARE(tanpi) MSL_DECLARE(ldexp) MSL_DECLARE(frexp) MSL_DECLARE(fmax3) MSL_DECLARE(fmin3) MSL_DECLARE(fmedian3)
-MSL_DECLARE(max3) MSL_DECLARE(min3) MSL_DECLARE(median3)
+MSL_DECLARE(max3) MSL_DECLARE(min3) MSL_DECLARE(median3) MSL_DECLARE(nextafter)
 #undef MSL_DECLARE
 /* F(S, N) for S's vectors */
 #define MSL_VECS(F, S) F(S, 2) F(S, 3) F(S, 4)
@@ -143,6 +143,19 @@ template <class T, int N> constexpr float sum_of_products(const vec<T, N> &a, co
     float s = 0;
     for (int i = 0; i < N; i++) s += float(a[i]) * float(b[i]);
     return s;
+}
+
+/* the next E after x towards y; for half and bfloat, one step of their own 16 bits */
+template <class E> constexpr E next_after(E x, E y) {
+    if constexpr (std::is_same_v<E, float>) {
+        return std::nextafter(x, y);
+    } else {
+        if (lane_isnan(x) || lane_isnan(y)) return E(float(x) + float(y));
+        if (float(x) == float(y)) return y;
+        if (float(x) == 0.0f) return E::from_bits(float(y) > 0 ? 0x0001u : 0x8001u);
+        uint16_t b = __builtin_bit_cast(uint16_t, x);
+        return E::from_bits(uint16_t((float(y) > float(x)) == (float(x) > 0) ? b + 1 : b - 1));
+    }
 }
 
 /* an integer type holding the full product of two E */
@@ -283,6 +296,7 @@ MSL_ANY(clz, int, E(x ? __builtin_clzll(std::make_unsigned_t<E>(x)) - (64 - 8 * 
 MSL_ANY(ctz, int, E(x ? __builtin_ctzll(std::make_unsigned_t<E>(x)) : 8 * int(sizeof(E))))
 /* the high half of the full product */
 MSL_ANY2(mulhi, int, E((detail::wide_t<E>(x) * y) >> (8 * sizeof(E))))
+MSL_ANY2(nextafter, floating, detail::next_after(x, E(y)))
 
 #undef MSL_F1
 #undef MSL_F2
@@ -318,7 +332,7 @@ template <class A, class V = detail::floating_t<A>> constexpr V normalize(const 
     X(fract) X(saturate) X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix)     \
     X(isnan) X(isinf) X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length)           \
     X(normalize) X(acosh) X(asinh) X(atanh) X(cospi) X(sinpi) X(tanpi) X(ldexp) X(frexp) X(fmax3) X(fmin3)     \
-    X(fmedian3) X(max3) X(min3) X(median3)
+    X(fmedian3) X(max3) X(min3) X(median3) X(nextafter)
 #define MSL_FORWARD(name)                                                                                         \
     template <class... A> constexpr auto name(A... a)->decltype(::metal::name(a...)) { return ::metal::name(a...); }
 namespace metal {
@@ -357,7 +371,7 @@ MSL_BUILTIN1(cosh) MSL_BUILTIN1(tanh) MSL_BUILTIN1(asin) MSL_BUILTIN1(acos) MSL_
 MSL_BUILTIN1(asinh) MSL_BUILTIN1(atanh) MSL_BUILTIN1(cospi) MSL_BUILTIN1(sinpi) MSL_BUILTIN1(tanpi) MSL_BUILTIN1(fract)
 MSL_BUILTIN1(saturate)
 MSL_BUILTIN2(pow) MSL_BUILTIN2(powr) MSL_BUILTIN2(fmod) MSL_BUILTIN2(atan2) MSL_BUILTIN2(copysign) MSL_BUILTIN2(fmax)
-MSL_BUILTIN2(fmin) MSL_BUILTIN2(divide) MSL_BUILTIN2(ldexp)
+MSL_BUILTIN2(fmin) MSL_BUILTIN2(divide) MSL_BUILTIN2(ldexp) MSL_BUILTIN2(nextafter)
 MSL_BUILTIN3(fma) MSL_BUILTIN3(fmax3) MSL_BUILTIN3(fmin3) MSL_BUILTIN3(fmedian3)
 template <class A> auto __metal_frexp(A a, int *e) -> decltype(::metal::frexp(a, *e)) { return ::metal::frexp(a, *e); }
 #undef MSL_BUILTIN1
