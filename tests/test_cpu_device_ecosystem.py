@@ -115,9 +115,10 @@ def test_apple_internal_builtins_of_real_headers():
           out[8 * i + 6] = fast::fmax3(v, bfloat(0.25f), bfloat(-3.0f));
           out[8 * i + 7] = float(__metal_get_thread_index_in_simdgroup(ushort()) + __metal_get_simdgroup_size(uint()));
           out[256 + i] = float(__metal_nextafter(v, bfloat(INFINITY))) + __metal_nextafter(float(v), -INFINITY);
+          out[288 + i] = __metal_simd_xor(i == 3 ? -0.0f : 0.0f);  // the bits: only lane 3's sign
         }""")
     x = torch.linspace(-1, 1, 32).bfloat16()
-    out = torch.zeros(32 * 9)
+    out = torch.zeros(32 * 10)
     lib.dispatch("k", (1,), (32,), [x, out])
     o = out[:256].view(32, 8)
     xf = x.float()
@@ -131,7 +132,8 @@ def test_apple_internal_builtins_of_real_headers():
     assert torch.equal(o[:, 7], torch.arange(32).float() + 32)
     up = torch.nextafter(x, torch.tensor(float("inf")).bfloat16()).float()
     down = torch.nextafter(xf, torch.tensor(float("-inf")))
-    assert torch.equal(out[256:], up + down)
+    assert torch.equal(out[256:288], up + down)
+    assert (out[288:] == 0).all() and torch.signbit(out[288:]).all()
 
 
 def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():

@@ -406,8 +406,19 @@ inline bool quad_is_first(MSL_CALLER) {
         ->decltype(::metal::name(data, fill, delta, modulo, line, file)) {                                                 \
         return ::metal::name(data, fill, delta, modulo, line, file);                                                       \
     }
+/* the bitwise ones also take a float, half or bfloat scalar (as MLX's bfloat simd_xor passes a
+ * float), combining its bits */
+#define MSL_SIMD_BITS_BUILTIN(name)                                                                               \
+    template <class T> msl_rt::simd_data<T> __metal_##name(T x, MSL_CALLER) {                                     \
+        if constexpr (std::is_integral<msl_rt::lane_t<T>>::value) {                                               \
+            return ::metal::name(x, line, file);                                                                  \
+        } else {                                                                                                  \
+            using B = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;                                     \
+            return ::metal::as_type<T>(::metal::name(::metal::as_type<B>(x), line, file));                        \
+        }                                                                                                         \
+    }
 MSL_SIMD_BUILTIN1(simd_sum) MSL_SIMD_BUILTIN1(simd_product) MSL_SIMD_BUILTIN1(simd_max) MSL_SIMD_BUILTIN1(simd_min)
-MSL_SIMD_BUILTIN1(simd_and) MSL_SIMD_BUILTIN1(simd_or) MSL_SIMD_BUILTIN1(simd_xor)
+MSL_SIMD_BITS_BUILTIN(simd_and) MSL_SIMD_BITS_BUILTIN(simd_or) MSL_SIMD_BITS_BUILTIN(simd_xor)
 MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum)
 MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product)
 MSL_SIMD_BUILTIN1(simd_broadcast_first)
@@ -418,6 +429,7 @@ MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up) MSL_SIMD_BUILTIN_FILL(simd_shuff
 #undef MSL_SIMD_BUILTIN1
 #undef MSL_SIMD_BUILTIN2
 #undef MSL_SIMD_BUILTIN_FILL
+#undef MSL_SIMD_BITS_BUILTIN
 /* the SIMD-group's width and the caller's lane, in the argument's type */
 template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::api->current()->threads_per_simdgroup); }
 template <class T> T __metal_get_thread_index_in_simdgroup(T) { return T(msl_rt::lane_id()); }
