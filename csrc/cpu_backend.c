@@ -11,7 +11,7 @@
 struct fa_pipeline {
     const mcpu_library *library;
     char function[FA_FUNCTION_NAME_BYTES];
-    msl_constant_value constants[MSL_MAX_FUNCTION_CONSTANTS];
+    msl_constant_value constants[FA_MAX_CONSTANTS]; /* by increasing index */
     uint32_t n_constants;
 };
 
@@ -77,21 +77,23 @@ static fa_pipeline *cpu_get_pipeline(const fa_pipeline_key *key, fa_status *st) 
     memcpy(fresh->function, id.function, sizeof fresh->function);
     for (uint32_t i = 0; i < id.n_constants; ++i) {
         const fa_constant *c = &id.constants[i];
-        if (c->index >= MSL_MAX_FUNCTION_CONSTANTS) {
+        if (c->index >= MSL_FUNCTION_CONSTANT_INDICES) {
             free(fresh);
-            fa_fail(st, FA_ERR_VALUE, "function constant index %u is out of range 0..%d", c->index,
-                    MSL_MAX_FUNCTION_CONSTANTS - 1);
+            fa_fail(st, FA_ERR_VALUE, "function constant index %u is out of range 0..%u", c->index,
+                    MSL_FUNCTION_CONSTANT_INDICES - 1);
             return NULL;
         }
-        msl_constant_value *v = &fresh->constants[c->index];
+        uint32_t at = fresh->n_constants++; /* insertion by index */
+        for (; at > 0 && fresh->constants[at - 1].index > c->index; at--) {
+            fresh->constants[at] = fresh->constants[at - 1];
+        }
+        msl_constant_value *v = &fresh->constants[at];
         v->kind = c->kind == FA_CONST_BOOL ? MSL_CONSTANT_BOOL
                   : c->kind == FA_CONST_INT ? MSL_CONSTANT_INT
                                             : MSL_CONSTANT_FLOAT;
+        v->index = c->index;
         v->i = c->i;
         v->f = c->f;
-        if (c->index + 1 > fresh->n_constants) {
-            fresh->n_constants = c->index + 1;
-        }
     }
     found = fa_cache_put(&pipelines, &id, len, fresh);
     if (found != fresh) {

@@ -7,10 +7,11 @@ tensors with Metal's execution model. The same runtime the C core uses for CPU t
 `grid` counts threadgroups (as `dispatchThreadgroups`); `buffers[i]` binds `[[buffer(i)]]` and is a
 CPU tensor (device memory, written in place, its storage offset honoured) or bytes (`setBytes`);
 `threadgroup_memory[i]` is the byte length of `[[threadgroup(i)]]`; `constants` maps
-function-constant indices to bool, int or float values.
+function-constant indices (0..65535, as in Metal) to bool, int or float values.
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -73,8 +74,9 @@ class Library:
         constants: Optional[Mapping[int, Union[bool, int, float]]] = None,
     ) -> None:
         """Run `kernel` on grid x threadgroup threads and wait for it (like dispatchThreadgroups
-        followed by waitUntilCompleted). Raises MetalDispatchError on a divergent barrier or
-        collective, a deadlock or a kernel failure (an invalid memory access, a stack overflow),
+        followed by waitUntilCompleted). SIMD-group functions in divergent control flow act on the
+        active lanes, as in MSL. Raises MetalDispatchError on a divergent threadgroup barrier or
+        simdgroup_barrier, a deadlock or a kernel failure (an invalid memory access, a stack overflow),
         or when the watchdog (`set_watchdog`) stops it, naming the kernel, source line and threads.
         Ctrl-C stops it with KeyboardInterrupt."""
         if kernel not in self.kernels:
@@ -108,7 +110,10 @@ def compile_library(
 
     Macro values are converted with str() (None and True define the macro as 1, False as 0). Compiled libraries
     are cached in memory and on disk (see `cache_dir()`). Raises MetalCompileError carrying the
-    compiler's message with the MSL file and line."""
+    compiler's message with the MSL file and line: the first error first, then as much of the
+    output as the message holds (about 8 KiB). The whole output is the exception's `log`, kept in
+    the file `log_path` of the cache directory (None when the cache is read-only: then `log` is the
+    message)."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     pairs = []
@@ -116,7 +121,28 @@ def compile_library(
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"macros: {key!r} is not a valid macro name")
         pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
-    return Library(_C.compile_library(source, name, pairs), name)
+    try:
+        return Library(_C.compile_library(source, name, pairs), name)
+    except MetalCompileError as error:
+        _attach_log(error)
+        raise
+
+
+_LOG_LINE = re.compile(r"^the whole compiler output \(\d+ errors, \d+ bytes\): (.+)$", re.MULTILINE)
+
+
+def _attach_log(error: Exception) -> None:
+    """error.log_path and error.log: the file the C layer named in the message, and its text."""
+    message = str(error)
+    found = _LOG_LINE.search(message)
+    error.log_path = found.group(1) if found else None
+    error.log = message
+    if error.log_path:
+        try:
+            with open(error.log_path, encoding="utf-8", errors="replace") as f:
+                error.log = f.read()
+        except OSError:  # removed since (a concurrent rebuild, a cleaned cache): the message is what remains
+            error.log_path = None
 
 
 def cache_dir() -> str:

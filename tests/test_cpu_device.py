@@ -334,16 +334,16 @@ DIVERGENT = {
           }
           x[tid] = 1.0f;
         }""", r"threadgroup_barrier"),
-    "divergent_simd": ("""
+    "divergent_simdgroup_barrier": ("""
         kernel void bad(device float *x [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
           float v = 1.0f;
           if (lane < 16) {
-            v = simd_sum(v);
+            simdgroup_barrier(mem_flags::mem_threadgroup);
           } else {
-            v = simd_max(v);
+            v = simd_sum(v);
           }
           x[lane] = v;
-        }""", r"simd_(sum|max)"),
+        }""", r"simdgroup_barrier"),
     "barrier_lines_differ": ("""
         kernel void bad(device float *x [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
           if (tid < 32) {

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -438,18 +439,17 @@ void library_dispatch(const Library &l, const std::string &kernel, std::array<ui
             addresses.push_back(as_address(b.ptr(), "dispatch", name.c_str()));
         }
     }
-    std::vector<msl_constant_value> values;
+    std::vector<msl_constant_value> values; // by increasing index, as mcpu_dispatch takes them
     for (const auto &c : constants) {
         const uint32_t index = std::get<0>(c);
-        if (index >= MSL_MAX_FUNCTION_CONSTANTS) {
+        if (index >= MSL_FUNCTION_CONSTANT_INDICES) {
             throw py::value_error("constants: index " + std::to_string(index) + " is out of range 0.." +
-                                  std::to_string(MSL_MAX_FUNCTION_CONSTANTS - 1));
+                                  std::to_string(MSL_FUNCTION_CONSTANT_INDICES - 1));
         }
-        if (values.size() <= index) {
-            values.resize(index + 1, msl_constant_value{MSL_CONSTANT_UNDEFINED, 0, 0.0});
-        }
-        values[index] = msl_constant_value{std::get<1>(c), std::get<2>(c), std::get<3>(c)};
+        values.push_back(msl_constant_value{std::get<1>(c), index, std::get<2>(c), std::get<3>(c)});
     }
+    std::sort(values.begin(), values.end(),
+              [](const msl_constant_value &a, const msl_constant_value &b) { return a.index < b.index; });
     mcpu_dispatch_args args;
     std::memset(&args, 0, sizeof args);
     args.kernel = kernel.c_str();

@@ -57,9 +57,11 @@ static const char *const PRE_FLAGS[] = {
 static const char *const CC_FLAGS[] = {"-x",    "c++",    "-std=gnu++17", "-O2", "-fno-strict-aliasing",
                                        "-fsigned-char", "-fPIC", "-shared"};
 static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
-static const char *const STUBS[] = {"metal_stdlib", "metal_simdgroup", "metal_simdgroup_matrix",
-                                    "metal_atomic", "metal_math",      "metal_compute",
-                                    "metal_integer"};
+static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup", "metal_simdgroup_matrix",
+                                    "metal_atomic",    "metal_math",      "metal_compute",
+                                    "metal_integer",   "metal_common",    "metal_geometric",
+                                    "metal_relational", "metal_matrix",   "metal_array",
+                                    "metal_uniform",   "metal_types"};
 #define COUNT(a) (sizeof(a) / sizeof *(a))
 
 /* ---- SHA-256 (FIPS 180-4) ---- */
@@ -730,11 +732,27 @@ static int32_t mentions(const char *line, const char *what) {
 /* The end of one diagnostic's block of lines. */
 static int32_t boundary(const char *line) { return mentions(line, "error:") || mentions(line, "warning:"); }
 
+/* The whole output in file `log` (written in tmp, renamed into place), and the line that names it
+ * in `note`; note is "" when log is NULL (a read-only cache) or cannot be written. */
+static void keep_log(const char *out, uint64_t n, const char *tmp, const char *log, char note[PATH_BYTES + 96]) {
+    char path[PATH_BYTES];
+    fa_status ignored;
+    uint64_t errors = 0;
+    note[0] = 0;
+    if (!log || join(path, tmp, ".compiler-output.log", &ignored) || write_file(path, out, n, &ignored) ||
+        rename(path, log))
+        return;
+    for (const char *line = out; *line; line = next_line(line)) errors += (uint64_t)mentions(line, "error:");
+    snprintf(note, PATH_BYTES + 96, "the whole compiler output (%llu errors, %llu bytes): %s\n",
+             (unsigned long long)errors, (unsigned long long)n, log);
+}
+
 /* FA_ERR_COMPILE with the compiler's output, temporary-directory prefixes removed: first the first
  * error as .metal file:line:col (line markers give those; an error inside the shim is reported at
- * the first .metal location the compiler names for it), then the whole output. */
+ * the first .metal location the compiler names for it), then where the whole output is kept (log),
+ * then as much of it as the message holds. */
 static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *out, const char *tmp,
-                             const char *shim) {
+                             const char *shim, const char *log) {
     if (!out || !*out) {
         free(out);
         return fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d) without a message", what, rc);
@@ -749,6 +767,8 @@ static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *
         out[w++] = out[r++];
     }
     out[w] = 0;
+    char note[PATH_BYTES + 96];
+    keep_log(out, w, tmp, log, note);
     const char *first = NULL, *from = NULL;
     for (const char *line = out; *line && !first; line = next_line(line))
         if (mentions(line, "error:")) first = line;
@@ -766,12 +786,12 @@ static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *
     }
     if (from) {
         const char *msg = strstr(first, "error:");
-        fa_fail(st, FA_ERR_COMPILE, "%.*s: %.*s\n%s", (int)location(from), from, (int)strcspn(msg, "\n"), msg,
-                out);
+        fa_fail(st, FA_ERR_COMPILE, "%.*s: %.*s\n%s%s", (int)location(from), from, (int)strcspn(msg, "\n"), msg,
+                note, out);
     } else if (first) {
-        fa_fail(st, FA_ERR_COMPILE, "%.*s\n%s", (int)strcspn(first, "\n"), first, out);
+        fa_fail(st, FA_ERR_COMPILE, "%.*s\n%s%s", (int)strcspn(first, "\n"), first, note, out);
     } else {
-        fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d)\n%s", what, rc, out);
+        fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d)\n%s%s", what, rc, note, out);
     }
     free(out);
     return FA_ERR_COMPILE;
@@ -798,7 +818,7 @@ static void disk_note(const char *dir, char note[PATH_BYTES + 96]) {
 
 /* One compiler run of the build; FA_OK or the failure in st. */
 static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_args, const char *what,
-                             const char *tmp, const char *shim, double timeout, fa_status *st) {
+                             const char *tmp, const char *shim, const char *log, double timeout, fa_status *st) {
     char **argv = with_args(cxx, args, n_args), *err = NULL, why[96];
     if (!argv) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
     int32_t status = run(argv, NULL, &err, timeout);
@@ -828,15 +848,16 @@ static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_
             err = both;
         }
     }
-    return compile_error(st, what, status, err, tmp, shim);
+    return compile_error(st, what, status, err, tmp, shim, log);
 }
 
 static const char KEY_MARK[] = "flashattn_mps CPU Metal library ";
 
 /* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
- * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. */
+ * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. A failing
+ * compiler's whole output goes to file `log` (NULL: nowhere). */
 static int32_t build(const command *cxx, int32_t clang, int32_t clash, const char *shim, const char *tmp,
-                     const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
+                     const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
                      uint32_t n_macros, double timeout, fa_status *st) {
     char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], so[PATH_BYTES], inc[PATH_BYTES],
         shim_h[PATH_BYTES];
@@ -887,7 +908,7 @@ static int32_t build(const command *cxx, int32_t clang, int32_t clash, const cha
         argv[argc++] = "-o";
         argv[argc++] = pre;
     }
-    if (!rc) rc = compiler_step(cxx, argv, argc, "preprocessing", tmp, shim, timeout, st);
+    if (!rc) rc = compiler_step(cxx, argv, argc, "preprocessing", tmp, shim, log, timeout, st);
     for (uint32_t i = 0; defs && i < n_macros; i++) free(defs[i]);
     free(defs);
     free(argv);
@@ -929,7 +950,7 @@ static int32_t build(const command *cxx, int32_t clang, int32_t clash, const cha
     cc[n++] = "-o";
     cc[n++] = so;
     cc[n++] = "-lm";
-    return compiler_step(cxx, cc, n, "compiling", tmp, shim, timeout, st);
+    return compiler_step(cxx, cc, n, "compiling", tmp, shim, log, timeout, st);
 }
 
 /* Whether the compiler takes STACK_CLASH_FLAG (probe each page of a large frame, so a frame larger
@@ -1095,7 +1116,7 @@ static int32_t valid_macro(const mcpu_macro *m) {
 static mcpu_library *build_and_load(const char *cache, const command *cxx, const char *id, double timeout,
                                     const char *key, int32_t damaged, const char *source, const char *source_name,
                                     const mcpu_macro *macros, uint32_t n_macros, fa_status *st) {
-    char base[PATH_BYTES], shim[PATH_BYTES], tmp[PATH_BYTES], built[PATH_BYTES], name[64];
+    char base[PATH_BYTES], shim[PATH_BYTES], tmp[PATH_BYTES], built[PATH_BYTES], name[64], log[PATH_BYTES];
     mcpu_signals_ensure(); /* Ctrl-C stops the compiler */
     int32_t writable = access(cache, W_OK) == 0;
     if (writable) {
@@ -1114,11 +1135,14 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
             if (!join(tmp, cache, name, st)) unlink(tmp);
         }
     mcpu_library *lib = NULL;
-    int32_t rc = shim_dir(base, shim, st) || join(tmp, base, "tmp-XXXXXX", st) ? st->code : FA_OK;
+    snprintf(name, sizeof name, "%s.log", key); /* a failed build's compiler output, in a writable cache */
+    int32_t rc = shim_dir(base, shim, st) || join(tmp, base, "tmp-XXXXXX", st) || join(log, cache, name, st)
+                     ? st->code
+                     : FA_OK;
     if (!rc && !mkdtemp(tmp)) rc = io_fail(st, "create directory in", base);
     if (!rc) {
-        rc = build(cxx, strstr(id, "clang") != NULL, stack_clash_supported(cxx, timeout), shim, tmp, key, source,
-                   source_name, macros, n_macros, timeout, st);
+        rc = build(cxx, strstr(id, "clang") != NULL, stack_clash_supported(cxx, timeout), shim, tmp,
+                   writable ? log : NULL, key, source, source_name, macros, n_macros, timeout, st);
         if (!rc) rc = join(built, tmp, ".library.so", st);
         if (!rc && writable && !(rc = install(built, cache, key, st))) {
             int32_t again;

@@ -36,7 +36,7 @@ mcpu_kernel_fn mcpu_library_kernel(const mcpu_library *lib, const char *name);
 
 /* Run one dispatch synchronously: grid counts threadgroups. buffers[i] binds [[buffer(i)]] (host
  * addresses with offsets applied); threadgroup_arg_lengths[i] sizes [[threadgroup(i)]];
- * constants[i] is function constant i (kind MSL_CONSTANT_UNDEFINED where not set).
+ * constants holds the function constants set, by strictly increasing index (0..65535).
  * Fails with FA_ERR_VALUE on bad geometry (more than 1024 threads, a zero dimension, more than
  * 32 KiB of threadgroup memory) and FA_ERR_RUNTIME on a divergence, deadlock or kernel failure
  * (a fault of kernel code: invalid memory access, stack overflow; SIGINT; the watchdog), naming

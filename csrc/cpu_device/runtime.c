@@ -84,7 +84,10 @@ typedef struct gthread {
 /* A SIMD-group or the threadgroup, as a barrier scope. */
 typedef struct scope {
     uint32_t arrived, live;
-    const gthread *first; /* the first arrival: everyone else must wait at the same point */
+    const gthread *first; /* the first arrival: a threadgroup barrier's others must wait at the same point */
+    /* SIMD-group scopes: lanes waiting at a threadgroup barrier, and whether the lanes waiting at
+     * SIMD-group syncs may be at different points (divergent control flow) */
+    uint32_t at_barrier, mixed;
 } scope;
 
 /* What an OS thread needs to run threadgroups: borrowed from the pool for one dispatch, so fibers,
@@ -224,32 +227,68 @@ static gthread *take_ready(worker *w) {
 /* Switches from g (which waits or has exited) to the next runnable fiber. */
 static void run_next(worker *w, gthread *g) {
     if (w->ready_count == 0) {
-        /* Nothing can run. Every other stall is reported where it arises, so this is a SIMD-group
-         * waiting at a collective for lanes that wait at threadgroup_barrier. */
-        uint32_t s = 0;
-        while (s + 1 < w->n_simdgroups && w->simd[s].arrived == 0) s++;
-        group_fail(w, FA_ERR_RUNTIME, -1,
-                   "deadlock: SIMD collective in divergent control flow (SIMD-group %u)", s);
+        /* Nothing can run. Every stall is reported or settled where it arises (settle_simd), so
+         * this is a runtime bug: fail the dispatch rather than hang. */
+        group_fail(w, FA_ERR_RUNTIME, -1, "deadlock: no thread can run");
     }
     gthread *next = take_ready(w);
     w->running = next;
     mcpu_fiber_switch(&g->fiber, &next->fiber);
 }
 
-/* Queues every other live member of a completed scope. */
-static void release(worker *w, scope *s, const gthread *self) {
-    s->arrived = 0;
-    if (s == &w->group) {
-        for (uint32_t i = 0; i < w->n_threads; i++)
-            if (&w->threads[i] != self) make_ready(w, &w->threads[i]);
+/* Queues every other live thread of a completed threadgroup barrier. */
+static void release_group(worker *w, const gthread *self) {
+    w->group.arrived = 0;
+    for (uint32_t s = 0; s < w->n_simdgroups; s++) w->simd[s].at_barrier = 0;
+    for (uint32_t i = 0; i < w->n_threads; i++)
+        if (&w->threads[i] != self) make_ready(w, &w->threads[i]);
+}
+
+/* Completes a SIMD-group sync with the lanes in `active` (waiting at one point): publishes what
+ * they read (msl_simd_exchange) and queues them (self goes on running). */
+static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self) {
+    msl_simd_exchange *x = &w->xchg[sg];
+    scope *s = &w->simd[sg];
+    uint32_t parity = 0;
+    for (uint32_t lanes = active; lanes; lanes &= lanes - 1) {
+        uint32_t lane = (uint32_t)__builtin_ctz(lanes);
+        gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
+        parity |= (g->t.xchg_parity & 1u) << lane;
+        if (g != self) make_ready(w, g);
+        else g->state = READY;
+    }
+    x->sync_lanes = active, x->sync_parity = parity, x->generation++;
+    s->arrived -= (uint32_t)__builtin_popcount(active);
+    s->mixed = s->arrived > 0; /* the lanes left waiting may still differ */
+}
+
+/* Once every live lane of SIMD-group sg waits (at SIMD-group syncs or a threadgroup barrier),
+ * completes the SIMD-group sync at the earliest point (lowest line, then file) with the lanes
+ * waiting there: the active lanes, as in MSL's divergent control flow. simdgroup_barrier, which
+ * Metal requires of every lane, fails the dispatch when only some are there. */
+static void settle_simd(worker *w, uint32_t sg, gthread *self) {
+    scope *s = &w->simd[sg];
+    if (s->arrived == 0 || s->arrived + s->at_barrier < s->live) return;
+    uint32_t live = w->xchg[sg].live_lanes;
+    if (!s->mixed && s->at_barrier == 0) {
+        release_simd(w, sg, live, self);
         return;
     }
-    uint32_t sg = (uint32_t)(s - w->simd);
-    w->xchg[sg].sync_lanes = w->xchg[sg].live_lanes;
-    for (uint32_t lanes = w->xchg[sg].live_lanes; lanes; lanes &= lanes - 1) {
-        gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(lanes)];
-        if (g != self) make_ready(w, g);
+    const gthread *lead = NULL;
+    for (uint32_t lanes = live; lanes; lanes &= lanes - 1) {
+        const gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(lanes)];
+        if (g->state != WAITING || g->kind == MSL_SYNC_THREADGROUP_BARRIER) continue;
+        if (!lead || g->line < lead->line || (g->line == lead->line && strcmp(g->file, lead->file) < 0)) lead = g;
     }
+    uint32_t active = 0;
+    for (uint32_t lanes = live; lanes; lanes &= lanes - 1) {
+        uint32_t lane = (uint32_t)__builtin_ctz(lanes);
+        const gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
+        if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && same_point(g, lead)) active |= 1u << lane;
+    }
+    if (lead->kind == MSL_SYNC_SIMDGROUP_BARRIER && active != live)
+        group_fail(w, FA_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
+    release_simd(w, sg, active, self);
 }
 
 /* Leaves the threadgroup of a failed dispatch for good (from runtime code on a fiber). */
@@ -265,24 +304,28 @@ static void rt_sync(msl_thread *t, int32_t kind, const char *what, const char *f
     if (atomic_load_explicit(&w->job->failed, memory_order_relaxed)) abandon(w); /* stopped, or failed elsewhere */
     g->state = WAITING;
     g->kind = kind, g->what = what, g->file = file, g->line = line;
-    int tg_scope = kind == MSL_SYNC_THREADGROUP_BARRIER;
-    scope *s = tg_scope ? &w->group : &w->simd[t->simdgroup_index_in_threadgroup];
-    if (s->arrived == 0) {
-        s->first = g;
-    } else if (!same_point(s->first, g)) {
-        if (tg_scope) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
-        group_fail(w, FA_ERR_RUNTIME, (int)t->simdgroup_index_in_threadgroup,
-                   "SIMD collective in divergent control flow");
+    uint32_t sg = t->simdgroup_index_in_threadgroup;
+    if (kind == MSL_SYNC_THREADGROUP_BARRIER) {
+        scope *s = &w->group;
+        if (s->arrived == 0) s->first = g;
+        else if (!same_point(s->first, g))
+            group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
+        if (w->n_done) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
+        if (++s->arrived == s->live) {
+            g->state = READY;
+            release_group(w, g);
+        } else {
+            w->simd[sg].at_barrier++;
+            settle_simd(w, sg, g); /* its SIMD-group's other lanes may wait at a collective */
+        }
+    } else {
+        scope *s = &w->simd[sg];
+        if (s->arrived == 0) s->first = g;
+        else if (!s->mixed && !same_point(s->first, g)) s->mixed = 1;
+        s->arrived++;
+        settle_simd(w, sg, g);
     }
-    if (tg_scope && w->n_done)
-        group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
-    if (++s->arrived < s->live) {
-        run_next(w, g);
-        w->in_kernel = 1;
-        return;
-    }
-    g->state = READY;
-    release(w, s, g);
+    if (g->state == WAITING) run_next(w, g);
     w->in_kernel = 1;
 }
 
@@ -301,7 +344,7 @@ static void thread_main(void *arg) {
     w->xchg[sg].live_lanes &= ~(1u << g->t.thread_index_in_simdgroup);
     if (w->group.arrived)
         group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
-    if (s->arrived && s->arrived == s->live) release(w, s, g); /* the exited lane was the last */
+    settle_simd(w, sg, g); /* the exited lane may have been the last one running */
     if (w->n_done == w->n_threads) mcpu_fiber_switch(&g->fiber, &w->home);
     else run_next(w, g);
     __builtin_trap(); /* a finished fiber is never resumed */
@@ -357,9 +400,20 @@ static void rt_fail_argument(msl_thread *t, const char *message, const char *fil
     group_fail(w, FA_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
 }
 
+static const void *unbound_region;
+static void map_unbound_region(void) {
+    void *p = mmap(NULL, MSL_UNBOUND_BYTES, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    unbound_region = p == MAP_FAILED ? NULL : p;
+}
+static const void *rt_unbound_storage(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, map_unbound_region);
+    return unbound_region;
+}
+
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
-                                        rt_fail, rt_fail_argument};
+                                        rt_fail, rt_fail_argument, rt_unbound_storage};
     return &api;
 }
 
@@ -621,11 +675,12 @@ static void run_threadgroup(worker *w, uint64_t index) {
     w->n_statics = 0;
     w->n_done = 0;
     w->ready_head = w->ready_count = 0;
-    w->group = (scope){0, w->n_threads, NULL};
+    w->group = (scope){0, w->n_threads, NULL, 0, 0};
     for (uint32_t s = 0; s < w->n_simdgroups; s++) {
         uint32_t live = w->n_threads - s * MSL_SIMD_WIDTH;
         live = live < MSL_SIMD_WIDTH ? live : MSL_SIMD_WIDTH;
-        w->simd[s] = (scope){0, live, NULL};
+        w->simd[s] = (scope){0, live, NULL, 0, 0};
+        w->xchg[s].generation = w->xchg[s].reduced[0] = w->xchg[s].reduced[1] = 0;
         w->xchg[s].live_lanes = live == 32 ? ~0u : (1u << live) - 1; /* absent lanes never live */
     }
     for (uint32_t i = 0; i < w->n_threads; i++) {
@@ -979,9 +1034,15 @@ int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_s
         return fa_fail(st, FA_ERR_VALUE,
                        "kernel '%s': n_threadgroup_args = %u (at most %u, with threadgroup_arg_lengths set)",
                        a->kernel, a->n_threadgroup_args, MSL_MAX_THREADGROUP_ARGS);
-    if (a->n_constants > MSL_MAX_FUNCTION_CONSTANTS || (a->n_constants && !a->constants))
+    if (a->n_constants > MSL_FUNCTION_CONSTANT_INDICES || (a->n_constants && !a->constants))
         return fa_fail(st, FA_ERR_VALUE, "kernel '%s': n_constants = %u (at most %u, with constants set)",
-                       a->kernel, a->n_constants, MSL_MAX_FUNCTION_CONSTANTS);
+                       a->kernel, a->n_constants, MSL_FUNCTION_CONSTANT_INDICES);
+    for (uint32_t i = 0; i < a->n_constants; i++)
+        if (a->constants[i].index >= MSL_FUNCTION_CONSTANT_INDICES ||
+            (i && a->constants[i].index <= a->constants[i - 1].index))
+            return fa_fail(st, FA_ERR_VALUE,
+                           "kernel '%s': constants[%u] has index %u; indices must be 0..%u, increasing",
+                           a->kernel, i, a->constants[i].index, MSL_FUNCTION_CONSTANT_INDICES - 1);
     uint64_t tg_bytes = 0; /* a multiple of 16, as each length is rounded up to 16 */
     for (uint32_t i = 0; i < a->n_threadgroup_args; i++) {
         uint64_t len = a->threadgroup_arg_lengths[i];

@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define MSL_ABI_VERSION 1u
+#define MSL_ABI_VERSION 2u
 #ifdef __cplusplus
 #define MSL_ALIGN16 alignas(16)
 #else
@@ -28,7 +28,10 @@ extern "C" {
 #define MSL_XCHG_BYTES 64u
 #define MSL_MAX_BUFFERS 31u
 #define MSL_MAX_THREADGROUP_ARGS 31u
-#define MSL_MAX_FUNCTION_CONSTANTS 64u
+/* Function-constant indices are 0..65535 as in Metal; a dispatch sets at most 65536 of them. */
+#define MSL_FUNCTION_CONSTANT_INDICES 65536u
+/* Bytes of the read-only zeroed storage an unbound optional buffer argument points to. */
+#define MSL_UNBOUND_BYTES 65536u
 
 typedef enum msl_constant_kind {
     MSL_CONSTANT_UNDEFINED = 0,
@@ -38,7 +41,8 @@ typedef enum msl_constant_kind {
 } msl_constant_kind;
 
 typedef struct msl_constant_value {
-    int32_t kind; /* msl_constant_kind */
+    int32_t kind;   /* msl_constant_kind */
+    uint32_t index; /* [[function_constant(index)]] */
     int64_t i;
     double f;
 } msl_constant_value;
@@ -50,23 +54,30 @@ typedef struct msl_launch {
     uint32_t n_buffers;
     uint32_t n_threadgroup_args; /* [[threadgroup(n)]] arguments bound */
     const uint64_t *threadgroup_arg_lengths;
-    const msl_constant_value *constants; /* indexed by function-constant index */
+    const msl_constant_value *constants; /* the constants set, by increasing index */
     uint32_t n_constants;
     uint32_t threadgroups_per_grid[3];
     uint32_t threads_per_threadgroup[3];
 } msl_launch;
 
-/* One SIMD-group's exchange area: lanes publish into slot[parity][lane], synchronise, then read.
- * Two parities let consecutive collectives proceed with one synchronisation each. */
+/* One SIMD-group's exchange area: a lane publishes into slot[its parity][lane], synchronises, then
+ * reads. Each lane's two parities let consecutive collectives proceed with one synchronisation
+ * each. A sync completes only when every live lane of the SIMD-group waits (at a SIMD-group sync
+ * or a threadgroup barrier), so every lane has finished reading the one before; it releases the
+ * lanes waiting at the earliest point, the active lanes (all of them unless control flow
+ * diverged). */
 typedef struct msl_simd_exchange {
     MSL_ALIGN16 unsigned char slot[2][MSL_SIMD_WIDTH][MSL_XCHG_BYTES];
     uint32_t live_lanes; /* bit i set while lane i has not returned; kept by the runtime */
-    /* live_lanes when the SIMD-group's latest sync completed: the lanes whose slots a collective
-     * reads. Set by the runtime; unlike live_lanes it stays put while released lanes read, even if
-     * one of them returns first. */
+    /* The active lanes of the SIMD-group's latest completed sync, whose slots a collective reads;
+     * sync_parity bit i: the parity lane i published in; generation: completed syncs. Set by the
+     * runtime; they stay put while released lanes read, even if one of them returns first. */
     uint32_t sync_lanes;
-    /* A reduction's result per parity: the first lane to read the exchange computes it, the others
-     * copy it. A lane publishing into parity p clears reduced[p]. Kernel side only. */
+    uint32_t sync_parity;
+    uint32_t generation;
+    /* A reduction's result: the first lane to read sync `generation` computes it into
+     * result[generation % 2] and sets reduced[generation % 2] = generation; the others copy it.
+     * Kernel side only (the runtime zeroes reduced per threadgroup). */
     MSL_ALIGN16 unsigned char result[2][MSL_XCHG_BYTES];
     uint32_t reduced[2];
 } msl_simd_exchange;
@@ -119,6 +130,9 @@ typedef struct msl_runtime_api {
     /* Like fail, for a dispatch whose arguments do not fit the kernel (an unbound [[buffer(n)]]):
      * reported as a bad argument (FA_ERR_VALUE), not a kernel failure. */
     void (*fail_argument)(msl_thread *t, const char *message, const char *file, uint32_t line);
+    /* MSL_UNBOUND_BYTES of zeroes, read-only (a write faults, failing the dispatch): what an
+     * optional [[buffer(n), function_constant(c)]] argument left unbound refers to. */
+    const void *(*unbound_storage)(void);
 } msl_runtime_api;
 
 #ifdef __cplusplus

@@ -33,7 +33,9 @@ namespace msl_rt {
     std::abort();
 }
 
-/* file/line default to the call site: the launcher, whose #line is the kernel's line. */
+/* file/line default to the call site: the launcher, whose #line is the kernel's line. An optional
+ * buffer (its attribute names a function constant) left unbound gets the runtime's read-only
+ * zeroes: a dead read of it reads 0, as Metal's kernels in practice do, instead of faulting. */
 inline void *bound_buffer(msl_thread *t, uint32_t n, bool optional, const char *file, uint32_t line) {
     const msl_launch *l = t->launch;
     void *p = n < l->n_buffers ? l->buffers[n] : nullptr;
@@ -43,6 +45,8 @@ inline void *bound_buffer(msl_thread *t, uint32_t n, bool optional, const char *
                  l->kernel_name, n, l->n_buffers);
         argument_fail(t, m, file, line);
     }
+    if (!p && !(p = const_cast<void *>(api->unbound_storage())))
+        kernel_fail(t, "no memory for the storage of an unbound optional buffer", file, line);
     return p;
 }
 
@@ -63,13 +67,14 @@ struct arg_ptr {
     template <class T> operator T *() const { return static_cast<T *>(p); }
 };
 
-/* Reference arguments: `constant Params& p [[buffer(n)]]`. An optional one (its buffer attribute
- * names a function constant) left unbound refers to zeroed storage the kernel will not read. */
+/* Reference arguments: `constant Params& p [[buffer(n)]]`. */
 struct arg_ref {
     void *p;
+    bool unbound; /* p is the unbound storage */
     template <class T> operator T &() const {
-        alignas(T) static unsigned char unbound[sizeof(T)];
-        return *static_cast<T *>(p ? p : static_cast<void *>(unbound));
+        if (unbound && sizeof(T) > MSL_UNBOUND_BYTES)
+            kernel_fail(api->current(), "an unbound optional buffer reference larger than 64 KiB", __FILE__, __LINE__);
+        return *static_cast<T *>(p);
     }
 };
 
@@ -79,7 +84,8 @@ inline arg_ptr buffer_ptr(msl_thread *t, uint32_t n, bool optional = false,
 }
 inline arg_ref buffer_ref(msl_thread *t, uint32_t n, bool optional = false,
                           const char *file = __builtin_FILE(), uint32_t line = __builtin_LINE()) {
-    return {bound_buffer(t, n, optional, file, line)};
+    void *p = bound_buffer(t, n, optional, file, line);
+    return {p, p == api->unbound_storage()};
 }
 inline arg_ptr threadgroup_ptr(msl_thread *t, uint32_t n, const char *file = __builtin_FILE(),
                                uint32_t line = __builtin_LINE()) {
@@ -87,7 +93,7 @@ inline arg_ptr threadgroup_ptr(msl_thread *t, uint32_t n, const char *file = __b
 }
 inline arg_ref threadgroup_ref(msl_thread *t, uint32_t n, const char *file = __builtin_FILE(),
                                uint32_t line = __builtin_LINE()) {
-    return {bound_threadgroup_arg(t, n, file, line)};
+    return {bound_threadgroup_arg(t, n, file, line), false};
 }
 
 /* The element type of a vector type (what v[0] gives), void for anything else. */
@@ -158,11 +164,22 @@ MSL_RT_BUILTIN(dispatch_quadgroups_per_threadgroup, v1((group_threads(t) + 3u) /
 #undef MSL_RT_BUILTIN
 } // namespace builtin
 
-/* Function constants: the current dispatch's value n, or NULL when it is not set. Also safe
- * outside a dispatch (static initialisers at dlopen time): then there is no thread and no value. */
+/* Function constants: the current dispatch's value n, or NULL when it is not set (a binary search
+ * of the launch's table, sorted by index). Also safe outside a dispatch (static initialisers at
+ * dlopen time): then there is no thread and no value. */
 inline const msl_constant_value *constant_value(msl_thread *t, uint32_t n) {
-    if (!t || n >= t->launch->n_constants || !t->launch->constants) return nullptr;
-    const msl_constant_value *c = &t->launch->constants[n];
+    if (!t) return nullptr;
+    const msl_constant_value *c = t->launch->constants;
+    for (uint32_t count = t->launch->n_constants; count > 0;) { /* c[0, count) may hold n */
+        uint32_t mid = count / 2;
+        if (c[mid].index < n) {
+            c += mid + 1;
+            count -= mid + 1;
+        } else {
+            count = mid;
+        }
+    }
+    if (c == t->launch->constants + t->launch->n_constants || c->index != n) return nullptr;
     return c->kind == MSL_CONSTANT_UNDEFINED ? nullptr : c;
 }
 
@@ -171,6 +188,7 @@ inline const msl_constant_value *constant_value(msl_thread *t, uint32_t n) {
  * literal 0 never converts to it). Reading an unset constant fails the dispatch, as Metal fails
  * the pipeline, naming the declaration's .metal line. */
 template <class T, uint32_t N> struct function_constant {
+    static_assert(N < MSL_FUNCTION_CONSTANT_INDICES, "function-constant index beyond Metal's 0..65535");
     const char *name, *file;
     uint32_t line;
     operator T() const {

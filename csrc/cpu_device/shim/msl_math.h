@@ -4,8 +4,8 @@
  * in one type as in MSL's arithmetic (half and int give half, half and float give float, a scalar
  * with a vector gives the vector), but for min, max and clamp, which take one type as in Metal:
  * max(x, 0.0f), max(h, h), min(i, 3) and max(v, 0.0f) resolve, min(long, int) does not. half and
- * bfloat are computed in float and rounded once. fast:: and precise:: are the
- * same functions: the CPU does not reproduce the GPU's fast-math error.
+ * bfloat are computed in float and rounded once. fast:: and precise:: forward to the same
+ * functions (see the end): the CPU does not reproduce the GPU's fast-math error.
  * NaN follows the MSL specification: fmax, fmin, max, min return the other argument when exactly
  * one is NaN (NaN when both are); clamp(x, lo, hi) is fmin(fmax(x, lo), hi). */
 #ifndef MSL_MATH_H
@@ -52,7 +52,9 @@ MSL_DECLARE(round) MSL_DECLARE(rint) MSL_DECLARE(trunc) MSL_DECLARE(fract) MSL_D
 MSL_DECLARE(cos) MSL_DECLARE(tan) MSL_DECLARE(tanh) MSL_DECLARE(sinh) MSL_DECLARE(cosh) MSL_DECLARE(atan)
 MSL_DECLARE(atan2) MSL_DECLARE(asin) MSL_DECLARE(acos) MSL_DECLARE(copysign) MSL_DECLARE(mix) MSL_DECLARE(step)
 MSL_DECLARE(normalize) MSL_DECLARE(divide) MSL_DECLARE(popcount) MSL_DECLARE(clz) MSL_DECLARE(ctz)
-MSL_DECLARE(mulhi)
+MSL_DECLARE(mulhi) MSL_DECLARE(acosh) MSL_DECLARE(asinh) MSL_DECLARE(atanh) MSL_DECLARE(cospi) MSL_DECLARE(sinpi)
+MSL_DECLARE(tanpi) MSL_DECLARE(ldexp) MSL_DECLARE(frexp) MSL_DECLARE(fmax3) MSL_DECLARE(fmin3) MSL_DECLARE(fmedian3)
+MSL_DECLARE(max3) MSL_DECLARE(min3) MSL_DECLARE(median3) MSL_DECLARE(nextafter)
 #undef MSL_DECLARE
 /* F(S, N) for S's vectors */
 #define MSL_VECS(F, S) F(S, 2) F(S, 3) F(S, 4)
@@ -143,6 +145,19 @@ template <class T, int N> constexpr float sum_of_products(const vec<T, N> &a, co
     return s;
 }
 
+/* the next E after x towards y; for half and bfloat, one step of their own 16 bits */
+template <class E> constexpr E next_after(E x, E y) {
+    if constexpr (std::is_same_v<E, float>) {
+        return std::nextafter(x, y);
+    } else {
+        if (lane_isnan(x) || lane_isnan(y)) return E(float(x) + float(y));
+        if (float(x) == float(y)) return y;
+        if (float(x) == 0.0f) return E::from_bits(float(y) > 0 ? 0x0001u : 0x8001u);
+        uint16_t b = __builtin_bit_cast(uint16_t, x);
+        return E::from_bits(uint16_t((float(y) > float(x)) == (float(x) > 0) ? b + 1 : b - 1));
+    }
+}
+
 /* an integer type holding the full product of two E */
 template <class E>
 using wide_t = std::conditional_t<sizeof(E) <= 4, std::conditional_t<std::is_signed_v<E>, int64_t, uint64_t>,
@@ -202,6 +217,12 @@ MSL_F1(tanh, std::tanh(x))
 MSL_F1(asin, std::asin(x))
 MSL_F1(acos, std::acos(x))
 MSL_F1(atan, std::atan(x))
+MSL_F1(acosh, std::acosh(x))
+MSL_F1(asinh, std::asinh(x))
+MSL_F1(atanh, std::atanh(x))
+MSL_F1(cospi, std::cos(M_PI_F * x))
+MSL_F1(sinpi, std::sin(M_PI_F * x))
+MSL_F1(tanpi, std::tan(M_PI_F * x))
 /* 1.0 if x > 0, -1.0 if x < 0, x itself for +-0, 0 for NaN */
 MSL_F1(sign, x > 0 ? 1.0f : x < 0 ? -1.0f : x == x ? x : 0.0f)
 /* fmin(x - floor(x), the largest E below 1) */
@@ -217,6 +238,7 @@ MSL_F2(fmax, detail::lane_max(x, y))
 MSL_F2(fmin, detail::lane_min(x, y))
 MSL_F2(step, y < x ? 0.0f : 1.0f) /* step(edge, x) */
 MSL_F2(divide, x / y)
+MSL_F2(ldexp, std::ldexp(x, int(y))) /* ldexp(x, int k) */
 
 /* half: the product is exact in double and so is its sum with z (within half's range), rounded
  * once; a float sum would round twice. float and bfloat: in float. */
@@ -224,6 +246,11 @@ MSL_F3(fma, std::is_same_v<E, half> ? E(std::fma(double(x), double(y), double(z)
                                     : E(std::fma(float(x), float(y), float(z))))
 MSL_F3(mad, fma(x, y, z))
 MSL_F3(mix, float(x) + (float(y) - float(x)) * float(z))
+
+MSL_F3(fmax3, E(detail::lane_max(detail::lane_max(float(x), float(y)), float(z))))
+MSL_F3(fmin3, E(detail::lane_min(detail::lane_min(float(x), float(y)), float(z))))
+MSL_F3(fmedian3, E(detail::lane_max(detail::lane_min(float(x), float(y)),
+                                    detail::lane_min(detail::lane_max(float(x), float(y)), float(z)))))
 
 MSL_TEST(isnan, std::isnan(x))
 MSL_TEST(isinf, std::isinf(x))
@@ -239,6 +266,23 @@ constexpr R clamp(const A &x, const B &lo, const C &hi) {
     return detail::map<R>(f, R(x), R(lo), R(hi));
 }
 
+/* of three, as max and min take their types */
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>> constexpr R max3(const A &x, const B &y, const C &z) {
+    return max(max(x, y), z);
+}
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>> constexpr R min3(const A &x, const B &y, const C &z) {
+    return min(min(x, y), z);
+}
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>>
+constexpr R median3(const A &x, const B &y, const C &z) {
+    return max(min(x, y), min(max(x, y), z));
+}
+
+/* frexp(x, e): the fraction in [0.5, 1) with x = fraction * 2^e, of a float, half or bfloat */
+template <class A, std::enable_if_t<is_floating_point_v<A>, int> = 0> A frexp(A x, int &e) {
+    return A(std::frexp(float(x), &e));
+}
+
 /* select(a, b, c): c ? b : a, with c a bool or a bool vector of the operands' lanes */
 template <class A, class B, class C, class R = detail::common_t<A, B>,
           std::enable_if_t<std::is_same_v<detail::elem_t<C>, bool>, int> = 0>
@@ -252,6 +296,7 @@ MSL_ANY(clz, int, E(x ? __builtin_clzll(std::make_unsigned_t<E>(x)) - (64 - 8 * 
 MSL_ANY(ctz, int, E(x ? __builtin_ctzll(std::make_unsigned_t<E>(x)) : 8 * int(sizeof(E))))
 /* the high half of the full product */
 MSL_ANY2(mulhi, int, E((detail::wide_t<E>(x) * y) >> (8 * sizeof(E))))
+MSL_ANY2(nextafter, floating, detail::next_after(x, E(y)))
 
 #undef MSL_F1
 #undef MSL_F2
@@ -277,13 +322,61 @@ template <class A, class V = detail::floating_t<A>> constexpr V normalize(const 
 
 #endif /* MSL_STRICT */
 
+/* metal::fast and metal::precise declare their own functions, forwarding to metal's (the CPU does
+ * not reproduce the GPU's fast-math error): an overload that user code adds to one of them (a
+ * bfloat exp in metal::fast) joins the set instead of hiding every other, as it would behind a
+ * using-directive. By value, so that an argument's address space and cv-qualifiers drop. */
+#define MSL_MATH_FUNCTIONS(X)                                                                                     \
+    X(exp) X(exp2) X(exp10) X(log) X(log2) X(log10) X(pow) X(powr) X(sqrt) X(rsqrt) X(fabs) X(floor) X(ceil)     \
+    X(round) X(rint) X(trunc) X(sin) X(cos) X(tan) X(sinh) X(cosh) X(tanh) X(asin) X(acos) X(atan) X(sign)       \
+    X(fract) X(saturate) X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix)     \
+    X(isnan) X(isinf) X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length)           \
+    X(normalize) X(acosh) X(asinh) X(atanh) X(cospi) X(sinpi) X(tanpi) X(ldexp) X(frexp) X(fmax3) X(fmin3)     \
+    X(fmedian3) X(max3) X(min3) X(median3) X(nextafter)
+#define MSL_FORWARD(name)                                                                                         \
+    template <class... A> constexpr auto name(A... a)->decltype(::metal::name(a...)) { return ::metal::name(a...); }
 namespace metal {
 namespace fast {
-using namespace metal;
+MSL_MATH_FUNCTIONS(MSL_FORWARD)
 }
 namespace precise {
-using namespace metal;
+MSL_MATH_FUNCTIONS(MSL_FORWARD)
 }
 } // namespace metal
+
+/* Apple's internal math builtins, which real headers call (MLX's bfloat math): __metal_NAME(x...,
+ * mode), mode one of the macros below (ignored: fast and precise are the same here), none for fma,
+ * a pointer for frexp's exponent. */
+#define __METAL_FAST_MATH__ true
+#define __METAL_PRECISE_MATH__ false
+#define __METAL_MAYBE_FAST_MATH__ __METAL_FAST_MATH__
+#define MSL_BUILTIN1(name)                                                                                        \
+    template <class A> constexpr auto __metal_##name(A a, bool = true)->decltype(::metal::name(a)) {             \
+        return ::metal::name(a);                                                                                  \
+    }
+#define MSL_BUILTIN2(name)                                                                                        \
+    template <class A, class B>                                                                                   \
+    constexpr auto __metal_##name(A a, B b, bool = true)->decltype(::metal::name(a, b)) {                        \
+        return ::metal::name(a, b);                                                                               \
+    }
+#define MSL_BUILTIN3(name)                                                                                        \
+    template <class A, class B, class C>                                                                          \
+    constexpr auto __metal_##name(A a, B b, C c, bool = true)->decltype(::metal::name(a, b, c)) {                \
+        return ::metal::name(a, b, c);                                                                            \
+    }
+MSL_BUILTIN1(exp) MSL_BUILTIN1(exp2) MSL_BUILTIN1(exp10) MSL_BUILTIN1(log) MSL_BUILTIN1(log2) MSL_BUILTIN1(log10)
+MSL_BUILTIN1(sqrt) MSL_BUILTIN1(rsqrt) MSL_BUILTIN1(fabs) MSL_BUILTIN1(floor) MSL_BUILTIN1(ceil) MSL_BUILTIN1(round)
+MSL_BUILTIN1(rint) MSL_BUILTIN1(trunc) MSL_BUILTIN1(sin) MSL_BUILTIN1(cos) MSL_BUILTIN1(tan) MSL_BUILTIN1(sinh)
+MSL_BUILTIN1(cosh) MSL_BUILTIN1(tanh) MSL_BUILTIN1(asin) MSL_BUILTIN1(acos) MSL_BUILTIN1(atan) MSL_BUILTIN1(acosh)
+MSL_BUILTIN1(asinh) MSL_BUILTIN1(atanh) MSL_BUILTIN1(cospi) MSL_BUILTIN1(sinpi) MSL_BUILTIN1(tanpi) MSL_BUILTIN1(fract)
+MSL_BUILTIN1(saturate)
+MSL_BUILTIN2(pow) MSL_BUILTIN2(powr) MSL_BUILTIN2(fmod) MSL_BUILTIN2(atan2) MSL_BUILTIN2(copysign) MSL_BUILTIN2(fmax)
+MSL_BUILTIN2(fmin) MSL_BUILTIN2(divide) MSL_BUILTIN2(ldexp) MSL_BUILTIN2(nextafter)
+MSL_BUILTIN3(fma) MSL_BUILTIN3(fmax3) MSL_BUILTIN3(fmin3) MSL_BUILTIN3(fmedian3)
+template <class A> auto __metal_frexp(A a, int *e) -> decltype(::metal::frexp(a, *e)) { return ::metal::frexp(a, *e); }
+#undef MSL_BUILTIN1
+#undef MSL_BUILTIN2
+#undef MSL_BUILTIN3
+#undef MSL_FORWARD
 
 #endif

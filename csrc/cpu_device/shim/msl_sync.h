@@ -29,23 +29,24 @@ namespace msl_rt {
 
 /* One SIMD-group exchange, seen after its sync: the value each participating lane published.
  *
- * One sync per collective is enough with two parities. A lane publishes collective k into
- * slot[k % 2] and reads collective k's slots before it arrives at the sync of collective k + 1.
- * It writes slot[k % 2] again only in collective k + 2, after passing the sync of collective k + 1,
- * which completes only when every live lane has arrived there, that is, has finished reading
- * collective k. A lane that returns in between reads nothing more; its last value stays readable
- * and `lanes` (the runtime's snapshot at the sync) still counts it. The cached reduction result[p]
- * lives as slot[p] does: cleared by collective k's publishers, written by its first reader, read by
- * the others before they reach collective k + 1. */
+ * One sync per collective is enough with two parities per lane. A lane publishes its collective k
+ * into slot[k % 2][lane] and reads its collective's slots before it waits again. It writes
+ * slot[k % 2][lane] again only in its collective k + 2, after passing its sync k + 1, which
+ * completed only when every live lane of the SIMD-group was waiting, that is, had finished
+ * reading. A lane that returns in between reads nothing more; its last value stays readable and
+ * `lanes` (the runtime's snapshot at the sync) still counts it. In divergent control flow the
+ * active lanes' counts of collectives differ, hence a parity per lane (sync_parity). The cached
+ * reduction result[g % 2] of sync g is rewritten at sync g + 2, when every reader of g is done. */
 template <class T> struct gathered {
     msl_simd_exchange *x;
-    uint32_t parity;
-    uint32_t lanes; /* bit i: lane i took part */
+    uint32_t parities; /* bit i: the parity lane i published in */
+    uint32_t lanes;    /* bit i: lane i took part (was active) */
     uint32_t self;
+    uint32_t generation;
 
     T get(uint32_t lane) const { /* lane must have taken part */
         T v;
-        std::memcpy(&v, x->slot[parity][lane], sizeof v);
+        std::memcpy(&v, x->slot[parities >> lane & 1u][lane], sizeof v);
         return v;
     }
     /* A lane that did not take part (exited, beyond a partial SIMD-group, or >= 32) yields the
@@ -66,10 +67,9 @@ gathered<T> exchange(const T &value, const char *what, const char *file, unsigne
     msl_simd_exchange *x = t->simd_exchange;
     uint32_t parity = t->xchg_parity, lane = t->thread_index_in_simdgroup;
     std::memcpy(x->slot[parity][lane], &value, sizeof value);
-    x->reduced[parity] = 0;
     api->sync(t, MSL_SYNC_SIMD_COLLECTIVE, what, file, line);
     t->xchg_parity = parity ^ 1u;
-    return {x, parity, x->sync_lanes, lane};
+    return {x, x->sync_parity, x->sync_lanes, lane, x->generation};
 }
 
 /* A SIMD-group sync without values; returns the lanes that took part. */
@@ -103,9 +103,10 @@ template <class T> using simd_data = std::enable_if_t<simd_element<lane_t<T>>, T
  * lower half (lane i with lane i + 16, then + 8, ...). Each op is T's own, so half and bfloat round
  * after every addition. The first lane to get here computes it; the others copy its result. */
 template <class T, class Op> T fold(const gathered<T> &g, Op op) {
-    unsigned char *result = g.x->result[g.parity];
+    uint32_t p = g.generation & 1u;
+    unsigned char *result = g.x->result[p];
     T v[MSL_SIMD_WIDTH];
-    if (g.x->reduced[g.parity]) {
+    if (g.x->reduced[p] == g.generation) {
         std::memcpy(v, result, sizeof v[0]);
         return v[0];
     }
@@ -118,7 +119,7 @@ template <class T, class Op> T fold(const gathered<T> &g, Op op) {
         for (uint32_t i = 0, end = n <= half ? 0 : n - half < half ? n - half : half; i < end; i++)
             v[i] = op(v[i], v[i + half]);
     std::memcpy(result, v, sizeof v[0]);
-    g.x->reduced[g.parity] = 1;
+    g.x->reduced[p] = g.generation;
     return v[0];
 }
 
@@ -295,6 +296,146 @@ inline bool simd_is_first(MSL_CALLER) {
     return msl_rt::lane_id() == msl_rt::lowest(lanes);
 }
 
+/* ---- quad-group functions: over the 4 lanes 4q..4q+3 of the SIMD-group (one SIMD-group exchange,
+ * so every live lane of the SIMD-group must reach them, as it must for SIMD-group functions) ---- */
+
+} // namespace metal
+namespace msl_rt {
+/* op over the quad's lanes that took part, as a butterfly: (v0 op v2) op (v1 op v3) */
+template <class T, class Op> T quad_fold(const gathered<T> &g, Op op) {
+    uint32_t base = g.self & ~3u, mine = g.lanes >> base & 0xFu;
+    T v[4];
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < 4; i++)
+        if (mine >> i & 1u) v[n++] = g.get(base + i);
+    if (n == 4) return op(op(v[0], v[2]), op(v[1], v[3]));
+    for (uint32_t i = 1; i < n; i++) v[0] = op(v[0], v[i]);
+    return v[0];
+}
+inline uint32_t quad_below(uint32_t lane) { return below(lane) & ~below(lane & ~3u); }
+} // namespace msl_rt
+namespace metal {
+
+#define MSL_QUAD_FOLD(name, expr)                                                                                 \
+    template <class T> msl_rt::simd_data<T> quad_##name(T x, MSL_CALLER) {                                         \
+        return msl_rt::quad_fold(msl_rt::exchange(x, "quad_" #name, file, line), [](T a, T b) { return T(expr); }); \
+    }
+MSL_QUAD_FOLD(sum, a + b) MSL_QUAD_FOLD(product, a * b) MSL_QUAD_FOLD(max, max(a, b)) MSL_QUAD_FOLD(min, min(a, b))
+MSL_QUAD_FOLD(and, a & b) MSL_QUAD_FOLD(or, a | b) MSL_QUAD_FOLD(xor, a ^ b)
+#undef MSL_QUAD_FOLD
+template <class T> msl_rt::simd_data<T> quad_prefix_exclusive_sum(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_prefix_exclusive_sum", file, line);
+    return msl_rt::scan(g, msl_rt::quad_below(g.self), T(0), [](T a, T b) { return T(a + b); });
+}
+template <class T> msl_rt::simd_data<T> quad_prefix_inclusive_sum(T x, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_prefix_inclusive_sum", file, line);
+    return T(msl_rt::scan(g, msl_rt::quad_below(g.self), T(0), [](T a, T b) { return T(a + b); }) + x);
+}
+/* Shuffles within the quad; the _up and _down forms keep the caller's value past its ends. */
+template <class T> msl_rt::simd_data<T> quad_shuffle(T x, uint16_t lane, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle", file, line);
+    return g.from((g.self & ~3u) + lane % 4u);
+}
+template <class T> msl_rt::simd_data<T> quad_broadcast(T x, uint16_t lane, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_broadcast", file, line);
+    return g.from((g.self & ~3u) + lane % 4u);
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_xor(T x, uint16_t mask, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_xor", file, line);
+    return g.from((g.self & ~3u) + ((g.self ^ mask) & 3u));
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_down(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_down", file, line);
+    return (g.self & 3u) + delta < 4u ? g.from(g.self + delta) : x;
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_up(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_up", file, line);
+    return delta <= (g.self & 3u) ? g.from(g.self - delta) : x;
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_rotate_down(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_rotate_down", file, line);
+    return g.from((g.self & ~3u) + (g.self + delta) % 4u);
+}
+template <class T> msl_rt::simd_data<T> quad_shuffle_rotate_up(T x, uint16_t delta, MSL_CALLER) {
+    auto g = msl_rt::exchange(x, "quad_shuffle_rotate_up", file, line);
+    return g.from((g.self & ~3u) + (g.self + 4u - delta % 4u) % 4u);
+}
+inline bool quad_all(bool expr, MSL_CALLER) {
+    return msl_rt::quad_fold(msl_rt::exchange(expr, "quad_all", file, line), [](bool a, bool b) { return a && b; });
+}
+inline bool quad_any(bool expr, MSL_CALLER) {
+    return msl_rt::quad_fold(msl_rt::exchange(expr, "quad_any", file, line), [](bool a, bool b) { return a || b; });
+}
+/* bit i stands for lane i of the quad */
+class quad_vote {
+  public:
+    typedef uint16_t vote_t;
+    explicit constexpr quad_vote(vote_t v = 0) : v(v) {}
+    explicit constexpr operator vote_t() const { return v; }
+    bool all() const { return v == 0xFu; }
+    bool any() const { return v != 0; }
+
+  private:
+    vote_t v;
+};
+inline quad_vote quad_ballot(bool expr, MSL_CALLER) {
+    auto g = msl_rt::exchange(uint32_t(expr) << (msl_rt::lane_id() & 3u), "quad_ballot", file, line);
+    return quad_vote(uint16_t(msl_rt::quad_fold(g, [](uint32_t a, uint32_t b) { return a | b; })));
+}
+inline bool quad_is_first(MSL_CALLER) {
+    uint32_t lanes = msl_rt::simd_sync(MSL_SYNC_SIMD_COLLECTIVE, "quad_is_first", file, line);
+    uint32_t lane = msl_rt::lane_id();
+    return lane == (lane & ~3u) + msl_rt::lowest(lanes >> (lane & ~3u) & 0xFu);
+}
+
+} // namespace metal
+
+/* Apple's internal SIMD-group builtins, which real headers call (MLX's bfloat SIMD functions), global as
+ * compiler builtins are. */
+#define MSL_SIMD_BUILTIN1(name)                                                                                   \
+    template <class T> auto __metal_##name(T x, MSL_CALLER)->decltype(::metal::name(x, line, file)) {                     \
+        return ::metal::name(x, line, file);                                                                               \
+    }
+#define MSL_SIMD_BUILTIN2(name)                                                                                   \
+    template <class T> auto __metal_##name(T x, uint16_t k, MSL_CALLER)->decltype(::metal::name(x, k, line, file)) {      \
+        return ::metal::name(x, k, line, file);                                                                            \
+    }
+#define MSL_SIMD_BUILTIN_FILL(name)                                                                               \
+    template <class T>                                                                                            \
+    auto __metal_##name(T data, T fill, uint16_t delta, uint16_t modulo, MSL_CALLER)                              \
+        ->decltype(::metal::name(data, fill, delta, modulo, line, file)) {                                                 \
+        return ::metal::name(data, fill, delta, modulo, line, file);                                                       \
+    }
+/* the bitwise ones also take a float, half or bfloat scalar (as MLX's bfloat simd_xor passes a
+ * float), combining its bits */
+#define MSL_SIMD_BITS_BUILTIN(name)                                                                               \
+    template <class T> msl_rt::simd_data<T> __metal_##name(T x, MSL_CALLER) {                                     \
+        if constexpr (std::is_integral<msl_rt::lane_t<T>>::value) {                                               \
+            return ::metal::name(x, line, file);                                                                  \
+        } else {                                                                                                  \
+            using B = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;                                     \
+            return ::metal::as_type<T>(::metal::name(::metal::as_type<B>(x), line, file));                        \
+        }                                                                                                         \
+    }
+MSL_SIMD_BUILTIN1(simd_sum) MSL_SIMD_BUILTIN1(simd_product) MSL_SIMD_BUILTIN1(simd_max) MSL_SIMD_BUILTIN1(simd_min)
+MSL_SIMD_BITS_BUILTIN(simd_and) MSL_SIMD_BITS_BUILTIN(simd_or) MSL_SIMD_BITS_BUILTIN(simd_xor)
+MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum)
+MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product)
+MSL_SIMD_BUILTIN1(simd_broadcast_first)
+MSL_SIMD_BUILTIN2(simd_shuffle) MSL_SIMD_BUILTIN2(simd_broadcast) MSL_SIMD_BUILTIN2(simd_shuffle_xor)
+MSL_SIMD_BUILTIN2(simd_shuffle_down) MSL_SIMD_BUILTIN2(simd_shuffle_up) MSL_SIMD_BUILTIN2(simd_shuffle_rotate_down)
+MSL_SIMD_BUILTIN2(simd_shuffle_rotate_up)
+MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up) MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_down)
+#undef MSL_SIMD_BUILTIN1
+#undef MSL_SIMD_BUILTIN2
+#undef MSL_SIMD_BUILTIN_FILL
+#undef MSL_SIMD_BITS_BUILTIN
+/* the SIMD-group's width and the caller's lane, in the argument's type */
+template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::api->current()->threads_per_simdgroup); }
+template <class T> T __metal_get_thread_index_in_simdgroup(T) { return T(msl_rt::lane_id()); }
+
+namespace metal {
+
 /* ---- simdgroup_matrix ---- */
 
 template <class T, int Cols, int Rows> struct simdgroup_matrix {
@@ -403,6 +544,21 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, const si
                                    const simdgroup_matrix<TB, Cols, K> &b, const simdgroup_matrix<TC, Cols, Rows> &c,
                                    MSL_CALLER) {
     msl_rt::mma(d, a, b, &c, "simdgroup_multiply_accumulate", file, line);
+}
+
+/* a * b and a + b of SIMD-group matrices, as simdgroup_multiply and element by element */
+template <class T, int Cols, int Rows, int K>
+simdgroup_matrix<T, Cols, Rows> operator*(const simdgroup_matrix<T, K, Rows> &a, const simdgroup_matrix<T, Cols, K> &b) {
+    simdgroup_matrix<T, Cols, Rows> d;
+    const simdgroup_matrix<T, Cols, Rows> *no_c = nullptr;
+    msl_rt::mma(d, a, b, no_c, "simdgroup_matrix operator*", __FILE__, __LINE__);
+    return d;
+}
+template <class T, int Cols, int Rows>
+simdgroup_matrix<T, Cols, Rows> operator+(const simdgroup_matrix<T, Cols, Rows> &a, const simdgroup_matrix<T, Cols, Rows> &b) {
+    simdgroup_matrix<T, Cols, Rows> d;
+    d.elements = a.elements + b.elements;
+    return d;
 }
 
 /* ---- atomics: real atomics, since threadgroups run concurrently on several OS threads ---- */

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 
@@ -85,6 +86,10 @@ template <class T> struct remove_addrspace<constant T> { using type = T; };
 template <class T> struct remove_addrspace<threadgroup T> { using type = T; };
 #endif
 template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
+
+/* Apple's internal traits that real headers use (under `#pragma METAL internals : enable`) */
+template <class... B> struct _disjunction : std::disjunction<B...> {};
+template <class... B> struct _conjunction : std::conjunction<B...> {};
 
 #define MSL_TRAIT(name, expr)                                                                                     \
     template <class T> struct name : bool_constant<(expr)> {};                                                    \
@@ -227,6 +232,16 @@ template <class F> struct fp16 {
     template <class T, std::enable_if_t<scalar_v<T> && implicit_from<F, T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
     template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
     explicit constexpr fp16(T x) : v(F::from(x)) {}
+    /* a class converting to float (a user's bfloat16_t): float to half is a standard conversion
+     * in MSL, so this one is implicit for half, explicit for bfloat (static_cast<bfloat>(x)) */
+    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
+                                            std::is_convertible_v<const T &, float> && implicit_from<F, float>,
+                                        int> = 0>
+    constexpr fp16(const T &x) : v(F::from(float(x))) {}
+    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
+                                            std::is_convertible_v<const T &, float> && !implicit_from<F, float>,
+                                        int> = 0>
+    explicit constexpr fp16(const T &x) : v(F::from(float(x))) {}
     constexpr operator float() const { return F::to_float(v); }
     static constexpr fp16 from_bits(uint16_t b) {
         fp16 r{};
@@ -434,12 +449,21 @@ template <class T, int N> struct vec : detail::vec_storage<T, N, detail::vec_ali
         detail::value_t<X> v = x;
         for (int i = 0; i < N; i++) this->e[i] = T(v[i]);
     }
-    /* concatenation of scalars and vectors: float4(xy, z, w), float4(float3, 1.0f), ... */
+    /* concatenation of scalars and vectors: float4(xy, z, w), float4(float3, 1.0f), ...; lanes
+     * beyond the operands are 0, for a brace-initialiser with fewer (float4 v = {xy, 1.0f}) */
     template <class... X, std::enable_if_t<(sizeof...(X) > 1) && ((detail::info<X>::n > 0) && ...) &&
-                                               (detail::info<X>::n + ...) == N, int> = 0>
+                                               (detail::info<X>::n + ...) <= N, int> = 0>
     constexpr vec(const X &...x) : vec::vec_storage{} {
         int k = 0;
         (put(k, x), ...);
+    }
+    /* a brace-initialiser of scalars: lanes beyond them are 0 (float4 v = {1.0f} is 1, 0, 0, 0,
+     * where float4(1.0f) broadcasts) */
+    template <class S, std::enable_if_t<detail::scalar_v<S>, int> = 0>
+    constexpr vec(std::initializer_list<S> s) : vec::vec_storage{} {
+        int k = 0;
+        for (const S &x : s)
+            if (k < N) this->e[k++] = T(x);
     }
 
     constexpr T &operator[](int i) { return this->e[i]; }
@@ -497,15 +521,14 @@ template <class X, enable_if_t<is_same_v<detail::elem_t<X>, bool>, int> = 0> con
     return detail::count_true(x) > 0;
 }
 
-/* Reinterprets the bits (of the plain vector, for a swizzle or packed vector). */
-template <class T, class U> T as_type(const U &x) {
+/* Reinterprets the bits (of the plain vector, for a swizzle or packed vector); constexpr, as
+ * libraries' own 16-bit float types use it in constexpr conversions. */
+template <class T, class U> constexpr T as_type(const U &x) {
     if constexpr (detail::proxy_v<U>) {
         return as_type<T>(detail::value_t<U>(x));
     } else {
         static_assert(sizeof(T) == sizeof(U), "as_type needs types of the same size");
-        T t;
-        std::memcpy(&t, &x, sizeof t);
-        return t;
+        return __builtin_bit_cast(T, x);
     }
 }
 
@@ -536,6 +559,19 @@ MSL_VECTOR_TYPES(ulong, ulong)
 MSL_VECTOR_TYPES(bool, bool)
 #undef MSL_VECTOR_TYPES
 
+namespace metal {
+template <class T, int Cols, int Rows> struct matrix;
+}
+#define MSL_MATRIX_TYPES(T)                                                                                       \
+    typedef metal::matrix<T, 2, 2> T##2x2; typedef metal::matrix<T, 2, 3> T##2x3;                                 \
+    typedef metal::matrix<T, 2, 4> T##2x4; typedef metal::matrix<T, 3, 2> T##3x2;                                 \
+    typedef metal::matrix<T, 3, 3> T##3x3; typedef metal::matrix<T, 3, 4> T##3x4;                                 \
+    typedef metal::matrix<T, 4, 2> T##4x2; typedef metal::matrix<T, 4, 3> T##4x3;                                 \
+    typedef metal::matrix<T, 4, 4> T##4x4;
+MSL_MATRIX_TYPES(float)
+MSL_MATRIX_TYPES(half)
+#undef MSL_MATRIX_TYPES
+
 /* MSL's half literals, 1.0h and 1h: a suffix without '_' is reserved in C++, hence the pragmas. */
 #if defined(__clang__)
 #pragma clang diagnostic push
@@ -553,6 +589,91 @@ constexpr half operator""h(unsigned long long x) { return half(x); }
 #endif
 
 namespace metal {
+
+/* metal::array<T, N>: an aggregate, as std::array */
+template <class T, size_t N> struct array {
+    T elems[N];
+    constexpr T &operator[](size_t i) { return elems[i]; }
+    constexpr const T &operator[](size_t i) const { return elems[i]; }
+    static constexpr size_t size() { return N; }
+    constexpr T *begin() { return elems; }
+    constexpr T *end() { return elems + N; }
+    constexpr const T *begin() const { return elems; }
+    constexpr const T *end() const { return elems + N; }
+};
+
+/* uniform<T>: a value the same in every thread, which all of them are here anyway */
+template <class T> using uniform = T;
+template <class T> constexpr T make_uniform(T x) { return x; }
+
+/* matrix<T, Cols, Rows>: Cols column vectors of Rows lanes; m[c] is column c, m * v and v * m
+ * are the linear maps, m * n the product, summed in T (as MSL does). */
+template <class T, int Cols, int Rows> struct matrix {
+    vec<T, Rows> columns[Cols];
+
+    matrix() = default;
+    /* d on the diagonal, 0 elsewhere */
+    constexpr explicit matrix(T d) : columns{} {
+        for (int c = 0; c < Cols && c < Rows; c++) columns[c][c] = d;
+    }
+    /* from the columns */
+    template <class... V, std::enable_if_t<sizeof...(V) == Cols && (Cols > 1) &&
+                                               ((sizeof(V) == sizeof(vec<T, Rows>) && !std::is_arithmetic_v<V>) && ...), int> = 0>
+    constexpr matrix(const V &...v) : columns{vec<T, Rows>(v)...} {}
+    /* from Cols * Rows scalars, column by column */
+    template <class... S, std::enable_if_t<sizeof...(S) == Cols * Rows && (Cols * Rows > 4 || Rows == 2) &&
+                                               (std::is_arithmetic_v<S> && ...), int> = 0>
+    constexpr matrix(S... s) : columns{} {
+        T v[] = {T(s)...};
+        for (int i = 0; i < Cols * Rows; i++) columns[i / Rows][i % Rows] = v[i];
+    }
+
+    constexpr vec<T, Rows> &operator[](int c) { return columns[c]; }
+    constexpr const vec<T, Rows> &operator[](int c) const { return columns[c]; }
+
+    friend constexpr vec<T, Rows> operator*(const matrix &m, const vec<T, Cols> &v) {
+        vec<T, Rows> r = m.columns[0] * v[0];
+        for (int c = 1; c < Cols; c++) r = r + m.columns[c] * v[c];
+        return r;
+    }
+    friend constexpr vec<T, Cols> operator*(const vec<T, Rows> &v, const matrix &m) {
+        vec<T, Cols> r;
+        for (int c = 0; c < Cols; c++) {
+            T s = v[0] * m.columns[c][0];
+            for (int k = 1; k < Rows; k++) s = s + v[k] * m.columns[c][k];
+            r[c] = s;
+        }
+        return r;
+    }
+    template <int K> friend constexpr matrix<T, K, Rows> operator*(const matrix &a, const matrix<T, K, Cols> &b) {
+        matrix<T, K, Rows> r;
+        for (int k = 0; k < K; k++) r.columns[k] = a * b.columns[k];
+        return r;
+    }
+    friend constexpr matrix operator*(const matrix &a, T s) {
+        matrix r;
+        for (int c = 0; c < Cols; c++) r.columns[c] = a.columns[c] * s;
+        return r;
+    }
+    friend constexpr matrix operator*(T s, const matrix &a) { return a * s; }
+    friend constexpr matrix operator+(const matrix &a, const matrix &b) {
+        matrix r;
+        for (int c = 0; c < Cols; c++) r.columns[c] = a.columns[c] + b.columns[c];
+        return r;
+    }
+    friend constexpr matrix operator-(const matrix &a, const matrix &b) {
+        matrix r;
+        for (int c = 0; c < Cols; c++) r.columns[c] = a.columns[c] - b.columns[c];
+        return r;
+    }
+};
+
+template <class T, int Cols, int Rows> constexpr matrix<T, Rows, Cols> transpose(const matrix<T, Cols, Rows> &m) {
+    matrix<T, Rows, Cols> r;
+    for (int c = 0; c < Cols; c++)
+        for (int k = 0; k < Rows; k++) r.columns[k][c] = m.columns[c][k];
+    return r;
+}
 
 template <class T> struct numeric_limits : std::numeric_limits<T> {};
 #ifndef MSL_STRICT

@@ -1,0 +1,303 @@
+"""The CPU Metal device on what real-world Metal kernels use (issue 18): each test's small kernel is
+written for the test, after a pattern found in public kernels (MLX, llama.cpp)."""
+from __future__ import annotations
+
+import math
+import struct
+import textwrap
+
+import pytest
+import torch
+
+from flashattn_mps.metal_cpu import MetalCompileError, MetalDispatchError, compile_library
+
+HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
+
+
+def build(body: str, macros=None, name="ecosystem.metal"):
+    return compile_library(HEADER + textwrap.dedent(body), macros=macros, name=name)
+
+
+def test_an_overload_added_to_metal_fast_does_not_hide_the_float_one():
+    # A library adds bfloat overloads to metal::fast (as MLX's bfloat math helpers do); fast::exp and
+    # precise::exp of a float must still be the float functions, not a silent round trip through bfloat.
+    lib = build("""
+        namespace metal {
+        namespace fast {
+        METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(fast::exp(static_cast<float>(x))); }
+        }
+        namespace precise {
+        METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(precise::exp(static_cast<float>(x))); }
+        }
+        }
+        kernel void k(const device float *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      device bfloat *bout [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+          out[2 * i] = fast::exp(x[i]);
+          out[2 * i + 1] = precise::exp(x[i]) + metal::fast::max(x[i], 0.0f);
+          bout[i] = fast::exp(static_cast<bfloat>(x[i]));
+        }""")
+    x = torch.linspace(-2, 2, 32)
+    out = torch.zeros(64)
+    bout = torch.zeros(32, dtype=torch.bfloat16)
+    lib.dispatch("k", (1,), (32,), [x, out, bout])
+    want = torch.exp(x.double())
+    assert (out[0::2].double() - want).abs().max() <= 1e-7 * want.abs().max()
+    assert (out[1::2].double() - (want + x.double().clamp(min=0))).abs().max() <= 2e-7 * want.abs().max()
+    torch.testing.assert_close(bout, torch.exp(x.bfloat16().float()).bfloat16(), rtol=0, atol=0)
+
+
+def test_float_still_does_not_convert_implicitly_to_bfloat():
+    with pytest.raises(MetalCompileError):
+        build("""
+            METAL_FUNC bfloat twice(bfloat x) { return x + x; }
+            kernel void k(device bfloat *out [[buffer(0)]]) { out[0] = twice(1.5f); }""")
+
+
+def test_function_constant_indices_up_to_65535():
+    # MLX numbers its constants from 100 up, llama.cpp from 300 past 1000.
+    lib = build("""
+        constant bool has_bias [[function_constant(100)]];
+        constant int scale [[function_constant(1024)]];
+        constant float offset [[function_constant(65535)]];
+        constant bool unset [[function_constant(302)]];
+        kernel void k(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          out[i] = float(i * scale) + (has_bias ? offset : 0.0f) + (is_function_constant_defined(unset) ? 1e6f : 0.0f);
+        }""")
+    out = torch.zeros(8)
+    lib.dispatch("k", (1,), (8,), [out], constants={65535: 0.5, 100: True, 1024: 3})
+    assert out.tolist() == [3.0 * i + 0.5 for i in range(8)]
+    with pytest.raises(ValueError, match="65535"):
+        lib.dispatch("k", (1,), (8,), [out], constants={65536: 1})
+    with pytest.raises(MetalCompileError, match="65535"):
+        build("""
+            constant int too_far [[function_constant(65536)]];
+            kernel void k(device int *out [[buffer(0)]]) { out[0] = too_far; }""")
+
+
+def test_apple_internal_builtins_of_real_headers():
+    # bfloat helpers written the way Apple-derived headers write them: the internal __metal_* math
+    # builtins with a fast-math mode, the SIMD builtins, and internal traits under the pragma.
+    lib = build("""
+        #pragma METAL internals : enable
+        template <typename T>
+        constexpr constant bool is_word = _disjunction<is_same<T, int>, is_same<T, uint>>::value;
+        #pragma METAL internals : disable
+        namespace metal {
+        METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(__metal_exp(static_cast<float>(x), __METAL_MAYBE_FAST_MATH__)); }
+        namespace fast {
+        METAL_FUNC bfloat exp(bfloat x) { return static_cast<bfloat>(__metal_exp(static_cast<float>(x), __METAL_FAST_MATH__)); }
+        METAL_FUNC bfloat fmax3(bfloat x, bfloat y, bfloat z) {
+          return static_cast<bfloat>(__metal_fmax3(static_cast<float>(x), static_cast<float>(y), static_cast<float>(z), __METAL_FAST_MATH__));
+        }
+        }
+        namespace precise {
+        METAL_FUNC float log(float x) { return __metal_log(x, __METAL_PRECISE_MATH__); }
+        }
+        METAL_FUNC bfloat simd_sum(bfloat x) { return static_cast<bfloat>(__metal_simd_sum(static_cast<float>(x))); }
+        METAL_FUNC bfloat simd_shuffle_down(bfloat x, ushort d) {
+          return static_cast<bfloat>(__metal_simd_shuffle_down(static_cast<float>(x), d));
+        }
+        METAL_FUNC bfloat simd_shuffle_and_fill_up(bfloat x, bfloat fill, ushort d) {
+          return static_cast<bfloat>(__metal_simd_shuffle_and_fill_up(static_cast<float>(x), static_cast<float>(fill), d,
+                                                                     __metal_get_simdgroup_size(ushort())));
+        }
+        }
+        kernel void k(const device bfloat *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint i [[thread_position_in_grid]]) {
+          static_assert(is_word<int> && !is_word<float>, "_disjunction");
+          bfloat v = x[i];
+          out[8 * i + 0] = metal::exp(v);
+          out[8 * i + 1] = fast::exp(v);
+          out[8 * i + 2] = precise::log(float(i + 1));
+          out[8 * i + 3] = simd_sum(v);
+          out[8 * i + 4] = simd_shuffle_down(v, 1);
+          out[8 * i + 5] = simd_shuffle_and_fill_up(v, bfloat(-1.0f), 2);
+          out[8 * i + 6] = fast::fmax3(v, bfloat(0.25f), bfloat(-3.0f));
+          out[8 * i + 7] = float(__metal_get_thread_index_in_simdgroup(ushort()) + __metal_get_simdgroup_size(uint()));
+          out[256 + i] = float(__metal_nextafter(v, bfloat(INFINITY))) + __metal_nextafter(float(v), -INFINITY);
+          out[288 + i] = __metal_simd_xor(i == 3 ? -0.0f : 0.0f);  // the bits: only lane 3's sign
+        }""")
+    x = torch.linspace(-1, 1, 32).bfloat16()
+    out = torch.zeros(32 * 10)
+    lib.dispatch("k", (1,), (32,), [x, out])
+    o = out[:256].view(32, 8)
+    xf = x.float()
+    e = torch.exp(xf).bfloat16().float()
+    assert torch.equal(o[:, 0], e) and torch.equal(o[:, 1], e)
+    torch.testing.assert_close(o[:, 2], torch.log(torch.arange(1, 33).float()))
+    assert torch.equal(o[:, 3], torch.full((32,), xf.sum().bfloat16().item()))  # sum of bfloat-exact values, exact in float
+    assert torch.equal(o[:31, 4], xf[1:]) and o[31, 4] == xf[31]
+    assert torch.equal(o[2:, 5], xf[:-2]) and torch.equal(o[:2, 5], torch.tensor([-1.0, -1.0]))
+    assert torch.equal(o[:, 6], xf.clamp(min=0.25))
+    assert torch.equal(o[:, 7], torch.arange(32).float() + 32)
+    up = torch.nextafter(x, torch.tensor(float("inf")).bfloat16()).float()
+    down = torch.nextafter(xf, torch.tensor(float("-inf")))
+    assert torch.equal(out[256:288], up + down)
+    assert (out[288:] == 0).all() and torch.signbit(out[288:]).all()
+
+
+def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():
+    # A dead read of an optional pointer argument whose function constant is false (a mask pointer
+    # read before the branch that would use it) reads zeroes instead of killing the process.
+    lib = build("""
+        constant bool has_mask [[function_constant(200)]];
+        constant bool write_it [[function_constant(201)]];
+        kernel void k(device float *out [[buffer(0)]], const device float *mask [[buffer(1), function_constant(has_mask)]],
+                      device float *scratch [[buffer(2), function_constant(has_mask)]],
+                      uint i [[thread_position_in_grid]]) {
+          float m = mask[i * 1024];
+          out[i] = has_mask ? m : m + 2.0f;
+          if (write_it) scratch[i] = 1.0f;
+        }""")
+    out = torch.full((16,), -1.0)
+    lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: False})
+    assert out.tolist() == [2.0] * 16
+    lib.dispatch("k", (1,), (16,), [out, torch.arange(16 * 1024).float()], constants={200: True, 201: False})
+    assert out.tolist() == [1024.0 * i for i in range(16)]
+    with pytest.raises(MetalDispatchError, match="'k'"):
+        lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: True})
+
+
+def test_a_long_compile_log_stays_whole():
+    # 200 distinct errors: far beyond the message's 8 KiB, all kept in the exception's log.
+    body = "\n".join(f"  float v{i} = undeclared_{i};" for i in range(200))
+    with pytest.raises(MetalCompileError) as caught:
+        build("kernel void k(device float *out [[buffer(0)]]) {\n" + body + "\n}")
+    error = caught.value
+    message = str(error)
+    assert message.startswith("ecosystem.metal:") and "undeclared_0" in message.splitlines()[0]
+    assert len(message) < 8192 and "undeclared_199" not in message
+    assert error.log_path and error.log_path in message
+    assert all(f"undeclared_{i}" in error.log for i in (0, 100, 199))
+    assert "(200 errors," in message
+
+
+def test_library_pieces_real_kernels_use():
+    lib = compile_library("""
+        #include <metal_stdlib>
+        #include <metal_common>
+        #include <metal_matrix>
+        using namespace metal;
+        template <class T> struct strip { using type = metal::remove_addrspace_t<T>; };
+        kernel void k(const device float *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint i [[thread_position_in_grid]]) {
+          static_assert(is_same_v<strip<float>::type, float>, "remove_addrspace_t");
+          metal::array<float, 3> a = {1.0f, 2.0f, 3.0f};
+          uniform<float> u = make_uniform(x[0]);
+          float4 partial = {x[i], 2.0f};                 // lanes 2 and 3 are 0
+          float4 one = {x[i]};                           // 1 lane, not a broadcast
+          float4x4 m(2.0f);                              // diagonal
+          m[3] = float4(1.0f, 2.0f, 3.0f, 4.0f);
+          float4 mv = m * float4(1.0f, 1.0f, 1.0f, 1.0f);
+          half4x4 h = half4x4(half(1.0h)) * half4x4(half(3.0h));
+          device float *o = out + 16 * i;
+          o[0] = a[0] + a[1] * a[2] + float(a.size());   // 1 + 6 + 3
+          o[1] = u;
+          o[2] = partial.y + partial.z + partial.w + one.x + one.y + one.w;
+          o[3] = mv.x; o[4] = mv.w;
+          o[5] = float(h[2][2]) + float(h[2][1]);
+          o[6] = quad_sum(x[i]);
+          o[7] = quad_shuffle_xor(x[i], 1);
+          o[8] = quad_broadcast(x[i], 3);
+          o[9] = quad_prefix_exclusive_sum(x[i]);
+          o[10] = float(uint16_t(quad_ballot(i % 2 == 0)));
+          o[11] = simd_shuffle_and_fill_down(x[i], -x[i], 1, 4);
+          o[12] = quad_shuffle_down(x[i], 1);
+          o[13] = quad_is_first() ? 1.0f : 0.0f;
+        }
+        kernel void mm(const device float *a [[buffer(0)]], const device float *b [[buffer(1)]],
+                       device float *out [[buffer(2)]]) {
+          simdgroup_float8x8 ma, mb;
+          simdgroup_load(ma, a, 8);
+          simdgroup_load(mb, b, 8);
+          simdgroup_float8x8 r = ma * mb + ma;
+          simdgroup_store(r, out, 8);
+        }""", name="ecosystem.metal")
+    x = torch.arange(32).float()
+    out = torch.zeros(32 * 16)
+    lib.dispatch("k", (1,), (32,), [x, out])
+    o = out.view(32, 16)
+    q = x.view(8, 4)
+    assert (o[:, 0] == 10).all() and (o[:, 1] == 0).all()
+    assert torch.equal(o[:, 2], x + 2)
+    assert (o[:, 3] == 3).all() and (o[:, 4] == 4).all()  # row 0: 2 + 1; row 3: the last column's 4
+    assert (o[:, 5] == 3).all()
+    assert torch.equal(o[:, 6], q.sum(1).repeat_interleave(4))
+    assert torch.equal(o[:, 7], q[:, [1, 0, 3, 2]].reshape(-1))
+    assert torch.equal(o[:, 8], q[:, 3].repeat_interleave(4))
+    assert torch.equal(o[:, 9], (q.cumsum(1) - q).reshape(-1))
+    assert (o[:, 10] == 0b0101).all()
+    fill = torch.cat([q[:, 1:], -q[:, :1]], 1).reshape(-1)
+    assert torch.equal(o[:, 11], fill)
+    assert torch.equal(o[:, 12], torch.cat([q[:, 1:], q[:, 3:]], 1).reshape(-1))
+    assert torch.equal(o[:, 13], torch.tensor([1.0, 0, 0, 0] * 8))
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    r = torch.zeros(8, 8)
+    lib.dispatch("mm", (1,), (32,), [a, b, r])
+    torch.testing.assert_close(r, a @ b + a)
+
+
+def test_half_and_bfloat_overloads_resolve_as_in_msl():
+    lib = build("""
+        METAL_FUNC float which(float) { return 1.0f; }
+        METAL_FUNC float which(bfloat) { return 2.0f; }
+        struct my_bfloat16 {  // a library's own 16-bit float type, converting through float
+          uint16_t bits;
+          constexpr operator float() const { return as_type<float>(uint(bits) << 16); }
+        };
+        kernel void k(const device half *x [[buffer(0)]], const device ushort *b [[buffer(1)]],
+                      device float *out [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+          my_bfloat16 v{b[i]};
+          half h = static_cast<half>(v);
+          half implicit_h = v;
+          bfloat bf = static_cast<bfloat>(v);
+          out[4 * i + 0] = which(x[i]);       // f(half) picks f(float)
+          out[4 * i + 1] = which(bf);
+          out[4 * i + 2] = float(h) + float(implicit_h);
+          out[4 * i + 3] = float(bf);
+        }""")
+    x = torch.linspace(-1, 1, 8).half()
+    vals = torch.tensor([1.5, -2.25, 3.0, 0.5, 100.0, -0.125, 7.0, 1e-3]).bfloat16()
+    bits = vals.view(torch.int16).clone()
+    out = torch.zeros(32)
+    lib.dispatch("k", (1,), (8,), [x, bits, out])
+    o = out.view(8, 4)
+    assert (o[:, 0] == 1).all() and (o[:, 1] == 2).all()
+    assert torch.equal(o[:, 2], 2 * vals.float().half().float())
+    assert torch.equal(o[:, 3], vals.float())
+
+
+def test_simd_functions_act_on_the_active_lanes_in_divergent_control_flow():
+    lib = build("""
+        kernel void k(const device float *x [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint lane [[thread_index_in_simdgroup]], uint tid [[thread_index_in_threadgroup]]) {
+          float v = x[tid];
+          device float *o = out + 8 * tid;
+          if (lane < 12) {
+            o[0] = simd_sum(v);                                   // over lanes 0-11
+            o[1] = float(uint64_t(simd_active_threads_mask()));
+            o[2] = simd_is_first() ? 1.0f : 0.0f;
+          } else {
+            o[0] = simd_max(v);                                   // over lanes 12-31
+            o[1] = float(uint64_t(simd_ballot(lane % 2 == 0)));   // even lanes among 12-31
+            o[2] = simd_is_first() ? 1.0f : 0.0f;
+          }
+          if (lane % 3 == 0) o[3] = simd_prefix_exclusive_sum(1.0f);  // rank among lanes 0, 3, 6, ...
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+          o[4] = simd_sum(v);                                     // reconverged: all 32 lanes
+          if (lane >= 30) return;
+          o[5] = simd_sum(1.0f);                                  // 30 lanes left
+        }""")
+    x = torch.arange(64).float()
+    out = torch.full((64 * 8,), -7.0)
+    lib.dispatch("k", (1,), (64,), [x, out])
+    o = out.view(2, 32, 8)
+    for s in range(2):
+        xs = x[32 * s:32 * s + 32]
+        assert (o[s, :12, 0] == xs[:12].sum()).all() and (o[s, 12:, 0] == xs[12:].max()).all()
+        assert (o[s, :12, 1] == 0xFFF).all()
+        assert (o[s, 12:, 1] == sum(1 << i for i in range(12, 32, 2))).all()
+        assert o[s, :, 2].nonzero().flatten().tolist() == [0, 12]
+        assert o[s, 0::3, 3].tolist() == [float(i) for i in range(11)]
+        assert (o[s, :, 4] == xs.sum()).all()
+        assert (o[s, :30, 5] == 30).all() and (o[s, 30:, 5] == -7).all()
