@@ -8,12 +8,32 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A message truncated to fit may end inside a UTF-8 sequence (compiler output quotes with ‘’):
+ * drop the partial character, so the message stays valid UTF-8 for Python. */
+static void cut_at_character(char *message) {
+    size_t end = strlen(message), lead = end;
+    while (lead > 0 && ((unsigned char)message[lead - 1] & 0xC0) == 0x80) {
+        --lead; /* continuation bytes */
+    }
+    if (lead == 0) {
+        return;
+    }
+    const unsigned char first = (unsigned char)message[lead - 1];
+    const size_t length = first >= 0xF0 ? 4 : first >= 0xE0 ? 3 : first >= 0xC0 ? 2 : 1;
+    if (end - (lead - 1) < length) {
+        message[lead - 1] = '\0';
+    }
+}
+
 int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...) {
     if (st != NULL) {
         va_list ap;
         va_start(ap, fmt);
-        vsnprintf(st->message, sizeof st->message, fmt, ap);
+        const int n = vsnprintf(st->message, sizeof st->message, fmt, ap);
         va_end(ap);
+        if (n >= (int)sizeof st->message) {
+            cut_at_character(st->message);
+        }
         st->code = code;
     }
     return code;

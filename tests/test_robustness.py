@@ -630,3 +630,14 @@ def test_fuzz_shapes_strides_offsets_dtypes_and_masks(b, hkv, group, lq, lk, e, 
     reference = sdpa(q, k, v, causal, attn_mask=attn_mask)
     tolerance = max(1e-5, 5 * max_error(reference, golden))
     assert max_error(out, golden) <= tolerance
+
+
+@pytest.mark.parametrize("pad", ["", "a"])
+def test_a_message_cut_to_fit_stays_valid_utf8(pad):
+    # The 8 KiB status message is cut wherever the text reaches it; a cut inside a multi-byte
+    # character (compiler quotes, non-ASCII file names) must not make the message undecodable.
+    name = pad + "é" * 4200 + ".metal"
+    with pytest.raises(MetalCompileError) as caught:
+        metal_cpu.compile_library("kernel void k(device float *o [[buffer(0)]]) { o[0] = nope; }", name=name)
+    message = str(caught.value)
+    assert message.startswith(pad + "éé") and message.endswith("é")
