@@ -98,6 +98,13 @@ static void shape_of(const fa_tensor *t, int32_t device, shape_key *s) {
  * descriptor with storage is refused by fa_check_tensor, never taken for "absent". */
 static int32_t present(const fa_tensor *t) { return t->ndim != 0 || t->storage != NULL; }
 
+/* An absent optional descriptor leaves its part of the key zero. */
+static void shape_of_optional(const fa_tensor *t, int32_t device, shape_key *s) {
+    if (present(t)) {
+        shape_of(t, device, s);
+    }
+}
+
 static const fa_backend *backend_of(int32_t device, fa_status *st) {
     return device == FA_DEVICE_MPS ? fa_metal_backend(st) : fa_cpu_backend();
 }
@@ -160,12 +167,8 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     if (key.has_lse) {
         shape_of(&a->lse, a->device, &key.lse);
     }
-    if (a->mask.ndim != 0) {
-        shape_of(&a->mask, a->device, &key.mask);
-    }
-    if (a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) {
-        shape_of(&a->alibi_slopes, a->device, &key.alibi);
-    }
+    shape_of_optional(&a->mask, a->device, &key.mask);
+    shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);
@@ -228,12 +231,8 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     for (uint32_t i = 0; i < sizeof tensors / sizeof tensors[0]; ++i) {
         shape_of(tensors[i], a->device, shapes[i]);
     }
-    if (a->mask.ndim != 0) {
-        shape_of(&a->mask, a->device, &key.mask);
-    }
-    if (a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL) {
-        shape_of(&a->alibi_slopes, a->device, &key.alibi);
-    }
+    shape_of_optional(&a->mask, a->device, &key.mask);
+    shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
         return check_backward_storage(a, st);
