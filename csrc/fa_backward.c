@@ -37,7 +37,11 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
     d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;
     d.bindings[BACKWARD_TENSORS + 2].byte_offset = slopes->byte_offset;
-    d.n_bindings = BACKWARD_TENSORS + 3;
+    /* [[buffer(16)]]: dropout's generator state, untouched unless FA_FC_DROPOUT. */
+    const fa_tensor *rng = args->rng_state.storage != NULL ? &args->rng_state : present;
+    d.bindings[16].storage = rng->storage;
+    d.bindings[16].byte_offset = rng->byte_offset;
+    d.n_bindings = 17;
     int32_t rc = FA_OK;
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];

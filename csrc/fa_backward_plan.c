@@ -74,9 +74,9 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
 
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
     const fa_tensor *views[] = {&a->dq, &a->dk, &a->dv, &a->delta, &a->q, &a->k, &a->v, &a->out, &a->dout, &a->lse,
-                                &a->mask};
-    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask"};
-    return fa_check_no_alias(views, names, 11, 4, st);
+                                &a->mask, &a->rng_state};
+    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask", "rng_state"};
+    return fa_check_no_alias(views, names, 12, 4, st);
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
@@ -99,6 +99,8 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.band = a->band;
     forward_args.softcap = a->softcap;
     forward_args.alibi_slopes = a->alibi_slopes;
+    forward_args.dropout_p = a->dropout_p;
+    forward_args.rng_state = a->rng_state;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;

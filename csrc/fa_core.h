@@ -100,6 +100,20 @@ typedef struct fa_forward_args {
      * -slope[b, h] * |i + d - j| to the scaled (and capped) score of query i and key j, d = S - L
      * with band.bottom_right, else 0. */
     fa_tensor alibi_slopes;
+    /* Dropout (metal/fa_dropout.h): each probability is dropped with probability dropout_p in [0, 1]
+     * (0: none) and kept ones are scaled by 1 / (1 - dropout_p), after the softmax statistics (lse
+     * is of the undropped probabilities). rng_state, required when dropout_p > 0 or write_probs,
+     * is a (4,) float32 view of four random 32-bit words on the call's device (FA_DROPOUT_RNG_WORDS:
+     * seed low, high, offset low, high): which elements are dropped is a pure function of them and
+     * of (batch, head, row, key), so the backward given the same words drops the same. */
+    double dropout_p;
+    fa_tensor rng_state;
+    /* Nonzero: the probability pass of flash-attn's return_attn_probs instead of attention. It runs
+     * the simple kernel over the arguments of a forward call that wrote lse (read here, as are q, k,
+     * v, mask, options; out is untouched) and writes into the workspace, as a contiguous (B, Hq, L, S)
+     * float32 array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i),
+     * negated where dropout drops it; entries a row does not see are left as they are. */
+    int32_t write_probs;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -126,6 +140,8 @@ typedef struct fa_backward_args {
     fa_band_args band; /* the forward's */
     double softcap;    /* the forward's */
     fa_tensor alibi_slopes; /* the forward's (no gradient flows to the slopes) */
+    double dropout_p;       /* the forward's, with its rng_state: the same elements are dropped */
+    fa_tensor rng_state;
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

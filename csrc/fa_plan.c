@@ -303,9 +303,9 @@ int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *name
 }
 
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
-    const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask};
-    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask"};
-    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 7 - !with_workspace,
+    const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask, &a->rng_state};
+    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask", "rng_state"};
+    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 8 - !with_workspace,
                              3 - !with_workspace, st);
 }
 
@@ -502,8 +502,11 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     add_constant_bool(d, FA_FC_BAND, plan->banded);
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
     add_constant_bool(d, FA_FC_ALIBI, has_alibi(a));
-    add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
+    add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->write_probs); /* the pass reads it */
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
+    add_constant_int(d, FA_FC_DROPOUT, a->write_probs        ? FA_DROPOUT_PROBS
+                                       : a->dropout_p > 0.0 ? FA_DROPOUT_APPLY
+                                                            : FA_DROPOUT_NONE);
     return d;
 }
 
@@ -673,6 +676,48 @@ static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t co
     }
 }
 
+/* Dropout's fields of the params (metal/fa_params.h) and its generator state, and the probability
+ * pass (fa_core.h): that pass runs the simple kernel, reads lse, and writes the (B, Hq, L, S)
+ * float32 probabilities into the workspace. */
+static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
+    fa_params *p = &plan->params;
+    const double rate = a->dropout_p;
+    if (!(rate >= 0.0 && rate <= 1.0)) { /* NaN fails too */
+        return fa_fail(st, FA_ERR_VALUE, "dropout_p: must be in [0, 1], got %g", rate);
+    }
+    const double words = 4294967296.0; /* 2^32 */
+    const double drop_below = rate * words + 0.5;
+    p->dropout_drop_below = drop_below >= words ? UINT32_MAX : (fa_u32)drop_below;
+    p->dropout_scale = rate >= 1.0 ? 0.0f : (float)(1.0 / (1.0 - rate));
+    if (rate > 0.0 || a->write_probs) {
+        int32_t rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st);
+        if (rc != FA_OK) {
+            return rc;
+        }
+        if (a->rng_state.sizes[0] != FA_DROPOUT_RNG_WORDS) {
+            return fa_fail(st, FA_ERR_VALUE, "rng_state: must hold %d words, got %lld", FA_DROPOUT_RNG_WORDS,
+                           (long long)a->rng_state.sizes[0]);
+        }
+    }
+    if (!a->write_probs) {
+        return FA_OK;
+    }
+    if (a->lse.storage == NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass reads the forward's lse, got none");
+    }
+    if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_SIMPLE) {
+        return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass runs the simple kernel, got kernel %d",
+                       a->kernel);
+    }
+    int64_t bytes;
+    if (__builtin_mul_overflow((int64_t)p->batch * p->q_heads, (int64_t)p->q_len * p->kv_len, &bytes) ||
+        __builtin_mul_overflow(bytes, (int64_t)sizeof(float), &bytes)) {
+        return fa_fail(st, FA_ERR_VALUE, "write_probs: B * Hq * L * S probabilities overflow 64-bit sizes");
+    }
+    plan->workspace_bytes = bytes;
+    return FA_OK;
+}
+
 /* The band of row i is [i + band_lo, i + band_hi] (fa_params.h; fa_core.h says what the args
  * mean). Unbounded sides become -L and S, so every bound stays within [-L, S]. */
 static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
@@ -824,10 +869,15 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
     }
 
+    if ((rc = set_dropout(a, plan, st)) != FA_OK) {
+        return rc;
+    }
+
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    const int32_t kernel = a->kernel != FA_KERNEL_AUTO         ? a->kernel
+    const int32_t kernel = a->write_probs                     ? FA_KERNEL_SIMPLE
+                           : a->kernel != FA_KERNEL_AUTO        ? a->kernel
                            : p->q_len <= DECODE_MAX_QUERY_LEN ? FA_KERNEL_DECODE
-                                                               : FA_KERNEL_FORWARD;
+                                                              : FA_KERNEL_FORWARD;
     switch (kernel) {
     case FA_KERNEL_SIMPLE:
         return plan_simple(a, plan);

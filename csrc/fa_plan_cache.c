@@ -26,6 +26,9 @@ typedef struct forward_key {
     double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, mask, alibi;
+    double dropout_p; /* dropout: the rate, the probability pass, the generator state's shape */
+    int32_t write_probs, reserved_dropout;
+    shape_key rng;
 } forward_key;
 
 typedef struct backward_key {
@@ -33,6 +36,8 @@ typedef struct backward_key {
     double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi;
+    double dropout_p; /* with the generator state's shape */
+    shape_key rng;
 } backward_key;
 
 typedef struct plan_table {
@@ -140,7 +145,8 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
+        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
+        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -169,6 +175,9 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     }
     shape_of_optional(&a->mask, a->device, &key.mask);
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
+    key.dropout_p = a->dropout_p;
+    key.write_probs = a->write_probs != 0;
+    shape_of_optional(&a->rng_state, a->device, &key.rng);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);
@@ -207,7 +216,8 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
+        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
+        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st)))) {
         return rc;
     }
     return fa_plan_check_backward_aliases(a, st);
@@ -233,6 +243,8 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     shape_of_optional(&a->mask, a->device, &key.mask);
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
+    key.dropout_p = a->dropout_p;
+    shape_of_optional(&a->rng_state, a->device, &key.rng);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
         return check_backward_storage(a, st);

@@ -180,6 +180,29 @@ def _check_softcap(softcap, who: str) -> float:
     return float(softcap)
 
 
+def _check_dropout(dropout_p, who: str) -> float:
+    """dropout_p as a float in [0, 1]."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{who}: dropout_p must be a float, got {_given(dropout_p)}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{who}: dropout_p must be in [0, 1], got {dropout_p}")
+    return float(dropout_p)
+
+
+def dropout_rng_state(device: torch.device) -> torch.Tensor:
+    """Dropout's generator state for one call: four random int32 words (Philox seed and counter
+    offset, metal/fa_dropout.h) drawn from torch's default generator of `device` (the MPS one on
+    "mps", the CPU one on "cpu"), so torch.manual_seed makes calls reproducible and consecutive calls
+    drop differently. Drawn on the device, so no host synchronisation is needed to use them; the
+    backward takes the same tensor and regenerates the forward's mask."""
+    return torch.randint(-(2**31), 2**31, (4,), dtype=torch.int32, device=device)
+
+
+def _rng_words(rng_state):
+    """The core's view of a generator state: the int32 words as a float32 descriptor (bits unchanged)."""
+    return None if rng_state is None else rng_state.view(torch.float32)
+
+
 def _band_of(causal, window_size):
     """flash_attention's causal (False, True, "bottom_right") and window_size as the core's causal
     flag and band: None (SDPA's top-left causal, no window) or (bottom_right, left, right)."""
@@ -267,6 +290,7 @@ def flash_attention(
     window_size=None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -300,6 +324,12 @@ def flash_attention(
         alibi_slopes: None, or float32 (Hq,) or (B, Hq) slopes on q's device: adds
             -slope * |d_i - j| to the score of query i and key j (ALiBi; d_i the diagonal as for
             window_size), after softcap. The slopes get no gradient (as in flash-attn).
+        dropout_p: 0.0, or the probability in (0, 1] of dropping each attention probability, as
+            SDPA's dropout_p (applied whenever it is > 0; modules pass 0 in eval): kept probabilities
+            are scaled by 1 / (1 - dropout_p), the log-sum-exp is that of the undropped ones. The
+            kernels drop with a counter-based generator (Philox 4x32-10) seeded per call from
+            torch's default generator of q's device (`torch.manual_seed` makes calls reproducible),
+            and the backward regenerates the same mask instead of storing it.
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
@@ -313,27 +343,31 @@ def flash_attention(
     double backward raises.
     """
     if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None:
+            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0:
         return attend(q, k, v, attn_mask, causal, scale)
     causal, band = _band_of(causal, window_size)
     return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
-                  _check_softcap(softcap, "flash_attention"), alibi_slopes)
+                  _check_softcap(softcap, "flash_attention"), alibi_slopes,
+                  _check_dropout(dropout_p, "flash_attention"))
 
 
 def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
-           band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
+           band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
     out is allocated the same way (flash_attn_func's layout). softcap: a checked float;
-    alibi_slopes: None or the user's (H,) or (B, H) tensor (checked here)."""
+    alibi_slopes: None or the user's (H,) or (B, H) tensor (checked here); dropout_p: a checked
+    float, with rng_state the call's generator state (drawn here when None and dropout_p > 0)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         _validate(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+    if dropout_p > 0.0 and rng_state is None and isinstance(q, torch.Tensor):
+        rng_state = dropout_rng_state(q.device)  # outside the ops, so their fake implementations need none
     if _routes_through_torch(q, k, v):
         if kernel != _C.KERNEL_AUTO:
             names = {code: name for name, code in _KERNELS.items()}
@@ -342,15 +376,16 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
         return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
-                                        alibi_slopes)
+                                        alibi_slopes, dropout_p, rng_state)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi)
+    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi,
+                            dropout_p, rng_state)
     return (out, lse) if return_lse else out
 
 
 def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
-                 softcap=0.0, alibi=None):
+                 softcap=0.0, alibi=None, dropout_p=0.0, rng_state=None):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
     if q.is_cpu:  # _C checks that every tensor is on this device
@@ -382,15 +417,17 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
         _sources.ensure_registered()
     try:
         _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
-                   alibi)
+                   alibi, dropout_p, _rng_words(rng_state))
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 
 
-def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None):
-    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+                  dropout_p=0.0, rng_state=None):
+    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None; dropout_p and
+    rng_state the forward's, so the same probabilities are dropped)."""
     device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
         _prepare_mps()
@@ -401,8 +438,28 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     if not _sources.registered:
         _sources.ensure_registered()
     _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
-                alibi)
+                alibi, dropout_p, _rng_words(rng_state))
     return dq, dk, dv
+
+
+def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+               dropout_p=0.0, rng_state=None) -> torch.Tensor:
+    """The attention probabilities of forward_core's call that returned out and lse, as flash-attn's
+    return_attn_probs shows them: (B, Hq, L, S) float32, exp(s_ij - lse_i) for every key row i sees,
+    negated where dropout dropped it (0 elsewhere). The simple kernel's probability pass computes
+    them from the same scores and generator as the attention kernels (csrc/fa_core.h, write_probs);
+    an L x S array, for tests."""
+    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
+    if device == _C.DEVICE_MPS:
+        _prepare_mps()
+    if rng_state is None:  # no dropout: every probability is kept whatever the words
+        rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
+    probs = torch.zeros((*q.shape[:-1], k.shape[-2]), dtype=torch.float32, device=q.device)
+    if not _sources.registered:
+        _sources.ensure_registered()
+    _C.forward(device, q, k, v, out, lse, scale, causal, _C.KERNEL_SIMPLE, probs.view(-1), mask, q.dim() == 3, band,
+               softcap, alibi, dropout_p, _rng_words(rng_state), True)
+    return probs
 
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,

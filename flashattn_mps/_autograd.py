@@ -2,12 +2,14 @@
 for torch.compile, export and tracing.
 
 `flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale, band, seq_major, softcap,
-alibi_slopes) -> (out, lse)`
-runs the forward kernels and keeps the float32 log-sum-exp of each row;
+alibi_slopes, dropout_p, rng_state) -> (out, lse)`
+runs the forward kernels and keeps the float32 log-sum-exp of each row (rng_state: dropout's
+generator state, drawn by the caller outside the op so the fake implementations need none);
 `flashattn_mps::attention_backward(dout, q, k, v, out, lse, attn_mask, causal, scale, band, softcap,
-alibi_slopes) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c). band is None or the ints (bottom_right, left,
-right) of _api._band_of; seq_major allocates out as flash_attn_func's (B, L, H, Ev).
-Both have fake implementations, so torch.compile traces them without graph breaks, and
+alibi_slopes, dropout_p, rng_state) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c).
+band is None or the ints (bottom_right, left, right) of _api._band_of; seq_major allocates out as
+flash_attn_func's (B, L, H, Ev). `flashattn_mps::attention_probs(...)` is flash_attn_func's
+return_attn_probs pass. All have fake implementations, so torch.compile traces them without graph breaks, and
 register_autograd joins them. A custom op's eager dispatch costs tens of microseconds in PyTorch,
 so eager calls that need gradients take `_Attention`, an autograd.Function over the same two
 cores (`_api.forward_core`, `_api.backward_core`) with the same formula.
@@ -20,7 +22,7 @@ from typing import Optional
 import torch
 
 from . import _C, _api
-from ._api import _scale_value, _validate, _validate_alibi, _validate_mask, backward_core, forward_core
+from ._api import _scale_value, _validate, _validate_alibi, _validate_mask, backward_core, forward_core, probs_core
 
 
 def _refuse_double_backward() -> None:
@@ -36,23 +38,25 @@ class _Attention(torch.autograd.Function):
     -> (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi):
-        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi)
-        ctx.save_for_backward(q, k, v, out, lse, mask, alibi)
-        ctx.causal, ctx.scale, ctx.band, ctx.softcap = causal, scale, band, softcap
+    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi, dropout_p, rng_state):
+        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi,
+                                dropout_p, rng_state)
+        ctx.save_for_backward(q, k, v, out, lse, mask, alibi, rng_state)
+        ctx.causal, ctx.scale, ctx.band, ctx.softcap, ctx.dropout_p = causal, scale, band, softcap, dropout_p
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         _refuse_double_backward()
-        q, k, v, out, lse, mask, alibi = ctx.saved_tensors
-        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band, ctx.softcap, alibi)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, out, lse, mask, alibi, rng_state = ctx.saved_tensors
+        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band, ctx.softcap, alibi,
+                                   ctx.dropout_p, rng_state)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool, band=None,
-                            seq_major=False, softcap=0.0, alibi_slopes=None):
+                            seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     """flash_attention for calls that need autograd or are being traced (flashattn_mps._api routes
     them here)."""
     scale_value = _scale_value(q.shape[-1], scale)
@@ -60,14 +64,15 @@ def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[fl
         _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
         out, lse = torch.ops.flashattn_mps.attention_forward(
             q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major, softcap,
-            alibi_slopes,
+            alibi_slopes, dropout_p, rng_state,
         )
     else:
         mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
         alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap, alibi)
+        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap, alibi, dropout_p,
+                                    rng_state)
     return (out, lse) if return_lse else out
 
 
@@ -86,11 +91,13 @@ def attention_forward(
     seq_major: bool = False,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
     return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap,
-                        alibi)
+                        alibi, dropout_p, rng_state)
 
 
 def _band_tuple(band: Optional[list[int]]):
@@ -98,7 +105,8 @@ def _band_tuple(band: Optional[list[int]]):
 
 
 @attention_forward.register_fake
-def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
+def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+      rng_state=None):
     if seq_major:
         out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
     else:
@@ -121,21 +129,26 @@ def attention_backward(
     band: Optional[list[int]] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi)
+    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi, dropout_p,
+                         rng_state)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0, alibi_slopes=None):
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+      rng_state=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes = inputs
+    q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes, dropout_p, rng_state = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, rng_state)
+    ctx.dropout_p = dropout_p
     ctx.causal = causal
     ctx.scale = scale
     ctx.band = band
@@ -145,10 +158,36 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
     _refuse_double_backward()
-    q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, attn_mask, alibi_slopes, rng_state = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale, ctx.band,
-                                    ctx.softcap, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                                    ctx.softcap, alibi_slopes, ctx.dropout_p, rng_state)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flashattn_mps::attention_probs", mutates_args=())
+def attention_probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    band: Optional[list[int]] = None,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """flash_attn_func's return_attn_probs: the probabilities of the call that returned out and lse
+    (_api.probs_core), an op so that compiled and exported code can ask for them too."""
+    alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    return probs_core(q, k, v, out, lse, None, causal, scale, _band_tuple(band), softcap, alibi, dropout_p, rng_state)
+
+
+@attention_probs.register_fake
+def _(q, k, v, out, lse, causal, scale, band=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+    return q.new_empty((*q.shape[:-1], k.shape[-2]), dtype=torch.float32)

@@ -9,9 +9,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import _check_softcap, _check_window, _given, attend
-
-_UNSUPPORTED = "flash_attn_func: {} is not supported by flashattn_mps yet (got {})"
+from ._api import _check_dropout, _check_softcap, _check_window, _given, _scale_value, attend, dropout_rng_state
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -20,7 +18,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (B, S, Hkv, Dv); Hq a multiple of Hkv (MQA/GQA: query head h reads kv head h // (Hq // Hkv)).
 
     Args, as flash-attn's:
-        dropout_p: must be 0.0 (dropout is not implemented; anything else raises NotImplementedError).
+        dropout_p: probability in [0, 1] of dropping each attention probability (set it to 0.0 in
+            evaluation, as flash-attn says); kept ones are scaled by 1 / (1 - dropout_p). The kernels
+            drop with a counter-based generator (Philox 4x32-10) seeded per call from torch's
+            default generator of q's device, so torch.manual_seed makes runs reproducible; the
+            backward regenerates the forward's mask.
         softmax_scale: multiplies q.k; default 1 / sqrt(D).
         causal: bottom-right aligned: query i sees keys j <= i + S - L. A query row that sees no
             key (L > S) gives zeros.
@@ -31,18 +33,24 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             forward and backward (the gradient goes through tanh).
         alibi_slopes: None, or float32 (H,) or (B, H): adds -slope * |i + S - L - j| to the score of
             query i and key j (after softcap); the slopes get no gradient, as in flash-attn.
-        deterministic: accepted and ignored: the backward here is always deterministic (no atomics).
-        return_attn_probs: must be False (raises NotImplementedError).
+        deterministic: accepted; changes nothing: the backward here is always deterministic (each
+            gradient element is written by one thread, no atomics), dropout included (the mask is a
+            function of the generator state, not of scheduling).
+        return_attn_probs: also return softmax_lse and the attention probabilities, for tests.
 
-    Returns out (B, L, H, Dv), contiguous, of q's dtype; differentiable in q, k, v. Tensors on "mps"
-    run Metal, on "cpu" the CPU Metal device. float32, float16 and bfloat16; D, Dv <= 256.
+    Returns out (B, L, H, Dv), contiguous, of q's dtype; differentiable in q, k, v. With
+    return_attn_probs, (out, softmax_lse, S_dmask): softmax_lse (B, H, L) float32, the log-sum-exp
+    of each row's scaled scores (of the undropped probabilities); S_dmask (B, H, L, S) of q's
+    dtype, the softmax probability of each key a row sees (0 for the others) and negative where
+    dropout dropped it, as flash-attn's tests read it (their keep mask is S_dmask >= 0; the sign
+    bit tells a dropped probability that rounds to zero). flash-attn pads its S_dmask to multiples
+    of 128 and returns an empty one without dropout; here it is exactly (B, H, L, S), probabilities
+    without dropout too. Tensors on "mps" run Metal, on "cpu" the CPU Metal device. float32,
+    float16 and bfloat16; D, Dv <= 256.
     """
-    if not (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool)):
-        raise TypeError(f"flash_attn_func: dropout_p must be a float, got {_given(dropout_p)}")
-    if dropout_p != 0.0:
-        raise NotImplementedError(_UNSUPPORTED.format("dropout_p > 0", dropout_p))
-    if return_attn_probs is not False:
-        raise NotImplementedError(_UNSUPPORTED.format("return_attn_probs=True", _given(return_attn_probs)))
+    dropout_p = _check_dropout(dropout_p, "flash_attn_func")
+    if return_attn_probs is not True and return_attn_probs is not False:
+        raise TypeError(f"flash_attn_func: return_attn_probs must be a bool, got {_given(return_attn_probs)}")
     if causal is not True and causal is not False:
         raise TypeError(f"flash_attn_func: causal must be a bool, got {_given(causal)}")
     if deterministic is not True and deterministic is not False:
@@ -56,6 +64,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             raise ValueError(
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
-    out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, softmax_scale,
-                 _C.KERNEL_AUTO, False, (1, left, right), True, softcap, alibi_slopes)
-    return out.transpose(1, 2)
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    band = (1, left, right)
+    rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    result = attend(qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, return_attn_probs, band, True, softcap,
+                    alibi_slopes, dropout_p, rng_state)
+    if not return_attn_probs:
+        return result.transpose(1, 2)
+    out, lse = result
+    scale = _scale_value(q.shape[-1], softmax_scale)
+    probs = torch.ops.flashattn_mps.attention_probs(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal,
+                                                    scale, list(band), softcap, alibi_slopes, dropout_p, rng_state)
+    return out.transpose(1, 2), lse, probs.to(q.dtype)

@@ -36,7 +36,8 @@ class Route:
 
 class _KernelCall(NamedTuple):
     """A call the kernels take, its arguments resolved: autocast applied, a CausalBias turned into
-    is_causal (True, or "bottom_right" for a lower-right one) or a bool mask, scale a float or None."""
+    is_causal (True, or "bottom_right" for a lower-right one) or a bool mask, scale a float or None,
+    dropout_p a float in [0, 1]."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -44,6 +45,7 @@ class _KernelCall(NamedTuple):
     attn_mask: Optional[torch.Tensor]
     is_causal: bool
     scale: Optional[float]
+    dropout_p: float = 0.0
 
 
 _NOT_ACCEPTED = object()
@@ -172,10 +174,12 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             attn_mask, is_causal, masking = None, True, "causal (CausalBias, upper left)"
         else:  # flash-attn's alignment: the kernels' bottom-right band, no mask
             attn_mask, is_causal, masking = None, "bottom_right", "causal (CausalBias, lower right)"
-    call, autocast_dtype = _autocast(_KernelCall(query, key, value, attn_mask, is_causal, scale))
+    call, autocast_dtype = _autocast(_KernelCall(query, key, value, attn_mask, is_causal, scale, dropout_p))
     refusal = _kernel_refusal(call, dropout_p, enable_gqa, allow_cpu)
     if refusal is not None:
         return Route("torch", refusal), None
+    if dropout_p > 0.0:
+        masking += f", dropout_p={dropout_p} (in the kernels)"
     if autocast_dtype is not None:
         masking += f", under autocast to {autocast_dtype}"
     return Route("kernel", f"{masking} (flashattn_mps.explain_plan shows the kernels and grids)"), call
@@ -183,7 +187,7 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
 
 def _kernel_refusal(call: _KernelCall, dropout_p: float, enable_gqa: bool, allow_cpu: bool) -> Optional[str]:
     """Why the kernels cannot take this call (None when they can)."""
-    query, key, value, attn_mask, is_causal, _ = call
+    query, key, value, attn_mask, is_causal, _, _ = call
     tensors = (query, key, value)
     devices = {t.device.type for t in tensors}
     if attn_mask is not None and isinstance(attn_mask, torch.Tensor):
@@ -196,8 +200,6 @@ def _kernel_refusal(call: _KernelCall, dropout_p: float, enable_gqa: bool, allow
         return f"dtypes {query.dtype}, {key.dtype}, {value.dtype}: the kernels take one of float32, float16, bfloat16"
     if not 0.0 <= dropout_p <= 1.0:
         return "dropout_p out of [0, 1] (torch raises)"
-    if dropout_p > 0.0:
-        return f"dropout_p={dropout_p}: the kernels have no dropout"
     if query.dim() < 2 or not (query.dim() == key.dim() == value.dim()):
         return "query, key and value differ in rank"
     if query.dim() >= 3 and not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
@@ -241,8 +243,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """`torch.nn.functional.scaled_dot_product_attention` with the same signature, semantics, errors
     and results, computed by flashattn_mps kernels (MPS tensors on Metal, CPU tensors on the CPU
-    Metal device) without an L x S matrix. Calls the kernels do not cover (dropout, masks that need
-    grad, other devices or dtypes, broadcast batches, nested tensors, torch.func transforms, tensor
+    Metal device) without an L x S matrix; dropout_p > 0 drops probabilities in the kernels
+    (whenever it is > 0, as torch does: modules pass 0 in eval), seeded from torch's default
+    generator of the tensors' device, so torch.manual_seed reproduces a run (the mask differs from
+    torch's own, which no two SDPA backends share either). Calls the kernels do not cover (masks
+    that need grad, other devices or dtypes, broadcast batches, nested tensors, torch.func transforms, tensor
     subclasses, an sdpa_kernel context that excludes the fused backends...) go to torch's own SDPA;
     `explain` says which path a call takes and why, and the reason is logged at DEBUG level on
     logger "flashattn_mps" (not while torch.compile traces)."""
@@ -264,13 +269,13 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
 
 
 def _run_kernel(call: _KernelCall):
-    query, key, value, attn_mask, is_causal, scale = call
+    query, key, value, attn_mask, is_causal, scale, dropout_p = call
     q, k, v = (_as_4d(t) for t in (query, key, value))
     mask = None if attn_mask is None else _as_4d(_broadcast_mask(attn_mask, query, key))
     if is_causal == "bottom_right":
-        out = attend(q, k, v, mask, True, scale, band=(1, -1, -1))
+        out = attend(q, k, v, mask, True, scale, band=(1, -1, -1), dropout_p=dropout_p)
     else:
-        out = attend(q, k, v, mask, is_causal, scale)  # flash_attention's lean entry
+        out = attend(q, k, v, mask, is_causal, scale, dropout_p=dropout_p)  # flash_attention's lean entry
     return out.view(*query.shape[:-1], value.shape[-1])
 
 

@@ -7,6 +7,7 @@
 // keys). Per tile, everything transposed relative to the dQ kernel (fa_backward_dq.h):
 //   S^T  = K Q^T,  P^T = exp2(S^T - lse_log2),  dP^T = V dO^T,  dS^T = P^T (dP^T - D)
 //   dV += P^T dO,  dK += dS^T Q
+// (under dropout dV takes P^T and dS^T takes dP^T times each element's factor: fa_dropout.h)
 // GQA: the threadgroup of a kv head loops over every query head that reads it, so dK and dV sum
 // their contributions in registers; each threadgroup writes only its own keys: no atomics, and
 // K and V are read in place, never expanded.
@@ -14,6 +15,7 @@
 #define FA_BACKWARD_DKDV_H
 
 #include <metal_stdlib>
+#include "fa_dropout.h"
 #include "fa_fragments.h"
 #include "fa_loader.h"
 #include "fa_mask.h"
@@ -37,6 +39,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
     const device float *alibi_slopes [[buffer(12)]],
+    const device uint *rng [[buffer(16)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -87,6 +90,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const long do_step = long(BK) * p.do_strides[2];
   const long mask_query_stride = f.mask_strides[2]; // between the columns of this kernel's score tiles
   int tile = 0;
+  const fa_dropout_rng dropout = fa_dropout_state(rng);
   for (long h = kv_h * f.gqa_factor; h < (kv_h + 1) * f.gqa_factor; ++h) {
     const device T *q_src = q + b * f.q_strides[0] + h * f.q_strides[1] + long(q_begin) * f.q_strides[2];
     const device T *do_src = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(q_begin) * p.do_strides[2];
@@ -136,6 +140,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
       const bool add_mask = fa_mask_is_additive() && key_valid;
       long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
+        const float2 kept = fa_dropout_factor_pair(f, dropout, b, h, q0 + 8 * j + at.x, my_key, false);
         for (int e = 0; e < 2; ++e) {
           const int col = 8 * j + at.x + e; // the query row q0 + col
           const bool visible = !(test_band && fa_band_hides(f, q0 + col, my_key)) &&
@@ -146,9 +151,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
             score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_query_stride));
           }
           const float prob = visible ? fa_softmax_probability(score, lse_tile[col]) : 0.0f;
-          s_frag[j].thread_elements()[e] = prob;
+          // dV takes the dropped probability, dS^T the undropped one times the dropped dP^T (fa_dropout.h).
+          s_frag[j].thread_elements()[e] = prob * kept[e];
           dp_frag[j].thread_elements()[e] =
-              prob * (dp_frag[j].thread_elements()[e] - delta_tile[col]) * fa_softcap_gradient(f, capped);
+              prob * (dp_frag[j].thread_elements()[e] * kept[e] - delta_tile[col]) * fa_softcap_gradient(f, capped);
         }
         entry += 8 * mask_query_stride;
       }

@@ -6,13 +6,15 @@
 //   S  = Q K^T            (times scale * log2(e), as in the forward)
 //   P  = exp2(S - lse_log2)   recomputed from the forward's log-sum-exp, never stored
 //   dP = dO V^T
-//   dS = P (dP - D)       D = rowsum(dO * O) from the pre-pass (fa_backward_delta.h)
+//   dS = P (dP - D)       D = rowsum(dO * O) from the pre-pass (fa_backward_delta.h); under
+//                         dropout dP is dO V^T times each element's factor (fa_dropout.h)
 //   dQ += dS K
 // Each threadgroup writes only its own rows of dQ: no atomics.
 #ifndef FA_BACKWARD_DQ_H
 #define FA_BACKWARD_DQ_H
 
 #include <metal_stdlib>
+#include "fa_dropout.h"
 #include "fa_fragments.h"
 #include "fa_loader.h"
 #include "fa_mask.h"
@@ -35,6 +37,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
     const device float *alibi_slopes [[buffer(12)]],
+    const device uint *rng [[buffer(16)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -78,6 +81,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
       row_valid ? lse[b * f.lse_strides[0] + h * f.lse_strides[1] + long(my_row) * f.lse_strides[2]] * M_LOG2E_F
                 : INFINITY;
   const float slope_log2 = fa_alibi_slope(f, alibi_slopes, b, h);
+  const fa_dropout_rng dropout = fa_dropout_state(rng);
   const float row_delta =
       row_valid ? delta[b * p.delta_strides[0] + h * p.delta_strides[1] + long(my_row) * p.delta_strides[2]] : 0.0f;
 
@@ -126,6 +130,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     const bool add_mask = fa_mask_is_additive() && row_valid;
     long entry = mask_at;
     for (int j = 0; j < BK / 8; ++j) {
+      const float2 kept = fa_dropout_factor_pair(f, dropout, b, h, my_row, k0 + 8 * j + at.x, true);
       for (int e = 0; e < 2; ++e) {
         const int key = k0 + 8 * j + at.x + e;
         const bool visible = !(test_bounds && (key >= f.kv_len || fa_band_hides(f, my_row, key))) &&
@@ -136,8 +141,9 @@ template <typename T, int BD, int BDV, int BK, int WM>
           score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
         }
         const float prob = visible ? fa_softmax_probability(score, row_lse_log2) : 0.0f;
+        // dP of the undropped probability: dO V^T times the dropout factor (fa_dropout.h).
         s_frag[j].thread_elements()[e] =
-            prob * (dp_frag[j].thread_elements()[e] - row_delta) * fa_softcap_gradient(f, capped);
+            prob * (dp_frag[j].thread_elements()[e] * kept[e] - row_delta) * fa_softcap_gradient(f, capped);
       }
       entry += 8 * mask_key_stride;
     }

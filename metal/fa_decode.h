@@ -28,6 +28,7 @@
 #define FA_DECODE_H
 
 #include <metal_stdlib>
+#include "fa_dropout.h"
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
@@ -84,13 +85,15 @@ inline void fa_decode_load(thread float (&dst)[COLS], const device T *row, long 
 }
 
 // One key of one row: the score (already summed over the SIMD-group) enters the row's softmax and
-// the value row its accumulator.
+// the value row, weighted by the probability times its dropout factor (fa_dropout.h), its
+// accumulator.
 template <int COLS>
 inline void fa_decode_accumulate(thread fa_online_softmax &state, thread float (&acc)[COLS], float score,
-                                 thread const float (&v_reg)[COLS]) {
+                                 float dropout_factor, thread const float (&v_reg)[COLS]) {
   const fa_softmax_step step = fa_softmax_push(state, score);
+  const float weight = step.weight * dropout_factor;
   for (int c = 0; c < COLS; ++c) {
-    acc[c] = fma(step.weight, v_reg[c], acc[c] * step.rescale);
+    acc[c] = fma(weight, v_reg[c], acc[c] * step.rescale);
   }
 }
 
@@ -105,6 +108,7 @@ template <typename T, int COLS, int ROWS>
     device float *workspace [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -154,6 +158,7 @@ template <typename T, int COLS, int ROWS>
   const int first_position = first % p.q_len;
   const bool wraps = first_position + rows > p.q_len;
   const fa_range keys = fa_visible_keys(p, wraps ? 0 : first_position, wraps ? p.q_len : rows);
+  const fa_dropout_rng dropout = fa_dropout_state(rng);
 
   // This split's share of the keys, within those the rows see, is [begin, end); this SIMD-group
   // takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
@@ -198,7 +203,8 @@ template <typename T, int COLS, int ROWS>
           continue;
         }
         const float varied = fa_softcap_score(p, score[t]) + fa_alibi_bias(p, slope[r], position[r], key);
-        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(varied, mask, mask_at), v_reg[t]);
+        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(varied, mask, mask_at),
+                                   fa_dropout_factor(p, dropout, b, head[r], position[r], key), v_reg[t]);
       }
     }
   }

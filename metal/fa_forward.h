@@ -14,6 +14,7 @@
 #define FA_FORWARD_H
 
 #include <metal_stdlib>
+#include "fa_dropout.h"
 #include "fa_fragments.h"
 #include "fa_loader.h"
 #include "fa_mask.h"
@@ -34,6 +35,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -73,6 +75,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
   }
   fa_online_softmax row_state = fa_softmax_init();
   const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
+  const fa_dropout_rng dropout = fa_dropout_state(rng);
 
   // Tiles advance by pointer steps; the lane's mask entries by one offset per tile (fa_mask.h).
   const device T *k_src = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
@@ -165,6 +168,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     }
     row_state.sum = row_state.sum * rescale + fa_row_sum(tile_sum);
     row_state.max = new_max;
+    fa_dropout_frags<BK / 8>(p, dropout, s_frag, b, h, my_row, k0 + at.x); // after the undropped sum
 
     // O = O * rescale + P V.
     for (int d = 0; d < BDV / 8; ++d) {

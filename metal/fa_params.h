@@ -6,10 +6,12 @@
 #ifdef __METAL_VERSION__
 typedef long fa_i64;
 typedef int fa_i32;
+typedef uint fa_u32;
 #else
 #include <stdint.h>
 typedef int64_t fa_i64;
 typedef int32_t fa_i32;
+typedef uint32_t fa_u32;
 #endif
 
 // The simple kernel's geometry (fa_simple.metal).
@@ -27,6 +29,7 @@ typedef int32_t fa_i32;
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 #define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
 #define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
+#define FA_FC_DROPOUT 11  // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -37,6 +40,14 @@ typedef int32_t fa_i32;
 #define FA_MASK_FLOAT 2    // float32, added to the scaled scores
 #define FA_MASK_HALF 3     // float16, added
 #define FA_MASK_BFLOAT 4   // bfloat16, added
+
+#define FA_DROPOUT_NONE 0  // no dropout
+#define FA_DROPOUT_APPLY 1 // probabilities dropped (and kept ones scaled) in what the kernel accumulates
+#define FA_DROPOUT_PROBS 2 // the simple kernel writes each probability (negated where dropped) instead
+                           // of attention: flash-attn's return_attn_probs
+// Dropout's generator state, a buffer of this many 32-bit words ([[buffer(12)]] of the forward,
+// decode and simple kernels, [[buffer(16)]] of the backward's): seed low, high, offset low, high.
+#define FA_DROPOUT_RNG_WORDS 4
 
 typedef struct fa_params {
     fa_i32 batch;      // B
@@ -71,6 +82,11 @@ typedef struct fa_params {
   fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
   fa_i32 diagonal;    // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
   fa_i64 alibi_strides[2]; // (batch, head) of the float32 slopes under FA_FC_ALIBI; batch 0 for (H,) slopes
+  // Dropout under FA_FC_DROPOUT (fa_dropout.h): a probability whose random word is below
+  // dropout_drop_below = round(p * 2^32) is dropped, kept ones are multiplied by dropout_scale =
+  // 1 / (1 - p) (0 for p = 1, where everything is dropped).
+  fa_u32 dropout_drop_below;
+  float dropout_scale;
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.

@@ -4,9 +4,12 @@
 // Lane l keeps columns l, l + 32, ... of the query row and of the output row, so one build serves
 // every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 256 (columns past E or Ev are predicated off).
 // Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_BAND,
-// FA_FC_WRITE_LSE and FA_FC_MASK_KIND. Grid: (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of
-// 32 * FA_SIMPLE_ROWS_PER_GROUP threads (the planner reads both constants from fa_params.h).
+// FA_FC_WRITE_LSE, FA_FC_MASK_KIND and the variants' (fa_variants.h, fa_dropout.h); under
+// FA_DROPOUT_PROBS it is the probability pass of flash-attn's return_attn_probs. Grid:
+// (ceil(L / FA_SIMPLE_ROWS_PER_GROUP), Hq, B) threadgroups of 32 * FA_SIMPLE_ROWS_PER_GROUP threads
+// (the planner reads both constants from fa_params.h).
 #include <metal_stdlib>
+#include "fa_dropout.h"
 #include "fa_instantiate.h"
 #include "fa_mask.h"
 #include "fa_params.h"
@@ -23,8 +26,10 @@ template <typename T>
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
+    device float *probs [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -52,6 +57,14 @@ template <typename T>
   }
   fa_online_softmax state = fa_softmax_init();
   const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
+  const fa_dropout_rng dropout = fa_dropout_state(rng);
+  // The probability pass (FA_DROPOUT_PROBS) reads the forward's lse and writes row i of the
+  // contiguous (B, Hq, L, S) float32 probabilities instead of attention (keys it never visits stay
+  // as the caller initialised them: zeros).
+  const bool probs_pass = fa_dropout_mode == FA_DROPOUT_PROBS;
+  const long lse_at = b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2];
+  const float row_lse_log2 = probs_pass ? lse[lse_at] * M_LOG2E_F : 0.0f;
+  device float *probs_row = probs + ((b * p.q_heads + h) * p.q_len + row) * long(p.kv_len);
 
   // Under the band (causal, window) row i sees keys [begin, end) only.
   const fa_range keys = fa_visible_keys(p, row, 1);
@@ -70,13 +83,24 @@ template <typename T>
     }
     const float varied = fa_softcap_score(p, simd_sum(partial) * p.scale_log2) + fa_alibi_bias(p, slope_log2, row, j);
     const float score = fa_mask_score(varied, mask, mask_at);
+    if (probs_pass) {
+      if (lane == 0) {
+        probs_row[j] =
+            fa_dropout_signed_probability(p, dropout, b, h, row, j, fa_softmax_probability(score, row_lse_log2));
+      }
+      continue;
+    }
     const fa_softmax_step step = fa_softmax_push(state, score);
+    const float weight = step.weight * fa_dropout_factor(p, dropout, b, h, row, j); // the sum keeps it undropped
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
       const int col = int(lane) + 32 * c;
       const float v_val = col < p.v_head_dim ? float(v_row[col * p.v_strides[3]]) : 0.0f;
-      acc[c] = fma(step.weight, v_val, acc[c] * step.rescale);
+      acc[c] = fma(weight, v_val, acc[c] * step.rescale);
     }
+  }
+  if (probs_pass) {
+    return; // out and lse are the forward's
   }
 
   const float inv_sum = fa_softmax_inverse_sum(state);
@@ -88,8 +112,7 @@ template <typename T>
     }
   }
   if (fa_write_lse && lane == 0) {
-    lse[b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2]] =
-        fa_softmax_lse(state);
+    lse[lse_at] = fa_softmax_lse(state);
   }
 }
 

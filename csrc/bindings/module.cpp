@@ -242,7 +242,8 @@ fa_band_args band_args(py::handle band) {
 
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                             py::handle band, double softcap, py::handle alibi, bool unbatched = false) {
+                             py::handle band, double softcap, py::handle alibi, bool unbatched = false,
+                             double dropout_p = 0.0, py::handle rng_state = py::none(), bool write_probs = false) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -258,6 +259,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.band = band_args(band);
     args.softcap = softcap;
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device); // already (B, Hq)
+    args.dropout_p = dropout_p;
+    args.rng_state = to_tensor(rng_state, "rng_state", device);
+    args.write_probs = write_probs;
     return args;
 }
 
@@ -266,9 +270,10 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 // alive while the kernels run.
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
-             py::handle band, double softcap, py::handle alibi) {
-    fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, unbatched);
+             py::handle band, double softcap, py::handle alibi, double dropout_p, py::handle rng_state,
+             bool write_probs) {
+    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi,
+                                        unbatched, dropout_p, rng_state, write_probs);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -318,9 +323,9 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
-                      py::handle alibi) {
-    const fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
+                      py::handle alibi, double dropout_p, py::handle rng_state) {
+    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap,
+                                              alibi, false, dropout_p, rng_state);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -353,7 +358,8 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi) {
+              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
+              double dropout_p, py::handle rng_state) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -373,6 +379,8 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.band = band_args(band);
     args.softcap = softcap;
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
+    args.dropout_p = dropout_p;
+    args.rng_state = to_tensor(rng_state, "rng_state", device);
     fa_status st;
     int32_t rc;
     {
@@ -533,6 +541,10 @@ PYBIND11_MODULE(_C, m) {
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
     m.attr("FC_DECODE_VECTOR_LOADS") = static_cast<int>(FA_FC_DECODE_VECTOR_LOADS);
+    m.attr("FC_DROPOUT") = static_cast<int>(FA_FC_DROPOUT);
+    m.attr("DROPOUT_NONE") = static_cast<int>(FA_DROPOUT_NONE);
+    m.attr("DROPOUT_APPLY") = static_cast<int>(FA_DROPOUT_APPLY);
+    m.attr("DROPOUT_PROBS") = static_cast<int>(FA_DROPOUT_PROBS);
     m.attr("MAX_THREADGROUP_MEMORY") = static_cast<int>(MCPU_MAX_THREADGROUP_MEMORY);
 #if defined(__APPLE__)
     m.attr("HAS_METAL_BACKEND") = true;
@@ -554,7 +566,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
           py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+          py::arg("write_probs") = false);
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
@@ -564,14 +577,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
