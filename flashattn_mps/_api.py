@@ -463,9 +463,10 @@ def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, s
 
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
-                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None) -> dict:
-    """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
-    launch, without running it:
+                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None,
+                 dropout_p: float = 0.0) -> dict:
+    """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size, ...)`
+    would launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
     "split_count", "workspace_bytes", "empty"} (and "metal_stream" for MPS tensors: how dispatches
     reach the GPU). split_count > 1 means the keys are split over threadgroups and a second dispatch
@@ -487,7 +488,9 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
                            causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
-                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q))
+                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
+                           dropout_p=_check_dropout(dropout_p, "explain_plan"),
+                           rng_state=_rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)))
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

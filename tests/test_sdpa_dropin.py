@@ -114,7 +114,6 @@ def test_errors_are_torchs(case):
 
 
 FALLBACKS = {
-    "dropout": (lambda q, k, v: dict(dropout_p=0.5), "dropout"),
     "float64": (lambda q, k, v: dict(query=q.double(), key=k.double(), value=v.double()), "dtypes"),
     "mask needs grad": (lambda q, k, v: dict(attn_mask=torch.zeros(5, 6, requires_grad=True)), "requires grad"),
     "broadcast batch": (lambda q, k, v: dict(key=k[:1], value=v[:1]), "batch dimensions differ"),
@@ -256,7 +255,7 @@ def test_argument_types_are_torchs(gen, argument, core_calls):
                 scaled_dot_product_attention(q, k, v, **{argument: value})
             continue
         if argument == "dropout_p" and value not in (0, False):
-            continue  # accepted, and random: torch's path (tested by the fallbacks)
+            continue  # accepted, and random: the kernels' dropout (tests/test_dropout.py)
         before = core_calls["forward"]
         out = scaled_dot_product_attention(q, k, v, **{argument: value})
         assert core_calls["forward"] == before + 1, f"{argument}={name} did not reach the kernels"
