@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import flashattn_mps
 from flashattn_mps import _C, _api, _sources, explain_plan, flash_attention, flash_attn_func, metal_cpu
 from conftest import ALL_DTYPES, max_error, randn, sample_product
-from test_flash_attn import visible
+from test_flash_attn import reference as flash_reference, visible
 
 
 def keep_mask(q, k, v, rng_state, dropout_p):
@@ -34,23 +34,9 @@ def seeded(seed, device="cpu"):
     return _api.dropout_rng_state(torch.device(device))
 
 
-def reference(q, k, v, keep, dropout_p, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None):
-    """Attention in the inputs' dtype (softmax in float32 for 16-bit ones) from materialised scores,
-    SDPA layout, with the probabilities outside `keep` dropped and the others scaled by
-    1 / (1 - dropout_p); rows that see no key give zeros."""
-    hq, hkv = q.shape[1], k.shape[1]
-    k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    seen = visible(q.shape[2], k.shape[2], causal, bottom_right, window)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        seen = seen & attn_mask
-    elif attn_mask is not None:
-        scores = scores + attn_mask
-    scores = scores.masked_fill(~seen, float("-inf"))
-    probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).nan_to_num(0.0)
-    scale_kept = 0.0 if dropout_p == 1.0 else 1.0 / (1.0 - dropout_p)
-    return (probs * keep * scale_kept).to(q.dtype) @ v
+def reference(q, k, v, keep, dropout_p, **options):
+    """test_flash_attn's reference with the probabilities outside `keep` dropped."""
+    return flash_reference(q, k, v, dropout_mask=keep, dropout_p=dropout_p, **options)
 
 
 def assert_close(actual, golden, same_dtype, what=""):
@@ -191,6 +177,20 @@ def test_flash_attn_func_matches_the_exposed_mask(gen, lengths, variant, dtype, 
     dout = randn(gen, 1, l, hq, 16, dtype=dtype)
     check_gradients(inputs, out.transpose(1, 2), dout.transpose(1, 2), keep, dropout_p,
                     lambda t: t.transpose(1, 2), **options)
+
+
+def test_dropout_with_softcap_and_alibi(gen):
+    """Dropout after every score variant: softcap and ALiBi (bottom-right), forward and gradients."""
+    q, k, v = randn(gen, 2, 19, 4, 32), randn(gen, 2, 27, 2, 32), randn(gen, 2, 27, 2, 16)
+    inputs = [t.requires_grad_() for t in (q * 3, k, v)]
+    alibi = torch.rand(2, 4, generator=gen)
+    out, _, probs = flash_attn_func(*inputs, dropout_p=0.3, window_size=(9, 4), softcap=1.5, alibi_slopes=alibi,
+                                    return_attn_probs=True)
+    keep = ~torch.signbit(probs)
+    options = dict(bottom_right=True, window=(9, 4), softcap=1.5, alibi=alibi)
+    check_forward(out.transpose(1, 2), [t.transpose(1, 2) for t in inputs], keep, 0.3, **options)
+    check_gradients(inputs, out.transpose(1, 2), randn(gen, 2, 4, 19, 16), keep, 0.3, lambda t: t.transpose(1, 2),
+                    **options)
 
 
 KERNEL_CASES = sample_product([[(40, 56), (5, 33), (2, 1100)], ["forward", "decode", "simple"], ALL_DTYPES,

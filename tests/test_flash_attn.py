@@ -29,10 +29,11 @@ def visible(l, s, causal, bottom_right, window, device="cpu"):
 
 
 def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
-              alibi=None):
+              alibi=None, dropout_mask=None, dropout_p=0.0):
     """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
     flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
-    give zeros."""
+    give zeros. dropout_mask (B, H, L, S) bool: the probabilities outside it are dropped, the others
+    scaled by 1 / (1 - dropout_p), as flash-attn's test reference does."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, 1)
     v = v.repeat_interleave(hq // hkv, 1)
@@ -53,6 +54,8 @@ def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None
     scores = scores.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).to(q.dtype)
     probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
+    if dropout_mask is not None:
+        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     return probs @ v
 
 
