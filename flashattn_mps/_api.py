@@ -366,7 +366,7 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
         _validate(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if dropout_p > 0.0 and rng_state is None and isinstance(q, torch.Tensor):
+    if dropout_p > 0.0 and rng_state is None:
         rng_state = dropout_rng_state(q.device)  # outside the ops, so their fake implementations need none
     if _routes_through_torch(q, k, v):
         if kernel != _C.KERNEL_AUTO:
