@@ -82,9 +82,9 @@ typedef struct fa_params {
   fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
   fa_i32 diagonal;    // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
   fa_i64 alibi_strides[2]; // (batch, head) of the float32 slopes under FA_FC_ALIBI; batch 0 for (H,) slopes
-  // Dropout under FA_FC_DROPOUT (fa_dropout.h): a probability whose random word is below
+  // Dropout under FA_FC_DROPOUT (fa_dropout.h), h21: a probability whose random word is below
   // dropout_drop_below = round(p * 2^32) is dropped, kept ones are multiplied by dropout_scale =
-  // 1 / (1 - p) (0 for p = 1, where everything is dropped).
+  // 1 / (1 - p). p = 1 stores 2^32 - 1 and scale 0: nothing contributes.
   fa_u32 dropout_drop_below;
   float dropout_scale;
 } fa_params;
