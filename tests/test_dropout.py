@@ -252,6 +252,16 @@ def test_every_kernel_is_specialised_for_dropout(gen):
         assert [d["macros"] for d in plain] == [d["macros"] for d in dropped]
 
 
+def test_unbatched_inputs(gen):
+    """(H, L, E) inputs drop as batch 0 of the batched call with the same state."""
+    q, k, v = randn(gen, 2, 9, 16), randn(gen, 2, 13, 16), randn(gen, 2, 13, 16)
+    torch.manual_seed(4)
+    out = flash_attention(q, k, v, dropout_p=0.5)
+    keep = keep_mask(q[None], k[None], v[None], seeded(4), 0.5)
+    assert torch.equal(keep_mask(q, k, v, seeded(4), 0.5), keep[0])
+    check_forward(out[None], (q[None], k[None], v[None]), keep, 0.5)
+
+
 def test_extreme_rates(gen):
     """p = 1 drops everything (zeros, as torch's dropout); a tiny p keeps (nearly) everything."""
     q, k, v = randn(gen, 1, 2, 12, 16), randn(gen, 1, 2, 20, 16), randn(gen, 1, 2, 20, 16)
