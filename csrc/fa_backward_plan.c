@@ -73,10 +73,11 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
 }
 
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
-    const fa_tensor *views[] = {&a->dq, &a->dk, &a->dv, &a->delta, &a->q, &a->k, &a->v, &a->out, &a->dout, &a->lse,
-                                &a->mask};
-    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask"};
-    return fa_check_no_alias(views, names, 11, 4, st);
+    const fa_tensor *views[] = {&a->dq,  &a->dk,   &a->dv,  &a->delta, &a->sink_grad, &a->q,    &a->k,
+                                &a->v,   &a->out,  &a->dout, &a->lse,  &a->mask,      &a->sinks};
+    const char *const names[] = {"dq", "dk", "dv", "delta", "sink_grad", "q", "k", "v", "out", "dout", "lse", "mask",
+                                 "sinks"};
+    return fa_check_no_alias(views, names, 13, 5, st);
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
@@ -99,6 +100,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.band = a->band;
     forward_args.softcap = a->softcap;
     forward_args.alibi_slopes = a->alibi_slopes;
+    forward_args.sinks = a->sinks;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
@@ -109,6 +111,11 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = check_matches(&a->dq, "dq", 4, a->q.dtype, &a->q, "the shape of q", st)) ||
         (rc = check_matches(&a->dk, "dk", 4, a->k.dtype, &a->k, "the shape of k", st)) ||
         (rc = check_matches(&a->dv, "dv", 4, a->v.dtype, &a->v, "the shape of v", st))) {
+        return rc;
+    }
+    const int32_t with_sinks = a->sinks.ndim != 0 || a->sinks.storage != NULL; /* checked by the forward plan */
+    if (with_sinks &&
+        (rc = check_matches(&a->sink_grad, "sink_grad", 3, FA_F32, &a->q, "(B, Hq, L) for q", st)) != FA_OK) {
         return rc;
     }
     if ((rc = fa_plan_check_backward_aliases(a, st))) {
@@ -123,6 +130,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     copy_strides(p->dv_strides, &a->dv, 4);
     copy_strides(p->delta_strides, &a->delta, 3);
     p->scale = (float)a->scale;
+    if (with_sinks) {
+        copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
+    }
 
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
     const uint32_t threads = tiled->threadgroup[0];

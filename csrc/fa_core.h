@@ -100,6 +100,10 @@ typedef struct fa_forward_args {
      * -slope[b, h] * |i + d - j| to the scaled (and capped) score of query i and key j, d = S - L
      * with band.bottom_right, else 0. */
     fa_tensor alibi_slopes;
+    /* Attention sinks (ndim 0 when absent): (Hq,) float32 logits; each row's softmax also counts
+     * exp(sinks[h]) in its denominator, with no value. lse includes it; a row that sees no key gives
+     * zeros and lse = sinks[h]. */
+    fa_tensor sinks;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -126,6 +130,10 @@ typedef struct fa_backward_args {
     fa_band_args band; /* the forward's */
     double softcap;    /* the forward's */
     fa_tensor alibi_slopes; /* the forward's (no gradient flows to the slopes) */
+    /* The forward's sinks (ndim 0 when absent) and, with them, sink_grad: (B, Hq, L) float32 that
+     * receives each row's term -exp(sinks[h] - lse) * delta of the sinks' gradient, which is its
+     * sum over B and L (the caller sums, deterministically). */
+    fa_tensor sinks, sink_grad;
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

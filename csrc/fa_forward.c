@@ -35,7 +35,8 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     d.bindings[6] = tensor_binding(&args->workspace, present); /* untouched unless the plan splits */
     d.bindings[7] = tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
     d.bindings[8] = tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
-    d.n_bindings = 9;
+    d.bindings[9] = tensor_binding(&args->sinks, present); /* untouched unless FA_FC_SINKS */
+    d.n_bindings = 10;
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
         memcpy(d.threadgroup_bytes, step->threadgroup_bytes, sizeof d.threadgroup_bytes);

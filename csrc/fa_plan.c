@@ -303,9 +303,9 @@ int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *name
 }
 
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
-    const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask};
-    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask"};
-    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 7 - !with_workspace,
+    const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask, &a->sinks};
+    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask", "sinks"};
+    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 8 - !with_workspace,
                              3 - !with_workspace, st);
 }
 
@@ -495,6 +495,11 @@ static int32_t has_alibi(const fa_forward_args *a) {
     return a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL;
 }
 
+/* Sinks are present by the same rule as the ALiBi slopes. */
+static int32_t has_sinks(const fa_forward_args *a) {
+    return a->sinks.ndim != 0 || a->sinks.storage != NULL;
+}
+
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
@@ -502,6 +507,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     add_constant_bool(d, FA_FC_BAND, plan->banded);
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
     add_constant_bool(d, FA_FC_ALIBI, has_alibi(a));
+    add_constant_bool(d, FA_FC_SINKS, has_sinks(a));
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     return d;
@@ -822,6 +828,16 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
                            p->q_heads, shape);
         }
         copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
+    }
+    if (has_sinks(a)) {
+        if ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) != FA_OK) {
+            return rc;
+        }
+        if (a->sinks.sizes[0] != p->q_heads) {
+            return fa_fail(st, FA_ERR_VALUE, "sinks: must be (Hq,) = (%d,), got (%lld,)", p->q_heads,
+                           (long long)a->sinks.sizes[0]);
+        }
+        p->sink_stride = a->sinks.strides[0];
     }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;

@@ -172,6 +172,30 @@ def _validate_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
     return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
 
 
+def _validate_sinks(sinks, q: torch.Tensor) -> torch.Tensor:
+    """Attention sinks as the (Hq,) float32 tensor the core reads: float32 as given, or q's dtype
+    converted to float32 (a copy of Hq numbers, differentiable, so gradients reach the given tensor)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"flash_attention: sinks must be a torch.Tensor or None, got {_type_name(sinks)}")
+    if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
+        raise TypeError(
+            f"flash_attention: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
+            f"{sinks.dtype} on {sinks.device}"
+        )
+    heads = q.shape[-3]
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"flash_attention: sinks must be (Hq,) = ({heads},), one logit per query head, got {tuple(sinks.shape)} "
+            f"for q {_shape(q)}"
+        )
+    sinks = sinks.float()
+    return sinks.resolve_neg() if sinks.is_neg() else sinks
+
+
+def _sinks_need_grad(sinks) -> bool:
+    return isinstance(sinks, torch.Tensor) and sinks.requires_grad and _is_grad_enabled()
+
+
 def _check_softcap(softcap, who: str) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"{who}: softcap must be a float, got {_given(softcap)}")
@@ -267,6 +291,7 @@ def flash_attention(
     window_size=None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -300,6 +325,11 @@ def flash_attention(
         alibi_slopes: None, or float32 (Hq,) or (B, Hq) slopes on q's device: adds
             -slope * |d_i - j| to the score of query i and key j (ALiBi; d_i the diagonal as for
             window_size), after softcap. The slopes get no gradient (as in flash-attn).
+        sinks: None, or (Hq,) attention-sink logits (GPT-OSS, StreamingLLM), float32 or q's dtype
+            (converted to float32), on q's device: row i of head h also counts exp(sinks[h]) in its
+            softmax denominator, with no value, so its weights sum to less than 1. Combinable with
+            every other option. A row that sees no key gives zeros; the log-sum-exp includes the
+            sink (sinks[h] for such a row). Gradients flow to sinks too.
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
@@ -313,28 +343,29 @@ def flash_attention(
     double backward raises.
     """
     if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None:
+            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and sinks is None:
         return attend(q, k, v, attn_mask, causal, scale)
     causal, band = _band_of(causal, window_size)
     return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
-                  _check_softcap(softcap, "flash_attention"), alibi_slopes)
+                  _check_softcap(softcap, "flash_attention"), alibi_slopes, sinks)
 
 
 def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
-           band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
+           band=None, seq_major=False, softcap=0.0, alibi_slopes=None, sinks=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
     out is allocated the same way (flash_attn_func's layout). softcap: a checked float;
-    alibi_slopes: None or the user's (H,) or (B, H) tensor (checked here)."""
+    alibi_slopes: None or the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one (both
+    checked here)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         _validate(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if _routes_through_torch(q, k, v):
+    if _routes_through_torch(q, k, v) or _sinks_need_grad(sinks):
         if kernel != _C.KERNEL_AUTO:
             names = {code: name for name, code in _KERNELS.items()}
             raise ValueError(
@@ -342,15 +373,16 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
         return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
-                                        alibi_slopes)
+                                        alibi_slopes, sinks)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi)
+    sinks = None if sinks is None else _validate_sinks(sinks, q)
+    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi, sinks)
     return (out, lse) if return_lse else out
 
 
 def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
-                 softcap=0.0, alibi=None):
+                 softcap=0.0, alibi=None, sinks=None):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
     if q.is_cpu:  # _C checks that every tensor is on this device
@@ -382,15 +414,17 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
         _sources.ensure_registered()
     try:
         _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
-                   alibi)
+                   alibi, sinks)
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 
 
-def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None):
-    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None)."""
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+                  sinks=None):
+    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None), and after them
+    dsinks, the (Hq,) float32 gradient of the sinks, when sinks (float32 (Hq,)) is given."""
     device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
         _prepare_mps()
@@ -400,13 +434,18 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     if not _sources.registered:
         _sources.ensure_registered()
+    # Each row's term of the sinks' gradient (B, Hq, L), summed here over batch and rows, deterministically.
+    sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
     _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
-                alibi)
-    return dq, dk, dv
+                alibi, sinks, sink_grad)
+    if sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, sink_grad.sum(dim=-1).reshape(-1, sink_grad.shape[-2]).sum(dim=0)
 
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
-                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None) -> dict:
+                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None,
+                 sinks=None) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
     launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -430,7 +469,8 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
                            causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
-                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q))
+                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
+                           sinks=None if sinks is None else _validate_sinks(sinks, q))
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

@@ -2,10 +2,10 @@
 for torch.compile, export and tracing.
 
 `flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale, band, seq_major, softcap,
-alibi_slopes) -> (out, lse)`
+alibi_slopes, sinks) -> (out, lse)`
 runs the forward kernels and keeps the float32 log-sum-exp of each row;
 `flashattn_mps::attention_backward(dout, q, k, v, out, lse, attn_mask, causal, scale, band, softcap,
-alibi_slopes) -> (dq, dk, dv)` runs the fused backward (csrc/fa_backward.c). band is None or the ints (bottom_right, left,
+alibi_slopes, sinks) -> (dq, dk, dv, dsinks)` (dsinks empty without sinks) runs the fused backward (csrc/fa_backward.c). band is None or the ints (bottom_right, left,
 right) of _api._band_of; seq_major allocates out as flash_attn_func's (B, L, H, Ev).
 Both have fake implementations, so torch.compile traces them without graph breaks, and
 register_autograd joins them. A custom op's eager dispatch costs tens of microseconds in PyTorch,
@@ -20,7 +20,8 @@ from typing import Optional
 import torch
 
 from . import _C, _api
-from ._api import _scale_value, _validate, _validate_alibi, _validate_mask, backward_core, forward_core
+from ._api import (_scale_value, _validate, _validate_alibi, _validate_mask, _validate_sinks, backward_core,
+                   forward_core)
 
 
 def _refuse_double_backward() -> None:
@@ -36,9 +37,10 @@ class _Attention(torch.autograd.Function):
     -> (out, lse)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi):
-        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi)
-        ctx.save_for_backward(q, k, v, out, lse, mask, alibi)
+    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi, sinks):
+        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi,
+                                sinks)
+        ctx.save_for_backward(q, k, v, out, lse, mask, alibi, sinks)
         ctx.causal, ctx.scale, ctx.band, ctx.softcap = causal, scale, band, softcap
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -46,13 +48,15 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         _refuse_double_backward()
-        q, k, v, out, lse, mask, alibi = ctx.saved_tensors
-        dq, dk, dv = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band, ctx.softcap, alibi)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, out, lse, mask, alibi, sinks = ctx.saved_tensors
+        grads = backward_core(dout, q, k, v, out, lse, mask, ctx.causal, ctx.scale, ctx.band, ctx.softcap, alibi,
+                              sinks)
+        dsinks = grads[3] if sinks is not None else None
+        return grads[0], grads[1], grads[2], None, None, None, None, None, None, None, dsinks
 
 
 def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool, band=None,
-                            seq_major=False, softcap=0.0, alibi_slopes=None):
+                            seq_major=False, softcap=0.0, alibi_slopes=None, sinks=None):
     """flash_attention for calls that need autograd or are being traced (flashattn_mps._api routes
     them here)."""
     scale_value = _scale_value(q.shape[-1], scale)
@@ -60,14 +64,15 @@ def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[fl
         _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
         out, lse = torch.ops.flashattn_mps.attention_forward(
             q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major, softcap,
-            alibi_slopes,
+            alibi_slopes, None if sinks is None else _validate_sinks(sinks, q),
         )
     else:
         mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
         alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap, alibi)
+        sinks = None if sinks is None else _validate_sinks(sinks, q)
+        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap, alibi, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -86,11 +91,13 @@ def attention_forward(
     seq_major: bool = False,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    sinks = None if sinks is None else _validate_sinks(sinks, q)
     return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap,
-                        alibi)
+                        alibi, sinks)
 
 
 def _band_tuple(band: Optional[list[int]]):
@@ -98,7 +105,7 @@ def _band_tuple(band: Optional[list[int]]):
 
 
 @attention_forward.register_fake
-def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0, alibi_slopes=None):
+def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0, alibi_slopes=None, sinks=None):
     if seq_major:
         out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
     else:
@@ -121,21 +128,32 @@ def attention_backward(
     band: Optional[list[int]] = None,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi)
+    if sinks is None:
+        return (*backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi),
+                _no_sink_gradient(q))
+    return backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi,
+                         _validate_sinks(sinks, q))
+
+
+def _no_sink_gradient(q: torch.Tensor) -> torch.Tensor:
+    """attention_backward's dsinks without sinks: an empty float32 tensor (an op returns tensors)."""
+    return q.new_empty((0,), dtype=torch.float32)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0, alibi_slopes=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0, alibi_slopes=None, sinks=None):
+    dsinks = _no_sink_gradient(q) if sinks is None else q.new_empty(sinks.shape, dtype=torch.float32)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes = inputs
+    q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, alibi_slopes, sinks)
     ctx.causal = causal
     ctx.scale = scale
     ctx.band = band
@@ -145,10 +163,10 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
     _refuse_double_backward()
-    q, k, v, out, lse, attn_mask, alibi_slopes = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale, ctx.band,
-                                    ctx.softcap, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    q, k, v, out, lse, attn_mask, alibi_slopes, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, attn_mask, ctx.causal, ctx.scale, ctx.band,
+                                            ctx.softcap, alibi_slopes, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -15,7 +15,7 @@ _UNSUPPORTED = "flash_attn_func: {} is not supported by flashattn_mps yet (got {
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None):
     """flash-attn 2's flash_attn_func: attention of q (B, L, H, D) over k, v (B, S, Hkv, D) and
     (B, S, Hkv, Dv); Hq a multiple of Hkv (MQA/GQA: query head h reads kv head h // (Hq // Hkv)).
 
@@ -33,6 +33,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             query i and key j (after softcap); the slopes get no gradient, as in flash-attn.
         deterministic: accepted and ignored: the backward here is always deterministic (no atomics).
         return_attn_probs: must be False (raises NotImplementedError).
+        sinks: keyword only, not in flash-attn 2: None, or (H,) attention-sink logits (GPT-OSS,
+            StreamingLLM; flash-attn 3's learnable sinks), float32 or q's dtype: each row's softmax
+            also counts exp(sinks[h]) in its denominator, with no value. Differentiable.
 
     Returns out (B, L, H, Dv), contiguous, of q's dtype; differentiable in q, k, v. Tensors on "mps"
     run Metal, on "cpu" the CPU Metal device. float32, float16 and bfloat16; D, Dv <= 256.
@@ -57,5 +60,5 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, causal, softmax_scale,
-                 _C.KERNEL_AUTO, False, (1, left, right), True, softcap, alibi_slopes)
+                 _C.KERNEL_AUTO, False, (1, left, right), True, softcap, alibi_slopes, sinks)
     return out.transpose(1, 2)

@@ -25,6 +25,7 @@ template <typename T>
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device float *sinks [[buffer(9)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -79,7 +80,8 @@ template <typename T>
     }
   }
 
-  const float inv_sum = fa_softmax_inverse_sum(state);
+  const float sink_rescale = fa_sink_fold(p, sinks, h, state);
+  const float inv_sum = fa_softmax_inverse_sum(state) * sink_rescale;
   device T *o_row = out + b * p.o_strides[0] + h * p.o_strides[1] + row * p.o_strides[2];
   for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
     const int col = int(lane) + 32 * c;

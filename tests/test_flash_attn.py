@@ -29,10 +29,10 @@ def visible(l, s, causal, bottom_right, window, device="cpu"):
 
 
 def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
-              alibi=None):
+              alibi=None, sinks=None):
     """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
     flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
-    give zeros."""
+    give zeros. sinks (H,): one more logit per row, of no value, in the softmax (GPT-OSS's eager)."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, 1)
     v = v.repeat_interleave(hq // hkv, 1)
@@ -51,8 +51,14 @@ def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None
     elif attn_mask is not None:
         scores = scores + attn_mask
     scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], -1)
     probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).to(q.dtype)
-    probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
+    if sinks is not None:
+        probs = probs[..., :-1]  # a row with no key has all its weight on the sink: zeros
+    else:
+        probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
     return probs @ v
 
 

@@ -242,7 +242,8 @@ fa_band_args band_args(py::handle band) {
 
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                             py::handle band, double softcap, py::handle alibi, bool unbatched = false) {
+                             py::handle band, double softcap, py::handle alibi, py::handle sinks,
+                             bool unbatched = false) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -258,6 +259,7 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.band = band_args(band);
     args.softcap = softcap;
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device); // already (B, Hq)
+    args.sinks = to_tensor(sinks, "sinks", device);               // (Hq,) float32
     return args;
 }
 
@@ -266,9 +268,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 // alive while the kernels run.
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
-             py::handle band, double softcap, py::handle alibi) {
+             py::handle band, double softcap, py::handle alibi, py::handle sinks) {
     fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, unbatched);
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, sinks, unbatched);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -299,9 +301,9 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
 
 int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                                 py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                                py::handle band, double softcap, py::handle alibi) {
+                                py::handle band, double softcap, py::handle alibi, py::handle sinks) {
     const fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, sinks);
     fa_status st;
     int64_t bytes;
     {
@@ -318,9 +320,9 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
-                      py::handle alibi) {
+                      py::handle alibi, py::handle sinks) {
     const fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, sinks);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -353,7 +355,8 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi) {
+              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
+              py::handle sinks, py::handle sink_grad) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -373,6 +376,8 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.band = band_args(band);
     args.softcap = softcap;
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
+    args.sinks = to_tensor(sinks, "sinks", device);
+    args.sink_grad = to_tensor(sink_grad, "sink_grad", device, unbatched);
     fa_status st;
     int32_t rc;
     {
@@ -554,24 +559,24 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
           py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
           py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
     m.def("plan_forward", &plan_forward, "The plan forward would run: dispatches, split count, workspace bytes",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
