@@ -64,7 +64,7 @@ def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[fl
         _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
         out, lse = torch.ops.flashattn_mps.attention_forward(
             q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major, softcap,
-            alibi_slopes, None if sinks is None else _validate_sinks(sinks, q),
+            alibi_slopes, sinks if sinks is None or sinks.dtype == torch.float32 else sinks.float(),  # the op checks
         )
     else:
         mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
