@@ -204,16 +204,28 @@ def _check_softcap(softcap, who: str) -> float:
     return float(softcap)
 
 
-def _band_of(causal, window_size):
-    """flash_attention's causal (False, True, "bottom_right") and window_size as the core's causal
-    flag and band: None (SDPA's top-left causal, no window) or (bottom_right, left, right)."""
+def _band_of(causal, window_size, window_align=None):
+    """flash_attention's causal (False, True, "bottom_right"), window_size and window_align (None,
+    "top_left", "bottom_right") as the core's causal flag and band: None (SDPA's top-left causal, no
+    window) or (bottom_right, left, right)."""
     bottom_right = isinstance(causal, str) and causal == "bottom_right"
     if isinstance(causal, str) and not bottom_right:
         raise ValueError(f"flash_attention: causal must be True, False or 'bottom_right', got {_given(causal)}")
+    if window_align is not None:
+        if window_align not in ("top_left", "bottom_right"):
+            raise ValueError(
+                f"flash_attention: window_align must be None, 'top_left' or 'bottom_right', got {_given(window_align)}"
+            )
+        if causal is not False and (window_align == "bottom_right") != bottom_right:
+            raise ValueError(
+                f"flash_attention: window_align={window_align!r} contradicts causal={causal!r}, which anchors the "
+                "window itself (True: top-left, 'bottom_right': bottom-right); window_align is for causal=False"
+            )
+        bottom_right = window_align == "bottom_right"
     left, right = (-1, -1) if window_size is None else _check_window(window_size, "flash_attention")
     if window_size is None and not bottom_right:
         return causal, None
-    return (True if bottom_right else causal), (int(bottom_right), left, right)
+    return (causal is not False), (int(bottom_right), left, right)
 
 
 def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
@@ -292,6 +304,7 @@ def flash_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     sinks: Optional[torch.Tensor] = None,
+    window_align: Optional[str] = None,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -320,6 +333,11 @@ def flash_attention(
             unbounded on that side; with causal the right side is 0), as flash-attn's sliding
             window; combinable with attn_mask. Key tiles wholly outside are never visited, so the
             cost grows with the window, not with S.
+        window_align: None (the window follows causal's diagonal: top-left, or bottom-right with
+            causal="bottom_right"), or with causal=False "top_left" or "bottom_right": which
+            diagonal d_i the window (and ALiBi) is anchored on without a causal mask, e.g.
+            bottom-right for a bidirectional window over a KV cache (flash_attn_func's
+            causal=False windows are bottom-right).
         softcap: 0.0, or a positive number: each scaled score s becomes softcap * tanh(s / softcap)
             before masks (Gemma 2's logit softcapping); the backward differentiates through tanh.
         alibi_slopes: None, or float32 (Hq,) or (B, Hq) slopes on q's device: adds
@@ -343,9 +361,10 @@ def flash_attention(
     double backward raises.
     """
     if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and sinks is None:
+            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and sinks is None \
+            and window_align is None:
         return attend(q, k, v, attn_mask, causal, scale)
-    causal, band = _band_of(causal, window_size)
+    causal, band = _band_of(causal, window_size, window_align)
     return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
                   _check_softcap(softcap, "flash_attention"), alibi_slopes, sinks)
 
@@ -445,7 +464,7 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
                  kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None,
-                 sinks=None) -> dict:
+                 sinks=None, window_align=None) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
     launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -459,7 +478,7 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     "useful_flops" (2 (E + Ev) per visible query-key pair), and "min_bytes_read" /
     "min_bytes_written" (each input element once, the outputs); an attn_mask's hidden keys count as
     visible (csrc/fa_plan.c says how each figure is counted)."""
-    causal, band = _band_of(causal, window_size)
+    causal, band = _band_of(causal, window_size, window_align)
     _validate(q, k, v, causal, scale, attn_mask)
     code = _check_options(kernel, False)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
