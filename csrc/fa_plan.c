@@ -579,6 +579,8 @@ static double visible_pairs(const fa_plan *plan) {
     return clamped_sum(p->band_hi + 1, p->q_len, p->kv_len) - clamped_sum(p->band_lo, p->q_len, p->kv_len);
 }
 
+double fa_plan_visible_pairs(const fa_plan *plan) { return visible_pairs(plan); }
+
 /* Elements of a view that are distinct in memory (a dim of stride 0 is one element deep). */
 static int64_t distinct_elements(const fa_tensor *t) {
     int64_t n = 1;

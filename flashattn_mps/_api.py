@@ -464,7 +464,7 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
                  kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None,
-                 sinks=None, window_align=None) -> dict:
+                 sinks=None, window_align=None, backward: bool = False) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size)` would
     launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -477,7 +477,12 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     kernels compute: under causal or a window only those the band reaches) and
     "useful_flops" (2 (E + Ev) per visible query-key pair), and "min_bytes_read" /
     "min_bytes_written" (each input element once, the outputs); an attn_mask's hidden keys count as
-    visible (csrc/fa_plan.c says how each figure is counted)."""
+    visible (csrc/fa_plan.c says how each figure is counted).
+
+    backward=True: the plan of the gradients' pass instead, {"dispatches": [delta, dkdv, dq]}: the
+    pre-pass D = rowsum(dO * O), dK/dV over key blocks ("tiles": the query tiles its threadgroups
+    visit, over every query head of a GQA group) and dQ over query blocks ("tiles": the key tiles,
+    as the forward's), with the same cost figures (csrc/fa_backward_plan.c counts them)."""
     causal, band = _band_of(causal, window_size, window_align)
     _validate(q, k, v, causal, scale, attn_mask)
     code = _check_options(kernel, False)
@@ -486,10 +491,19 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
-                           causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
-                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
-                           sinks=None if sinks is None else _validate_sinks(sinks, q))
+    device, scale = _DEVICE_CODES[q.device.type], _scale_value(q.shape[-1], scale)
+    options = dict(mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
+                   alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
+                   sinks=None if sinks is None else _validate_sinks(sinks, q))
+    if backward is True:  # planning reads no element: the tensors only carry shapes and strides
+        rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        sink_grad = None if sinks is None else rows
+        return {"dispatches": _C.plan_backward(device, q, k, v, out, rows, out, rows.clone(), torch.empty_like(q),
+                                               torch.empty_like(k), torch.empty_like(v), scale, causal,
+                                               sink_grad=sink_grad, **options)}
+    if backward is not False:
+        raise TypeError(f"explain_plan: backward must be a bool, got {_given(backward)}")
+    plan = _C.plan_forward(device, q, k, v, out, None, scale, causal, code, **options)
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

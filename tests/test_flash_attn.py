@@ -303,3 +303,28 @@ def test_c_layer_refuses_malformed_alibi_slopes(gen):
         with pytest.raises(ValueError, match=message):
             flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
                                      alibi_slopes=bad)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_window_align_bottom_right_without_causal(gen, kernel):
+    """flash_attention's window_align="bottom_right" with causal=False: flash_attn_func's
+    bidirectional window (anchored on i + S - L), in every kernel; ALiBi takes the same diagonal."""
+    q, k, v = flash_inputs(gen, 1, 9, 30, 2, 1, 16, 16, torch.float32)
+    alibi = torch.tensor([0.3, 0.1])
+    out = flash_attention(*sdpa_view(q, k, v), window_size=(5, 3), window_align="bottom_right", kernel=kernel,
+                          alibi_slopes=alibi)
+    check(out, sdpa_view(q, k, v), bottom_right=True, window=(5, 3), alibi=alibi)
+    if kernel == "auto":
+        expected = flash_attn_func(q, k, v, window_size=(5, 3), alibi_slopes=alibi).transpose(1, 2)
+        assert torch.equal(out, expected)
+        top_left = flash_attention(*sdpa_view(q, k, v), window_size=(5, 3), window_align="top_left")
+        check(top_left, sdpa_view(q, k, v), window=(5, 3))
+
+
+def test_window_align_refuses_contradictions(gen):
+    q = randn(gen, 1, 2, 4, 16)
+    for causal, align in ((True, "bottom_right"), ("bottom_right", "top_left")):
+        with pytest.raises(ValueError, match="window_align.*contradicts causal"):
+            flash_attention(q, q, q, causal=causal, window_size=(2, 0), window_align=align)
+    with pytest.raises(ValueError, match="window_align must be"):
+        flash_attention(q, q, q, window_size=(2, 0), window_align="bottom")

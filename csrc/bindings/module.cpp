@@ -316,6 +316,8 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
     return bytes;
 }
 
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n);
+
 // The planner's decision, for tests and curiosity: kernels with their grids, function constants and
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
@@ -326,9 +328,16 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
+    return py::dict(py::arg("dispatches") = dispatch_dicts(plan.dispatches, plan.n_dispatches),
+                    py::arg("empty") = plan.empty != 0, py::arg("split_count") = plan.params.split_count,
+                    py::arg("workspace_bytes") = plan.workspace_bytes);
+}
+
+// Dispatches as explain_plan shows them: kernel, macros, function constants, grid, costs.
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n) {
     py::list dispatches;
-    for (uint32_t i = 0; i < plan.n_dispatches; ++i) {
-        const fa_plan_dispatch &d = plan.dispatches[i];
+    for (uint32_t i = 0; i < n; ++i) {
+        const fa_plan_dispatch &d = plan_dispatches[i];
         py::dict macros;
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
@@ -348,15 +357,14 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
                                        py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
                                    py::arg("cost") = cost));
     }
-    return py::dict(py::arg("dispatches") = dispatches, py::arg("empty") = plan.empty != 0,
-                    py::arg("split_count") = plan.params.split_count,
-                    py::arg("workspace_bytes") = plan.workspace_bytes);
+    return dispatches;
 }
 
-void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-              py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
-              py::handle sinks, py::handle sink_grad) {
+fa_backward_args backward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
+                               py::handle lse, py::handle dout, py::handle delta, py::handle dq, py::handle dk,
+                               py::handle dv, double scale, bool causal, py::handle mask, bool unbatched,
+                               py::handle band, double softcap, py::handle alibi, py::handle sinks,
+                               py::handle sink_grad) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -378,6 +386,15 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
     args.sinks = to_tensor(sinks, "sinks", device);
     args.sink_grad = to_tensor(sink_grad, "sink_grad", device, unbatched);
+    return args;
+}
+
+void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+              py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
+              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
+              py::handle sinks, py::handle sink_grad) {
+    const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
+                                                unbatched, band, softcap, alibi, sinks, sink_grad);
     fa_status st;
     int32_t rc;
     {
@@ -385,6 +402,19 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
         rc = fa_backward(&args, &st);
     }
     check(rc, st);
+}
+
+// The backward's three dispatches with their costs (explain_plan(backward=True)).
+py::list plan_backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+                       py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
+                       bool causal, py::handle mask, py::handle band, double softcap, py::handle alibi,
+                       py::handle sinks, py::handle sink_grad) {
+    const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
+                                                false, band, softcap, alibi, sinks, sink_grad);
+    fa_backward_plan plan;
+    fa_status st;
+    check(fa_plan_backward(&args, &plan, &st), st);
+    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES);
 }
 
 void register_source(const std::string &name, const std::string &text) {
@@ -576,6 +606,11 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
+    m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (descriptors as for backward)",
+          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+          py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
+          py::arg("causal"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
