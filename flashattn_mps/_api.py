@@ -375,9 +375,9 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
     bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
-    out is allocated the same way (flash_attn_func's layout). softcap: a checked float;
-    alibi_slopes: None or the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one (both
-    checked here)."""
+    out is allocated the same way (flash_attn_func's layout); the flash-attn API it serves has its
+    log-sum-exp convention too (_flash_attn_lse). softcap: a checked float; alibi_slopes: None or
+    the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one (both checked here)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -391,13 +391,24 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
                 f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
-                                        alibi_slopes, sinks)
+        result = _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
+                                          alibi_slopes, sinks)
+        return (result[0], _flash_attn_lse(result[1])) if return_lse and seq_major else result
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
     sinks = None if sinks is None else _validate_sinks(sinks, q)
     out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi, sinks)
-    return (out, lse) if return_lse else out
+    if not return_lse:
+        return out
+    return out, (_flash_attn_lse(lse) if seq_major else lse)
+
+
+def _flash_attn_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp as flash-attn's API returns it: +inf for a row whose softmax sum is 0 (no
+    visible key) or NaN, where the kernels (and SDPA's convention, kept by flash_attention and by
+    the backward, which reads the kernels' own lse) have -inf and NaN. flash-attn's forward kernels
+    write INFINITY there (csrc/flash_attn/src/softmax.h, normalize_softmax_lse)."""
+    return lse.masked_fill(lse.isnan() | (lse == -math.inf), math.inf)
 
 
 def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,

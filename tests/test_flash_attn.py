@@ -328,3 +328,21 @@ def test_window_align_refuses_contradictions(gen):
             flash_attention(q, q, q, causal=causal, window_size=(2, 0), window_align=align)
     with pytest.raises(ValueError, match="window_align must be"):
         flash_attention(q, q, q, window_size=(2, 0), window_align="bottom")
+
+
+def test_flash_attn_layout_lse_is_plus_infinity_for_rows_without_keys(gen):
+    """flash-attn's convention on its API (the seq_major path flash_attn_func's lse-returning
+    options take): +inf where a row sees no key or its sum is NaN; flash_attention keeps SDPA's -inf."""
+    from flashattn_mps._api import attend
+
+    q, k, v = flash_inputs(gen, 1, 6, 3, 2, 2, 16, 16, torch.float32)  # L > S: rows 0..2 see no key
+    k[0, 1, 1, 0] = float("nan")  # key 1 of head 1: rows that see it get a NaN sum
+    for grad in (False, True):
+        inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out, lse = attend(*(t.transpose(1, 2) for t in inputs), None, True, None, return_lse=True, band=(1, -1, -1),
+                          seq_major=True)
+        assert (lse[0, :, :3] == float("inf")).all() and lse[0, 0, 3:].isfinite().all()
+        assert (lse[0, 1, 4:] == float("inf")).all()
+        _, sdpa_lse = flash_attention(*sdpa_view(q, k, v), causal="bottom_right", return_lse=True)
+        assert (sdpa_lse[0, :, :3] == float("-inf")).all() and sdpa_lse[0, 1, 4:].isnan().all()
+        assert torch.equal(lse[0, 0, 3:], sdpa_lse[0, 0, 3:])
