@@ -28,14 +28,11 @@ def visible(l, s, causal, bottom_right, window, device="cpu"):
     return keep
 
 
-def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
-              alibi=None, sinks=None):
-    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
-    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
-    give zeros. sinks (H,): one more logit per row, of no value, in the softmax (GPT-OSS's eager)."""
+def variant_scores(q, k, causal=False, bottom_right=False, window=None, scale=None, softcap=0.0, alibi=None):
+    """The scores (scaled, capped, ALiBi-biased, in q's dtype; SDPA layout, GQA by repeating k) and
+    which keys each row sees under causal and the window."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, 1)
-    v = v.repeat_interleave(hq // hkv, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap > 0:
@@ -45,7 +42,17 @@ def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None
         distance = (torch.arange(l)[:, None] + (s - l if bottom_right else 0) - torch.arange(s)[None, :]).abs()
         slopes = alibi.to(scores.dtype).expand(q.shape[0], hq)[:, :, None, None]
         scores = scores - slopes * distance.to(scores.dtype)
-    keep = visible(q.shape[2], k.shape[2], causal, bottom_right, window)
+    return scores, visible(q.shape[2], k.shape[2], causal, bottom_right, window)
+
+
+def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
+              alibi=None, sinks=None):
+    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
+    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
+    give zeros. sinks (H,): one more logit per row, of no value, in the softmax (GPT-OSS's eager)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    v = v.repeat_interleave(hq // hkv, 1)
+    scores, keep = variant_scores(q, k, causal, bottom_right, window, scale, softcap, alibi)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = keep & attn_mask
     elif attn_mask is not None:
@@ -101,12 +108,17 @@ FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=4
                                cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
 
 
+def forward_case(gen, lengths, variant, dtype):
+    """q, k, v (B = 2, Hq = 4, Hkv = 2, E = 40, Ev = 24) and ALiBi slopes of one sampled forward case."""
+    (l, s), alibi_kind = lengths, variant[3]
+    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
+    return q * 4, k, v, slopes(gen, alibi_kind, 2, 4)  # scores of several units, so the softcap bends them
+
+
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
 def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
-    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
-    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
-    q = q * 4  # scores of several units, so the softcap bends them
-    alibi = slopes(gen, alibi_kind, 2, 4)
+    (l, s), (causal, window, softcap, _) = lengths, variant
+    q, k, v, alibi = forward_case(gen, lengths, variant, dtype)
     if kernel == "auto":
         out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
         assert out.shape == (2, l, 4, 24) and out.is_contiguous()

@@ -100,13 +100,13 @@ def no_fallback(caplog):
     assert "-> flashattn_mps kernels" in caplog.text and "-> torch's" not in caplog.text
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_and_gradients_match_sdpa(name, core_calls, caplog):
-    ours, reference, golden = models(name)
-    inputs, valid = padded_batch(name)
+def assert_training_step_matches(ours, reference, golden, inputs, valid, caplog, check_ours):
+    """Logits at the valid positions and every parameter's gradient of a loss on them, in training
+    mode (the configs have no dropout: the backward runs the kernels), against the float64 golden;
+    check_ours(caplog) runs after our model's step."""
     results = []
     for model in (ours, reference, golden):
-        model.train()  # training mode: the configs have no dropout, the backward runs the kernels
+        model.train()
         model.zero_grad()
         with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
             logits = model(**inputs).logits
@@ -114,13 +114,21 @@ def test_logits_and_gradients_match_sdpa(name, core_calls, caplog):
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results.append((logits.detach()[valid], grads))
         if model is ours:
-            no_fallback(caplog)
-            assert core_calls["forward"] > 0 and core_calls["backward"] == core_calls["forward"]
-            assert core_calls["masked"] > 0  # the padding mask reached the kernels
+            check_ours(caplog)
             caplog.clear()
     (logits, grads), (ref_logits, ref_grads), (gold_logits, gold_grads) = results
     assert_close_to_golden(logits, ref_logits, gold_logits, "logits")
     assert_close_to_golden(grads, ref_grads, gold_grads, "gradients")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_and_gradients_match_sdpa(name, core_calls, caplog):
+    def check_ours(caplog):
+        no_fallback(caplog)
+        assert core_calls["forward"] > 0 and core_calls["backward"] == core_calls["forward"]
+        assert core_calls["masked"] > 0  # the padding mask reached the kernels
+
+    assert_training_step_matches(*models(name), *padded_batch(name), caplog, check_ours)
 
 
 @pytest.mark.parametrize("name", GENERATIVE)
@@ -193,25 +201,15 @@ def test_softcap_and_sinks_models_match_eager(name, core_calls, caplog):
     ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[1, 8:] = 0
-    inputs, valid = dict(input_ids=ids, attention_mask=mask), mask.bool()
-    results = []
-    for model in (ours, reference, golden):
-        model.train()
-        model.zero_grad()
-        with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
-            logits = model(**inputs).logits
-        logits[valid].square().mean().backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-        results.append((logits.detach()[valid], grads))
-        if model is ours:
-            assert "-> flashattn_mps kernels" in caplog.text and "materialised" not in caplog.text
-            assert core_calls["forward"] == 2 and core_calls["backward"] == 2 and core_calls["masked"] == 2
-            caplog.clear()
+
+    def check_ours(caplog):
+        assert "-> flashattn_mps kernels" in caplog.text and "materialised" not in caplog.text
+        assert core_calls["forward"] == 2 and core_calls["backward"] == 2 and core_calls["masked"] == 2
+
+    assert_training_step_matches(ours, reference, golden, dict(input_ids=ids, attention_mask=mask), mask.bool(),
+                                 caplog, check_ours)
     if name == "gpt_oss_sinks":
         assert all(layer.self_attn.sinks.grad.abs().sum() > 0 for layer in ours.model.layers)
-    (logits, grads), (ref_logits, ref_grads), (gold_logits, gold_grads) = results
-    assert_close_to_golden(logits, ref_logits, gold_logits, "logits")
-    assert_close_to_golden(grads, ref_grads, gold_grads, "gradients")
 
 
 @pytest.mark.parametrize("name", ["gemma2_softcap", "gpt_oss_sinks", "mistral_sliding_window"])

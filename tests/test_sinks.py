@@ -9,7 +9,8 @@ import torch
 import flashattn_mps
 from flashattn_mps import _C, explain_plan, flash_attention, flash_attn_func
 from conftest import ALL_DTYPES, max_error, randn, sample_product
-from test_flash_attn import VARIANTS, check, flash_inputs, reference, sdpa_view, slopes, visible
+from test_flash_attn import (KERNELS, LENGTHS, VARIANTS, check, flash_inputs, forward_case, reference, sdpa_view,
+                             slopes, variant_scores)
 
 
 def sink_logits(gen, h, spread=2.0):
@@ -19,32 +20,22 @@ def sink_logits(gen, h, spread=2.0):
 
 def reference_lse(q, k, sinks, causal=False, bottom_right=False, window=None, scale=None, softcap=0.0, alibi=None):
     """float64 log-sum-exp of each row's scores and its sink (SDPA layout, no attn_mask)."""
-    q, k, sinks = q.double(), k.double(), sinks.double()
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi is not None:
-        l, s = q.shape[2], k.shape[2]
-        distance = (torch.arange(l)[:, None] + (s - l if bottom_right else 0) - torch.arange(s)[None, :]).abs()
-        scores = scores - alibi.double().expand(q.shape[0], q.shape[1])[:, :, None, None] * distance
-    scores = scores.masked_fill(~visible(q.shape[2], k.shape[2], causal, bottom_right, window), float("-inf"))
-    column = sinks[None, :, None, None].expand(*scores.shape[:-1], 1)
+    scores, keep = variant_scores(q.double(), k.double(), causal, bottom_right, window, scale, softcap,
+                                  None if alibi is None else alibi.double())
+    scores = scores.masked_fill(~keep, float("-inf"))
+    column = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
     return torch.logsumexp(torch.cat([scores, column], -1), -1)
 
 
-LENGTHS = [(37, 53), (53, 37), (1, 40), (3, 70), (24, 24), (70, 9)]
-KERNELS = ["auto", "forward", "decode", "simple"]
 FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=24, seed=20,
                                cost=lambda c: c[0][0] * c[0][1], per_value=2, max_cost=4000)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
 def test_forward_and_lse_match_reference(gen, lengths, variant, dtype, kernel):
-    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
-    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
-    q = q * 4
-    alibi, sinks = slopes(gen, alibi_kind, 2, 4), sink_logits(gen, 4)
+    causal, window, softcap, _ = variant
+    q, k, v, alibi = forward_case(gen, lengths, variant, dtype)
+    sinks = sink_logits(gen, 4)
     if kernel == "auto":
         out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
                               sinks=sinks).transpose(1, 2)
