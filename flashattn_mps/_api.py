@@ -193,6 +193,7 @@ def _validate_sinks(sinks, q: torch.Tensor) -> torch.Tensor:
 
 
 def _sinks_need_grad(sinks) -> bool:
+    """Sinks that want a gradient take the autograd path even when q, k and v do not."""
     return isinstance(sinks, torch.Tensor) and sinks.requires_grad and _is_grad_enabled()
 
 
@@ -384,7 +385,7 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
         _validate(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if _routes_through_torch(q, k, v) or _sinks_need_grad(sinks):
+    if _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks)):
         if kernel != _C.KERNEL_AUTO:
             names = {code: name for name, code in _KERNELS.items()}
             raise ValueError(
