@@ -37,6 +37,13 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
     d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;
     d.bindings[BACKWARD_TENSORS + 2].byte_offset = slopes->byte_offset;
+    /* [[buffer(13)]], [[buffer(14)]]: the sinks and their per-row gradient terms, untouched unless FA_FC_SINKS. */
+    const fa_tensor *sinks = args->sinks.storage != NULL ? &args->sinks : present;
+    const fa_tensor *sink_grad = args->sink_grad.storage != NULL ? &args->sink_grad : present;
+    d.bindings[BACKWARD_TENSORS + 3].storage = sinks->storage;
+    d.bindings[BACKWARD_TENSORS + 3].byte_offset = sinks->byte_offset;
+    d.bindings[BACKWARD_TENSORS + 4].storage = sink_grad->storage;
+    d.bindings[BACKWARD_TENSORS + 4].byte_offset = sink_grad->byte_offset;
     /* [[buffer(16)]]: dropout's generator state, untouched unless FA_FC_DROPOUT. */
     const fa_tensor *rng = args->rng_state.storage != NULL ? &args->rng_state : present;
     d.bindings[16].storage = rng->storage;

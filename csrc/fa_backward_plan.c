@@ -30,6 +30,7 @@
 #include "fa_plan.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 const char fa_backward_source[] = "fa_backward.metal";
@@ -56,27 +57,110 @@ static int32_t check_matches(const fa_tensor *t, const char *name, int32_t ndim,
     return FA_OK;
 }
 
+/* Bytes of a view's elements, each once (dK, dV are written whole). */
+static int64_t whole_bytes(const fa_tensor *t) {
+    int64_t n = fa_dtype_bytes(t->dtype);
+    for (int32_t d = 0; d < t->ndim; ++d) {
+        n *= t->sizes[d];
+    }
+    return n;
+}
+
 static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
     for (int32_t d = 0; d < n; ++d) {
         dst[d] = t->strides[d];
     }
 }
 
-/* A dispatch of step `step` with the forward's macros and function constants; the caller sets its grid. */
+/* A dispatch of step `step` with the forward's macros and function constants; the caller sets its
+ * grid and cost. */
 static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step,
                                       int32_t dtype) {
     *d = *forward;
-    memset(&d->cost, 0, sizeof d->cost); /* the forward's; the backward's are not counted */
+    memset(&d->cost, 0, sizeof d->cost); /* the forward's: set_backward_costs counts the backward's */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
     return d;
 }
 
+/* ---- What the backward's dispatches cost (explain_plan(backward=True)), counted as the forward's
+ * (fa_plan.c: FLOPs over padded widths, rows and tiles; useful FLOPs per visible pair; each input
+ * element once). Per (query, key) pair the useful multiply-adds are dK/dV 2E + 2Ev (S, dP, dV, dK)
+ * and dQ 2E + Ev (S, dP, dQ); the pre-pass does Ev per row. Tiles: dQ visits the forward's key
+ * tiles (the same loop over the same band); dK/dV, for each key block and each query head of its
+ * GQA group, the query tiles of BK rows the band lets its keys see (fa_visible_queries). */
+
+static int32_t macro_value(const fa_plan_dispatch *d, const char *name) {
+    for (uint32_t m = 0; m < d->n_macros; ++m) {
+        if (strcmp(d->macros[m].name, name) == 0) {
+            return (int32_t)strtol(d->macros[m].value, NULL, 10);
+        }
+    }
+    return 0;
+}
+
+/* Query tiles of `bk` rows one key block visits: the queries that see a key of keys [key0, key0 +
+ * keys) under the band (all L without one), from the first of them. */
+static int64_t key_block_tiles(const fa_plan *forward, int64_t key0, int64_t keys, int64_t bk) {
+    const fa_params *f = &forward->params;
+    int64_t begin = 0, end = f->q_len;
+    if (forward->banded) {
+        const int64_t last = (key0 + keys < f->kv_len ? key0 + keys : f->kv_len) - 1;
+        begin = key0 - f->band_hi > 0 ? key0 - f->band_hi : 0;
+        end = last - f->band_lo + 1 < f->q_len ? last - f->band_lo + 1 : f->q_len;
+    }
+    return end > begin ? (end - begin + bk - 1) / bk : 0;
+}
+
+static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a) {
+    const fa_plan_dispatch *tiled = &forward->dispatches[0];
+    const fa_params *f = &forward->params;
+    const int32_t bd = macro_value(tiled, "FA_BD"), bdv = macro_value(tiled, "FA_BDV");
+    const int32_t bk = macro_value(tiled, "FA_BK"), wm = macro_value(tiled, "FA_WM");
+    const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * wm;
+    const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
+    const double e = f->head_dim, ev = f->v_head_dim, pairs = heads * fa_plan_visible_pairs(forward);
+    const double issued_e = (double)((f->head_dim + 7) / 8 * 8), issued_ev = (double)((f->v_head_dim + 7) / 8 * 8);
+    const int64_t rows_bytes = (int64_t)rows * 4; /* lse or D, float32 */
+    const int64_t dout_bytes = (int64_t)rows * f->v_head_dim * elem;
+    const int64_t sink_bytes = a->sinks.ndim != 0 ? rows_bytes : 0;
+    /* Operand fragments are half for fp16 inputs (fa_fragments.h), accumulators and scores float. */
+    const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
+    const int64_t tile_bytes = tiled->cost.threadgroup_bytes; /* two tiles of BK rows and the tile votes */
+    double key_tiles = 0;
+    for (int64_t key0 = 0; key0 < f->kv_len; key0 += block) {
+        key_tiles += (double)key_block_tiles(forward, key0, block, bk);
+    }
+    key_tiles *= heads; /* every query head of each kv head's group */
+    const fa_dispatch_cost delta = {0,     0,    2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes,
+                                    rows_bytes + sink_bytes};
+    const fa_dispatch_cost dkdv = {
+        tile_bytes + 2 * bk * 4, /* and the tile's lse and D */
+        (bd + bdv) / 8 * operand + (bd + bdv) / 8 * 2 + bk / 8 * 2 * 2,
+        2.0 * key_tiles * (double)(block * bk) * (2 * issued_e + 2 * issued_ev),
+        key_tiles,
+        2.0 * pairs * (2 * e + 2 * ev),
+        tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
+        whole_bytes(&a->k) + whole_bytes(&a->v)};
+    const fa_dispatch_cost dq = {
+        tile_bytes,
+        (bd + bdv) / 8 * operand + bd / 8 * 2 + bk / 8 * 2 * 2,
+        2.0 * tiled->cost.tiles * (double)(block * bk) * (2 * issued_e + issued_ev),
+        tiled->cost.tiles,
+        2.0 * pairs * (2 * e + ev),
+        tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
+        (int64_t)rows * f->head_dim * elem};
+    plan->dispatches[FA_BACKWARD_DELTA].cost = delta;
+    plan->dispatches[FA_BACKWARD_DKDV].cost = dkdv;
+    plan->dispatches[FA_BACKWARD_DQ].cost = dq;
+}
+
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
-    const fa_tensor *views[] = {&a->dq, &a->dk, &a->dv, &a->delta, &a->q, &a->k, &a->v, &a->out, &a->dout, &a->lse,
-                                &a->mask, &a->rng_state};
-    const char *const names[] = {"dq", "dk", "dv", "delta", "q", "k", "v", "out", "dout", "lse", "mask", "rng_state"};
-    return fa_check_no_alias(views, names, 12, 4, st);
+    const fa_tensor *views[] = {&a->dq,  &a->dk,   &a->dv,  &a->delta, &a->sink_grad, &a->q,    &a->k,
+                                &a->v,   &a->out,  &a->dout, &a->lse,  &a->mask,      &a->sinks, &a->rng_state};
+    const char *const names[] = {"dq", "dk", "dv", "delta", "sink_grad", "q", "k", "v", "out", "dout", "lse", "mask",
+                                 "sinks", "rng_state"};
+    return fa_check_no_alias(views, names, 14, 5, st);
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
@@ -101,6 +185,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.alibi_slopes = a->alibi_slopes;
     forward_args.dropout_p = a->dropout_p;
     forward_args.rng_state = a->rng_state;
+    forward_args.sinks = a->sinks;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
@@ -111,6 +196,11 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = check_matches(&a->dq, "dq", 4, a->q.dtype, &a->q, "the shape of q", st)) ||
         (rc = check_matches(&a->dk, "dk", 4, a->k.dtype, &a->k, "the shape of k", st)) ||
         (rc = check_matches(&a->dv, "dv", 4, a->v.dtype, &a->v, "the shape of v", st))) {
+        return rc;
+    }
+    const int32_t with_sinks = a->sinks.ndim != 0 || a->sinks.storage != NULL; /* checked by the forward plan */
+    if (with_sinks &&
+        (rc = check_matches(&a->sink_grad, "sink_grad", 3, FA_F32, &a->q, "(B, Hq, L) for q", st)) != FA_OK) {
         return rc;
     }
     if ((rc = fa_plan_check_backward_aliases(a, st))) {
@@ -125,6 +215,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     copy_strides(p->dv_strides, &a->dv, 4);
     copy_strides(p->delta_strides, &a->delta, 3);
     p->scale = (float)a->scale;
+    if (with_sinks) {
+        copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
+    }
 
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
     const uint32_t threads = tiled->threadgroup[0];
@@ -142,5 +235,6 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype);
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward.banded,
                            threads);
+    set_backward_costs(plan, &forward, a);
     return FA_OK;
 }

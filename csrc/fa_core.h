@@ -114,6 +114,10 @@ typedef struct fa_forward_args {
      * float32 array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i),
      * negated where dropout drops it; entries a row does not see are left as they are. */
     int32_t write_probs;
+    /* Attention sinks (ndim 0 when absent): (Hq,) float32 logits; each row's softmax also counts
+     * exp(sinks[h]) in its denominator, with no value. lse includes it; a row that sees no key gives
+     * zeros and lse = sinks[h]. */
+    fa_tensor sinks;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -142,6 +146,10 @@ typedef struct fa_backward_args {
     fa_tensor alibi_slopes; /* the forward's (no gradient flows to the slopes) */
     double dropout_p;       /* the forward's, with its rng_state: the same elements are dropped */
     fa_tensor rng_state;
+    /* The forward's sinks (ndim 0 when absent) and, with them, sink_grad: (B, Hq, L) float32 that
+     * receives each row's term -exp(sinks[h] - lse) * delta of the sinks' gradient, which is its
+     * sum over B and L (the caller sums, deterministically). */
+    fa_tensor sinks, sink_grad;
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

@@ -35,6 +35,7 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     d.bindings[6] = tensor_binding(&args->workspace, present); /* untouched unless the plan splits */
     d.bindings[7] = tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
     d.bindings[8] = tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
+    d.bindings[9] = tensor_binding(&args->sinks, present); /* untouched unless FA_FC_SINKS */
     d.bindings[12] = tensor_binding(&args->rng_state, present);   /* untouched unless FA_FC_DROPOUT */
     d.n_bindings = 13;
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {

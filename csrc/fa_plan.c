@@ -303,9 +303,10 @@ int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *name
 }
 
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
-    const fa_tensor *views[] = {&a->workspace, &a->out, &a->lse, &a->q, &a->k, &a->v, &a->mask, &a->rng_state};
-    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask", "rng_state"};
-    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 8 - !with_workspace,
+    const fa_tensor *views[] = {&a->workspace, &a->out,  &a->lse,       &a->q,    &a->k,
+                                &a->v,         &a->mask, &a->rng_state, &a->sinks};
+    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask", "rng_state", "sinks"};
+    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 9 - !with_workspace,
                              3 - !with_workspace, st);
 }
 
@@ -495,6 +496,11 @@ static int32_t has_alibi(const fa_forward_args *a) {
     return a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL;
 }
 
+/* Sinks are present by the same rule as the ALiBi slopes. */
+static int32_t has_sinks(const fa_forward_args *a) {
+    return a->sinks.ndim != 0 || a->sinks.storage != NULL;
+}
+
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
@@ -502,6 +508,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     add_constant_bool(d, FA_FC_BAND, plan->banded);
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
     add_constant_bool(d, FA_FC_ALIBI, has_alibi(a));
+    add_constant_bool(d, FA_FC_SINKS, has_sinks(a));
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->write_probs); /* the pass reads it */
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     add_constant_int(d, FA_FC_DROPOUT, a->write_probs        ? FA_DROPOUT_PROBS
@@ -575,6 +582,8 @@ static double visible_pairs(const fa_plan *plan) {
     }
     return clamped_sum(p->band_hi + 1, p->q_len, p->kv_len) - clamped_sum(p->band_lo, p->q_len, p->kv_len);
 }
+
+double fa_plan_visible_pairs(const fa_plan *plan) { return visible_pairs(plan); }
 
 /* Elements of a view that are distinct in memory (a dim of stride 0 is one element deep). */
 static int64_t distinct_elements(const fa_tensor *t) {
@@ -867,6 +876,16 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
                            p->q_heads, shape);
         }
         copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
+    }
+    if (has_sinks(a)) {
+        if ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) != FA_OK) {
+            return rc;
+        }
+        if (a->sinks.sizes[0] != p->q_heads) {
+            return fa_fail(st, FA_ERR_VALUE, "sinks: must be (Hq,) = (%d,), got (%lld,)", p->q_heads,
+                           (long long)a->sinks.sizes[0]);
+        }
+        p->sink_stride = a->sinks.strides[0];
     }
 
     if ((rc = set_dropout(a, plan, st)) != FA_OK) {

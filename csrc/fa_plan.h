@@ -86,6 +86,8 @@ const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages 
 int64_t fa_dtype_bytes(int32_t dtype);          /* bytes per element */
 const char *fa_kernel_type_name(int32_t dtype);  /* the MSL type kernels are instantiated for */
 void fa_describe_shape(const fa_tensor *t, char *out, size_t len); /* "(2, 8, 128, 64)" */
+/* Visible (query, key) pairs of one (batch, query head) under the plan's band (L x S without one). */
+double fa_plan_visible_pairs(const fa_plan *plan);
 /* A descriptor is usable when its rank and dtype are as expected (float32 when float32_only) and
  * every element it addresses lies inside its storage. */
 int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only, fa_status *st);

@@ -25,7 +25,7 @@ typedef struct forward_key {
     int32_t sources, device, kernel, causal, has_lse, reserved;
     double scale, softcap;
     fa_band_args band;
-    shape_key q, k, v, out, lse, mask, alibi;
+    shape_key q, k, v, out, lse, mask, alibi, sinks;
     double dropout_p; /* dropout: the rate, the probability pass, the generator state's shape */
     int32_t write_probs, reserved_dropout;
     shape_key rng;
@@ -35,7 +35,7 @@ typedef struct backward_key {
     int32_t sources, device, causal, has_lse;
     double scale, softcap;
     fa_band_args band;
-    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi;
+    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi, sinks, sink_grad;
     double dropout_p; /* with the generator state's shape */
     shape_key rng;
 } backward_key;
@@ -146,7 +146,8 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
         (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
-        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st)))) {
+        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
+        (present(&a->sinks) && (rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)))) {
         return rc;
     }
     return FA_OK;
@@ -178,6 +179,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     key.dropout_p = a->dropout_p;
     key.write_probs = a->write_probs != 0;
     shape_of_optional(&a->rng_state, a->device, &key.rng);
+    shape_of_optional(&a->sinks, a->device, &key.sinks);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);
@@ -217,7 +219,9 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
         (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
-        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st)))) {
+        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
+        (present(&a->sinks) && ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) ||
+                                (rc = fa_check_tensor(&a->sink_grad, "sink_grad", 3, 1, st))))) {
         return rc;
     }
     return fa_plan_check_backward_aliases(a, st);
@@ -245,6 +249,8 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
     key.dropout_p = a->dropout_p;
     shape_of_optional(&a->rng_state, a->device, &key.rng);
+    shape_of_optional(&a->sinks, a->device, &key.sinks);
+    shape_of_optional(&a->sink_grad, a->device, &key.sink_grad);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
         return check_backward_storage(a, st);

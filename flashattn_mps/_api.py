@@ -172,6 +172,31 @@ def _validate_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
     return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
 
 
+def _validate_sinks(sinks, q: torch.Tensor) -> torch.Tensor:
+    """Attention sinks as the (Hq,) float32 tensor the core reads: float32 as given, or q's dtype
+    converted to float32 (a copy of Hq numbers, differentiable, so gradients reach the given tensor)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"flash_attention: sinks must be a torch.Tensor or None, got {_type_name(sinks)}")
+    if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
+        raise TypeError(
+            f"flash_attention: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
+            f"{sinks.dtype} on {sinks.device}"
+        )
+    heads = q.shape[-3]
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"flash_attention: sinks must be (Hq,) = ({heads},), one logit per query head, got {tuple(sinks.shape)} "
+            f"for q {_shape(q)}"
+        )
+    sinks = sinks.float()
+    return sinks.resolve_neg() if sinks.is_neg() else sinks
+
+
+def _sinks_need_grad(sinks) -> bool:
+    """Sinks that want a gradient take the autograd path even when q, k and v do not."""
+    return isinstance(sinks, torch.Tensor) and sinks.requires_grad and _is_grad_enabled()
+
+
 def _check_softcap(softcap, who: str) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"{who}: softcap must be a float, got {_given(softcap)}")
@@ -203,16 +228,28 @@ def _rng_words(rng_state):
     return None if rng_state is None else rng_state.view(torch.float32)
 
 
-def _band_of(causal, window_size):
-    """flash_attention's causal (False, True, "bottom_right") and window_size as the core's causal
-    flag and band: None (SDPA's top-left causal, no window) or (bottom_right, left, right)."""
+def _band_of(causal, window_size, window_align=None):
+    """flash_attention's causal (False, True, "bottom_right"), window_size and window_align (None,
+    "top_left", "bottom_right") as the core's causal flag and band: None (SDPA's top-left causal, no
+    window) or (bottom_right, left, right)."""
     bottom_right = isinstance(causal, str) and causal == "bottom_right"
     if isinstance(causal, str) and not bottom_right:
         raise ValueError(f"flash_attention: causal must be True, False or 'bottom_right', got {_given(causal)}")
+    if window_align is not None:
+        if window_align not in ("top_left", "bottom_right"):
+            raise ValueError(
+                f"flash_attention: window_align must be None, 'top_left' or 'bottom_right', got {_given(window_align)}"
+            )
+        if causal is not False and (window_align == "bottom_right") != bottom_right:
+            raise ValueError(
+                f"flash_attention: window_align={window_align!r} contradicts causal={causal!r}, which anchors the "
+                "window itself (True: top-left, 'bottom_right': bottom-right); window_align is for causal=False"
+            )
+        bottom_right = window_align == "bottom_right"
     left, right = (-1, -1) if window_size is None else _check_window(window_size, "flash_attention")
     if window_size is None and not bottom_right:
         return causal, None
-    return (True if bottom_right else causal), (int(bottom_right), left, right)
+    return (causal is not False), (int(bottom_right), left, right)
 
 
 def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
@@ -291,6 +328,8 @@ def flash_attention(
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    window_align: Optional[str] = None,
 ):
     """Scaled dot-product attention, exactly as
     `torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
@@ -319,6 +358,11 @@ def flash_attention(
             unbounded on that side; with causal the right side is 0), as flash-attn's sliding
             window; combinable with attn_mask. Key tiles wholly outside are never visited, so the
             cost grows with the window, not with S.
+        window_align: None (the window follows causal's diagonal: top-left, or bottom-right with
+            causal="bottom_right"), or with causal=False "top_left" or "bottom_right": which
+            diagonal d_i the window (and ALiBi) is anchored on without a causal mask, e.g.
+            bottom-right for a bidirectional window over a KV cache (flash_attn_func's
+            causal=False windows are bottom-right).
         softcap: 0.0, or a positive number: each scaled score s becomes softcap * tanh(s / softcap)
             before masks (Gemma 2's logit softcapping); the backward differentiates through tanh.
         alibi_slopes: None, or float32 (Hq,) or (B, Hq) slopes on q's device: adds
@@ -330,6 +374,11 @@ def flash_attention(
             kernels drop with a counter-based generator (Philox 4x32-10) seeded per call from
             torch's default generator of q's device (`torch.manual_seed` makes calls reproducible),
             and the backward regenerates the same mask instead of storing it.
+        sinks: None, or (Hq,) attention-sink logits (GPT-OSS, StreamingLLM), float32 or q's dtype
+            (converted to float32), on q's device: row i of head h also counts exp(sinks[h]) in its
+            softmax denominator, with no value, so its weights sum to less than 1. Combinable with
+            every other option. A row that sees no key gives zeros; the log-sum-exp includes the
+            sink (sinks[h] for such a row). Gradients flow to sinks too.
 
     q, k, v must share a dtype (float32, float16, bfloat16) and a device: "mps" runs Metal, "cpu"
     runs the same kernels on the CPU Metal device. Softmax statistics and accumulation are float32.
@@ -343,23 +392,26 @@ def flash_attention(
     double backward raises.
     """
     if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0:
+            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0 \
+            and sinks is None and window_align is None:
         return attend(q, k, v, attn_mask, causal, scale)
-    causal, band = _band_of(causal, window_size)
+    causal, band = _band_of(causal, window_size, window_align)
     return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
                   _check_softcap(softcap, "flash_attention"), alibi_slopes,
-                  _check_dropout(dropout_p, "flash_attention"))
+                  _check_dropout(dropout_p, "flash_attention"), None, sinks)
 
 
 def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
-           band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
+           band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
-    out is allocated the same way (flash_attn_func's layout). softcap: a checked float;
-    alibi_slopes: None or the user's (H,) or (B, H) tensor (checked here); dropout_p: a checked
-    float, with rng_state the call's generator state (drawn here when None and dropout_p > 0)."""
+    out is allocated the same way (flash_attn_func's layout); the flash-attn API it serves has its
+    log-sum-exp convention too (_flash_attn_lse). softcap: a checked float; alibi_slopes: None or
+    the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one (both checked here);
+    dropout_p: a checked float, with rng_state the call's generator state (drawn here when None and
+    dropout_p > 0)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = _check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
@@ -368,24 +420,36 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if dropout_p > 0.0 and rng_state is None:
         rng_state = dropout_rng_state(q.device)  # outside the ops, so their fake implementations need none
-    if _routes_through_torch(q, k, v):
+    if _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks)):
         if kernel != _C.KERNEL_AUTO:
             names = {code: name for name, code in _KERNELS.items()}
             raise ValueError(
                 f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
                 "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        return _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
-                                        alibi_slopes, dropout_p, rng_state)
+        result = _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
+                                          alibi_slopes, dropout_p, rng_state, sinks)
+        return (result[0], _flash_attn_lse(result[1])) if return_lse and seq_major else result
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
+    sinks = None if sinks is None else _validate_sinks(sinks, q)
     out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi,
-                            dropout_p, rng_state)
-    return (out, lse) if return_lse else out
+                            dropout_p, rng_state, sinks)
+    if not return_lse:
+        return out
+    return out, (_flash_attn_lse(lse) if seq_major else lse)
+
+
+def _flash_attn_lse(lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp as flash-attn's API returns it: +inf for a row whose softmax sum is 0 (no
+    visible key) or NaN, where the kernels (and SDPA's convention, kept by flash_attention and by
+    the backward, which reads the kernels' own lse) have -inf and NaN. flash-attn's forward kernels
+    write INFINITY there (csrc/flash_attn/src/softmax.h, normalize_softmax_lse)."""
+    return lse.masked_fill(lse.isnan() | (lse == -math.inf), math.inf)
 
 
 def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
-                 softcap=0.0, alibi=None, dropout_p=0.0, rng_state=None):
+                 softcap=0.0, alibi=None, dropout_p=0.0, rng_state=None, sinks=None):
     """Runs the forward on tensors whose options are checked and whose mask (or None) is the
     (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here."""
     if q.is_cpu:  # _C checks that every tensor is on this device
@@ -417,7 +481,7 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
         _sources.ensure_registered()
     try:
         _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
-                   alibi, dropout_p, _rng_words(rng_state))
+                   alibi, dropout_p, _rng_words(rng_state), False, sinks)
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
@@ -425,9 +489,10 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
 
 
 def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
-                  dropout_p=0.0, rng_state=None):
+                  dropout_p=0.0, rng_state=None, sinks=None):
     """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None; dropout_p and
-    rng_state the forward's, so the same probabilities are dropped)."""
+    rng_state the forward's, so the same probabilities are dropped), and after them dsinks, the
+    (Hq,) float32 gradient of the sinks, when sinks (float32 (Hq,)) is given."""
     device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS  # _C checks every tensor's device
     if device == _C.DEVICE_MPS:
         _prepare_mps()
@@ -437,9 +502,13 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     if not _sources.registered:
         _sources.ensure_registered()
+    # Each row's term of the sinks' gradient (B, Hq, L), summed here over batch and rows, deterministically.
+    sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
     _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
-                alibi, dropout_p, _rng_words(rng_state))
-    return dq, dk, dv
+                alibi, dropout_p, _rng_words(rng_state), sinks, sink_grad)
+    if sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, sink_grad.sum(dim=-1).reshape(-1, sink_grad.shape[-2]).sum(dim=0)
 
 
 def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
@@ -464,7 +533,7 @@ def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, s
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
                  kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None,
-                 dropout_p: float = 0.0) -> dict:
+                 dropout_p: float = 0.0, sinks=None, window_align=None, backward: bool = False) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size, ...)`
     would launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -477,8 +546,13 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     kernels compute: under causal or a window only those the band reaches) and
     "useful_flops" (2 (E + Ev) per visible query-key pair), and "min_bytes_read" /
     "min_bytes_written" (each input element once, the outputs); an attn_mask's hidden keys count as
-    visible (csrc/fa_plan.c says how each figure is counted)."""
-    causal, band = _band_of(causal, window_size)
+    visible (csrc/fa_plan.c says how each figure is counted).
+
+    backward=True: the plan of the gradients' pass instead, {"dispatches": [delta, dkdv, dq]}: the
+    pre-pass D = rowsum(dO * O), dK/dV over key blocks ("tiles": the query tiles its threadgroups
+    visit, over every query head of a GQA group) and dQ over query blocks ("tiles": the key tiles,
+    as the forward's), with the same cost figures (csrc/fa_backward_plan.c counts them)."""
+    causal, band = _band_of(causal, window_size, window_align)
     _validate(q, k, v, causal, scale, attn_mask)
     code = _check_options(kernel, False)
     mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
@@ -486,11 +560,21 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    plan = _C.plan_forward(_DEVICE_CODES[q.device.type], q, k, v, out, None, _scale_value(q.shape[-1], scale),
-                           causal, code, mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
-                           alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
-                           dropout_p=_check_dropout(dropout_p, "explain_plan"),
-                           rng_state=_rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)))
+    device, scale = _DEVICE_CODES[q.device.type], _scale_value(q.shape[-1], scale)
+    options = dict(mask=mask, band=band, softcap=_check_softcap(softcap, "explain_plan"),
+                   alibi_slopes=None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
+                   dropout_p=_check_dropout(dropout_p, "explain_plan"),
+                   rng_state=_rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)),
+                   sinks=None if sinks is None else _validate_sinks(sinks, q))
+    if backward is True:  # planning reads no element: the tensors only carry shapes and strides
+        rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        sink_grad = None if sinks is None else rows
+        return {"dispatches": _C.plan_backward(device, q, k, v, out, rows, out, rows.clone(), torch.empty_like(q),
+                                               torch.empty_like(k), torch.empty_like(v), scale, causal,
+                                               sink_grad=sink_grad, **options)}
+    if backward is not False:
+        raise TypeError(f"explain_plan: backward must be a bool, got {_given(backward)}")
+    plan = _C.plan_forward(device, q, k, v, out, None, scale, causal, code, **options)
     if q.device.type == "mps":
         plan["metal_stream"] = _metal_mode.describe()
     return plan

@@ -13,7 +13,7 @@ from ._api import _check_dropout, _check_softcap, _check_window, _given, _scale_
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None):
     """flash-attn 2's flash_attn_func: attention of q (B, L, H, D) over k, v (B, S, Hkv, D) and
     (B, S, Hkv, Dv); Hq a multiple of Hkv (MQA/GQA: query head h reads kv head h // (Hq // Hkv)).
 
@@ -37,6 +37,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             gradient element is written by one thread, no atomics), dropout included (the mask is a
             function of the generator state, not of scheduling).
         return_attn_probs: also return softmax_lse and the attention probabilities, for tests.
+        sinks: keyword only, not in flash-attn 2: None, or (H,) attention-sink logits (GPT-OSS,
+            StreamingLLM; flash-attn 3's learnable sinks), float32 or q's dtype: each row's softmax
+            also counts exp(sinks[h]) in its denominator, with no value. Differentiable.
 
     Returns out (B, L, H, Dv), contiguous, of q's dtype; differentiable in q, k, v. With
     return_attn_probs, (out, softmax_lse, S_dmask): softmax_lse (B, H, L) float32, the log-sum-exp
@@ -68,11 +71,12 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     band = (1, left, right)
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     result = attend(qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, return_attn_probs, band, True, softcap,
-                    alibi_slopes, dropout_p, rng_state)
+                    alibi_slopes, dropout_p, rng_state, sinks)
     if not return_attn_probs:
         return result.transpose(1, 2)
     out, lse = result
     scale = _scale_value(q.shape[-1], softmax_scale)
+    # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
     probs = torch.ops.flashattn_mps.attention_probs(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal,
                                                     scale, list(band), softcap, alibi_slopes, dropout_p, rng_state)
     return out.transpose(1, 2), lse, probs.to(q.dtype)

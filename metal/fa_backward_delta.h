@@ -2,12 +2,13 @@
 //
 // D is the softmax term of every row's score gradient, dS_ij = P_ij (dP_ij - D_i); computing it
 // once here saves both gradient kernels from reading O, and lets the dK/dV kernel read it per
-// query tile.
+// query tile. Under attention sinks it also writes each row's term of the sinks' gradient.
 #ifndef FA_BACKWARD_DELTA_H
 #define FA_BACKWARD_DELTA_H
 
 #include <metal_stdlib>
 #include "fa_params.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -15,8 +16,11 @@ template <typename T>
 [[kernel, max_total_threads_per_threadgroup(32 * FA_BACKWARD_DELTA_ROWS)]] void fa_backward_delta(
     const device T *out [[buffer(3)]],
     const device T *dout [[buffer(4)]],
+    const device float *lse [[buffer(5)]],
     device float *delta [[buffer(6)]],
     constant fa_backward_params &p [[buffer(10)]],
+    const device float *sinks [[buffer(13)]],
+    device float *sink_grad [[buffer(14)]],
     uint3 group [[threadgroup_position_in_grid]],
     ushort sg [[simdgroup_index_in_threadgroup]],
     ushort lane [[thread_index_in_simdgroup]]) {
@@ -36,6 +40,11 @@ template <typename T>
   sum = simd_sum(sum);
   if (lane == 0) {
     delta[b * p.delta_strides[0] + h * p.delta_strides[1] + long(row) * p.delta_strides[2]] = sum;
+    if (fa_sinks) {
+      const float row_lse = lse[b * f.lse_strides[0] + h * f.lse_strides[1] + long(row) * f.lse_strides[2]];
+      sink_grad[b * p.sink_grad_strides[0] + h * p.sink_grad_strides[1] + long(row) * p.sink_grad_strides[2]] =
+          fa_sink_gradient_term(f, sinks, h, row_lse, sum);
+    }
   }
 }
 

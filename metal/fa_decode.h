@@ -108,6 +108,7 @@ template <typename T, int COLS, int ROWS>
     device float *workspace [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device float *sinks [[buffer(9)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -229,6 +230,7 @@ template <typename T, int COLS, int ROWS>
       fa_softmax_merge(total, part);
     }
     const float onto_total = fa_softmax_rescale(state[r].max, total.max);
+    const float sink_rescale = split ? 1.0f : fa_sink_fold(p, sinks, head[r], total); // a split's merge folds it
     for (int c = 0; c < COLS; ++c) {
       sg_out[int(sg) * WIDTH + fa_decode_column<W>(lane, c)] = acc[r][c] * onto_total;
     }
@@ -241,7 +243,7 @@ template <typename T, int COLS, int ROWS>
       if (split) {
         workspace[fa_split_row(p, int(group.x), b, head[r], position[r]) * p.v_head_dim + tid] = value;
       } else {
-        fa_store_output(out, p, b, head[r], position[r], int(tid), value * fa_softmax_inverse_sum(total));
+        fa_store_output(out, p, b, head[r], position[r], int(tid), value * fa_softmax_inverse_sum(total) * sink_rescale);
       }
     }
     if (tid == 0) {

@@ -1,6 +1,6 @@
 // The second pass of a split decode: combines the split_count partial results of each row (written
 // by fa_decode into the workspace, layout in fa_decode.h) exactly, rescaling each by exp2 of its
-// max minus the running max (fa_softmax_merge), then normalises and writes out and lse.
+// max minus the running max (fa_softmax_merge), then folds in the attention sink (fa_variants.h), normalises and writes out and lse.
 //
 // Grid: (L, Hq, B) threadgroups of one SIMD-group; lane l handles columns l, l + 32, ...
 #ifndef FA_DECODE_MERGE_H
@@ -10,6 +10,7 @@
 #include "fa_decode.h"
 #include "fa_params.h"
 #include "fa_softmax.h"
+#include "fa_variants.h"
 
 using namespace metal;
 
@@ -19,6 +20,7 @@ template <typename T, int COLS>
     device float *lse [[buffer(4)]],
     constant fa_params &p [[buffer(5)]],
     const device float *workspace [[buffer(6)]],
+    const device float *sinks [[buffer(9)]],
     uint3 group [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]]) {
   const int i = int(group.x);
@@ -41,7 +43,8 @@ template <typename T, int COLS>
       value[c] = fma(step.weight, partial, value[c] * step.rescale);
     }
   }
-  const float inv_sum = fa_softmax_inverse_sum(total);
+  const float sink_rescale = fa_sink_fold(p, sinks, h, total); // once, over every split's keys
+  const float inv_sum = fa_softmax_inverse_sum(total) * sink_rescale;
   for (int c = 0; c < COLS; ++c) {
     const int col = int(lane) + 32 * c;
     if (col < p.v_head_dim) {

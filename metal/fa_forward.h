@@ -35,6 +35,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_params &p [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device float *sinks [[buffer(9)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -181,8 +182,9 @@ template <typename T, int BD, int BDV, int BK, int WM>
   if (!row_valid) {
     return; // padding rows of the last block: computed alongside, never stored
   }
+  const float sink_rescale = fa_sink_fold(p, sinks, h, row_state);
   fa_frags_store_row<T, BDV / 8>(o_frag, out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2],
-                                 p.o_strides[3], p.v_head_dim, fa_softmax_inverse_sum(row_state), at);
+                                 p.o_strides[3], p.v_head_dim, fa_softmax_inverse_sum(row_state) * sink_rescale, at);
   if (fa_write_lse && at.x == 0) { // one lane of the four that share the row
     lse[b * p.lse_strides[0] + h * p.lse_strides[1] + long(my_row) * p.lse_strides[2]] = fa_softmax_lse(row_state);
   }

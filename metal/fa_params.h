@@ -30,6 +30,7 @@ typedef uint32_t fa_u32;
 #define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
 #define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
 #define FA_FC_DROPOUT 11  // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
+#define FA_FC_SINKS 10    // bool: attention sinks, one logit per query head in every row's softmax (fa_variants.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -87,6 +88,8 @@ typedef struct fa_params {
   // 1 / (1 - p). p = 1 stores 2^32 - 1 and scale 0: nothing contributes.
   fa_u32 dropout_drop_below;
   float dropout_scale;
+  // Attention sinks (h20): under FA_FC_SINKS, buffer(9) holds the float32 sink logit of each query head.
+  fa_i64 sink_stride; // elements between heads' sinks
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.
@@ -99,6 +102,8 @@ typedef struct fa_backward_params {
     fa_i64 delta_strides[3]; // D = rowsum(dO * out), float32 (B, Hq, L)
     float scale;             // the scale itself: dQ = scale * dS K, dK = scale * dS^T Q
     float pad0;
+    // Attention sinks (h20): buffer(13) the sinks, buffer(14) each row's share of their gradient.
+    fa_i64 sink_grad_strides[3]; // (batch, head, row) of the float32 per-row terms of dsinks
 } fa_backward_params;
 
 // The backward pre-pass's geometry: rows (one per SIMD-group) of D per threadgroup.

@@ -29,6 +29,7 @@ template <typename T>
     device float *probs [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    const device float *sinks [[buffer(9)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
@@ -103,7 +104,8 @@ template <typename T>
     return; // out and lse are the forward's
   }
 
-  const float inv_sum = fa_softmax_inverse_sum(state);
+  const float sink_rescale = fa_sink_fold(p, sinks, h, state);
+  const float inv_sum = fa_softmax_inverse_sum(state) * sink_rescale;
   device T *o_row = out + b * p.o_strides[0] + h * p.o_strides[1] + row * p.o_strides[2];
   for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
     const int col = int(lane) + 32 * c;

@@ -7,14 +7,22 @@
 //            gradient by the derivative 1 - tanh^2 = 1 - (capped / c2)^2.
 //   ALiBi:   s2 <- s2 - log2(e) * slope(b, h) * |i + p.diagonal - j| for query i and key j (the
 //            slopes get no gradient, as in flash-attn).
+// And one of the softmax itself:
+//   sinks:   each row of query head h also counts exp(sink_h) in its softmax denominator, with no
+//            value (GPT-OSS, StreamingLLM): folded once into a row's finished state
+//            (fa_sink_fold), so lse includes it and a row that sees no key gives zeros and
+//            lse = sink_h. The backward's probabilities exp(s - lse) need nothing more; the sink's
+//            own gradient is -sum over rows of exp(sink_h - lse) * D (fa_sink_gradient_term).
 #ifndef FA_VARIANTS_H
 #define FA_VARIANTS_H
 
 #include <metal_stdlib>
 #include "fa_params.h"
+#include "fa_softmax.h"
 
 constant bool fa_softcap [[function_constant(FA_FC_SOFTCAP)]];
 constant bool fa_alibi [[function_constant(FA_FC_ALIBI)]];
+constant bool fa_sinks [[function_constant(FA_FC_SINKS)]];
 
 // The ALiBi slope of (batch b, query head h) in the base-2 domain; 0 without ALiBi.
 inline float fa_alibi_slope(constant fa_params &p, const device float *slopes, long b, long h) {
@@ -53,6 +61,26 @@ inline void fa_variant_frags(constant fa_params &p, thread F *frags, float slope
       frags[j].thread_elements()[e] = capped + fa_alibi_bias(p, slope_log2, row, key0 + 8 * j + e);
     }
   }
+}
+
+// Folds query head h's sink into a row's finished state (over all its keys: after the last tile,
+// or after the split-K merge, never once per split) and returns the factor the row's unnormalised
+// output is to be multiplied by; without sinks, 1 and the state unchanged.
+inline float fa_sink_fold(constant fa_params &p, const device float *sinks, long h, thread fa_online_softmax &s) {
+  if (!fa_sinks) {
+    return 1.0f;
+  }
+  fa_online_softmax sink;
+  sink.max = sinks[h * p.sink_stride] * M_LOG2E_F;
+  sink.sum = 1.0f;
+  return fa_softmax_merge(s, sink).rescale;
+}
+
+// Row (b, h, i)'s term of d loss / d sink_h: -P_sink * D_i, where P_sink = exp(sink_h - lse_i) is the
+// sink's probability and D_i = rowsum(dO_i * O_i) (a unit of sink moves the output by -P_sink * O_i).
+// A row with D = 0 adds 0, even one whose sink is -inf (lse -inf too, P_sink NaN).
+inline float fa_sink_gradient_term(constant fa_params &p, const device float *sinks, long h, float lse, float delta) {
+  return delta == 0.0f ? 0.0f : -metal::exp(sinks[h * p.sink_stride] - lse) * delta;
 }
 
 #endif

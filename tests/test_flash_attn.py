@@ -28,15 +28,11 @@ def visible(l, s, causal, bottom_right, window, device="cpu"):
     return keep
 
 
-def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
-              alibi=None, dropout_mask=None, dropout_p=0.0):
-    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
-    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
-    give zeros. dropout_mask (B, H, L, S) bool: the probabilities outside it are dropped, the others
-    scaled by 1 / (1 - dropout_p), as flash-attn's test reference does."""
+def variant_scores(q, k, causal=False, bottom_right=False, window=None, scale=None, softcap=0.0, alibi=None):
+    """The scores (scaled, capped, ALiBi-biased, in q's dtype; SDPA layout, GQA by repeating k) and
+    which keys each row sees under causal and the window."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, 1)
-    v = v.repeat_interleave(hq // hkv, 1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
     if softcap > 0:
@@ -46,14 +42,32 @@ def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None
         distance = (torch.arange(l)[:, None] + (s - l if bottom_right else 0) - torch.arange(s)[None, :]).abs()
         slopes = alibi.to(scores.dtype).expand(q.shape[0], hq)[:, :, None, None]
         scores = scores - slopes * distance.to(scores.dtype)
-    keep = visible(q.shape[2], k.shape[2], causal, bottom_right, window)
+    return scores, visible(q.shape[2], k.shape[2], causal, bottom_right, window)
+
+
+def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
+              alibi=None, sinks=None, dropout_mask=None, dropout_p=0.0):
+    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
+    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
+    give zeros. sinks (H,): one more logit per row, of no value, in the softmax (GPT-OSS's eager).
+    dropout_mask (B, H, L, S) bool: the probabilities outside it are dropped, the others scaled by
+    1 / (1 - dropout_p), as flash-attn's test reference does."""
+    hq, hkv = q.shape[1], k.shape[1]
+    v = v.repeat_interleave(hq // hkv, 1)
+    scores, keep = variant_scores(q, k, causal, bottom_right, window, scale, softcap, alibi)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         keep = keep & attn_mask
     elif attn_mask is not None:
         scores = scores + attn_mask
     scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], -1)
     probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).to(q.dtype)
-    probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
+    if sinks is not None:
+        probs = probs[..., :-1]  # a row with no key has all its weight on the sink: zeros
+    else:
+        probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
     if dropout_mask is not None:
         probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     return probs @ v
@@ -98,12 +112,17 @@ FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=4
                                cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
 
 
+def forward_case(gen, lengths, variant, dtype):
+    """q, k, v (B = 2, Hq = 4, Hkv = 2, E = 40, Ev = 24) and ALiBi slopes of one sampled forward case."""
+    (l, s), alibi_kind = lengths, variant[3]
+    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
+    return q * 4, k, v, slopes(gen, alibi_kind, 2, 4)  # scores of several units, so the softcap bends them
+
+
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
 def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
-    (l, s), (causal, window, softcap, alibi_kind) = lengths, variant
-    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
-    q = q * 4  # scores of several units, so the softcap bends them
-    alibi = slopes(gen, alibi_kind, 2, 4)
+    (l, s), (causal, window, softcap, _) = lengths, variant
+    q, k, v, alibi = forward_case(gen, lengths, variant, dtype)
     if kernel == "auto":
         out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
         assert out.shape == (2, l, 4, 24) and out.is_contiguous()
@@ -300,3 +319,46 @@ def test_c_layer_refuses_malformed_alibi_slopes(gen):
         with pytest.raises(ValueError, match=message):
             flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
                                      alibi_slopes=bad)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_window_align_bottom_right_without_causal(gen, kernel):
+    """flash_attention's window_align="bottom_right" with causal=False: flash_attn_func's
+    bidirectional window (anchored on i + S - L), in every kernel; ALiBi takes the same diagonal."""
+    q, k, v = flash_inputs(gen, 1, 9, 30, 2, 1, 16, 16, torch.float32)
+    alibi = torch.tensor([0.3, 0.1])
+    out = flash_attention(*sdpa_view(q, k, v), window_size=(5, 3), window_align="bottom_right", kernel=kernel,
+                          alibi_slopes=alibi)
+    check(out, sdpa_view(q, k, v), bottom_right=True, window=(5, 3), alibi=alibi)
+    if kernel == "auto":
+        expected = flash_attn_func(q, k, v, window_size=(5, 3), alibi_slopes=alibi).transpose(1, 2)
+        assert torch.equal(out, expected)
+        top_left = flash_attention(*sdpa_view(q, k, v), window_size=(5, 3), window_align="top_left")
+        check(top_left, sdpa_view(q, k, v), window=(5, 3))
+
+
+def test_window_align_refuses_contradictions(gen):
+    q = randn(gen, 1, 2, 4, 16)
+    for causal, align in ((True, "bottom_right"), ("bottom_right", "top_left")):
+        with pytest.raises(ValueError, match="window_align.*contradicts causal"):
+            flash_attention(q, q, q, causal=causal, window_size=(2, 0), window_align=align)
+    with pytest.raises(ValueError, match="window_align must be"):
+        flash_attention(q, q, q, window_size=(2, 0), window_align="bottom")
+
+
+def test_flash_attn_layout_lse_is_plus_infinity_for_rows_without_keys(gen):
+    """flash-attn's convention on its API (the seq_major path flash_attn_func's lse-returning
+    options take): +inf where a row sees no key or its sum is NaN; flash_attention keeps SDPA's -inf."""
+    from flashattn_mps._api import attend
+
+    q, k, v = flash_inputs(gen, 1, 6, 3, 2, 2, 16, 16, torch.float32)  # L > S: rows 0..2 see no key
+    k[0, 1, 1, 0] = float("nan")  # key 1 of head 1: rows that see it get a NaN sum
+    for grad in (False, True):
+        inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+        out, lse = attend(*(t.transpose(1, 2) for t in inputs), None, True, None, return_lse=True, band=(1, -1, -1),
+                          seq_major=True)
+        assert (lse[0, :, :3] == float("inf")).all() and lse[0, 0, 3:].isfinite().all()
+        assert (lse[0, 1, 4:] == float("inf")).all()
+        _, sdpa_lse = flash_attention(*sdpa_view(q, k, v), causal="bottom_right", return_lse=True)
+        assert (sdpa_lse[0, :, :3] == float("-inf")).all() and sdpa_lse[0, 1, 4:].isnan().all()
+        assert torch.equal(lse[0, 0, 3:], sdpa_lse[0, 0, 3:])

@@ -41,16 +41,33 @@ def tiny_configs():
     }
 
 
+def variant_configs():
+    """Models whose attention SDPA cannot express, compared with transformers' "eager" attention:
+    Gemma 2 (logit softcap; sliding and full layers) and GPT-OSS (sinks; sliding and full layers).
+    Weights drawn wide enough (initializer_range) that the softcap bends the scores."""
+    decoder = dict(vocab_size=VOCAB, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                   initializer_range=0.2, sliding_window=4, rope_parameters=dict(rope_type="default", rope_theta=1e4))
+    return {
+        "gemma2_softcap": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+            attn_logit_softcapping=2.0, query_pre_attn_scalar=8, **decoder)),
+        "gpt_oss_sinks": (transformers.GptOssForCausalLM, transformers.GptOssConfig(
+            num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **decoder)),
+    }
+
+
 CONFIGS = tiny_configs()
+VARIANT_CONFIGS = variant_configs()
 GENERATIVE = ["llama_gqa", "mistral_sliding_window", "gpt2", "bart_encoder_decoder"]
 
 
-def models(name):
-    """(ours, sdpa float32, sdpa float64) with the same random weights."""
-    cls, config = CONFIGS[name]
+def models(name, reference_implementation="sdpa"):
+    """(ours, reference float32, reference float64) with the same random weights: the reference is
+    transformers' SDPA path, or its eager one for VARIANT_CONFIGS."""
+    cls, config = {**CONFIGS, **VARIANT_CONFIGS}[name]
     torch.manual_seed(0)
     reference = cls(config).eval()
-    reference.set_attn_implementation("sdpa")
+    reference.set_attn_implementation(reference_implementation)
     ours = copy.deepcopy(reference)
     ours.set_attn_implementation(NAME)
     return ours, reference, copy.deepcopy(reference).double()
@@ -83,13 +100,13 @@ def no_fallback(caplog):
     assert "-> flashattn_mps kernels" in caplog.text and "-> torch's" not in caplog.text
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_and_gradients_match_sdpa(name, core_calls, caplog):
-    ours, reference, golden = models(name)
-    inputs, valid = padded_batch(name)
+def assert_training_step_matches(ours, reference, golden, inputs, valid, caplog, check_ours):
+    """Logits at the valid positions and every parameter's gradient of a loss on them, in training
+    mode (the configs have no dropout: the backward runs the kernels), against the float64 golden;
+    check_ours(caplog) runs after our model's step."""
     results = []
     for model in (ours, reference, golden):
-        model.train()  # training mode: the configs have no dropout, the backward runs the kernels
+        model.train()
         model.zero_grad()
         with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
             logits = model(**inputs).logits
@@ -97,13 +114,21 @@ def test_logits_and_gradients_match_sdpa(name, core_calls, caplog):
         grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         results.append((logits.detach()[valid], grads))
         if model is ours:
-            no_fallback(caplog)
-            assert core_calls["forward"] > 0 and core_calls["backward"] == core_calls["forward"]
-            assert core_calls["masked"] > 0  # the padding mask reached the kernels
+            check_ours(caplog)
             caplog.clear()
     (logits, grads), (ref_logits, ref_grads), (gold_logits, gold_grads) = results
     assert_close_to_golden(logits, ref_logits, gold_logits, "logits")
     assert_close_to_golden(grads, ref_grads, gold_grads, "gradients")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_and_gradients_match_sdpa(name, core_calls, caplog):
+    def check_ours(caplog):
+        no_fallback(caplog)
+        assert core_calls["forward"] > 0 and core_calls["backward"] == core_calls["forward"]
+        assert core_calls["masked"] > 0  # the padding mask reached the kernels
+
+    assert_training_step_matches(*models(name), *padded_batch(name), caplog, check_ours)
 
 
 @pytest.mark.parametrize("name", GENERATIVE)
@@ -165,18 +190,90 @@ class _Module(torch.nn.Module):
     num_key_value_groups = 1
 
 
-def test_unsupported_kwargs_raise():
-    q = torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match="softcap"):
-        fa_transformers.attention_forward(_Module(), q, q, q, None, softcap=30.0)
-    with pytest.raises(ValueError, match="sinks"):
-        fa_transformers.attention_forward(_Module(), q, q, q, None, s_aux=torch.zeros(2))
+@pytest.mark.parametrize("name", sorted(VARIANT_CONFIGS))
+def test_softcap_and_sinks_models_match_eager(name, core_calls, caplog):
+    """Gemma 2 and GPT-OSS on the kernels (softcap, sinks and their sliding layers natively), padded
+    batch, logits and every parameter's gradient (GPT-OSS's sinks included) against transformers'
+    eager attention in float32 and float64."""
+    ours, reference, golden = models(name, "eager")
+    # Padding on the right, shorter than the window: transformers' eager attention in float64 turns a
+    # row that sees only padding into NaN (its mask is finfo.min added to the scores) and spreads it.
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 8:] = 0
+
+    def check_ours(caplog):
+        assert "-> flashattn_mps kernels" in caplog.text and "materialised" not in caplog.text
+        assert core_calls["forward"] == 2 and core_calls["backward"] == 2 and core_calls["masked"] == 2
+
+    assert_training_step_matches(ours, reference, golden, dict(input_ids=ids, attention_mask=mask), mask.bool(),
+                                 caplog, check_ours)
+    if name == "gpt_oss_sinks":
+        assert all(layer.self_attn.sinks.grad.abs().sum() > 0 for layer in ours.model.layers)
 
 
-@pytest.mark.parametrize("q_length, causal", [(10, True), (1, True), (10, False)])
+@pytest.mark.parametrize("name", ["gemma2_softcap", "gpt_oss_sinks", "mistral_sliding_window"])
+def test_sliding_window_models_build_no_mask_without_padding(name, core_calls):
+    """Unpadded prefill of 10 tokens with a window of 4: the kernels apply causal + window (and
+    softcap, sinks) themselves: no L x S mask reaches them, and none is built (the mask function
+    returns None)."""
+    reference_implementation = "sdpa" if name in CONFIGS else "eager"
+    ours, reference, golden = models(name, reference_implementation)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(7))
+    asked, real = [], fa_transformers.sdpa_mask
+
+    def recording_sdpa_mask(**kwargs):  # what the registered mask function leaves to transformers
+        mask = real(**kwargs)
+        asked.append((kwargs["local_size"], mask))
+        return mask
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fa_transformers, "sdpa_mask", recording_sdpa_mask)
+        with torch.no_grad():
+            logits = ours(ids).logits
+    assert core_calls["forward"] == 2 and core_calls["masked"] == 0
+    assert all(local_size is None and mask is None for local_size, mask in asked)  # the window never reached it
+    with torch.no_grad():
+        assert_close_to_golden(logits, reference(ids).logits, golden(ids).logits, "logits")
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_CONFIGS))
+@pytest.mark.parametrize("padded", [True, False])
+def test_softcap_and_sinks_models_generate_like_eager(name, padded, core_calls):
+    """Greedy decoding past the window with a KV cache: with padding through the masks, without it
+    with no mask at all (decode steps take the window bottom-right, on the last key)."""
+    ours, reference, _ = models(name, "eager")
+    inputs, _ = padded_batch(name, length=6)
+    if not padded:
+        inputs = dict(input_ids=inputs["input_ids"][:1])
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(ours.generate(**inputs, **settings), reference.generate(**inputs, **settings))
+    assert core_calls["forward"] == 2 * 6 and (core_calls["masked"] > 0) == padded
+
+
+@pytest.mark.parametrize("q_length, causal", [(9, True), (1, True), (9, False), (1, False)])
+def test_variants_where_the_kernels_do_not_take_the_call(q_length, causal, caplog):
+    """CPU tensors without cpu=True: softcap, sinks and the window on materialised scores in torch,
+    visibly, with the kernels' semantics (the kernels' own result with allow_cpu for comparison)."""
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 4, n, 8, generator=gen) for n in (q_length, 11, 11))
+    k, v = k[:, :2], v[:, :2]
+    module = _Module()
+    module.is_causal = causal
+    options = dict(sliding_window=3, softcap=1.5, s_aux=torch.tensor([0.5, -1.0, 2.0, 0.0]), scaling=0.9)
+    with caplog.at_level(logging.DEBUG, logger="flashattn_mps"):
+        fallback, _ = fa_transformers.attention_forward(module, q, k, v, None, **options)
+    assert "materialised scores (torch)" in caplog.text
+    kernels, _ = fa_transformers.attention_forward(module, q, k, v, None, allow_cpu=True, **options)
+    golden, _ = fa_transformers.attention_forward(module, q.double(), k.double(), v.double(), None,
+                                                  **{**options, "s_aux": options["s_aux"].double()})
+    assert max_error(fallback, golden) < 1e-5 and max_error(kernels, golden) < 1e-5
+
+
+@pytest.mark.parametrize("q_length, causal", [(10, True), (1, True), (10, False), (1, False)])
 def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     """Called without a mask (a module used on its own), sliding_window is still honoured, aligned
-    as transformers' own sliding masks."""
+    as transformers' own sliding masks, by the kernels' band (no mask)."""
     from transformers.masking_utils import (sdpa_mask, sliding_window_bidirectional_mask_function,
                                             sliding_window_causal_mask_function)
 
@@ -190,7 +287,7 @@ def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     mask = sdpa_mask(batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=kv_length - q_length,
                      mask_function=function, allow_is_causal_skip=False)
     golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask).transpose(1, 2)
-    assert core_calls["masked"] == 1 and max_error(out, golden) < 1e-5
+    assert core_calls["forward"] == 1 and core_calls["masked"] == 0 and max_error(out, golden) < 1e-5
 
 
 def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):

@@ -124,3 +124,74 @@ def test_threadgroup_bytes_match_the_kernel_source(dtype, e, ev, kernel):
         args = ["T"]
     text = preprocessed(d["source"], macros)
     assert d["cost"]["threadgroup_bytes"] == declared_threadgroup_bytes(text, f"fa_{kernel}", args, type_name)
+
+
+# --- the backward (explain_plan(backward=True)) ------------------------------------------------
+
+def backward_costs(q, k, v, **options):
+    plan = explain_plan(q, k, v, backward=True, **options)
+    assert [d["function"].rsplit("_", 1)[0] for d in plan["dispatches"]] == \
+        ["fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq"]
+    return [d["cost"] for d in plan["dispatches"]], plan["dispatches"][1]["macros"]
+
+
+def test_backward_figures_by_hand():
+    # fp32, E = Ev = 64: the forward's tiles (BK 32, 4 SIMD-groups: blocks of 32 rows or keys).
+    # B = 1, Hq = 4, Hkv = 2, L = S = 64, causal: 2 query blocks see 1 and 2 key tiles (dQ); 2 key
+    # blocks are seen by 2 and 1 query tiles (dK/dV), per query head.
+    q, k, v = inputs(1, 4, 2, 64, 64, 64, 64, torch.float32)
+    (delta, dkdv, dq), macros = backward_costs(q, k, v, causal=True)
+    assert macros["FA_BK"] == "32" and macros["FA_WM"] == "4"
+    rows, pairs = 4 * 64, 4 * 64 * 65 // 2
+    assert delta == {"threadgroup_bytes": 0, "registers": 0, "flops": 2 * rows * 64, "tiles": 0,
+                     "useful_flops": 2 * rows * 64, "min_bytes_read": 2 * rows * 64 * 4, "min_bytes_written": rows * 4}
+    tiles_bytes = 32 * (64 + 8 + 64 + 8) * 4 + 2 * 4
+    io = 4 * 64 * 64 * 4 + 2 * 2 * 64 * 64 * 4 + rows * 64 * 4 + 2 * rows * 4  # q, k, v, dout, lse and D
+    assert dkdv == {"threadgroup_bytes": tiles_bytes + 2 * 32 * 4, "registers": 8 * 2 * 4 + 32 // 8 * 4,
+                    "flops": 2 * (4 * 3) * 32 * 32 * (2 * 64 + 2 * 64), "tiles": 4 * 3,
+                    "useful_flops": 2 * pairs * (2 * 64 + 2 * 64), "min_bytes_read": io,
+                    "min_bytes_written": 2 * 2 * 64 * 64 * 4}
+    assert dq == {"threadgroup_bytes": tiles_bytes, "registers": 8 * 2 * 3 + 32 // 8 * 4,
+                  "flops": 2 * (4 * 3) * 32 * 32 * (2 * 64 + 64), "tiles": 4 * 3,
+                  "useful_flops": 2 * pairs * (2 * 64 + 64), "min_bytes_read": io, "min_bytes_written": rows * 64 * 4}
+
+
+def band_tiles(l, s, lo, hi, block, bk):
+    """Independent count from the band's visibility matrix: (dK/dV query tiles, dQ key tiles) per
+    query head, each block's range running from the first to the last row (key) that sees it."""
+    i, j = torch.arange(l)[:, None], torch.arange(s)[None, :]
+    seen = (j >= i + lo) & (j <= i + hi)
+
+    def per_block(matrix):
+        tiles = 0
+        for start in range(0, matrix.shape[0], block):
+            hits = matrix[start:start + block].any(0).nonzero()
+            tiles += 0 if len(hits) == 0 else -(-(hits.max().item() - hits[0].item() + 1) // bk)
+        return tiles
+
+    return per_block(seen.T), per_block(seen)
+
+
+@pytest.mark.parametrize("l, s, window", [(70, 90, (10, 0)), (90, 70, (5, 3)), (64, 200, (40, -1)), (33, 33, (0, 0))])
+def test_backward_tiles_match_an_independent_count(l, s, window):
+    q, k, v = inputs(2, 4, 2, l, s, 64, 64, torch.float32)
+    (_, dkdv, dq), macros = backward_costs(q, k, v, causal="bottom_right" if window[1] == 0 else False,
+                                           window_size=window, window_align="bottom_right" if window[1] else None)
+    d = s - l
+    lo = d - window[0]
+    hi = d + (window[1] if window[1] >= 0 else s)
+    key_tiles, query_tiles = band_tiles(l, s, lo, hi, 8 * int(macros["FA_WM"]), int(macros["FA_BK"]))
+    assert dkdv["tiles"] == 2 * 4 * key_tiles and dq["tiles"] == 2 * 4 * query_tiles
+
+
+def test_backward_tiles_grow_with_the_window_not_with_s():
+    def tiles(s, window):
+        q, k, v = inputs(1, 2, 2, 256, s, 64, 64, torch.float16)
+        (_, dkdv, dq), _ = backward_costs(q, k, v, causal="bottom_right", window_size=window)
+        return dkdv["tiles"], dq["tiles"]
+
+    short, long_ = tiles(1024, (128, 0)), tiles(8192, (128, 0))
+    assert short == long_ and min(long_) > 0
+    wide = tiles(8192, (512, 0))
+    assert all(w > 2 * n for w, n in zip(wide, long_))
+    assert all(full > 10 * n for full, n in zip(tiles(8192, (-1, -1)), long_))

@@ -242,8 +242,9 @@ fa_band_args band_args(py::handle band) {
 
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                             py::handle band, double softcap, py::handle alibi, bool unbatched = false,
-                             double dropout_p = 0.0, py::handle rng_state = py::none(), bool write_probs = false) {
+                             py::handle band, double softcap, py::handle alibi, py::handle sinks,
+                             bool unbatched = false, double dropout_p = 0.0, py::handle rng_state = py::none(),
+                             bool write_probs = false) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -262,6 +263,7 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.dropout_p = dropout_p;
     args.rng_state = to_tensor(rng_state, "rng_state", device);
     args.write_probs = write_probs;
+    args.sinks = to_tensor(sinks, "sinks", device);               // (Hq,) float32
     return args;
 }
 
@@ -271,9 +273,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
              py::handle band, double softcap, py::handle alibi, double dropout_p, py::handle rng_state,
-             bool write_probs) {
+             bool write_probs, py::handle sinks) {
     fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi,
-                                        unbatched, dropout_p, rng_state, write_probs);
+                                        sinks, unbatched, dropout_p, rng_state, write_probs);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -304,9 +306,9 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
 
 int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                                 py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                                py::handle band, double softcap, py::handle alibi) {
+                                py::handle band, double softcap, py::handle alibi, py::handle sinks) {
     const fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, sinks);
     fa_status st;
     int64_t bytes;
     {
@@ -319,19 +321,28 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
     return bytes;
 }
 
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n);
+
 // The planner's decision, for tests and curiosity: kernels with their grids, function constants and
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
-                      py::handle alibi, double dropout_p, py::handle rng_state) {
+                      py::handle alibi, double dropout_p, py::handle rng_state, py::handle sinks) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap,
-                                              alibi, false, dropout_p, rng_state);
+                                              alibi, sinks, false, dropout_p, rng_state);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
+    return py::dict(py::arg("dispatches") = dispatch_dicts(plan.dispatches, plan.n_dispatches),
+                    py::arg("empty") = plan.empty != 0, py::arg("split_count") = plan.params.split_count,
+                    py::arg("workspace_bytes") = plan.workspace_bytes);
+}
+
+// Dispatches as explain_plan shows them: kernel, macros, function constants, grid, costs.
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n) {
     py::list dispatches;
-    for (uint32_t i = 0; i < plan.n_dispatches; ++i) {
-        const fa_plan_dispatch &d = plan.dispatches[i];
+    for (uint32_t i = 0; i < n; ++i) {
+        const fa_plan_dispatch &d = plan_dispatches[i];
         py::dict macros;
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
@@ -351,15 +362,14 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
                                        py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
                                    py::arg("cost") = cost));
     }
-    return py::dict(py::arg("dispatches") = dispatches, py::arg("empty") = plan.empty != 0,
-                    py::arg("split_count") = plan.params.split_count,
-                    py::arg("workspace_bytes") = plan.workspace_bytes);
+    return dispatches;
 }
 
-void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-              py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
-              double dropout_p, py::handle rng_state) {
+fa_backward_args backward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
+                               py::handle lse, py::handle dout, py::handle delta, py::handle dq, py::handle dk,
+                               py::handle dv, double scale, bool causal, py::handle mask, bool unbatched,
+                               py::handle band, double softcap, py::handle alibi, double dropout_p,
+                               py::handle rng_state, py::handle sinks, py::handle sink_grad) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -381,6 +391,18 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
     args.dropout_p = dropout_p;
     args.rng_state = to_tensor(rng_state, "rng_state", device);
+    args.sinks = to_tensor(sinks, "sinks", device);
+    args.sink_grad = to_tensor(sink_grad, "sink_grad", device, unbatched);
+    return args;
+}
+
+void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+              py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
+              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
+              double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad) {
+    const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
+                                                unbatched, band, softcap, alibi, dropout_p, rng_state, sinks,
+                                                sink_grad);
     fa_status st;
     int32_t rc;
     {
@@ -388,6 +410,19 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
         rc = fa_backward(&args, &st);
     }
     check(rc, st);
+}
+
+// The backward's three dispatches with their costs (explain_plan(backward=True)).
+py::list plan_backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
+                       py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
+                       bool causal, py::handle mask, py::handle band, double softcap, py::handle alibi,
+                       double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad) {
+    const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
+                                                false, band, softcap, alibi, dropout_p, rng_state, sinks, sink_grad);
+    fa_backward_plan plan;
+    fa_status st;
+    check(fa_plan_backward(&args, &plan, &st), st);
+    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES);
 }
 
 void register_source(const std::string &name, const std::string &text) {
@@ -567,24 +602,32 @@ PYBIND11_MODULE(_C, m) {
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
           py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("write_probs") = false);
+          py::arg("write_probs") = false, py::arg("sinks") = py::none());
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
           py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
     m.def("plan_forward", &plan_forward, "The plan forward would run: dispatches, split count, workspace bytes",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+          py::arg("sinks") = py::none());
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
+    m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (descriptors as for backward)",
+          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+          py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
+          py::arg("causal"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
+          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
+          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
