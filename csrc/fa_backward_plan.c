@@ -1,8 +1,8 @@
 /* Validation and planning of the backward pass.
  *
- * The backward kernels take the forward kernel's specialisation: the forward's tile table
- * (fa_plan.c) fits them as it is, because each streams two tiles of the forward's shapes through
- * threadgroup memory:
+ * Up to head dims of 256 the backward kernels take the forward kernel's specialisation: the
+ * forward's tile table (fa_plan.c) fits them as it is, because each streams two tiles of the
+ * forward's shapes through threadgroup memory:
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
  *          (2 * BK floats, at most 256 bytes): at most 18.3 KiB of Apple7-9's 32 KiB.
@@ -15,8 +15,24 @@
  *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
  * (bf16 as fp32 with the fp16 tiles). Over the budget of about 128: dK/dV from D = 128 in fp32,
- * everything at D = 256. metal-flash-attention blocks the head dim there (keeps dK/dV accumulators
- * for one D block per pass); not in yet, to be measured on a Mac first.
+ * everything at D = 256 (kept as they were until a Mac measures spilling against the blocked
+ * configuration below, which serves them too).
+ *
+ * Above 256 (E or Ev, up to 576) the backward blocks along D (metal/fa_head_blocks.h) with tiles of
+ * its own: each dim in the fewest equal blocks of at most BACKWARD_BLOCK_HALF = 128 columns (fp16)
+ * or BACKWARD_BLOCK_FLOAT = 96 (fp32 and bf16, whose operand fragments are float): 320 -> 3 x 112
+ * (fp16) or 4 x 80, 448 -> 4 x 112 or 5 x 96, 512 -> 4 x 128 or 6 x 96, 576 -> 5 x 128 or 6 x 96.
+ * Products over a head dim (S, dP and their transposes) stream both operands block by block; each
+ * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
+ * (Hq x E blocks), dK/dV (Hkv x max(E blocks, Ev blocks)), each recomputing S and dP for its block.
+ * metal-flash-attention keeps no operand in registers at these dims (its tables: nothing cached above
+ * 160 to 384), round-tripping accumulators through memory instead. Which operands stay in registers,
+ * and the registers of the widest block (the operand fragments hold one block while streamed):
+ *            dQ: Q, dO streamed; dQ, S, dP in registers    dK/dV: K, V streamed; dK, dV, S^T, dP^T
+ *   fp16 128 (BK 32): 16 + 16 + 32 + 16 + 1 = 81         16 + 16 + 32 + 32 + 16 + 1 = 113
+ *   fp32 96 (BK 16): 24 + 24 + 24 + 8 + 2 = 82           24 + 24 + 24 + 24 + 8 + 2 = 106
+ *   bf16 96 (BK 32): 24 + 24 + 24 + 16 + 2 = 90          24 + 24 + 24 + 24 + 16 + 2 = 114
+ * all under the budget; threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
  *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
@@ -56,16 +72,30 @@ static int32_t check_matches(const fa_tensor *t, const char *name, int32_t ndim,
     return FA_OK;
 }
 
+enum { BACKWARD_RESIDENT_MAX_HEAD_DIM = 256, BACKWARD_BLOCK_HALF = 128, BACKWARD_BLOCK_FLOAT = 96 };
+
+/* The backward's tiles (see above): the forward's up to 256, blocks of its own beyond. */
+static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
+    const int32_t blocked = e > BACKWARD_RESIDENT_MAX_HEAD_DIM || ev > BACKWARD_RESIDENT_MAX_HEAD_DIM;
+    const int32_t widest = !blocked ? BACKWARD_RESIDENT_MAX_HEAD_DIM
+                           : dtype == FA_F16 ? BACKWARD_BLOCK_HALF
+                                             : BACKWARD_BLOCK_FLOAT;
+    return fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
+                         (int32_t)fa_dtype_bytes(dtype));
+}
+
 static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
     for (int32_t d = 0; d < n; ++d) {
         dst[d] = t->strides[d];
     }
 }
 
-/* A dispatch of step `step` with the forward's macros and function constants; the caller sets its grid. */
-static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step,
-                                      int32_t dtype) {
+/* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
+ * caller sets its grid. */
+static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, fa_tiles tiles,
+                                      const char *step, int32_t dtype) {
     *d = *forward;
+    fa_plan_set_tile_macros(d, tiles);
     memset(&d->cost, 0, sizeof d->cost); /* the forward's; the backward's are not counted */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
@@ -125,20 +155,29 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     p->scale = (float)a->scale;
 
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
-    const uint32_t threads = tiled->threadgroup[0];
-    const int64_t rows_per_group = threads / 32 * 8; /* 8 rows per SIMD-group */
     const fa_params *f = &p->forward;
     const int32_t dtype = a->q.dtype;
-    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, "delta", dtype);
+    const fa_tiles t = backward_tiles(f->head_dim, f->v_head_dim, dtype);
+    const uint32_t threads = 32u * (uint32_t)t.wm;
+    const int64_t rows_per_group = 8 * t.wm; /* 8 rows per SIMD-group */
+    /* Head dims above the tiles: a threadgroup per column block of each head (see above). */
+    const int32_t e_blocks = fa_plan_head_blocks(f->head_dim, t.bd);
+    const int32_t v_blocks = fa_plan_head_blocks(f->v_head_dim, t.bdv);
+    const int32_t key_blocks = e_blocks > v_blocks ? e_blocks : v_blocks;
+    if ((rc = fa_plan_check_column_grid(f->q_heads, e_blocks, st)) ||
+        (rc = fa_plan_check_column_grid(f->kv_heads, key_blocks, st))) {
+        return rc;
+    }
+    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, t, "delta", dtype);
     fa_plan_set_geometry(delta, (uint32_t)((f->q_len + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
                          (uint32_t)f->q_heads, (uint32_t)f->batch, 32u * FA_BACKWARD_DELTA_ROWS);
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
-    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype);
+    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, t, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
-    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch,
+    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)(f->kv_heads * key_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
-    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype);
-    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward.banded,
-                           threads);
+    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, t, "dq", dtype);
+    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
+                           forward.banded, threads);
     return FA_OK;
 }

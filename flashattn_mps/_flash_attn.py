@@ -35,7 +35,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         return_attn_probs: must be False (raises NotImplementedError).
 
     Returns out (B, L, H, Dv), contiguous, of q's dtype; differentiable in q, k, v. Tensors on "mps"
-    run Metal, on "cpu" the CPU Metal device. float32, float16 and bfloat16; D, Dv <= 256.
+    run Metal, on "cpu" the CPU Metal device. float32, float16 and bfloat16; D, Dv <= 576.
     """
     if not (isinstance(dropout_p, (int, float)) and not isinstance(dropout_p, bool)):
         raise TypeError(f"flash_attn_func: dropout_p must be a float, got {_given(dropout_p)}")
