@@ -66,27 +66,19 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const bool owns_dv = columns.block < v_blocks;
   const int dk_col0 = columns.block * BD;
   const int dv_col0 = columns.block * BDV;
-  const bool k_streamed = f.head_dim > BD;
-  const bool v_streamed = f.v_head_dim > BDV;
   const int key_block = block.block * 8 * WM;
   const int key0 = key_block + 8 * int(sg); // first of this SIMD-group's 8 keys
   const ushort2 at = fa_frag_coord(lane);
   const int my_key = key0 + at.y;           // the one key whose elements this lane holds
   const bool key_valid = my_key < f.kv_len;
-  const int e_slices = fa_slices(f.head_dim);
-  const int ev_slices = fa_slices(f.v_head_dim);
 
   // Resident operands load once; streamed ones block by block in the tile loop.
   fa_operand_frag<T> k_frag[BD / 8];
   const device T *k_row = k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(my_key) * f.k_strides[2];
   fa_operand_frag<T> v_frag[BDV / 8];
   const device T *v_row = v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(my_key) * f.v_strides[2];
-  if (!k_streamed) {
-    fa_frags_load_row<T, BD / 8>(k_frag, k_row, f.k_strides[3], key_valid, f.head_dim, at);
-  }
-  if (!v_streamed) {
-    fa_frags_load_row<T, BDV / 8>(v_frag, v_row, f.v_strides[3], key_valid, f.v_head_dim, at);
-  }
+  fa_load_resident_row<T, BD / 8>(k_frag, k_row, f.k_strides[3], key_valid, f.head_dim, at);
+  fa_load_resident_row<T, BDV / 8>(v_frag, v_row, f.v_strides[3], key_valid, f.v_head_dim, at);
   fa_frag dk_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dk_frag[d], 0.0f);
@@ -120,14 +112,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
       if (!start.load) {
         continue; // no SIMD-group needs this tile: not even loaded
       }
-      if (!k_streamed) {
-        fa_load_tile<T, BK, BD, 32 * WM>(q_tile, Q_PITCH, q_src, f.q_strides[2], f.q_strides[3], valid_rows,
-                                         f.head_dim, tid);
-      }
-      if (!v_streamed) {
-        fa_load_tile<T, BK, BDV, 32 * WM>(do_tile, DO_PITCH, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
-                                          f.v_head_dim, tid);
-      }
+      fa_load_resident_tile<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows,
+                                                f.head_dim, tid);
+      fa_load_resident_tile<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                                 f.v_head_dim, tid);
       if (tid < uint(BK)) {
         // Rows past L get probability 0 through lse = +inf.
         const long row = q0 + long(tid);
@@ -145,24 +133,16 @@ template <typename T, int BD, int BDV, int BK, int WM>
         fa_frag_fill(dp_frag[j], 0.0f);
       }
       // Streamed, dK and dV below multiply this threadgroup's own blocks of Q and dO.
-      if (k_streamed) {
-        fa_frags_multiply_streamed<T, BD, BK / 8, 32 * WM>(s_frag, k_frag, k_row, f.k_strides[3], key_valid, q_tile,
-                                                           q_src, f.q_strides[2], f.q_strides[3], valid_rows,
-                                                           f.head_dim, !blocked, tid, at);
-        fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim,
-                                               min(columns.block, e_blocks - 1), tid);
-      } else if (!blocked) {
-        fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, k_frag, q_tile, Q_PITCH, e_slices, at);
-      }
-      if (v_streamed) {
-        fa_frags_multiply_streamed<T, BDV, BK / 8, 32 * WM>(dp_frag, v_frag, v_row, f.v_strides[3], key_valid,
-                                                            do_tile, do_src, p.do_strides[2], p.do_strides[3],
-                                                            valid_rows, f.v_head_dim, !blocked, tid, at);
-        fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
-                                                f.v_head_dim, min(columns.block, v_blocks - 1), tid);
-      } else if (!blocked) {
-        fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, v_frag, do_tile, DO_PITCH, ev_slices, at);
-      }
+      fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, k_frag, k_row, f.k_strides[3], key_valid, q_tile, q_src,
+                                                     f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim, !blocked,
+                                                     tid, at);
+      fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim,
+                                             min(columns.block, e_blocks - 1), tid);
+      fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, v_frag, v_row, f.v_strides[3], key_valid, do_tile,
+                                                      do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                                      f.v_head_dim, !blocked, tid, at);
+      fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                              f.v_head_dim, min(columns.block, v_blocks - 1), tid);
       if (blocked) {
         continue; // it adds nothing to dK or dV
       }
@@ -192,7 +172,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
         entry += 8 * mask_query_stride;
       }
       if (owns_dv) {
-        fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, fa_slices(f.v_head_dim - dv_col0), at);
+        fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, fa_slices(f.v_head_dim - dv_col0),
+                                              at);
       }
       if (owns_dk) {
         fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, fa_slices(f.head_dim - dk_col0), at);

@@ -59,28 +59,20 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const fa_column_block columns = fa_column_block_of(block.head, e_blocks);
   const long h = columns.head;
   const int col0 = columns.block * BD; // the first of this threadgroup's dQ columns
-  const bool q_streamed = f.head_dim > BD;
-  const bool do_streamed = f.v_head_dim > BDV;
   const long kv_h = h / f.gqa_factor;
   const int q_block = block.block * BQ;
   const int row0 = q_block + 8 * int(sg);
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;
   const bool row_valid = my_row < f.q_len;
-  const int e_slices = fa_slices(f.head_dim);
-  const int ev_slices = fa_slices(f.v_head_dim);
 
   // Resident operands load once; streamed ones block by block in the tile loop.
   fa_operand_frag<T> q_frag[BD / 8];
   const device T *q_row = q + b * f.q_strides[0] + h * f.q_strides[1] + long(my_row) * f.q_strides[2];
   fa_operand_frag<T> do_frag[BDV / 8];
   const device T *do_row = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(my_row) * p.do_strides[2];
-  if (!q_streamed) {
-    fa_frags_load_row<T, BD / 8>(q_frag, q_row, f.q_strides[3], row_valid, f.head_dim, at);
-  }
-  if (!do_streamed) {
-    fa_frags_load_row<T, BDV / 8>(do_frag, do_row, p.do_strides[3], row_valid, f.v_head_dim, at);
-  }
+  fa_load_resident_row<T, BD / 8>(q_frag, q_row, f.q_strides[3], row_valid, f.head_dim, at);
+  fa_load_resident_row<T, BDV / 8>(do_frag, do_row, p.do_strides[3], row_valid, f.v_head_dim, at);
   fa_frag dq_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dq_frag[d], 0.0f);
@@ -113,14 +105,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    if (!q_streamed) {
-      fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_src, f.k_strides[2], f.k_strides[3], valid_keys,
-                                       f.head_dim, tid);
-    }
-    if (!do_streamed) {
-      fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
-                                        f.v_head_dim, tid);
-    }
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
+                                              tid);
+    fa_load_resident_tile<T, BK, BDV, 32 * WM>(v_tile, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
+                                               f.v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const bool blocked = start.tile_class == FA_TILE_BLOCKED; // every probability of the slice is 0
@@ -130,23 +118,15 @@ template <typename T, int BD, int BDV, int BK, int WM>
       fa_frag_fill(s_frag[j], 0.0f);
       fa_frag_fill(dp_frag[j], 0.0f);
     }
-    if (q_streamed) {
-      fa_frags_multiply_streamed<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, f.q_strides[3], row_valid, k_tile,
-                                                         k_src, f.k_strides[2], f.k_strides[3], valid_keys,
-                                                         f.head_dim, !blocked, tid, at);
-      // dQ below multiplies this threadgroup's own block of K.
-      fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
-                                             columns.block, tid);
-    } else if (!blocked) {
-      fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
-    }
-    if (do_streamed) {
-      fa_frags_multiply_streamed<T, BDV, BK / 8, 32 * WM>(dp_frag, do_frag, do_row, p.do_strides[3], row_valid,
-                                                          v_tile, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
-                                                          f.v_head_dim, !blocked, tid, at);
-    } else if (!blocked) {
-      fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, do_frag, v_tile, V_PITCH, ev_slices, at);
-    }
+    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, f.q_strides[3], row_valid, k_tile, k_src,
+                                                   f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim, !blocked,
+                                                   tid, at);
+    // dQ below multiplies this threadgroup's own block of K.
+    fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
+                                           columns.block, tid);
+    fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, do_frag, do_row, p.do_strides[3], row_valid, v_tile,
+                                                    v_src, f.v_strides[2], f.v_strides[3], valid_keys, f.v_head_dim,
+                                                    !blocked, tid, at);
     if (blocked) {
       continue; // it adds nothing to dQ
     }

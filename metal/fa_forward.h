@@ -56,14 +56,12 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const fa_column_block columns = fa_column_block_of(block.head, fa_head_blocks(p.v_head_dim, BDV));
   const long h = columns.head;
   const int col0 = columns.block * BDV; // the first of this threadgroup's output columns
-  const bool q_streamed = p.head_dim > BD;
   const long kv_h = h / p.gqa_factor;
   const int q_block = block.block * BQ;
   const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;         // the one row whose elements this lane holds
   const bool row_valid = my_row < p.q_len;
-  const int e_slices = fa_slices(p.head_dim);
   const int ev_cols = p.v_head_dim - col0;
   const int ev_slices = fa_slices(ev_cols);
 
@@ -72,9 +70,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
   // domain after each product instead. Streamed, they hold one block at a time.
   fa_operand_frag<T> q_frag[BD / 8];
   const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2];
-  if (!q_streamed) {
-    fa_frags_load_row<T, BD / 8>(q_frag, q_row, p.q_strides[3], row_valid, p.head_dim, at);
-  }
+  fa_load_resident_row<T, BD / 8>(q_frag, q_row, p.q_strides[3], row_valid, p.head_dim, at);
 
   fa_frag o_frag[BDV / 8];
   for (int d = 0; d < BDV / 8; ++d) {
@@ -105,10 +101,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    if (!q_streamed) {
-      fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_src, p.k_strides[2], p.k_strides[3], valid_keys,
-                                       p.head_dim, tid);
-    }
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_src, p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim,
+                                              tid);
     fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, p.v_strides[2], p.v_strides[3], valid_keys,
                                       min(ev_cols, BDV), tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -119,13 +113,9 @@ template <typename T, int BD, int BDV, int BK, int WM>
     for (int j = 0; j < BK / 8; ++j) {
       fa_frag_fill(s_frag[j], 0.0f);
     }
-    if (q_streamed) {
-      fa_frags_multiply_streamed<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, p.q_strides[3], row_valid, k_tile,
-                                                         k_src, p.k_strides[2], p.k_strides[3], valid_keys,
-                                                         p.head_dim, !blocked, tid, at);
-    } else if (!blocked) {
-      fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
-    }
+    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, p.q_strides[3], row_valid, k_tile, k_src,
+                                                   p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim, !blocked,
+                                                   tid, at);
     if (blocked) {
       continue; // it adds nothing
     }

@@ -66,6 +66,41 @@ inline void fa_frags_multiply_streamed(thread fa_frag *acc, thread metal::simdgr
   }
 }
 
+// The kernels' product over a head dim of any width: resident (dim <= BW), the operand fragments
+// loaded once (fa_load_resident_row) times the tile loaded with the others (fa_load_resident_tile);
+// wider, streamed as above. Every thread calls it (streaming synchronises).
+template <typename T, int BW, int NB, int THREADS, typename E>
+inline void fa_frags_multiply_head(thread fa_frag *acc, thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
+                                   const device T *a_row, long a_col_stride, bool a_valid, threadgroup T *tile,
+                                   const device T *b_src, long b_row_stride, long b_col_stride, int valid_b_rows,
+                                   int dim, bool compute, uint tid, ushort2 at) {
+  if (dim > BW) {
+    fa_frags_multiply_streamed<T, BW, NB, THREADS>(acc, a_frag, a_row, a_col_stride, a_valid, tile, b_src,
+                                                   b_row_stride, b_col_stride, valid_b_rows, dim, compute, tid, at);
+  } else if (compute) {
+    fa_frags_multiply_transposed<T, BW / 8, NB>(acc, a_frag, tile, BW + FA_TILE_PAD, fa_slices(dim), at);
+  }
+}
+
+// A resident operand's fragments (dim <= 8 N), once per kernel; a streamed one's load per block.
+template <typename T, int N, typename E>
+inline void fa_load_resident_row(thread metal::simdgroup_matrix<E, 8, 8> *f, const device T *row, long col_stride,
+                                 bool row_valid, int dim, ushort2 at) {
+  if (dim <= 8 * N) {
+    fa_frags_load_row<T, N>(f, row, col_stride, row_valid, dim, at);
+  }
+}
+
+// A resident operand's whole tile (dim <= BW), per key or query tile before its barrier; a
+// streamed one's tile loads per block.
+template <typename T, int ROWS, int BW, int THREADS>
+inline void fa_load_resident_tile(threadgroup T *tile, const device T *src, long row_stride, long col_stride,
+                                  int valid_rows, int dim, uint tid) {
+  if (dim <= BW) {
+    fa_load_tile<T, ROWS, BW, THREADS>(tile, BW + FA_TILE_PAD, src, row_stride, col_stride, valid_rows, dim, tid);
+  }
+}
+
 // After fa_frags_multiply_streamed over `dim`: makes `tile` hold column block `block` (the
 // caller's own accumulator block) for the product that follows, loading it unless it is the last
 // block, which the tile holds already. Uniform over the threadgroup; every thread calls it.
