@@ -12,8 +12,9 @@
 //     column block per threadgroup (fa_column_block), which recomputes the scores of its rows
 //     (and reloads its own block of the streamed tile for the product, fa_keep_head_block).
 //     metal-flash-attention instead round-trips uncached accumulators through memory at these
-//     dims; recomputing keeps every threadgroup's writes its own and the bytes moved at the
-//     forward's, for 2x (forward, Ev = 512) to 5x (backward, 576) the score products.
+//     dims; recomputing keeps every threadgroup's writes its own and no accumulator goes through
+//     memory, for 2x (forward, Ev = 512) to 6x (backward, 576 in fp32) the score products and the
+//     reads of their operands.
 #ifndef FA_HEAD_BLOCKS_H
 #define FA_HEAD_BLOCKS_H
 
