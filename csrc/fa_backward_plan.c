@@ -1,8 +1,8 @@
 /* Validation and planning of the backward pass.
  *
- * The backward kernels take the forward kernel's specialisation: the forward's tile table
- * (fa_plan.c) fits them as it is, because each streams two tiles of the forward's shapes through
- * threadgroup memory:
+ * Up to head dims of 256 the backward kernels take the forward kernel's specialisation: the
+ * forward's tile table (fa_plan.c) fits them as it is, because each streams two tiles of the
+ * forward's shapes through threadgroup memory:
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
  *          (2 * BK floats, at most 256 bytes): at most 18.3 KiB of Apple7-9's 32 KiB.
@@ -15,8 +15,24 @@
  *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
  * (bf16 as fp32 with the fp16 tiles). Over the budget of about 128: dK/dV from D = 128 in fp32,
- * everything at D = 256. metal-flash-attention blocks the head dim there (keeps dK/dV accumulators
- * for one D block per pass); not in yet, to be measured on a Mac first.
+ * everything at D = 256 (kept as they were until a Mac measures spilling against the blocked
+ * configuration below, which serves them too).
+ *
+ * Above 256 (E or Ev, up to 576) the backward blocks along D (metal/fa_head_blocks.h) with tiles of
+ * its own: each dim in the fewest equal blocks of at most BACKWARD_BLOCK_HALF = 128 columns (fp16)
+ * or BACKWARD_BLOCK_FLOAT = 96 (fp32 and bf16, whose operand fragments are float): 320 -> 3 x 112
+ * (fp16) or 4 x 80, 448 -> 4 x 112 or 5 x 96, 512 -> 4 x 128 or 6 x 96, 576 -> 5 x 128 or 6 x 96.
+ * Products over a head dim (S, dP and their transposes) stream both operands block by block; each
+ * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
+ * (Hq x E blocks), dK/dV (Hkv x max(E blocks, Ev blocks)), each recomputing S and dP for its block.
+ * metal-flash-attention keeps no operand in registers at these dims (its tables: nothing cached above
+ * 160 to 384), round-tripping accumulators through memory instead. Which operands stay in registers,
+ * and the registers of the widest block (the operand fragments hold one block while streamed):
+ *            dQ: Q, dO streamed; dQ, S, dP in registers    dK/dV: K, V streamed; dK, dV, S^T, dP^T
+ *   fp16 128 (BK 32): 16 + 16 + 32 + 16 + 1 = 81         16 + 16 + 32 + 32 + 16 + 1 = 113
+ *   fp32 96 (BK 16): 24 + 24 + 24 + 8 + 2 = 82           24 + 24 + 24 + 24 + 8 + 2 = 106
+ *   bf16 96 (BK 32): 24 + 24 + 24 + 16 + 2 = 90          24 + 24 + 24 + 24 + 16 + 2 = 114
+ * all under the budget; threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
  *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
@@ -66,17 +82,30 @@ static int64_t whole_bytes(const fa_tensor *t) {
     return n;
 }
 
+enum { BACKWARD_RESIDENT_MAX_HEAD_DIM = 256, BACKWARD_BLOCK_HALF = 128, BACKWARD_BLOCK_FLOAT = 96 };
+
+/* The backward's tiles (see above): the forward's up to 256, blocks of its own beyond. */
+static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
+    const int32_t blocked = e > BACKWARD_RESIDENT_MAX_HEAD_DIM || ev > BACKWARD_RESIDENT_MAX_HEAD_DIM;
+    const int32_t widest = !blocked ? BACKWARD_RESIDENT_MAX_HEAD_DIM
+                           : dtype == FA_F16 ? BACKWARD_BLOCK_HALF
+                                             : BACKWARD_BLOCK_FLOAT;
+    return fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
+                         (int32_t)fa_dtype_bytes(dtype));
+}
+
 static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
     for (int32_t d = 0; d < n; ++d) {
         dst[d] = t->strides[d];
     }
 }
 
-/* A dispatch of step `step` with the forward's macros and function constants; the caller sets its
- * grid and cost. */
-static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, const char *step,
-                                      int32_t dtype) {
+/* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
+ * caller sets its grid and cost. */
+static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, fa_tiles tiles,
+                                      const char *step, int32_t dtype) {
     *d = *forward;
+    fa_plan_set_tile_macros(d, tiles);
     memset(&d->cost, 0, sizeof d->cost); /* the forward's: set_backward_costs counts the backward's */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
@@ -86,18 +115,11 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
 /* ---- What the backward's dispatches cost (explain_plan(backward=True)), counted as the forward's
  * (fa_plan.c: FLOPs over padded widths, rows and tiles; useful FLOPs per visible pair; each input
  * element once). Per (query, key) pair the useful multiply-adds are dK/dV 2E + 2Ev (S, dP, dV, dK)
- * and dQ 2E + Ev (S, dP, dQ); the pre-pass does Ev per row. Tiles: dQ visits the forward's key
- * tiles (the same loop over the same band); dK/dV, for each key block and each query head of its
- * GQA group, the query tiles of BK rows the band lets its keys see (fa_visible_queries). */
-
-static int32_t macro_value(const fa_plan_dispatch *d, const char *name) {
-    for (uint32_t m = 0; m < d->n_macros; ++m) {
-        if (strcmp(d->macros[m].name, name) == 0) {
-            return (int32_t)strtol(d->macros[m].value, NULL, 10);
-        }
-    }
-    return 0;
-}
+ * and dQ 2E + Ev (S, dP, dQ); the pre-pass does Ev per row. Tiles, of the backward's tiles t: dQ
+ * visits the key tiles the forward's loop would (fa_plan_key_tiles); dK/dV, for each key block and
+ * each query head of its GQA group, the query tiles of BK rows the band lets its keys see
+ * (fa_visible_queries). Above 256 each column block's threadgroups visit them all again and
+ * recompute S and dP over the whole head dims, then their own block of the accumulators. */
 
 /* Query tiles of `bk` rows one key block visits: the queries that see a key of keys [key0, key0 +
  * keys) under the band (all L without one), from the first of them. */
@@ -112,12 +134,11 @@ static int64_t key_block_tiles(const fa_plan *forward, int64_t key0, int64_t key
     return end > begin ? (end - begin + bk - 1) / bk : 0;
 }
 
-static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a) {
+static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a, fa_tiles t,
+                               int32_t e_blocks, int32_t key_blocks) {
     const fa_plan_dispatch *tiled = &forward->dispatches[0];
     const fa_params *f = &forward->params;
-    const int32_t bd = macro_value(tiled, "FA_BD"), bdv = macro_value(tiled, "FA_BDV");
-    const int32_t bk = macro_value(tiled, "FA_BK"), wm = macro_value(tiled, "FA_WM");
-    const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * wm;
+    const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * t.wm;
     const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
     const double e = f->head_dim, ev = f->v_head_dim, pairs = heads * fa_plan_visible_pairs(forward);
     const double issued_e = (double)((f->head_dim + 7) / 8 * 8), issued_ev = (double)((f->v_head_dim + 7) / 8 * 8);
@@ -126,27 +147,29 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     const int64_t sink_bytes = a->sinks.ndim != 0 ? rows_bytes : 0;
     /* Operand fragments are half for fp16 inputs (fa_fragments.h), accumulators and scores float. */
     const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
-    const int64_t tile_bytes = tiled->cost.threadgroup_bytes; /* two tiles of BK rows and the tile votes */
+    const int64_t tile_bytes = fa_plan_tile_bytes(t, elem) + 2 * t.wm; /* two tiles of BK rows and the tile votes */
     double key_tiles = 0;
     for (int64_t key0 = 0; key0 < f->kv_len; key0 += block) {
-        key_tiles += (double)key_block_tiles(forward, key0, block, bk);
+        key_tiles += (double)key_block_tiles(forward, key0, block, t.bk);
     }
-    key_tiles *= heads; /* every query head of each kv head's group */
+    key_tiles *= heads * key_blocks; /* every query head of each kv head's group, every column block */
+    const double query_tiles = fa_plan_key_tiles(forward, t) * heads * e_blocks;
     const fa_dispatch_cost delta = {0,     0,    2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes,
                                     rows_bytes + sink_bytes};
     const fa_dispatch_cost dkdv = {
-        tile_bytes + 2 * bk * 4, /* and the tile's lse and D */
-        (bd + bdv) / 8 * operand + (bd + bdv) / 8 * 2 + bk / 8 * 2 * 2,
-        2.0 * key_tiles * (double)(block * bk) * (2 * issued_e + 2 * issued_ev),
+        tile_bytes + 2 * t.bk * 4, /* and the tile's lse and D */
+        (t.bd + t.bdv) / 8 * operand + (t.bd + t.bdv) / 8 * 2 + t.bk / 8 * 2 * 2,
+        /* S^T and dP^T over the whole dims in each block; dK and dV once over all blocks */
+        2.0 * key_tiles * (double)(block * t.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks),
         key_tiles,
         2.0 * pairs * (2 * e + 2 * ev),
         tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
         whole_bytes(&a->k) + whole_bytes(&a->v)};
     const fa_dispatch_cost dq = {
         tile_bytes,
-        (bd + bdv) / 8 * operand + bd / 8 * 2 + bk / 8 * 2 * 2,
-        2.0 * tiled->cost.tiles * (double)(block * bk) * (2 * issued_e + issued_ev),
-        tiled->cost.tiles,
+        (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2,
+        2.0 * query_tiles * (double)(block * t.bk) * (issued_e + issued_ev + issued_e / e_blocks),
+        query_tiles,
         2.0 * pairs * (2 * e + ev),
         tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
         (int64_t)rows * f->head_dim * elem};
@@ -220,21 +243,30 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     }
 
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
-    const uint32_t threads = tiled->threadgroup[0];
-    const int64_t rows_per_group = threads / 32 * 8; /* 8 rows per SIMD-group */
     const fa_params *f = &p->forward;
     const int32_t dtype = a->q.dtype;
-    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, "delta", dtype);
+    const fa_tiles t = backward_tiles(f->head_dim, f->v_head_dim, dtype);
+    const uint32_t threads = 32u * (uint32_t)t.wm;
+    const int64_t rows_per_group = 8 * t.wm; /* 8 rows per SIMD-group */
+    /* Head dims above the tiles: a threadgroup per column block of each head (see above). */
+    const int32_t e_blocks = fa_plan_head_blocks(f->head_dim, t.bd);
+    const int32_t v_blocks = fa_plan_head_blocks(f->v_head_dim, t.bdv);
+    const int32_t key_blocks = e_blocks > v_blocks ? e_blocks : v_blocks;
+    if ((rc = fa_plan_check_column_grid(f->q_heads, e_blocks, st)) ||
+        (rc = fa_plan_check_column_grid(f->kv_heads, key_blocks, st))) {
+        return rc;
+    }
+    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, t, "delta", dtype);
     fa_plan_set_geometry(delta, (uint32_t)((f->q_len + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
                          (uint32_t)f->q_heads, (uint32_t)f->batch, 32u * FA_BACKWARD_DELTA_ROWS);
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
-    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, "dkdv", dtype);
+    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, t, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
-    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch,
+    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)(f->kv_heads * key_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
-    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, "dq", dtype);
-    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward.banded,
-                           threads);
-    set_backward_costs(plan, &forward, a);
+    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, t, "dq", dtype);
+    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
+                           forward.banded, threads);
+    set_backward_costs(plan, &forward, a, t, e_blocks, key_blocks);
     return FA_OK;
 }

@@ -22,28 +22,50 @@ static const char *decode_source = "fa_decode.metal";
  * would add specialisations (and compile time) without saving work. What padding still costs:
  * zeros written into the tiles, and registers of fragments never touched.
  *
- * Keys per tile (BK) by element size and the wider padded head dim, max(BD, BDV). Each entry keeps
+ * Head dims above 256 (up to FA_MAX_HEAD_DIM = 576: 320, 448, 512, DeepSeek's absorbed MLA with
+ * E = 576, Ev = 512) are blocked along D (metal/fa_head_blocks.h) with the same specialisations:
+ *   E > 256 (or E > 128 beside Ev > 256): BD = FORWARD_STREAM_WIDTH = 64. Q and K stream
+ *             through registers and the K tile in 64-column blocks per key tile (Q does not fit
+ *             threadgroup memory: 32 rows of 576 halves are 36 KiB alone), S accumulating over
+ *             the blocks;
+ *   Ev > 256: the output splits into ceil(Ev / 256) column blocks of equal padded width (320: 2 x
+ *             160, 448: 2 x 224, 512: 2 x 256, 576: 3 x 192), one per threadgroup (the grid's head
+ *             axis is Hq x blocks); each recomputes its rows' scores.
+ * metal-flash-attention blocks D too (16 to 32 wide at these dims) and keeps no operand in
+ * registers above about 160 to 384 (its tables), round-tripping O through memory; here O stays in
+ * registers, one column block per threadgroup.
+ *
+ * Keys per tile (BK) by element size and the wider tile width, max(BD, BDV). Each entry keeps
  * the K and V tiles, BK * (BD + 8 + BDV + 8) elements of threadgroup memory, under Apple7-9's 32 KiB
  * (the largest use is 18 KiB, leaving room for a second resident threadgroup at D <= 64):
  *   4-byte elements: D <= 64: BK 32 (18.0 KiB); D <= 128: BK 16 (17.0 KiB); D <= 256: BK 8 (16.5 KiB)
  *   2-byte elements: D <= 128: BK 32 (17.0 KiB); D <= 256: BK 16 (16.5 KiB)
+ *   blocked (BD 64, BDV <= 256): 10.8 KiB in every dtype
  * Register budget per thread (Apple GPUs: about 128 32-bit registers at full occupancy), counted for
  * the live fragments alone (addresses, loop state and temporaries add a few dozen more). An 8x8
  * fragment costs a lane 2 registers in float, 1 in half: Q is an operand fragment (half for fp16
  * inputs, float for fp32 and bf16: fa_fragments.h), O and S are float, plus one K/V fragment in flight:
- *            Q        O       S (BK)    total
- *   D = 64   16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 as fp32, BK 32: 42)
- *   D = 128  32 / 16  32      4 (16)    70 fp32; fp16 (BK 32): 16 + 32 + 8 + 1 = 57
- *   D = 256  64 / 32  64      2 (8)     132 fp32 (over budget); fp16 (BK 16): 32 + 64 + 4 + 1 = 101
- * so fp32 and bf16 at D > 128 are where spilling or lower occupancy starts (to be measured on a Mac;
- * MLX's remedy, Q in threadgroup memory, is not in yet: the tiles leave about 15 KiB for it).
+ *                        Q        O       S (BK)    total
+ *   D = 64               16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 as fp32, BK 32: 42)
+ *   D = 128              32 / 16  32      4 (16)    70 fp32; fp16 (BK 32): 16 + 32 + 8 + 1 = 57
+ *   D = 256              64 / 32  64      2 (8)     132 fp32 (over budget); fp16 (BK 16): 32 + 64 + 4 + 1 = 101
+ *   E 320, Ev 320        16 / 8   40      2 (8)     60 fp32; fp16 (BK 16): 8 + 40 + 4 + 1 = 53
+ *   E 448, Ev 448        16 / 8   56      2 (8)     76 fp32; fp16: 69
+ *   E 512 or 576, Ev 512 16 / 8   64      2 (8)     84 fp32; fp16 (BK 16): 8 + 64 + 4 + 1 = 77
+ *   E 128, Ev 512        32 / 16  64      2 (8)     100 fp32, 102 bf16 (BK 16): the most of any blocked one
+ * so fp32 and bf16 at 128 < D <= 256 are where spilling or lower occupancy starts (to be measured on a
+ * Mac; the blocked configuration serves them too, at the price of a barrier pair per 64-column block
+ * and per key tile: a one-line change below once measured), and every blocked configuration is under
+ * budget.
  * WM = 4 SIMD-groups, so 32 query rows per threadgroup (MLX uses the same), 128 threads. */
 static const int32_t padded_head_dims[] = {16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256};
-enum { N_PADDED_HEAD_DIMS = sizeof padded_head_dims / sizeof padded_head_dims[0], FORWARD_WM = 4 };
-
-typedef struct forward_tiles {
-    int32_t bd, bdv, bk, wm;
-} forward_tiles;
+enum {
+    N_PADDED_HEAD_DIMS = sizeof padded_head_dims / sizeof padded_head_dims[0],
+    FORWARD_WM = 4,
+    RESIDENT_MAX_HEAD_DIM = 256, /* the widest tile */
+    FORWARD_STREAM_WIDTH = 64,
+    RESIDENT_BESIDE_BLOCKED_EV = 128, /* Q of E <= 128 beside a 256-wide O block: at most 100 registers */
+};
 
 static int32_t padded_head_dim(int64_t d) {
     for (int32_t i = 0; i < N_PADDED_HEAD_DIMS; ++i) {
@@ -54,8 +76,18 @@ static int32_t padded_head_dim(int64_t d) {
     return -1; /* validated away before */
 }
 
-static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_bytes) {
-    forward_tiles t = {padded_head_dim(e), padded_head_dim(ev), 0, FORWARD_WM};
+int32_t fa_plan_head_blocks(int64_t dim, int32_t width) {
+    const int64_t blocks = (dim + width - 1) / width;
+    return blocks > 1 ? (int32_t)blocks : 1;
+}
+
+int32_t fa_plan_block_width(int64_t dim, int32_t max_width) {
+    const int64_t blocks = fa_plan_head_blocks(dim, max_width);
+    return padded_head_dim((dim + blocks - 1) / blocks);
+}
+
+fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes) {
+    fa_tiles t = {bd, bdv, 0, FORWARD_WM};
     const int32_t widest = t.bd > t.bdv ? t.bd : t.bdv;
     if (element_bytes == 4) {
         t.bk = widest <= 64 ? 32 : widest <= 128 ? 16 : 8;
@@ -63,6 +95,12 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
         t.bk = widest <= 128 ? 32 : 16;
     }
     return t;
+}
+
+static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_bytes) {
+    const int64_t resident_e = ev <= RESIDENT_MAX_HEAD_DIM ? RESIDENT_MAX_HEAD_DIM : RESIDENT_BESIDE_BLOCKED_EV;
+    const int32_t bd = e <= resident_e ? padded_head_dim(e) : FORWARD_STREAM_WIDTH;
+    return fa_plan_tiles(bd, fa_plan_block_width(ev, RESIDENT_MAX_HEAD_DIM), element_bytes);
 }
 
 /* The decode kernel (fa_decode.metal): one threadgroup of FA_DECODE_SIMD_GROUPS SIMD-groups per kv
@@ -74,7 +112,8 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
  * their vector kernels at the same length).
  *
  * Specialisation: FA_DECODE_COLS columns per lane, the power of two 2, 4 or 8 covering
- * max(E, Ev) / 32 (one value for both dims keeps the variants few; columns past a dim are
+ * max(E, Ev) / 32, above 256 the multiple of 4 (12, 16, 20: head dims to 576) covering it (one
+ * value for both dims keeps the variants few; columns past a dim are
  * predicated off, never loaded), read in chunks of min(COLS, 4) contiguous elements: one 4- to
  * 16-byte vector load per chunk when K and V allow it (FA_FC_DECODE_VECTOR_LOADS: unit column
  * stride, every row start aligned to the chunk; otherwise the same layout is read element by
@@ -83,8 +122,10 @@ static forward_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element
  * register budget: per row 2 * COLS floats (query slice and output accumulator), plus 4 * COLS for
  * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 of Apple's ~128 32-bit
  * registers per thread at full occupancy (the rest hold softmax state, indices and pointers):
- * 16 rows up to E = 64, 8 up to 128, 4 beyond. More rows than that take several threadgroups per
- * kv head.
+ * 16 rows up to E = 64, 8 up to 128, 4 up to 256, 2 up to 384, 1 beyond. Above
+ * FA_DECODE_LATE_VALUES_ABOVE = 16 columns (E or Ev > 512) the kernel loads a key pair's value rows
+ * after their scores, so only 2 * COLS of the four rows are live at once: 20 columns at one row
+ * take 80 floats instead of 120. More rows than the cap take several threadgroups per kv head.
  *
  * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
  * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
@@ -104,17 +145,22 @@ enum {
     DECODE_MAX_SPLITS = 128,
 };
 
+/* The columns per lane after `cols` (the specialisations' sequence: 2, 4, 8, 12, 16, 20). */
+static int32_t next_decode_columns(int32_t cols) { return cols < 8 ? 2 * cols : cols + 4; }
+
 static int32_t decode_columns(int64_t e, int64_t ev) {
     const int64_t widest = e > ev ? e : ev;
     int32_t cols = DECODE_MIN_COLS;
     while (32 * cols < widest) {
-        cols *= 2;
+        cols = next_decode_columns(cols);
     }
     return cols;
 }
 
 /* Floats a lane keeps in registers with `rows` rows of `cols` columns (see above). */
-static int32_t decode_lane_floats(int32_t cols, int32_t rows) { return rows * 2 * cols + 4 * cols; }
+static int32_t decode_lane_floats(int32_t cols, int32_t rows) {
+    return rows * 2 * cols + (cols > FA_DECODE_LATE_VALUES_ABOVE ? 2 : 4) * cols;
+}
 
 /* The most rows per threadgroup COLS columns per lane allow (a power of two). */
 static int32_t decode_row_cap(int32_t cols) {
@@ -169,8 +215,6 @@ static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *sp
     *splits = (int32_t)((keys + per_split - 1) / per_split);
     return (int32_t)per_split;
 }
-
-enum { FA_MAX_HEAD_DIM = 256 };
 
 const char *fa_dtype_name(int32_t dtype) { return dtype_names[dtype]; }
 
@@ -463,7 +507,12 @@ static void add_constant_int(fa_plan_dispatch *d, uint32_t index, int32_t value)
 }
 
 static void add_macro_text(fa_plan_dispatch *d, const char *name, const char *value) {
-    fa_macro *m = &d->macros[d->n_macros++];
+    uint32_t at = 0;
+    while (at < d->n_macros && strcmp(d->macros[at].name, name) != 0) {
+        ++at; /* a macro already set is replaced (the backward's own tiles, fa_backward_plan.c) */
+    }
+    d->n_macros += at == d->n_macros;
+    fa_macro *m = &d->macros[at];
     snprintf(m->name, sizeof m->name, "%s", name);
     snprintf(m->value, sizeof m->value, "%s", value);
 }
@@ -483,7 +532,7 @@ static void start_dispatch(fa_plan_dispatch *d, const char *source, const char *
     add_macro_text(d, "FA_DTYPE", kernel_type_names[dtype]);
 }
 
-static void set_forward_macros(fa_plan_dispatch *d, forward_tiles t) {
+void fa_plan_set_tile_macros(fa_plan_dispatch *d, fa_tiles t) {
     add_macro(d, "FA_BD", t.bd);
     add_macro(d, "FA_BDV", t.bdv);
     add_macro(d, "FA_BK", t.bk);
@@ -627,34 +676,46 @@ static double useful_flops(const fa_plan *plan, const fa_forward_args *a) {
 /* The forward kernel: per (batch, head), every query block of 8 WM rows multiplies S = Q K^T and
  * P V over each key tile it visits (all of them, or under a band those from its first row's first
  * key to its last row's last: band_keys),
- * over E and Ev rounded up to 8 (the 8-wide slices it multiplies). Threadgroup memory: the K and V
+ * over E and Ev rounded up to 8 (the 8-wide slices it multiplies); with Ev in several column blocks
+ * each block's threadgroups visit the tiles and recompute S. Threadgroup memory: the K and V
  * tiles and the mask's tile votes. Registers: the tile table's count (Q, O and S fragments and one K/V fragment). */
-static void set_forward_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a, forward_tiles t) {
-    const int64_t bq = 8 * t.wm, l = a->q.sizes[2], elem = dtype_bytes[a->q.dtype];
+double fa_plan_key_tiles(const fa_plan *plan, fa_tiles t) {
+    const int64_t bq = 8 * t.wm;
     double tiles = 0;
-    for (int64_t q0 = 0; q0 < l; q0 += bq) {
+    for (int64_t q0 = 0; q0 < plan->params.q_len; q0 += bq) {
         int64_t begin, end;
         band_keys(plan, q0, bq, &begin, &end);
         tiles += end > begin ? (double)((end - begin + t.bk - 1) / t.bk) : 0;
     }
+    return tiles;
+}
+
+int64_t fa_plan_tile_bytes(fa_tiles t, int64_t element_bytes) {
+    return (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * element_bytes;
+}
+
+static void set_forward_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a, fa_tiles t) {
+    const int64_t bq = 8 * t.wm, elem = dtype_bytes[a->q.dtype];
+    const int64_t column_blocks = fa_plan_head_blocks(a->v.sizes[3], t.bdv);
+    const double tiles = fa_plan_key_tiles(plan, t);
     /* The products skip 8-wide slices of the padded widths that hold only padding (fa_fragments.h). */
-    const int64_t issued_width = (a->q.sizes[3] + 7) / 8 * 8 + (a->v.sizes[3] + 7) / 8 * 8;
+    const int64_t issued_width = column_blocks * ((a->q.sizes[3] + 7) / 8 * 8) + (a->v.sizes[3] + 7) / 8 * 8;
     const double flops = 2.0 * (double)(a->q.sizes[0] * a->q.sizes[1]) * tiles * (double)(bq * t.bk * issued_width);
     /* The tile table's register count: per lane 2 registers per float 8x8 fragment, 1 per half one
      * (Q and the K/V fragment in flight are half for fp16 inputs); O and S are float. */
     const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
     const int32_t registers = t.bd / 8 * operand + t.bdv / 8 * 2 + t.bk / 8 * 2 + operand;
-    const int64_t tiles_bytes = (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * elem;
-    set_cost(d, tiles_bytes + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers, flops,
-             tiles * (double)(a->q.sizes[0] * a->q.sizes[1]), useful_flops(plan, a), min_input_bytes(plan, a),
-             output_bytes(a));
+    set_cost(d, fa_plan_tile_bytes(t, elem) + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers, flops,
+             tiles * (double)(column_blocks * a->q.sizes[0] * a->q.sizes[1]), useful_flops(plan, a),
+             min_input_bytes(plan, a), output_bytes(a));
 }
 
 /* The simple kernel: per visible pair, q.k over the 32-column slices E reaches and the accumulator
- * update over all FA_SIMPLE_MAX_PER_LANE slices; it keeps a query row and an accumulator per lane. */
+ * update over those Ev reaches; it keeps a query row and an accumulator of FA_SIMPLE_MAX_PER_LANE
+ * slices per lane. */
 static void set_simple_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a) {
-    const int64_t slices = (a->q.sizes[3] + 31) / 32;
-    const double per_pair = 2.0 * 32 * (double)(slices + FA_SIMPLE_MAX_PER_LANE);
+    const int64_t slices = (a->q.sizes[3] + 31) / 32, v_slices = (a->v.sizes[3] + 31) / 32;
+    const double per_pair = 2.0 * 32 * (double)(slices + v_slices);
     const double pairs = (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(plan);
     set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * pairs, pairs, useful_flops(plan, a),
              min_input_bytes(plan, a), output_bytes(a));
@@ -754,13 +815,27 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     return FA_OK;
 }
 
-static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan) {
-    const forward_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
+int32_t fa_plan_check_column_grid(int64_t heads, int32_t column_blocks, fa_status *st) {
+    if (heads * column_blocks > UINT32_MAX) {
+        return fa_fail(st, FA_ERR_VALUE, "too many heads for head dims in %d column blocks: %lld heads",
+                       column_blocks, (long long)heads);
+    }
+    return FA_OK;
+}
+
+static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
+    const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
+    int32_t rc = fa_plan_check_column_grid(a->q.sizes[1], fa_plan_head_blocks(a->v.sizes[3], t.bdv), st);
+    if (rc != FA_OK) {
+        return rc;
+    }
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
-    set_forward_macros(d, t);
+    fa_plan_set_tile_macros(d, t);
     fa_plan_set_contiguous_tiles(d, &a->k, &a->v, a->device);
-    fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, (uint32_t)a->q.sizes[1], (uint32_t)a->q.sizes[0],
-                           plan->banded, 32u * (uint32_t)t.wm);
+    /* Ev in several column blocks: one threadgroup per block of each head (fa_head_blocks.h). */
+    const uint32_t heads = (uint32_t)a->q.sizes[1] * (uint32_t)fa_plan_head_blocks(a->v.sizes[3], t.bdv);
+    fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, heads, (uint32_t)a->q.sizes[0], plan->banded,
+                           32u * (uint32_t)t.wm);
     set_forward_cost(plan, d, a, t);
     return FA_OK;
 }
@@ -903,7 +978,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     case FA_KERNEL_DECODE:
         return plan_decode(a, plan, st);
     default:
-        return plan_forward(a, plan);
+        return plan_forward(a, plan, st);
     }
 }
 
@@ -948,7 +1023,7 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
             memset(&d, 0, sizeof d);
             start_dispatch(&d, forward_source, "fa_forward", dtype);
-            set_forward_macros(&d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j],
+            fa_plan_set_tile_macros(&d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j],
                                                         (int32_t)dtype_bytes[dtype]));
             rc = visit_dispatch(&d, visit, ctx);
             /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
@@ -957,7 +1032,8 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
             rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
         }
     }
-    for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= FA_MAX_HEAD_DIM / 32; cols *= 2) {
+    for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= decode_columns(FA_MAX_HEAD_DIM, 0);
+         cols = next_decode_columns(cols)) {
         for (int32_t rows = 1; rc == 0 && rows <= decode_row_cap(cols); rows *= 2) {
             memset(&d, 0, sizeof d);
             start_dispatch(&d, decode_source, "fa_decode", dtype);

@@ -81,6 +81,26 @@ void fa_plan_set_contiguous_tiles(fa_plan_dispatch *d, const fa_tensor *a, const
 void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_block, uint32_t heads, uint32_t batch,
                             int32_t banded, uint32_t threads);
 
+/* The tiled kernels' specialisation (macros FA_BD, FA_BDV, FA_BK, FA_WM; fa_plan.c has the table):
+ * tile widths of the E and Ev sides, keys (or queries) per tile, SIMD-groups per threadgroup. A
+ * head dim above its width is blocked along D (metal/fa_head_blocks.h). */
+typedef struct fa_tiles {
+    int32_t bd, bdv, bk, wm;
+} fa_tiles;
+/* The tiles for widths bd, bdv (of the padded-width table) and elements of element_bytes. */
+fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes);
+void fa_plan_set_tile_macros(fa_plan_dispatch *d, fa_tiles t);
+/* Blocks of `width` columns covering dim (at least 1), as fa_head_blocks() in the kernels. */
+int32_t fa_plan_head_blocks(int64_t dim, int32_t width);
+/* The padded width of the blocks that split dim evenly into the fewest of at most max_width. */
+int32_t fa_plan_block_width(int64_t dim, int32_t max_width);
+/* Key tiles of t.bk keys that the query blocks of 8 t.wm rows visit, per (batch, head). */
+double fa_plan_key_tiles(const fa_plan *plan, fa_tiles t);
+/* Threadgroup bytes of two streamed tiles of t.bk rows, t.bd and t.bdv wide (padded rows). */
+int64_t fa_plan_tile_bytes(fa_tiles t, int64_t element_bytes);
+/* Fails unless a grid axis of heads x column_blocks threadgroups fits 32 bits. */
+int32_t fa_plan_check_column_grid(int64_t heads, int32_t column_blocks, fa_status *st);
+
 /* Helpers the backward planner (fa_backward_plan.c) shares with the forward's. */
 const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages */
 int64_t fa_dtype_bytes(int32_t dtype);          /* bytes per element */

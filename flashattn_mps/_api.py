@@ -123,8 +123,10 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
             f"of key/value heads ({k.shape[-3]}): {shapes()}"
         )
     for name, t in (("q", q), ("v", v)):
-        if t.shape[-1] > 256:
-            raise ValueError(f"flash_attention: head dims up to 256 are supported, {name} has {t.shape[-1]}: {shapes()}")
+        if t.shape[-1] > _C.MAX_HEAD_DIM:
+            raise ValueError(
+                f"flash_attention: head dims up to {_C.MAX_HEAD_DIM} are supported, {name} has {t.shape[-1]}: {shapes()}"
+            )
     _check_causal_and_scale(causal, scale)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
@@ -339,7 +341,7 @@ def flash_attention(
         q: (B, Hq, L, E) or (Hq, L, E); any strides and storage offset (nothing is copied).
         k: (B, Hkv, S, E) or (Hkv, S, E); Hq must be a multiple of Hkv (GQA/MQA): query head h
             attends with key/value head h // (Hq // Hkv).
-        v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 256.
+        v: (B, Hkv, S, Ev) or (Hkv, S, Ev); Ev may differ from E. E, Ev <= 576.
         causal: True: SDPA's top-left mask tril(ones(L, S)), query i sees keys 0..i;
             "bottom_right": flash-attn's, query i sees keys 0..i + S - L (rows that see none give
             zeros). The diagonal d_i (i, or i + S - L) also anchors window_size.

@@ -49,7 +49,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     bit tells a dropped probability that rounds to zero). flash-attn pads its S_dmask to multiples
     of 128 and returns an empty one without dropout; here it is exactly (B, H, L, S), probabilities
     without dropout too. Tensors on "mps" run Metal, on "cpu" the CPU Metal device. float32,
-    float16 and bfloat16; D, Dv <= 256.
+    float16 and bfloat16; D, Dv <= 576.
     """
     dropout_p = _check_dropout(dropout_p, "flash_attn_func")
     if return_attn_probs is not True and return_attn_probs is not False:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from . import _metal_mode
+from . import _C, _metal_mode
 from ._api import attend, supported_mask_dtype
 
 log = logging.getLogger("flashattn_mps")
@@ -214,8 +214,8 @@ def _kernel_refusal(call: _KernelCall, dropout_p: float, enable_gqa: bool, allow
         return "key and value heads differ (torch raises)"
     if hq != hkv and not (enable_gqa and hkv > 0 and hq % hkv == 0):
         return f"{hq} query heads and {hkv} key/value heads without enable_gqa=True (torch raises)"
-    if query.shape[-1] > 256 or value.shape[-1] > 256:
-        return "head dims above 256"
+    if query.shape[-1] > _C.MAX_HEAD_DIM or value.shape[-1] > _C.MAX_HEAD_DIM:
+        return f"head dims above {_C.MAX_HEAD_DIM}"
     if any(_as_4d(t) is None for t in tensors):
         return "leading dims cannot be flattened into one batch dim without a copy"
     if attn_mask is not None:

@@ -10,13 +10,16 @@
 // (under dropout dV takes P^T and dS^T takes dP^T times each element's factor: fa_dropout.h)
 // GQA: the threadgroup of a kv head loops over every query head that reads it, so dK and dV sum
 // their contributions in registers; each threadgroup writes only its own keys: no atomics, and
-// K and V are read in place, never expanded.
+// K and V are read in place, never expanded. Head dims above the tiles' widths
+// (fa_head_blocks.h): E above BD streams K and Q in blocks for S^T, Ev above BDV V and dO for dP^T,
+// and each threadgroup accumulates one column block of dK (BD wide) and of dV (BDV wide).
 #ifndef FA_BACKWARD_DKDV_H
 #define FA_BACKWARD_DKDV_H
 
 #include <metal_stdlib>
 #include "fa_dropout.h"
 #include "fa_fragments.h"
+#include "fa_head_blocks.h"
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
@@ -58,21 +61,27 @@ template <typename T, int BD, int BDV, int BK, int WM>
   constant fa_params &f = p.forward;
   const fa_block_position block = fa_block_of(group, groups, false);
   const long b = block.batch;
-  const long kv_h = block.head;
+  const int e_blocks = fa_head_blocks(f.head_dim, BD);
+  const int v_blocks = fa_head_blocks(f.v_head_dim, BDV);
+  const fa_column_block columns = fa_column_block_of(block.head, max(e_blocks, v_blocks));
+  const long kv_h = columns.head;
+  const bool owns_dk = columns.block < e_blocks; // a threadgroup past either count skips that gradient
+  const bool owns_dv = columns.block < v_blocks;
+  const int dk_col0 = columns.block * BD;
+  const int dv_col0 = columns.block * BDV;
   const int key_block = block.block * 8 * WM;
   const int key0 = key_block + 8 * int(sg); // first of this SIMD-group's 8 keys
   const ushort2 at = fa_frag_coord(lane);
   const int my_key = key0 + at.y;           // the one key whose elements this lane holds
   const bool key_valid = my_key < f.kv_len;
-  const int e_slices = fa_slices(f.head_dim);
-  const int ev_slices = fa_slices(f.v_head_dim);
 
+  // Resident operands load once; streamed ones block by block in the tile loop.
   fa_operand_frag<T> k_frag[BD / 8];
-  fa_frags_load_row<T, BD / 8>(k_frag, k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(my_key) * f.k_strides[2],
-                               f.k_strides[3], key_valid, f.head_dim, at);
+  const device T *k_row = k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(my_key) * f.k_strides[2];
   fa_operand_frag<T> v_frag[BDV / 8];
-  fa_frags_load_row<T, BDV / 8>(v_frag, v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(my_key) * f.v_strides[2],
-                                f.v_strides[3], key_valid, f.v_head_dim, at);
+  const device T *v_row = v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(my_key) * f.v_strides[2];
+  fa_load_resident_row<T, BD / 8>(k_frag, k_row, f.k_strides[3], key_valid, f.head_dim, at);
+  fa_load_resident_row<T, BDV / 8>(v_frag, v_row, f.v_strides[3], key_valid, f.v_head_dim, at);
   fa_frag dk_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dk_frag[d], 0.0f);
@@ -107,10 +116,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
       if (!start.load) {
         continue; // no SIMD-group needs this tile: not even loaded
       }
-      fa_load_tile<T, BK, BD, 32 * WM>(q_tile, Q_PITCH, q_src, f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim,
-                                       tid);
-      fa_load_tile<T, BK, BDV, 32 * WM>(do_tile, DO_PITCH, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
-                                        f.v_head_dim, tid);
+      fa_load_resident_tile<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows,
+                                                f.head_dim, tid);
+      fa_load_resident_tile<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                                 f.v_head_dim, tid);
       if (tid < uint(BK)) {
         // Rows past L get probability 0 through lse = +inf.
         const long row = q0 + long(tid);
@@ -119,19 +128,29 @@ template <typename T, int BD, int BDV, int BK, int WM>
         delta_tile[tid] = inside ? delta_head[row * p.delta_strides[2]] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      if (start.tile_class == FA_TILE_BLOCKED) {
-        continue; // every probability of this slice is 0: it adds nothing to dK or dV
-      }
 
+      const bool blocked = start.tile_class == FA_TILE_BLOCKED; // every probability of the slice is 0
       fa_frag s_frag[BK / 8];
       fa_frag dp_frag[BK / 8];
       for (int j = 0; j < BK / 8; ++j) {
         fa_frag_fill(s_frag[j], 0.0f);
         fa_frag_fill(dp_frag[j], 0.0f);
       }
-      fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, k_frag, q_tile, Q_PITCH, e_slices, at);
+      // Streamed, dK and dV below multiply this threadgroup's own blocks of Q and dO.
+      fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, k_frag, k_row, f.k_strides[3], key_valid, q_tile, q_src,
+                                                     f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim, !blocked,
+                                                     tid, at);
+      fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim,
+                                             min(columns.block, e_blocks - 1), tid);
+      fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, v_frag, v_row, f.v_strides[3], key_valid, do_tile,
+                                                      do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                                      f.v_head_dim, !blocked, tid, at);
+      fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
+                                              f.v_head_dim, min(columns.block, v_blocks - 1), tid);
+      if (blocked) {
+        continue; // it adds nothing to dK or dV
+      }
       fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
-      fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, v_frag, do_tile, DO_PITCH, ev_slices, at);
 
       // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the band (ragged rows are
       // handled by lse = +inf) and the bool mask's bits; an additive mask is added throughout.
@@ -158,16 +177,27 @@ template <typename T, int BD, int BDV, int BK, int WM>
         }
         entry += 8 * mask_query_stride;
       }
-      fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, ev_slices, at);
-      fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, e_slices, at);
+      if (owns_dv) {
+        fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, fa_slices(f.v_head_dim - dv_col0),
+                                              at);
+      }
+      if (owns_dk) {
+        fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, fa_slices(f.head_dim - dk_col0), at);
+      }
     }
   }
 
-  if (key_valid) {
-    fa_frags_store_row<T, BD / 8>(dk_frag, dk + b * p.dk_strides[0] + kv_h * p.dk_strides[1] + long(my_key) * p.dk_strides[2],
-                                  p.dk_strides[3], f.head_dim, p.scale, at);
-    fa_frags_store_row<T, BDV / 8>(dv_frag, dv + b * p.dv_strides[0] + kv_h * p.dv_strides[1] + long(my_key) * p.dv_strides[2],
-                                   p.dv_strides[3], f.v_head_dim, 1.0f, at);
+  if (key_valid && owns_dk) {
+    fa_frags_store_row<T, BD / 8>(dk_frag,
+                                  dk + b * p.dk_strides[0] + kv_h * p.dk_strides[1] + long(my_key) * p.dk_strides[2] +
+                                      long(dk_col0) * p.dk_strides[3],
+                                  p.dk_strides[3], f.head_dim - dk_col0, p.scale, at);
+  }
+  if (key_valid && owns_dv) {
+    fa_frags_store_row<T, BDV / 8>(dv_frag,
+                                   dv + b * p.dv_strides[0] + kv_h * p.dv_strides[1] + long(my_key) * p.dv_strides[2] +
+                                       long(dv_col0) * p.dv_strides[3],
+                                   p.dv_strides[3], f.v_head_dim - dv_col0, 1.0f, at);
   }
 }
 

@@ -9,13 +9,16 @@
 //   dS = P (dP - D)       D = rowsum(dO * O) from the pre-pass (fa_backward_delta.h); under
 //                         dropout dP is dO V^T times each element's factor (fa_dropout.h)
 //   dQ += dS K
-// Each threadgroup writes only its own rows of dQ: no atomics.
+// Each threadgroup writes only its own rows of dQ: no atomics. Head dims above the tiles' widths
+// (fa_head_blocks.h): E above BD streams Q and K in blocks for S and gives each threadgroup one
+// BD-wide column block of dQ; Ev above BDV streams dO and V in blocks for dP.
 #ifndef FA_BACKWARD_DQ_H
 #define FA_BACKWARD_DQ_H
 
 #include <metal_stdlib>
 #include "fa_dropout.h"
 #include "fa_fragments.h"
+#include "fa_head_blocks.h"
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
@@ -55,23 +58,24 @@ template <typename T, int BD, int BDV, int BK, int WM>
   constant fa_params &f = p.forward;
   const fa_block_position block = fa_block_of(group, groups, true);
   const long b = block.batch;
-  const long h = block.head;
+  const int e_blocks = fa_head_blocks(f.head_dim, BD);
+  const fa_column_block columns = fa_column_block_of(block.head, e_blocks);
+  const long h = columns.head;
+  const int col0 = columns.block * BD; // the first of this threadgroup's dQ columns
   const long kv_h = h / f.gqa_factor;
   const int q_block = block.block * BQ;
   const int row0 = q_block + 8 * int(sg);
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;
   const bool row_valid = my_row < f.q_len;
-  const int e_slices = fa_slices(f.head_dim);
-  const int ev_slices = fa_slices(f.v_head_dim);
 
+  // Resident operands load once; streamed ones block by block in the tile loop.
   fa_operand_frag<T> q_frag[BD / 8];
-  fa_frags_load_row<T, BD / 8>(q_frag, q + b * f.q_strides[0] + h * f.q_strides[1] + long(my_row) * f.q_strides[2],
-                               f.q_strides[3], row_valid, f.head_dim, at);
+  const device T *q_row = q + b * f.q_strides[0] + h * f.q_strides[1] + long(my_row) * f.q_strides[2];
   fa_operand_frag<T> do_frag[BDV / 8];
-  fa_frags_load_row<T, BDV / 8>(do_frag,
-                                dout + b * p.do_strides[0] + h * p.do_strides[1] + long(my_row) * p.do_strides[2],
-                                p.do_strides[3], row_valid, f.v_head_dim, at);
+  const device T *do_row = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(my_row) * p.do_strides[2];
+  fa_load_resident_row<T, BD / 8>(q_frag, q_row, f.q_strides[3], row_valid, f.head_dim, at);
+  fa_load_resident_row<T, BDV / 8>(do_frag, do_row, p.do_strides[3], row_valid, f.v_head_dim, at);
   fa_frag dq_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dq_frag[d], 0.0f);
@@ -105,24 +109,32 @@ template <typename T, int BD, int BDV, int BK, int WM>
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
-                                     tid);
-    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
-                                      f.v_head_dim, tid);
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
+                                              tid);
+    fa_load_resident_tile<T, BK, BDV, 32 * WM>(v_tile, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
+                                               f.v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (start.tile_class == FA_TILE_BLOCKED) {
-      continue; // every probability of this slice is 0: it adds nothing to dQ
-    }
 
+    const bool blocked = start.tile_class == FA_TILE_BLOCKED; // every probability of the slice is 0
     fa_frag s_frag[BK / 8];
     fa_frag dp_frag[BK / 8];
     for (int j = 0; j < BK / 8; ++j) {
       fa_frag_fill(s_frag[j], 0.0f);
       fa_frag_fill(dp_frag[j], 0.0f);
     }
-    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
+    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, f.q_strides[3], row_valid, k_tile, k_src,
+                                                   f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim, !blocked,
+                                                   tid, at);
+    // dQ below multiplies this threadgroup's own block of K.
+    fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
+                                           columns.block, tid);
+    fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, do_frag, do_row, p.do_strides[3], row_valid, v_tile,
+                                                    v_src, f.v_strides[2], f.v_strides[3], valid_keys, f.v_head_dim,
+                                                    !blocked, tid, at);
+    if (blocked) {
+      continue; // it adds nothing to dQ
+    }
     fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
-    fa_frags_multiply_transposed<T, BDV / 8, BK / 8>(dp_frag, do_frag, v_tile, V_PITCH, ev_slices, at);
 
     // s_frag becomes dS in place, with the forward's per-score masking.
     const bool test_bounds = start.tile_class == FA_TILE_MIXED;
@@ -147,12 +159,14 @@ template <typename T, int BD, int BDV, int BK, int WM>
       }
       entry += 8 * mask_key_stride;
     }
-    fa_frags_multiply<T, BK / 8, BD / 8>(dq_frag, s_frag, k_tile, K_PITCH, e_slices, at);
+    fa_frags_multiply<T, BK / 8, BD / 8>(dq_frag, s_frag, k_tile, K_PITCH, fa_slices(f.head_dim - col0), at);
   }
 
   if (row_valid) {
-    fa_frags_store_row<T, BD / 8>(dq_frag, dq + b * p.dq_strides[0] + h * p.dq_strides[1] + long(my_row) * p.dq_strides[2],
-                                  p.dq_strides[3], f.head_dim, p.scale, at);
+    fa_frags_store_row<T, BD / 8>(dq_frag,
+                                  dq + b * p.dq_strides[0] + h * p.dq_strides[1] + long(my_row) * p.dq_strides[2] +
+                                      long(col0) * p.dq_strides[3],
+                                  p.dq_strides[3], f.head_dim - col0, p.scale, at);
   }
 }
 

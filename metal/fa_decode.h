@@ -20,7 +20,8 @@
 //
 // Template parameters (the planner picks them, see fa_plan.c):
 //   T     element type of q, k, v, out
-//   COLS  columns per lane: 2, 4 or 8, at least max(E, Ev) / 32
+//   COLS  columns per lane: 2, 4, 8, then multiples of 4 up to 20, at least max(E, Ev) / 32; above
+//         FA_DECODE_LATE_VALUES_ABOVE the value rows load after the scores (registers, fa_plan.c)
 //   ROWS  query rows per threadgroup
 // Grid: (p.split_count, Hkv * ceil(Hq / Hkv * L / ROWS), B) threadgroups of
 // 32 * FA_DECODE_SIMD_GROUPS threads.
@@ -177,17 +178,22 @@ template <typename T, int COLS, int ROWS>
   const long mask_step = 2 * SG * p.mask_strides[3];
   const bool as_vectors = fa_decode_vector_loads;
   for (int j = j0; j < end; j += 2 * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
-    // Both keys' rows are loaded before any arithmetic so their latencies overlap; a second key
-    // past the end reads nothing.
+    // Both keys' rows (and, up to FA_DECODE_LATE_VALUES_ABOVE columns per lane, their value rows)
+    // are loaded before any arithmetic so their latencies overlap; a second key past the end reads
+    // nothing.
     const bool second = j + 1 < end;
+    constexpr bool late_values = COLS > FA_DECODE_LATE_VALUES_ABOVE;
+    static_assert(!late_values || ROWS == 1, "late value loads serve one row");
     float k_reg[2][COLS];
     float v_reg[2][COLS];
     fa_decode_load<T, COLS>(k_reg[0], k_row, p.k_strides[3], p.head_dim, lane, as_vectors);
-    fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
     fa_decode_load<T, COLS>(k_reg[1], k_row + p.k_strides[2], p.k_strides[3], second ? p.head_dim : 0, lane,
                             as_vectors);
-    fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
-                            as_vectors);
+    if (!late_values) {
+      fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
+      fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
+                              as_vectors);
+    }
     for (int r = 0; r < ROWS && r < rows; ++r) {
       float partial[2] = {0.0f, 0.0f};
       for (int c = 0; c < COLS; ++c) {
@@ -195,6 +201,11 @@ template <typename T, int COLS, int ROWS>
         partial[1] = fma(q_reg[r][c], k_reg[1][c], partial[1]);
       }
       const float score[2] = {simd_sum(partial[0]), simd_sum(partial[1])};
+      if (late_values) { // one row (the planner's cap): the key rows are dead, their registers take the values
+        fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
+        fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
+                                as_vectors);
+      }
       for (int t = 0; t < 2; ++t) {
         // Row and key are the same on every lane, so skipping keeps the SIMD-group together; a
         // masked key is skipped rather than weighted 0, so NaN in its value stays out of the row.
@@ -212,7 +223,7 @@ template <typename T, int COLS, int ROWS>
 
   // Merge the SIMD-groups' results one row at a time: every thread folds the SG states into the
   // row's total, each SIMD-group moves its accumulator onto the total's max, and thread t sums
-  // column t over the SIMD-groups.
+  // columns t, t + 256, ... over the SIMD-groups.
   if (lane == 0) {
     for (int r = 0; r < ROWS && r < rows; ++r) {
       sg_max[int(sg) * ROWS + r] = state[r].max;
@@ -235,15 +246,15 @@ template <typename T, int COLS, int ROWS>
       sg_out[int(sg) * WIDTH + fa_decode_column<W>(lane, c)] = acc[r][c] * onto_total;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (int(tid) < p.v_head_dim) {
+    for (int col = int(tid); col < p.v_head_dim; col += 32 * SG) { // Ev may pass the threads
       float value = 0.0f;
       for (int s = 0; s < SG; ++s) {
-        value += sg_out[s * WIDTH + int(tid)];
+        value += sg_out[s * WIDTH + col];
       }
       if (split) {
-        workspace[fa_split_row(p, int(group.x), b, head[r], position[r]) * p.v_head_dim + tid] = value;
+        workspace[fa_split_row(p, int(group.x), b, head[r], position[r]) * p.v_head_dim + col] = value;
       } else {
-        fa_store_output(out, p, b, head[r], position[r], int(tid), value * fa_softmax_inverse_sum(total) * sink_rescale);
+        fa_store_output(out, p, b, head[r], position[r], col, value * fa_softmax_inverse_sum(total) * sink_rescale);
       }
     }
     if (tid == 0) {

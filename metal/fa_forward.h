@@ -8,14 +8,17 @@
 // statistics; O is normalised and written once.
 //
 // Template parameters (the planner picks them per head dim and dtype, see fa_plan.c):
-//   T    element type of q, k, v, out       BD, BDV  E and Ev rounded up to a multiple of 8
+//   T    element type of q, k, v, out       BD, BDV  widths of the head dims' tiles (multiples of 8)
 //   BK   keys per tile                      WM       SIMD-groups per threadgroup
+// E above BD streams Q and K through the tiles in BD-wide blocks per key tile; Ev above BDV splits
+// the output into BDV-wide column blocks, one per threadgroup (fa_head_blocks.h).
 #ifndef FA_FORWARD_H
 #define FA_FORWARD_H
 
 #include <metal_stdlib>
 #include "fa_dropout.h"
 #include "fa_fragments.h"
+#include "fa_head_blocks.h"
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
@@ -53,22 +56,24 @@ template <typename T, int BD, int BDV, int BK, int WM>
 
   const fa_block_position block = fa_block_of(group, groups, true);
   const long b = block.batch;
-  const long h = block.head;
+  const fa_column_block columns = fa_column_block_of(block.head, fa_head_blocks(p.v_head_dim, BDV));
+  const long h = columns.head;
+  const int col0 = columns.block * BDV; // the first of this threadgroup's output columns
   const long kv_h = h / p.gqa_factor;
   const int q_block = block.block * BQ;
   const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;         // the one row whose elements this lane holds
   const bool row_valid = my_row < p.q_len;
-  const int e_slices = fa_slices(p.head_dim);
-  const int ev_slices = fa_slices(p.v_head_dim);
+  const int ev_cols = p.v_head_dim - col0;
+  const int ev_slices = fa_slices(ev_cols);
 
   // Q fragments straight from device memory (each SIMD-group reads only its own rows), as operand
   // fragments (fa_fragments.h): exact copies of the input, so the scores are scaled into the base-2
-  // domain after each product instead.
+  // domain after each product instead. Streamed, they hold one block at a time.
   fa_operand_frag<T> q_frag[BD / 8];
-  fa_frags_load_row<T, BD / 8>(q_frag, q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2],
-                               p.q_strides[3], row_valid, p.head_dim, at);
+  const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2];
+  fa_load_resident_row<T, BD / 8>(q_frag, q_row, p.q_strides[3], row_valid, p.head_dim, at);
 
   fa_frag o_frag[BDV / 8];
   for (int d = 0; d < BDV / 8; ++d) {
@@ -80,7 +85,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
 
   // Tiles advance by pointer steps; the lane's mask entries by one offset per tile (fa_mask.h).
   const device T *k_src = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
-  const device T *v_src = v + b * p.v_strides[0] + kv_h * p.v_strides[1];
+  const device T *v_src = v + b * p.v_strides[0] + kv_h * p.v_strides[1] + long(col0) * p.v_strides[3];
   const long k_step = long(BK) * p.k_strides[2];
   const long v_step = long(BK) * p.v_strides[2];
   const long mask_key_stride = p.mask_strides[3];
@@ -100,21 +105,24 @@ template <typename T, int BD, int BDV, int BK, int WM>
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    fa_load_tile<T, BK, BD, 32 * WM>(k_tile, K_PITCH, k_src, p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim,
-                                     tid);
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_src, p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim,
+                                              tid);
     fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, p.v_strides[2], p.v_strides[3], valid_keys,
-                                      p.v_head_dim, tid);
+                                      min(ev_cols, BDV), tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (start.tile_class == FA_TILE_BLOCKED) {
-      continue; // every score of this SIMD-group's slice is masked: it adds nothing
-    }
 
     // S = Q K^T for this SIMD-group's 8 rows and the tile's BK keys.
+    const bool blocked = start.tile_class == FA_TILE_BLOCKED; // every score of the slice is masked
     fa_frag s_frag[BK / 8];
     for (int j = 0; j < BK / 8; ++j) {
       fa_frag_fill(s_frag[j], 0.0f);
     }
-    fa_frags_multiply_transposed<T, BD / 8, BK / 8>(s_frag, q_frag, k_tile, K_PITCH, e_slices, at);
+    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, p.q_strides[3], row_valid, k_tile, k_src,
+                                                   p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim, !blocked,
+                                                   tid, at);
+    if (blocked) {
+      continue; // it adds nothing
+    }
     fa_frags_scale<BK / 8>(s_frag, p.scale_log2);
     fa_variant_frags<BK / 8>(p, s_frag, slope_log2, my_row, k0 + at.x);
 
@@ -182,10 +190,12 @@ template <typename T, int BD, int BDV, int BK, int WM>
   if (!row_valid) {
     return; // padding rows of the last block: computed alongside, never stored
   }
-  const float sink_rescale = fa_sink_fold(p, sinks, h, row_state);
-  fa_frags_store_row<T, BDV / 8>(o_frag, out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2],
-                                 p.o_strides[3], p.v_head_dim, fa_softmax_inverse_sum(row_state) * sink_rescale, at);
-  if (fa_write_lse && at.x == 0) { // one lane of the four that share the row
+  const float sink_rescale = fa_sink_fold(p, sinks, h, row_state); // every column block folds the same sink
+  fa_frags_store_row<T, BDV / 8>(o_frag,
+                                 out + b * p.o_strides[0] + h * p.o_strides[1] + long(my_row) * p.o_strides[2] +
+                                     long(col0) * p.o_strides[3],
+                                 p.o_strides[3], ev_cols, fa_softmax_inverse_sum(row_state) * sink_rescale, at);
+  if (fa_write_lse && at.x == 0 && columns.block == 0) { // one lane of the four that share the row
     lse[b * p.lse_strides[0] + h * p.lse_strides[1] + long(my_row) * p.lse_strides[2]] = fa_softmax_lse(row_state);
   }
 }

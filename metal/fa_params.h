@@ -16,10 +16,16 @@ typedef uint32_t fa_u32;
 
 // The simple kernel's geometry (fa_simple.metal).
 #define FA_SIMPLE_ROWS_PER_GROUP 4 // query rows (SIMD-groups) per threadgroup
-#define FA_SIMPLE_MAX_PER_LANE 8   // columns per lane: head dims up to 256
+#define FA_SIMPLE_MAX_PER_LANE 18  // columns per lane: head dims up to 576 (DeepSeek's MLA E)
+
+// The head dims every kernel takes, E and Ev alike (csrc/fa_plan.c checks them).
+#define FA_MAX_HEAD_DIM 576
 
 // The decode kernel's geometry (fa_decode.metal).
 #define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
+// Above this many columns per lane the decode kernel reads a key pair's values only after their
+// scores, so K and V rows are not in registers at once (fa_decode.h, the budget in fa_plan.c).
+#define FA_DECODE_LATE_VALUES_ABOVE 16
 
 // Function-constant indices (specialisation at pipeline creation).
 #define FA_FC_BAND 0      // bool: each row sees only a band of keys (band_lo, band_hi below): causal, windows

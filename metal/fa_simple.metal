@@ -1,8 +1,8 @@
-// The simple kernel: one query row per SIMD-group, online softmax, any head dim up to 256.
+// The simple kernel: one query row per SIMD-group, online softmax, any head dim up to 576.
 // It is the correctness baseline and the reference point of the benchmarks, not the fast path.
 //
 // Lane l keeps columns l, l + 32, ... of the query row and of the output row, so one build serves
-// every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 256 (columns past E or Ev are predicated off).
+// every head dim up to 32 * FA_SIMPLE_MAX_PER_LANE = 576 (columns past E or Ev are predicated off).
 // Specialisation: macro FA_DTYPE (fa_instantiate.h) and function constants FA_FC_BAND,
 // FA_FC_WRITE_LSE, FA_FC_MASK_KIND and the variants' (fa_variants.h, fa_dropout.h); under
 // FA_DROPOUT_PROBS it is the probability pass of flash-attn's return_attn_probs. Grid:
@@ -96,8 +96,10 @@ template <typename T>
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
       const int col = int(lane) + 32 * c;
-      const float v_val = col < p.v_head_dim ? float(v_row[col * p.v_strides[3]]) : 0.0f;
-      acc[c] = fma(weight, v_val, acc[c] * step.rescale);
+      if (32 * c < p.v_head_dim) { // uniform: slices past Ev stay 0 and cost nothing
+        const float v_val = col < p.v_head_dim ? float(v_row[col * p.v_strides[3]]) : 0.0f;
+        acc[c] = fma(weight, v_val, acc[c] * step.rescale);
+      }
     }
   }
   if (probs_pass) {

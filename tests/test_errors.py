@@ -56,7 +56,7 @@ def test_mixed_devices():
         (((1, 2, 4, 8), (1, 3, 5, 8), (1, 2, 5, 8)), r"k and v must have the same heads"),
         (((2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"must all be 4-D \(B, H, L, E\) or all 3-D"),
         (((1, 1, 2, 4, 8),) * 3, r"must all be 4-D"),
-        (((1, 2, 4, 300), (1, 2, 5, 300), (1, 2, 5, 8)), r"head dims up to 256 are supported, q has 300"),
+        (((1, 2, 4, 600), (1, 2, 5, 600), (1, 2, 5, 8)), r"head dims up to 576 are supported, q has 600"),
     ],
 )
 def test_bad_shapes(shapes, message):

@@ -124,7 +124,7 @@ def reachable_specialisations():
         for e in PADDED_HEAD_DIMS:
             for ev in PADDED_HEAD_DIMS:
                 add(plan(dtype, lq=9, e=e, ev=ev, kernel="forward"))
-        for e in range(32, 257, 32):
+        for e in range(32, 577, 32):  # head dims to 576: 12, 16 and 20 columns per lane
             for rows in (1, 2, 4, 8, 16):  # rows sharing a kv head: the GQA factor times L
                 add(plan(dtype, hq=rows, hkv=1, lq=1, e=e, kernel="decode"))
     return keys

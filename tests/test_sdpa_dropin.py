@@ -117,7 +117,7 @@ FALLBACKS = {
     "float64": (lambda q, k, v: dict(query=q.double(), key=k.double(), value=v.double()), "dtypes"),
     "mask needs grad": (lambda q, k, v: dict(attn_mask=torch.zeros(5, 6, requires_grad=True)), "requires grad"),
     "broadcast batch": (lambda q, k, v: dict(key=k[:1], value=v[:1]), "batch dimensions differ"),
-    "head dim 300": (lambda q, k, v: dict(query=torch.randn(2, 4, 5, 300), key=torch.randn(2, 4, 6, 300)), "head dims above 256"),
+    "head dim 600": (lambda q, k, v: dict(query=torch.randn(2, 4, 5, 600), key=torch.randn(2, 4, 6, 600)), "head dims above 576"),
     "meta device": (lambda q, k, v: dict(query=q.to("meta"), key=k.to("meta"), value=v.to("meta")), "device"),
 }
 

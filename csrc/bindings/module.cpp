@@ -566,6 +566,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_FLOAT16") = static_cast<int>(FA_F16);
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
     m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
+    m.attr("MAX_HEAD_DIM") = static_cast<int>(FA_MAX_HEAD_DIM); // E and Ev alike
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
     m.attr("DEVICE_MPS") = static_cast<int>(FA_DEVICE_MPS);
     m.attr("KERNEL_AUTO") = static_cast<int>(FA_KERNEL_AUTO);
