@@ -37,7 +37,8 @@ typedef struct fa_pipeline_key {
 } fa_pipeline_key;
 
 /* One [[buffer(n)]] binding: a storage (handle as in fa_tensor) plus byte offset, or inline bytes
- * (setBytes) when bytes != NULL. */
+ * (setBytes) when bytes != NULL. length: the inline bytes, or for a storage the bytes addressed
+ * from byte_offset (0 or less: unknown). */
 typedef struct fa_binding {
     void *storage;
     int64_t byte_offset;
