@@ -192,13 +192,14 @@ def watchdog() -> float:
     return _C.cpu_watchdog()
 
 
-def set_checked(checked: bool) -> None:
-    """Build every library compiled from now on for checked mode (or not): those of
+def set_checked(checked: Optional[bool]) -> None:
+    """Build every library compiled from now on for checked mode (True) or not (False): those of
     `compile_library(checked=None)` and the project's own kernels on CPU tensors (a separate set of
-    libraries; those built before keep their mode). Initially $FLASHATTN_MPS_CPU_CHECKED (0 or 1)."""
-    if not isinstance(checked, bool):
-        raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
-    _C.set_cpu_checked(checked)
+    libraries; those built before keep their mode). None (the initial state) follows
+    $FLASHATTN_MPS_CPU_CHECKED (0 or 1, unset: 0) at each compile."""
+    if checked is not None and not isinstance(checked, bool):
+        raise TypeError(f"checked must be True, False or None, got {checked!r}")
+    _C.set_cpu_checked(-1 if checked is None else int(checked))
 
 
 def checked() -> bool:

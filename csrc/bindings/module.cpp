@@ -595,7 +595,8 @@ PYBIND11_MODULE(_C, m) {
              py::arg("buffer_lengths") = std::vector<uint64_t>());
     m.def("compile_library", &compile_library, py::arg("source"), py::arg("name"), py::arg("macros"),
           py::arg("checked") = -1);
-    m.def("set_cpu_checked", [](bool checked) { mcpu_set_checked(checked ? 1 : 0); });
+    m.def("set_cpu_checked", [](int32_t checked) { mcpu_set_checked(checked); }); // 1, 0, -1: the environment's
+    m.def("cpu_checked_dispatches", &mcpu_checked_dispatches);
     m.def("cpu_checked", []() {
         fa_status st;
         const int32_t checked = mcpu_checked(&st);

@@ -546,9 +546,11 @@ _Noreturn static void report_finding(worker *w, const finding *f) {
     abandon(w);
 }
 
-/* Which allocation threadgroup-memory byte `at` belongs to, into f. */
+/* Which allocation threadgroup-memory byte `at` belongs to (outside all: the one before it), into f. */
 static void locate_in_threadgroup(const worker *w, uint64_t at, finding *f) {
-    uint8_t owner = w->checked->owner[at];
+    uint64_t below = at < MCPU_MAX_THREADGROUP_MEMORY ? at : MCPU_MAX_THREADGROUP_MEMORY - 1;
+    while (below > 0 && !w->checked->owner[below]) below--;
+    uint8_t owner = w->checked->owner[below];
     f->space = IN_THREADGROUP_MEMORY;
     f->is_static = owner >= OWNER_STATIC;
     if (!owner) {
@@ -773,9 +775,10 @@ static void source_place(const void *pc, char *out, size_t n) {
                  (unsigned long)((uintptr_t)pc - (uintptr_t)(info.dli_sname ? info.dli_saddr : info.dli_fbase)));
 }
 
-static const char *access_words(int32_t kind) {
-    if (kind & MSL_ACCESS_ATOMIC) return kind & MSL_ACCESS_WRITE ? "atomically writes" : "atomically reads";
-    return kind & MSL_ACCESS_WRITE ? kind & MSL_ACCESS_READ ? "reads and writes" : "writes" : "reads";
+static const char *access_words(int32_t kind, int32_t past) {
+    static const char *const words[2][4] = {{"reads", "writes", "atomically reads", "atomically writes"},
+                                            {"read", "wrote", "atomically read", "atomically wrote"}};
+    return words[past][((kind & MSL_ACCESS_WRITE) ? 1 : 0) + ((kind & MSL_ACCESS_ATOMIC) ? 2 : 0)];
 }
 
 /* The dispatch's error message for its finding, with source lines (after the dispatch). */
@@ -797,27 +800,30 @@ static void describe_finding(const job *j, fa_status *st) {
             "threadgroup memory data race in threadgroup (%u,%u,%u): thread %u (%u,%u,%u) %s %llu bytes at byte %lld "
             "of %s at %s; thread %u (%u,%u,%u) %s them at %s, with no threadgroup_barrier(mem_flags::mem_threadgroup)%s "
             "between",
-            g[0], g[1], g[2], f->thread, p[0], p[1], p[2], access_words(f->access), (unsigned long long)f->size,
-            (long long)f->offset, where, here, f->other, q[0], q[1], q[2], access_words(f->other_access), there,
+            g[0], g[1], g[2], f->thread, p[0], p[1], p[2], access_words(f->access, 0), (unsigned long long)f->size,
+            (long long)f->offset, where, here, f->other, q[0], q[1], q[2], access_words(f->other_access, 1), there,
             same_simd ? " or simdgroup_barrier(mem_flags::mem_threadgroup) (same SIMD-group)" : "");
     } else if (f->what == FOUND_UNINITIALISED) {
         add(&m,
             "read of threadgroup memory never written in this threadgroup: thread %u (%u,%u,%u) of threadgroup "
             "(%u,%u,%u) %s %llu bytes at byte %lld of %s (%llu bytes) at %s",
-            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access), (unsigned long long)f->size,
+            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access, 0), (unsigned long long)f->size,
             (long long)f->offset, where, (unsigned long long)f->bytes, here);
     } else {
         add(&m,
             "out-of-bounds access: thread %u (%u,%u,%u) of threadgroup (%u,%u,%u) %s %llu bytes at byte offset %lld "
             "of %s, which has %llu bytes%s, at %s",
-            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access), (unsigned long long)f->size,
+            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access, 0), (unsigned long long)f->size,
             (long long)f->offset, where, (unsigned long long)f->bytes,
             f->space == IN_THREADGROUP_MEMORY && f->index < 0 ? " allocated" : "", here);
     }
     fa_fail(st, FA_ERR_RUNTIME, "%s", m.buf);
 }
 
-/* Whether libraries are built checked by default: -1 until read from the environment. */
+static _Atomic uint64_t checked_dispatches;
+uint64_t mcpu_checked_dispatches(void) { return atomic_load(&checked_dispatches); }
+
+/* Whether libraries are built checked by default: 0 or 1 as set, -1 as the environment says. */
 static atomic_int checked_default = -1;
 
 int32_t mcpu_checked(fa_status *st) {
@@ -828,12 +834,10 @@ int32_t mcpu_checked(fa_status *st) {
         fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", env);
         return -1;
     }
-    v = env && !strcmp(env, "1");
-    atomic_store(&checked_default, v);
-    return v;
+    return env && !strcmp(env, "1");
 }
 
-void mcpu_set_checked(int32_t checked) { atomic_store(&checked_default, checked != 0); }
+void mcpu_set_checked(int32_t checked) { atomic_store(&checked_default, checked < 0 ? -1 : checked != 0); }
 
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
@@ -1084,6 +1088,11 @@ static void report_fault(worker *w) {
     Dl_info info;
     if (w->fault_pc && dladdr(w->fault_pc, &info) && info.dli_sname)
         add(&m, ", in %s+0x%lx", info.dli_sname, (unsigned long)((char *)w->fault_pc - (char *)info.dli_saddr));
+    if (w->job->checked) { /* its line tables name the faulting line */
+        char place[512];
+        source_place((const char *)w->fault_pc + 1, place, sizeof place);
+        add(&m, " at %s", place);
+    }
     if (g->file) add(&m, ", after its sync point at %s:%u (%s)", g->file, g->line, g->what);
     else add(&m, ", before any sync point");
     job_fail(w->job, FA_ERR_RUNTIME, m.buf);
@@ -1383,6 +1392,7 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, int32_t checked, f
     msl_launch on_copies;
     void *copies[MSL_MAX_BUFFERS];
     if (checked) { /* the kernel runs on guarded copies of the buffers */
+        atomic_fetch_add(&checked_dispatches, 1);
         if (guard_buffers(launch, &guard, copies, st)) return st->code;
         on_copies = *launch;
         on_copies.buffers = copies;
