@@ -141,3 +141,8 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
 static const fa_backend cpu_backend = {"cpu", cpu_get_pipeline, cpu_dispatch};
 
 const fa_backend *fa_cpu_backend(void) { return &cpu_backend; }
+
+int32_t fa_cpu_backend_checked(void) {
+    fa_status ignored; /* a bad $FLASHATTN_MPS_CPU_CHECKED is reported by get_library */
+    return mcpu_checked(&ignored) == 1;
+}

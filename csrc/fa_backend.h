@@ -89,6 +89,9 @@ int32_t fa_skip_execution(void);
 
 /* The CPU Metal device (always present). */
 const fa_backend *fa_cpu_backend(void);
+/* Whether the CPU backend builds its libraries for checked mode now (mcpu_checked), which the
+ * plan cache keys plans by. */
+int32_t fa_cpu_backend_checked(void);
 /* Metal (macOS builds only); returns NULL with st set elsewhere. */
 const fa_backend *fa_metal_backend(fa_status *st);
 

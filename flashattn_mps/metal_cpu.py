@@ -196,7 +196,7 @@ def set_checked(checked: Optional[bool]) -> None:
     """Build every library compiled from now on for checked mode (True) or not (False): those of
     `compile_library(checked=None)` and the project's own kernels on CPU tensors (a separate set of
     libraries; those built before keep their mode). None (the initial state) follows
-    $FLASHATTN_MPS_CPU_CHECKED (0 or 1, unset: 0) at each compile."""
+    $FLASHATTN_MPS_CPU_CHECKED (0 or 1, unset: 0), read when next needed."""
     if checked is not None and not isinstance(checked, bool):
         raise TypeError(f"checked must be True, False or None, got {checked!r}")
     _C.set_cpu_checked(-1 if checked is None else int(checked))

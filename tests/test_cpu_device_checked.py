@@ -195,20 +195,35 @@ def test_threadgroup_atomics_do_not_race():
 
 
 def test_environment_variable_sets_the_default(monkeypatch):
-    mc.set_checked(None)  # follow the environment
     monkeypatch.setenv("FLASHATTN_MPS_CPU_CHECKED", "1")
+    mc.set_checked(None)  # read the environment again
     assert mc.checked()
     assert mc.compile_library(SOURCE, name="checked.metal").checked
     monkeypatch.setenv("FLASHATTN_MPS_CPU_CHECKED", "0")
+    mc.set_checked(None)
     assert not mc.checked()
     mc.set_checked(True)  # a setting wins over the environment
     assert mc.checked()
-    mc.set_checked(None)
     monkeypatch.setenv("FLASHATTN_MPS_CPU_CHECKED", "yes")
+    mc.set_checked(None)
     with pytest.raises(ValueError, match="FLASHATTN_MPS_CPU_CHECKED='yes': expected 0 or 1"):
         mc.checked()
     with pytest.raises(ValueError, match="FLASHATTN_MPS_CPU_CHECKED='yes'"):
         mc.compile_library("kernel void k() {}")
+    monkeypatch.delenv("FLASHATTN_MPS_CPU_CHECKED")
+    mc.set_checked(None)
+
+
+def test_switching_modes_switches_the_project_kernels(checked_core):
+    q = torch.randn(1, 2, 20, 64)
+    mc.set_checked(False)
+    unchecked = flashattn_mps.flash_attention(q, q, q)  # a plan cached for this shape, unchecked
+    count = checked_core()
+    mc.set_checked(True)
+    assert torch.equal(flashattn_mps.flash_attention(q, q, q), unchecked) and checked_core() == count + 1
+    mc.set_checked(False)
+    flashattn_mps.flash_attention(q, q, q)
+    assert checked_core() == count + 1
 
 
 @pytest.fixture

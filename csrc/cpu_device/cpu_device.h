@@ -36,8 +36,9 @@ int32_t mcpu_compile_library_checked(const char *source, const char *source_name
 int32_t mcpu_library_checked(const mcpu_library *lib);
 
 /* Whether libraries are built checked unless said otherwise (mcpu_compile_library, the core's
- * kernels): as set (0 or 1), else (never set, or set to -1) what $FLASHATTN_MPS_CPU_CHECKED says
- * now (0 or 1, default 0). Returns 0 or 1, or -1 with st set when the variable holds anything else. */
+ * kernels): as set (0 or 1), else (never set, or set to -1) what $FLASHATTN_MPS_CPU_CHECKED (0 or
+ * 1, default 0) says when first asked after that. Returns 0 or 1, or -1 with st set when the
+ * variable holds anything else. */
 int32_t mcpu_checked(fa_status *st);
 void mcpu_set_checked(int32_t checked);
 uint64_t mcpu_checked_dispatches(void); /* dispatches of checked libraries so far (for tests) */

@@ -823,21 +823,30 @@ static void describe_finding(const job *j, fa_status *st) {
 static _Atomic uint64_t checked_dispatches;
 uint64_t mcpu_checked_dispatches(void) { return atomic_load(&checked_dispatches); }
 
-/* Whether libraries are built checked by default: 0 or 1 as set, -1 as the environment says. */
-static atomic_int checked_default = -1;
+/* Whether libraries are built checked by default: 0 or 1; UNREAD: the environment says, at the
+ * next use; BAD: it said checked_env (one atomic load per call otherwise: the plan cache asks). */
+enum { CHECKED_UNREAD = -1, CHECKED_BAD = -2 };
+static atomic_int checked_default = CHECKED_UNREAD;
+static char checked_env[64];
 
 int32_t mcpu_checked(fa_status *st) {
     int v = atomic_load(&checked_default);
-    if (v >= 0) return v;
-    const char *env = getenv("FLASHATTN_MPS_CPU_CHECKED");
-    if (env && *env && strcmp(env, "0") && strcmp(env, "1")) {
-        fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", env);
+    if (v == CHECKED_UNREAD) {
+        const char *env = getenv("FLASHATTN_MPS_CPU_CHECKED");
+        v = !env || !*env || !strcmp(env, "0") ? 0 : !strcmp(env, "1") ? 1 : CHECKED_BAD;
+        if (v == CHECKED_BAD) snprintf(checked_env, sizeof checked_env, "%s", env);
+        atomic_store(&checked_default, v);
+    }
+    if (v == CHECKED_BAD) {
+        fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", checked_env);
         return -1;
     }
-    return env && !strcmp(env, "1");
+    return v;
 }
 
-void mcpu_set_checked(int32_t checked) { atomic_store(&checked_default, checked < 0 ? -1 : checked != 0); }
+void mcpu_set_checked(int32_t checked) {
+    atomic_store(&checked_default, checked < 0 ? CHECKED_UNREAD : checked != 0);
+}
 
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
