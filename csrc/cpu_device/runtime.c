@@ -70,7 +70,6 @@ typedef struct byte_marks {
 
 enum { OWNER_STATIC = 32 }; /* owner: 1 + [[threadgroup(n)]], OWNER_STATIC + kernel-scope array, 0: none */
 
-
 /* A dispatch's buffers of known length, copied into one region of guard pages (PROT_NONE, so an
  * access far off faults) around each group of overlapping bindings. */
 typedef struct guarded {
@@ -764,7 +763,8 @@ static void source_place(const void *pc, char *out, size_t n) {
             char *extra = strstr(line, " (discriminator");
             if (extra) *extra = 0;
             if (!strncmp(line, "./", 2)) line += 2;
-            if (line[0] == '?' || is_shim_file(line)) continue;
+            char *colon = strrchr(line, ':');
+            if (line[0] == '?' || !colon || colon[1] == '?' || !strcmp(colon, ":0") || is_shim_file(line)) continue;
             snprintf(out, n, "%s", line);
             found = 1;
         }

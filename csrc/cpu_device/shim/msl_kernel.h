@@ -278,16 +278,20 @@ extern "C" void __msl_bind_runtime(const msl_runtime_api *a) { ::msl_rt::api = a
  * access's place in the kernel, for the report's source line) to the runtime, which keeps shadow
  * state of threadgroup memory and the bounds of the buffers. They are not instrumented themselves
  * and are named through asm labels (g++ predeclares the __tsan_* names with its own types). */
+#ifdef __clang__ /* whose no_sanitize still instruments atomics: the hooks' own would recurse */
+#define MSL_UNINSTRUMENTED __attribute__((disable_sanitizer_instrumentation))
+#else
+#define MSL_UNINSTRUMENTED __attribute__((no_sanitize("thread")))
+#endif
+#define MSL_HOOK(ret, name, ...)                                                                                  \
+    extern "C" MSL_UNINSTRUMENTED __attribute__((visibility("hidden"), used)) ret msl_hook_##name(__VA_ARGS__)    \
+        __asm__("__tsan_" #name);                                                                                 \
+    ret msl_hook_##name(__VA_ARGS__)
 namespace msl_rt {
-__attribute__((no_sanitize("thread"))) inline void checked_access(const volatile void *p, uint64_t n, int32_t kind,
-                                                                   const void *pc) {
+MSL_UNINSTRUMENTED inline void checked_access(const volatile void *p, uint64_t n, int32_t kind, const void *pc) {
     if (api) api->access(const_cast<const void *>(p), n, kind, pc);
 }
 } // namespace msl_rt
-#define MSL_HOOK(ret, name, ...)                                                                                  \
-    extern "C" __attribute__((no_sanitize("thread"), visibility("hidden"), used)) ret msl_hook_##name(__VA_ARGS__) \
-        __asm__("__tsan_" #name);                                                                                 \
-    ret msl_hook_##name(__VA_ARGS__)
 #define MSL_CHECK(p, n, kind) ::msl_rt::checked_access(p, n, kind, __builtin_return_address(0))
 #define MSL_HOOK_ACCESS(n)                                                                                        \
     MSL_HOOK(void, read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); }                                         \
@@ -351,6 +355,7 @@ MSL_HOOK_ATOMIC(8) MSL_HOOK_ATOMIC(16) MSL_HOOK_ATOMIC(32) MSL_HOOK_ATOMIC(64)
 #undef MSL_HOOK_ACCESS
 #undef MSL_CHECK
 #undef MSL_HOOK
+#undef MSL_UNINSTRUMENTED
 #endif
 
 #endif
