@@ -39,7 +39,6 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
     d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;
     d.bindings[BACKWARD_TENSORS + 2].byte_offset = slopes->byte_offset;
-    d.bindings[BACKWARD_TENSORS + 2].length = slopes->storage_bytes - slopes->byte_offset;
     d.n_bindings = BACKWARD_TENSORS + 3;
     int32_t rc = FA_OK;
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {
