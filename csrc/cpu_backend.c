@@ -15,7 +15,8 @@ struct fa_pipeline {
     uint32_t n_constants;
 };
 
-static fa_cache libraries = FA_CACHE_INITIALIZER; /* fa_library_identity -> mcpu_library */
+/* fa_library_identity -> mcpu_library, unchecked and checked (mcpu_checked) */
+static fa_cache libraries[2] = {FA_CACHE_INITIALIZER, FA_CACHE_INITIALIZER};
 static fa_cache pipelines = FA_CACHE_INITIALIZER; /* fa_pipeline_identity -> struct fa_pipeline */
 
 static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st) {
@@ -27,10 +28,11 @@ static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st
     }
     fa_library_identity id;
     const size_t len = fa_library_identity_of(key, source.id, &id, st);
-    if (len == 0) {
+    const int32_t checked = len == 0 ? -1 : mcpu_checked(st);
+    if (checked < 0) {
         return NULL;
     }
-    const mcpu_library *found = fa_cache_get(&libraries, &id, len);
+    const mcpu_library *found = fa_cache_get(&libraries[checked], &id, len);
     if (found != NULL) {
         return found;
     }
@@ -40,11 +42,12 @@ static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st
         macros[i].value = id.macros[i].value;
     }
     mcpu_library *library = NULL;
-    if (mcpu_compile_library(source.text, source.name, macros, id.n_macros, &library, st) != FA_OK) {
+    if (mcpu_compile_library_checked(source.text, source.name, macros, id.n_macros, checked, &library, st) !=
+        FA_OK) {
         return NULL;
     }
     /* Libraries live for the process, so storing one twice (a race) is harmless. */
-    if ((found = fa_cache_put(&libraries, &id, len, library)) == NULL) {
+    if ((found = fa_cache_put(&libraries[checked], &id, len, library)) == NULL) {
         fa_fail(st, FA_ERR_RUNTIME, "out of memory caching a library");
     }
     return found;
@@ -110,10 +113,12 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
         return fa_fail(st, FA_ERR_VALUE, "CPU backend: malformed dispatch");
     }
     void *buffers[FA_MAX_BINDINGS];
+    uint64_t lengths[FA_MAX_BINDINGS]; /* what checked mode bounds accesses by */
     for (uint32_t i = 0; i < d->n_bindings; ++i) {
         const fa_binding *b = &d->bindings[i];
         /* Inline bytes are read in place: the dispatch is synchronous, so they outlive it. */
         buffers[i] = b->bytes != NULL ? (void *)b->bytes : (char *)b->storage + b->byte_offset;
+        lengths[i] = b->length > 0 || b->bytes != NULL ? (uint64_t)b->length : UINT64_MAX;
     }
     mcpu_dispatch_args args;
     memset(&args, 0, sizeof args);
@@ -126,6 +131,7 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
     args.n_threadgroup_args = d->n_threadgroup_args;
     args.constants = pipeline->constants;
     args.n_constants = pipeline->n_constants;
+    args.buffer_lengths = lengths;
     if (fa_skip_execution()) {
         return FA_OK;
     }
@@ -135,3 +141,8 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
 static const fa_backend cpu_backend = {"cpu", cpu_get_pipeline, cpu_dispatch};
 
 const fa_backend *fa_cpu_backend(void) { return &cpu_backend; }
+
+int32_t fa_cpu_backend_checked(void) {
+    fa_status ignored; /* a bad $FLASHATTN_MPS_CPU_CHECKED is reported by get_library */
+    return mcpu_checked(&ignored) == 1;
+}

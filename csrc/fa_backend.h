@@ -38,7 +38,8 @@ typedef struct fa_pipeline_key {
 } fa_pipeline_key;
 
 /* One [[buffer(n)]] binding: a storage (handle as in fa_tensor) plus byte offset, or inline bytes
- * (setBytes) when bytes != NULL. */
+ * (setBytes) when bytes != NULL. length: the inline bytes, or for a storage the bytes addressed
+ * from byte_offset (0 or less: unknown). */
 typedef struct fa_binding {
     void *storage;
     int64_t byte_offset;
@@ -89,6 +90,9 @@ int32_t fa_skip_execution(void);
 
 /* The CPU Metal device (always present). */
 const fa_backend *fa_cpu_backend(void);
+/* Whether the CPU backend builds its libraries for checked mode now (mcpu_checked), which the
+ * plan cache keys plans by. */
+int32_t fa_cpu_backend_checked(void);
 /* Metal (macOS builds only); returns NULL with st set elsewhere. */
 const fa_backend *fa_metal_backend(fa_status *st);
 

@@ -26,6 +26,7 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
         const fa_tensor *bound = tensors[i]->storage != NULL ? tensors[i] : present;
         d.bindings[i].storage = bound->storage;
         d.bindings[i].byte_offset = bound->byte_offset;
+        d.bindings[i].length = bound->storage_bytes - bound->byte_offset;
     }
     d.bindings[BACKWARD_TENSORS].bytes = &ready->params;
     d.bindings[BACKWARD_TENSORS].length = (int64_t)sizeof ready->params;
@@ -33,6 +34,7 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     const fa_tensor *mask = args->mask.storage != NULL ? &args->mask : present;
     d.bindings[BACKWARD_TENSORS + 1].storage = mask->storage;
     d.bindings[BACKWARD_TENSORS + 1].byte_offset = mask->byte_offset;
+    d.bindings[BACKWARD_TENSORS + 1].length = mask->storage_bytes - mask->byte_offset;
     /* [[buffer(12)]]: the ALiBi slopes, untouched unless FA_FC_ALIBI. */
     const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
     d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;

@@ -7,7 +7,7 @@
  * argument bound, and the kernel reads none of its elements, so bind `fallback` in its place. */
 static fa_binding tensor_binding(const fa_tensor *t, const fa_tensor *fallback) {
     const fa_tensor *bound = t->storage != NULL ? t : fallback;
-    fa_binding b = {bound->storage, bound->byte_offset, NULL, 0};
+    fa_binding b = {bound->storage, bound->byte_offset, NULL, bound->storage_bytes - bound->byte_offset};
     return b;
 }
 

@@ -110,6 +110,12 @@ static void shape_of_optional(const fa_tensor *t, int32_t device, shape_key *s) 
     }
 }
 
+/* A plan's key part `sources`: the kernel text's generation, and for the CPU device whether its
+ * libraries are built checked, so a plan never runs old text or a pipeline of the other mode. */
+static int32_t plan_generation(int32_t device) {
+    return fa_sources_generation() * 2 + (device == FA_DEVICE_CPU && fa_cpu_backend_checked());
+}
+
 static const fa_backend *backend_of(int32_t device, fa_status *st) {
     return device == FA_DEVICE_MPS ? fa_metal_backend(st) : fa_cpu_backend();
 }
@@ -159,7 +165,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     }
     forward_key key;
     memset(&key, 0, sizeof key);
-    key.sources = fa_sources_generation();
+    key.sources = plan_generation(a->device);
     key.device = a->device;
     key.kernel = a->kernel;
     key.causal = a->causal != 0;
@@ -233,7 +239,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     backward_key key;
     memset(&key, 0, sizeof key);
-    key.sources = fa_sources_generation();
+    key.sources = plan_generation(a->device);
     key.device = a->device;
     key.causal = a->causal != 0;
     key.has_lse = a->lse.storage != NULL;

@@ -8,6 +8,12 @@ tensors with Metal's execution model. The same runtime the C core uses for CPU t
 CPU tensor (device memory, written in place, its storage offset honoured) or bytes (`setBytes`);
 `threadgroup_memory[i]` is the byte length of `[[threadgroup(i)]]`; `constants` maps
 function-constant indices (0..65535, as in Metal) to bool, int or float values.
+
+Checked mode (`compile_library(..., checked=True)`, or for every library including the project's own
+kernels `set_checked(True)` / FLASHATTN_MPS_CPU_CHECKED=1) runs kernels instrumented: a dispatch
+raises MetalDispatchError naming the kernel, both source lines and both threads for a
+threadgroup-memory data race, a read of threadgroup memory never written in the threadgroup, or an
+access outside the bound buffers or the threadgroup memory (README, "Checked mode").
 """
 from __future__ import annotations
 
@@ -46,22 +52,31 @@ def _constant(index, value) -> tuple:
     raise TypeError(f"constants[{index}] must be a bool, int or float, got {type(value).__name__}")
 
 
-def _buffer(index: int, value):
+_UNKNOWN_LENGTH = 2**64 - 1
+
+
+def _buffer(index: int, value) -> tuple:
+    """What binds buffers[index]: (address or bytes, the bytes bound from there on)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
+        data = bytes(value)
+        return data, len(data)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"buffers[{index}] must be a CPU torch.Tensor or bytes, got {type(value).__name__}")
     if value.device.type != "cpu":
         raise ValueError(f"buffers[{index}] is on {value.device}; the CPU Metal device takes CPU tensors")
-    return value.data_ptr()  # address of element 0: the storage offset is already applied
+    # Address of element 0 (the storage offset applied, as setBuffer:offset:) and what the storage
+    # holds from there, which checked mode bounds the kernel's accesses by.
+    storage = value.untyped_storage()
+    return value.data_ptr(), storage.data_ptr() + storage.nbytes() - value.data_ptr()
 
 
 class Library:
     """A compiled MSL library (like MTLLibrary). Create with `compile_library`."""
 
-    def __init__(self, handle, source_name: str):
+    def __init__(self, handle, source_name: str, checked: bool):
         self._handle = handle
         self.source_name = source_name
+        self.checked = checked
         self.kernels = tuple(handle.kernels())
 
     def dispatch(
@@ -78,6 +93,7 @@ class Library:
         active lanes, as in MSL. Raises MetalDispatchError on a divergent threadgroup barrier or
         simdgroup_barrier, a deadlock or a kernel failure (an invalid memory access, a stack overflow),
         or when the watchdog (`set_watchdog`) stops it, naming the kernel, source line and threads.
+        A checked library's dispatch also raises it for what checked mode finds (module docstring).
         Ctrl-C stops it with KeyboardInterrupt."""
         if kernel not in self.kernels:
             raise ValueError(f"kernel {kernel!r} is not in this library; it has {list(self.kernels)}")
@@ -88,7 +104,7 @@ class Library:
             raise ValueError(
                 f"threadgroup {group3} has {threads} threads; at most {MAX_THREADS_PER_THREADGROUP} are allowed"
             )
-        bound = [_buffer(i, b) for i, b in enumerate(buffers)]
+        bound, bound_lengths = zip(*[_buffer(i, b) for i, b in enumerate(buffers)]) if buffers else ((), ())
         lengths = []
         for i, n in enumerate(threadgroup_memory):
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -100,13 +116,19 @@ class Library:
                 f"{MAX_THREADGROUP_MEMORY}"
             )
         values = [_constant(i, v) for i, v in (constants or {}).items()]
-        self._handle.dispatch(kernel, grid3, group3, bound, lengths, values)
+        self._handle.dispatch(kernel, grid3, group3, list(bound), lengths, values, list(bound_lengths))
 
 
 def compile_library(
-    source: str, macros: Optional[Mapping[str, object]] = None, name: str = "library.metal"
+    source: str,
+    macros: Optional[Mapping[str, object]] = None,
+    name: str = "library.metal",
+    checked: Optional[bool] = None,
 ) -> Library:
     """Compile MSL source (like newLibraryWithSource:options: with preprocessorMacros).
+
+    checked=True builds the library for checked mode (module docstring), False not; None (the
+    default) follows `checked()`. A checked library is a separate build with its own cache entry.
 
     Macro values are converted with str() (None and True define the macro as 1, False as 0). Compiled libraries
     are cached in memory and on disk (see `cache_dir()`). Raises MetalCompileError carrying the
@@ -116,13 +138,16 @@ def compile_library(
     message)."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
+    if checked is not None and not isinstance(checked, bool):
+        raise TypeError(f"checked must be True, False or None, got {checked!r}")
     pairs = []
     for key, value in (macros or {}).items():
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"macros: {key!r} is not a valid macro name")
         pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
+    mode = _C.cpu_checked() if checked is None else checked
     try:
-        return Library(_C.compile_library(source, name, pairs), name)
+        return Library(_C.compile_library(source, name, pairs, int(mode)), name, mode)
     except MetalCompileError as error:
         _attach_log(error)
         raise
@@ -165,3 +190,19 @@ def set_watchdog(seconds: float) -> None:
 def watchdog() -> float:
     """The CPU-device dispatch time limit in seconds (0: none); see `set_watchdog`."""
     return _C.cpu_watchdog()
+
+
+def set_checked(checked: Optional[bool]) -> None:
+    """Build every library compiled from now on for checked mode (True) or not (False): those of
+    `compile_library(checked=None)` and the project's own kernels on CPU tensors (a separate set of
+    libraries; those built before keep their mode). None (the initial state) follows
+    $FLASHATTN_MPS_CPU_CHECKED (0 or 1, unset: 0), read when next needed."""
+    if checked is not None and not isinstance(checked, bool):
+        raise TypeError(f"checked must be True, False or None, got {checked!r}")
+    _C.set_cpu_checked(-1 if checked is None else int(checked))
+
+
+def checked() -> bool:
+    """Whether libraries are built for checked mode unless said otherwise; see `set_checked`.
+    Raises ValueError when $FLASHATTN_MPS_CPU_CHECKED is neither 0 nor 1."""
+    return _C.cpu_checked()

@@ -435,8 +435,9 @@ struct Library {
     const mcpu_library *lib;
 };
 
+// checked: 1 or 0, or -1 for the default (mcpu_checked: $FLASHATTN_MPS_CPU_CHECKED, set_cpu_checked)
 Library compile_library(const std::string &source, const std::string &name,
-                        const std::vector<std::pair<std::string, std::string>> &macros) {
+                        const std::vector<std::pair<std::string, std::string>> &macros, int32_t checked) {
     std::vector<mcpu_macro> c_macros;
     for (const auto &m : macros) {
         c_macros.push_back({m.first.c_str(), m.second.c_str()});
@@ -446,8 +447,10 @@ Library compile_library(const std::string &source, const std::string &name,
     int32_t rc;
     {
         py::gil_scoped_release release;
-        rc = mcpu_compile_library(source.c_str(), name.c_str(), c_macros.data(),
-                                  static_cast<uint32_t>(c_macros.size()), &lib, &st);
+        rc = checked < 0 ? mcpu_compile_library(source.c_str(), name.c_str(), c_macros.data(),
+                                                static_cast<uint32_t>(c_macros.size()), &lib, &st)
+                         : mcpu_compile_library_checked(source.c_str(), name.c_str(), c_macros.data(),
+                                                        static_cast<uint32_t>(c_macros.size()), checked, &lib, &st);
     }
     check(rc, st);
     return Library{lib};
@@ -466,13 +469,17 @@ std::vector<std::string> library_kernels(const Library &l) {
 void library_dispatch(const Library &l, const std::string &kernel, std::array<uint32_t, 3> grid,
                       std::array<uint32_t, 3> threadgroup, const py::list &buffers,
                       const std::vector<uint64_t> &threadgroup_lengths,
-                      const std::vector<std::tuple<uint32_t, int32_t, int64_t, double>> &constants) {
+                      const std::vector<std::tuple<uint32_t, int32_t, int64_t, double>> &constants,
+                      std::vector<uint64_t> buffer_lengths) {
     std::vector<void *> addresses;
     std::vector<std::string> byte_copies; // keeps setBytes data alive without the GIL
     byte_copies.reserve(buffers.size());
+    // lengths of the buffers (bytes objects: their own), UINT64_MAX where unknown, for checked mode
+    buffer_lengths.resize(buffers.size(), UINT64_MAX);
     for (const auto &b : buffers) {
         if (py::isinstance<py::bytes>(b)) {
             byte_copies.push_back(py::cast<std::string>(b));
+            buffer_lengths[addresses.size()] = byte_copies.back().size();
             addresses.push_back(byte_copies.back().data());
         } else {
             const std::string name = "buffers[" + std::to_string(addresses.size()) + "]";
@@ -504,6 +511,7 @@ void library_dispatch(const Library &l, const std::string &kernel, std::array<ui
     args.n_threadgroup_args = static_cast<uint32_t>(threadgroup_lengths.size());
     args.constants = values.data();
     args.n_constants = static_cast<uint32_t>(values.size());
+    args.buffer_lengths = buffer_lengths.data();
     fa_status st;
     int32_t rc;
     {
@@ -640,8 +648,18 @@ PYBIND11_MODULE(_C, m) {
     py::class_<Library>(m, "CpuLibrary")
         .def("kernels", &library_kernels)
         .def("dispatch", &library_dispatch, py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"),
-             py::arg("buffers"), py::arg("threadgroup_lengths"), py::arg("constants"));
-    m.def("compile_library", &compile_library, py::arg("source"), py::arg("name"), py::arg("macros"));
+             py::arg("buffers"), py::arg("threadgroup_lengths"), py::arg("constants"),
+             py::arg("buffer_lengths") = std::vector<uint64_t>());
+    m.def("compile_library", &compile_library, py::arg("source"), py::arg("name"), py::arg("macros"),
+          py::arg("checked") = -1);
+    m.def("set_cpu_checked", [](int32_t checked) { mcpu_set_checked(checked); }); // 1, 0, -1: the environment's
+    m.def("cpu_checked_dispatches", &mcpu_checked_dispatches);
+    m.def("cpu_checked", []() {
+        fa_status st;
+        const int32_t checked = mcpu_checked(&st);
+        if (checked < 0) raise_status(st);
+        return checked != 0;
+    });
     m.def("set_cpu_watchdog", [](double seconds) {
         fa_status st;
         check(mcpu_set_watchdog(seconds, &st), st);

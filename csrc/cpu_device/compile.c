@@ -43,6 +43,7 @@ struct mcpu_library {
     const char *const *names; /* __msl_kernel_names, inside the loaded object */
     mcpu_kernel_fn *fns;      /* __msl_launch_<names[i]> */
     uint64_t n;
+    int32_t checked; /* built for checked mode (MSL_CHECKED, instrumented) */
     struct mcpu_library *next;
 };
 
@@ -57,6 +58,11 @@ static const char *const PRE_FLAGS[] = {
 static const char *const CC_FLAGS[] = {"-x",    "c++",    "-std=gnu++17", "-O2", "-fno-strict-aliasing",
                                        "-fsigned-char", "-fPIC", "-shared"};
 static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
+/* Checked mode: every load and store calls the shim's __tsan_* hooks (msl_kernel.h), without the
+ * sanitizer's runtime (g++ links it unless asked for the static one, which a shared object then
+ * leaves out); line tables, in a DWARF version addr2line reads, name the accesses' source lines. */
+static const char *const CHECKED_FLAGS[] = {"-DMSL_CHECKED", "-fsanitize=thread", "-g1", "-gdwarf-4"};
+static const char GCC_NO_TSAN_RUNTIME_FLAG[] = "-static-libtsan";
 static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup", "metal_simdgroup_matrix",
                                     "metal_atomic",    "metal_math",      "metal_compute",
                                     "metal_integer",   "metal_common",    "metal_geometric",
@@ -856,7 +862,7 @@ static const char KEY_MARK[] = "flashattn_mps CPU Metal library ";
 /* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
  * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. A failing
  * compiler's whole output goes to file `log` (NULL: nowhere). */
-static int32_t build(const command *cxx, int32_t clang, int32_t clash, const char *shim, const char *tmp,
+static int32_t build(const command *cxx, int32_t clang, int32_t clash, int32_t checked, const char *shim, const char *tmp,
                      const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
                      uint32_t n_macros, double timeout, fa_status *st) {
     char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], so[PATH_BYTES], inc[PATH_BYTES],
@@ -939,11 +945,19 @@ static int32_t build(const command *cxx, int32_t clang, int32_t clash, const cha
     if (rc) return rc;
 
     /* 4. compile and link */
-    char *cc[COUNT(CC_FLAGS) + 10];
+    char *cc[COUNT(CC_FLAGS) + COUNT(CHECKED_FLAGS) + 12], cwd[PATH_BYTES], prefix_map[PATH_BYTES + 32];
     uint64_t n = 0;
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) cc[n++] = (char *)CC_FLAGS[i];
     cc[n++] = clang ? "-Wno-unknown-attributes" : "-Wno-attributes";
     if (clash) cc[n++] = (char *)STACK_CLASH_FLAG;
+    if (checked) {
+        for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) cc[n++] = (char *)CHECKED_FLAGS[i];
+        if (!clang) cc[n++] = (char *)GCC_NO_TSAN_RUNTIME_FLAG;
+        /* source names as the #line directives give them, not under the compiler's directory */
+        if (getcwd(cwd, sizeof cwd) && snprintf(prefix_map, sizeof prefix_map, "-fdebug-prefix-map=%s=.", cwd) <
+                                           (int)sizeof prefix_map)
+            cc[n++] = prefix_map;
+    }
     cc[n++] = "-include";
     cc[n++] = shim_h;
     cc[n++] = cpp;
@@ -1114,7 +1128,7 @@ static int32_t valid_macro(const mcpu_macro *m) {
 /* Builds the library for key into the cache, or, when the cache is read-only, into a private
  * temporary directory it is loaded from (and not kept). */
 static mcpu_library *build_and_load(const char *cache, const command *cxx, const char *id, double timeout,
-                                    const char *key, int32_t damaged, const char *source, const char *source_name,
+                                    const char *key, int32_t damaged, int32_t checked, const char *source, const char *source_name,
                                     const mcpu_macro *macros, uint32_t n_macros, fa_status *st) {
     char base[PATH_BYTES], shim[PATH_BYTES], tmp[PATH_BYTES], built[PATH_BYTES], name[64], log[PATH_BYTES];
     mcpu_signals_ensure(); /* Ctrl-C stops the compiler */
@@ -1141,7 +1155,7 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
                      : FA_OK;
     if (!rc && !mkdtemp(tmp)) rc = io_fail(st, "create directory in", base);
     if (!rc) {
-        rc = build(cxx, strstr(id, "clang") != NULL, stack_clash_supported(cxx, timeout), shim, tmp,
+        rc = build(cxx, strstr(id, "clang") != NULL, stack_clash_supported(cxx, timeout), checked, shim, tmp,
                    writable ? log : NULL, key, source, source_name, macros, n_macros, timeout, st);
         if (!rc) rc = join(built, tmp, ".library.so", st);
         if (!rc && writable && !(rc = install(built, cache, key, st))) {
@@ -1159,7 +1173,7 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
 }
 
 static int32_t compile(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
-                       mcpu_library **out, fa_status *st) {
+                       int32_t checked, mcpu_library **out, fa_status *st) {
     char cache[PATH_BYTES], key[33];
     command cxx;
     double timeout;
@@ -1187,6 +1201,8 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
     sha_field(&s, id);
     for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) sha_field(&s, PRE_FLAGS[i]);
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) sha_field(&s, CC_FLAGS[i]);
+    if (checked)
+        for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) sha_field(&s, CHECKED_FLAGS[i]);
     sha_hex(&s, key);
 
     pthread_mutex_lock(&g_lock);
@@ -1197,9 +1213,11 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
         free(id);
         return st->code;
     }
-    if (!lib) lib = build_and_load(cache, &cxx, id, timeout, key, damaged, source, source_name, macros, n_macros, st);
+    if (!lib)
+        lib = build_and_load(cache, &cxx, id, timeout, key, damaged, checked, source, source_name, macros, n_macros, st);
     free(id);
     if (!lib) return st->code;
+    lib->checked = checked;
 
     pthread_mutex_lock(&g_lock);
     mcpu_library *raced = find(key); /* another thread finished first: same object, keep theirs */
@@ -1221,6 +1239,14 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
                              uint32_t n_macros, mcpu_library **out, fa_status *st) {
     fa_status local;
+    int32_t checked = mcpu_checked(st ? st : &local);
+    return checked < 0 ? (st ? st : &local)->code
+                       : mcpu_compile_library_checked(source, source_name, macros, n_macros, checked, out, st);
+}
+
+int32_t mcpu_compile_library_checked(const char *source, const char *source_name, const mcpu_macro *macros,
+                                     uint32_t n_macros, int32_t checked, mcpu_library **out, fa_status *st) {
+    fa_status local;
     if (!st) st = &local;
     if (out) *out = NULL;
     if (!source || !out || (n_macros && !macros))
@@ -1230,12 +1256,22 @@ int32_t mcpu_compile_library(const char *source, const char *source_name, const 
             return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: bad macro %u ('%s')", i,
                            macros[i].name ? macros[i].name : "(null)");
     if (!source_name || !*source_name) source_name = "kernel.metal";
-    return compile(source, source_name, macros, n_macros, out, st);
+    return compile(source, source_name, macros, n_macros, checked != 0, out, st);
 }
 
 const char *const *mcpu_library_kernels(const mcpu_library *lib) {
     static const char *const none[] = {NULL};
     return lib ? lib->names : none;
+}
+
+int32_t mcpu_library_checked(const mcpu_library *lib) { return lib && lib->checked; }
+
+int32_t mcpu_run_tool(char *const argv[], char **out, double timeout) {
+    char *err = NULL;
+    tls_interrupts = mcpu_interrupts();
+    int32_t status = run(argv, out, &err, timeout);
+    free(err);
+    return status;
 }
 
 mcpu_kernel_fn mcpu_library_kernel(const mcpu_library *lib, const char *name) {

@@ -27,6 +27,22 @@ typedef struct mcpu_macro {
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
                              uint32_t n_macros, mcpu_library **out, fa_status *st);
 
+/* The same, built for checked mode (checked != 0) or not, whatever the default (mcpu_checked).
+ * A checked library's dispatches report threadgroup-memory races, reads of threadgroup memory
+ * never written in the threadgroup and accesses outside the bound buffers or threadgroup memory
+ * (README, "Checked mode"); it is a separate library with its own cache key. */
+int32_t mcpu_compile_library_checked(const char *source, const char *source_name, const mcpu_macro *macros,
+                                     uint32_t n_macros, int32_t checked, mcpu_library **out, fa_status *st);
+int32_t mcpu_library_checked(const mcpu_library *lib);
+
+/* Whether libraries are built checked unless said otherwise (mcpu_compile_library, the core's
+ * kernels): as set (0 or 1), else (never set, or set to -1) what $FLASHATTN_MPS_CPU_CHECKED (0 or
+ * 1, default 0) says when first asked after that. Returns 0 or 1, or -1 with st set when the
+ * variable holds anything else. */
+int32_t mcpu_checked(fa_status *st);
+void mcpu_set_checked(int32_t checked);
+uint64_t mcpu_checked_dispatches(void); /* dispatches of checked libraries so far (for tests) */
+
 /* Kernel names (host names) the library defines, NULL-terminated; valid for the process life. */
 const char *const *mcpu_library_kernels(const mcpu_library *lib);
 
@@ -51,12 +67,20 @@ typedef struct mcpu_dispatch_args {
     uint32_t n_threadgroup_args;
     const msl_constant_value *constants;
     uint32_t n_constants;
+    /* Bytes bound at buffers[i] (from its address on), UINT64_MAX where unknown; NULL: all
+     * unknown. A checked library's dispatch runs on guarded copies of the known ones. */
+    const uint64_t *buffer_lengths;
 } mcpu_dispatch_args;
 
 int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *args, fa_status *st);
 
-/* Runs one prepared launch (used by mcpu_dispatch after validation; defined in runtime.c). */
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, fa_status *st);
+/* Runs one prepared launch (used by mcpu_dispatch after validation; defined in runtime.c);
+ * checked: the kernel's library is a checked one. */
+int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, int32_t checked, fa_status *st);
+
+/* Runs a tool (argv[0] looked up in PATH, no shell) capturing its stdout into *out (malloc'ed or
+ * NULL); returns its exit status, or < 0 if it could not run (compile.c). */
+int32_t mcpu_run_tool(char *const argv[], char **out, double timeout);
 
 /* The runtime's function table that compiled libraries bind to (runtime.c). */
 const msl_runtime_api *mcpu_runtime_api(void);

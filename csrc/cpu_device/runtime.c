@@ -19,6 +19,7 @@
 #endif
 #include "cpu_device.h"
 #include "fiber.h"
+#include "shim_files.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -50,6 +51,68 @@ enum {
     GARBAGE = 0xFF /* uninitialised threadgroup memory reads as NaN (float, half) or -1 */
 };
 
+/* ---- checked mode's state (README, "Checked mode") ---- */
+
+/* One access to one byte of threadgroup memory: by thread (1 + its index; 0: none), in barrier
+ * interval `epoch`, after `simd_epoch` simdgroup_barriers of its SIMD-group, at pc. */
+typedef struct mark {
+    uint32_t epoch, simd_epoch;
+    uint16_t thread, atomic;
+    const void *pc;
+} mark;
+
+/* Per byte: the last write and enough of the current interval's reads to find any read a write
+ * races with: the last read, the last by another thread of its SIMD-group, and the last of
+ * another SIMD-group (once two SIMD-groups read, every write races with one of them). */
+typedef struct byte_marks {
+    mark write, read, read_same_simd, read_other_simd;
+} byte_marks;
+
+enum { OWNER_STATIC = 32 }; /* owner: 1 + [[threadgroup(n)]], OWNER_STATIC + kernel-scope array, 0: none */
+
+/* A dispatch's buffers of known length, copied into one region of guard pages (PROT_NONE, so an
+ * access far off faults) around each group of overlapping bindings. */
+typedef struct guarded {
+    unsigned char *region;
+    size_t bytes;
+    uint32_t n, n_groups;
+    uint32_t index[MSL_MAX_BUFFERS]; /* [[buffer(index)]] is at start, length bytes */
+    uintptr_t start[MSL_MAX_BUFFERS];
+    uint64_t length[MSL_MAX_BUFFERS];
+    struct {
+        unsigned char *original, *copy;
+        uint64_t bytes;
+    } group[MSL_MAX_BUFFERS];
+} guarded;
+
+typedef enum { FOUND_NOTHING, FOUND_RACE, FOUND_UNINITIALISED, FOUND_OUT_OF_BOUNDS } found_kind;
+enum { NO_THREAD = UINT32_MAX, IN_THREADGROUP_MEMORY = 0, IN_BUFFER = 1 };
+
+/* The first error a checked dispatch found, described (with source lines) once it has ended. */
+typedef struct finding {
+    int32_t what;                 /* found_kind */
+    int32_t access, other_access; /* msl_access_kind */
+    uint32_t group[3], thread, other, position[3], other_position[3];
+    const void *pc, *other_pc;
+    uint64_t size, bytes; /* of the access; of the allocation or buffer it hit */
+    int64_t offset;       /* into that allocation or buffer */
+    int32_t space;        /* IN_THREADGROUP_MEMORY, IN_BUFFER */
+    int32_t index;        /* [[threadgroup(n)]] or [[buffer(n)]]; -1: no allocation */
+    int32_t is_static;    /* index counts kernel-scope threadgroup arrays */
+} finding;
+
+typedef struct checked_state {
+    byte_marks marks[MCPU_MAX_THREADGROUP_MEMORY];
+    uint8_t owner[MCPU_MAX_THREADGROUP_MEMORY];
+    /* Barrier intervals: a threadgroup_barrier(mem_threadgroup) starts one, so does each
+     * threadgroup; a mark of an interval before first_epoch is from another threadgroup. */
+    uint32_t epoch, first_epoch;
+    uint32_t simd_epoch[MAX_SIMDGROUPS]; /* simdgroup_barrier(mem_threadgroup)s per SIMD-group */
+    /* The interval's first read of bytes not written yet: a race if another thread writes them
+     * before the interval ends (the write reports it), else uninitialised (reported then). */
+    finding *unwritten_read, pending; /* NULL or &pending */
+} checked_state;
+
 /* One dispatch. */
 typedef struct job {
     mcpu_kernel_fn fn;
@@ -65,6 +128,10 @@ typedef struct job {
     uint64_t interrupts;     /* SIGINTs counted when it started */
     double time_limit, started;
     int32_t seen;
+    /* checked mode */
+    int32_t checked;
+    const guarded *guard;
+    finding found; /* written by the failing thread, read once the dispatch has ended */
 } job;
 
 typedef enum { READY, WAITING, DONE } gstate;
@@ -75,8 +142,9 @@ typedef struct gthread {
     struct worker *w;
     mcpu_fiber fiber;
     gstate state;
-    /* where the thread waits, while WAITING */
+    /* where the thread waits, while WAITING, and the barrier's mem_flags */
     int32_t kind;
+    uint32_t flags;
     uint32_t line;
     const char *what, *file;
 } gthread;
@@ -117,13 +185,17 @@ typedef struct worker {
     struct {
         const void *key;
         void *ptr;
+        uint64_t size;
     } statics[MAX_STATIC_SITES];
     uint32_t n_statics;
     msl_simd_exchange xchg[MAX_SIMDGROUPS];
+    checked_state *checked; /* for a checked dispatch */
     gthread threads[MAX_THREADS];
 } worker;
 
 static _Thread_local worker *tls_worker TLS_SIGNAL_SAFE; /* the worker this thread uses, if any */
+
+static void check_interval_end(worker *w); /* checked mode */
 
 /* ---- failures ---- */
 
@@ -238,6 +310,7 @@ static void run_next(worker *w, gthread *g) {
 
 /* Queues every other live thread of a completed threadgroup barrier. */
 static void release_group(worker *w, const gthread *self) {
+    if (w->checked && (self->flags & MSL_MEM_THREADGROUP)) w->checked->epoch++;
     w->group.arrived = 0;
     for (uint32_t s = 0; s < w->n_simdgroups; s++) w->simd[s].at_barrier = 0;
     for (uint32_t i = 0; i < w->n_threads; i++)
@@ -250,6 +323,9 @@ static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self)
     msl_simd_exchange *x = &w->xchg[sg];
     scope *s = &w->simd[sg];
     uint32_t parity = 0;
+    const gthread *point = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(active)];
+    if (w->checked && point->kind == MSL_SYNC_SIMDGROUP_BARRIER && (point->flags & MSL_MEM_THREADGROUP))
+        w->checked->simd_epoch[sg]++;
     for (uint32_t lanes = active; lanes; lanes &= lanes - 1) {
         uint32_t lane = (uint32_t)__builtin_ctz(lanes);
         gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
@@ -297,13 +373,15 @@ _Noreturn static void abandon(worker *w) {
     __builtin_trap(); /* an abandoned fiber is never resumed */
 }
 
-static void rt_sync(msl_thread *t, int32_t kind, const char *what, const char *file, uint32_t line) {
+static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, const char *file, uint32_t line) {
     gthread *g = (gthread *)t;
     worker *w = g->w;
+    int32_t kind = kind_and_flags & ((1 << MSL_SYNC_FLAGS_SHIFT) - 1);
     w->in_kernel = 0;
     if (atomic_load_explicit(&w->job->failed, memory_order_relaxed)) abandon(w); /* stopped, or failed elsewhere */
     g->state = WAITING;
     g->kind = kind, g->what = what, g->file = file, g->line = line;
+    g->flags = (uint32_t)kind_and_flags >> MSL_SYNC_FLAGS_SHIFT;
     uint32_t sg = t->simdgroup_index_in_threadgroup;
     if (kind == MSL_SYNC_THREADGROUP_BARRIER) {
         scope *s = &w->group;
@@ -312,6 +390,7 @@ static void rt_sync(msl_thread *t, int32_t kind, const char *what, const char *f
             group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
         if (w->n_done) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
         if (++s->arrived == s->live) {
+            if (g->flags & MSL_MEM_THREADGROUP) check_interval_end(w);
             g->state = READY;
             release_group(w, g);
         } else {
@@ -345,6 +424,7 @@ static void thread_main(void *arg) {
     if (w->group.arrived)
         group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
     settle_simd(w, sg, g); /* the exited lane may have been the last one running */
+    if (w->n_done == w->n_threads) check_interval_end(w);
     if (w->n_done == w->n_threads) mcpu_fiber_switch(&g->fiber, &w->home);
     else run_next(w, g);
     __builtin_trap(); /* a finished fiber is never resumed */
@@ -374,8 +454,10 @@ static void *rt_threadgroup_static(msl_thread *t, const void *key, uint64_t size
                    (unsigned long long)(offset + size - w->tg_args_bytes));
     void *p = w->tg_memory + offset;
     memset(p, GARBAGE, size);
+    if (w->checked) memset(w->checked->owner + offset, OWNER_STATIC + (int)w->n_statics, size);
     w->tg_used = offset + size;
     w->statics[w->n_statics].key = key;
+    w->statics[w->n_statics].size = size;
     w->statics[w->n_statics++].ptr = p;
     return p;
 }
@@ -411,9 +493,364 @@ static const void *rt_unbound_storage(void) {
     return unbound_region;
 }
 
+/* ---- checked mode: every load and store of a checked library's kernel code (api->access) ----
+ *
+ * Threadgroup memory keeps marks per byte (checked_state). Ordered before an access are: accesses
+ * of an earlier barrier interval (a threadgroup_barrier with mem_flags::mem_threadgroup between),
+ * accesses of the same thread, atomic accesses for an atomic one, and within a SIMD-group accesses
+ * before a simdgroup_barrier(mem_flags::mem_threadgroup). Anything else is a race if one of the two
+ * writes: SIMD collectives and simdgroup_matrix operations exchange values, not memory, so they
+ * order nothing (as in Metal, where only the barriers' memory flags do). */
+
+static int ordered(const checked_state *c, const mark *m, uint32_t me) {
+    uint32_t sg = me / MSL_SIMD_WIDTH;
+    return m->epoch < c->epoch || ((uint32_t)(m->thread - 1) / MSL_SIMD_WIDTH == sg && m->simd_epoch < c->simd_epoch[sg]);
+}
+
+static int conflicts(const checked_state *c, const mark *m, const mark *now) {
+    return m->thread && m->thread != now->thread && !(m->atomic && now->atomic) && !ordered(c, m, now->thread - 1u);
+}
+
+static void note_read(const checked_state *c, byte_marks *m, const mark *now) {
+    uint32_t sg = (uint32_t)(now->thread - 1) / MSL_SIMD_WIDTH;
+    if (!m->read.thread || m->read.epoch != c->epoch) {
+        m->read_same_simd.thread = m->read_other_simd.thread = 0;
+    } else if ((uint32_t)(m->read.thread - 1) / MSL_SIMD_WIDTH == sg) {
+        if (m->read.thread != now->thread) m->read_same_simd = m->read;
+    } else {
+        m->read_other_simd = m->read;
+        m->read_same_simd.thread = 0;
+    }
+    m->read = *now;
+}
+
+/* f's threads: the running one and f->other. */
+static void name_threads(const worker *w, finding *f) {
+    const gthread *g = w->running;
+    memcpy(f->group, w->tg.threadgroup_position, sizeof f->group);
+    f->thread = g->t.thread_index_in_threadgroup;
+    memcpy(f->position, g->t.thread_position_in_threadgroup, sizeof f->position);
+    if (f->other != NO_THREAD)
+        memcpy(f->other_position, w->threads[f->other].t.thread_position_in_threadgroup, sizeof f->other_position);
+}
+
+/* Fails the dispatch with f (its threads named), from a fiber. */
+_Noreturn static void report_finding(worker *w, const finding *f) {
+    w->in_kernel = 0;
+    job *j = w->job;
+    if (atomic_exchange(&j->failed, 1) == 0) {
+        j->found = *f;
+        fa_fail(j->st, FA_ERR_RUNTIME, "kernel '%s': checked mode found an error", j->launch->kernel_name);
+    }
+    abandon(w);
+}
+
+/* Which allocation threadgroup-memory byte `at` belongs to (outside all: the one before it), into f. */
+static void locate_in_threadgroup(const worker *w, uint64_t at, finding *f) {
+    uint64_t below = at < MCPU_MAX_THREADGROUP_MEMORY ? at : MCPU_MAX_THREADGROUP_MEMORY - 1;
+    while (below > 0 && !w->checked->owner[below]) below--;
+    uint8_t owner = w->checked->owner[below];
+    f->space = IN_THREADGROUP_MEMORY;
+    f->is_static = owner >= OWNER_STATIC;
+    if (!owner) {
+        f->index = -1, f->offset = (int64_t)at, f->bytes = w->tg_used;
+    } else if (owner < OWNER_STATIC) {
+        f->index = owner - 1;
+        f->offset = (int64_t)(at - (uint64_t)((unsigned char *)w->tg_args[f->index] - w->tg_memory));
+        f->bytes = w->job->launch->threadgroup_arg_lengths[f->index];
+    } else {
+        f->index = owner - OWNER_STATIC;
+        f->offset = (int64_t)(at - (uint64_t)((unsigned char *)w->statics[f->index].ptr - w->tg_memory));
+        f->bytes = w->statics[f->index].size;
+    }
+}
+
+static void check_threadgroup(worker *w, uint64_t offset, uint64_t size, int32_t kind, const void *pc) {
+    checked_state *c = w->checked;
+    uint32_t me = w->running->t.thread_index_in_threadgroup;
+    mark now = {c->epoch, c->simd_epoch[me / MSL_SIMD_WIDTH], (uint16_t)(me + 1),
+                (uint16_t)((kind & MSL_ACCESS_ATOMIC) != 0), pc};
+    finding f = {.access = kind, .other = NO_THREAD, .pc = pc, .size = size};
+    uint64_t end = size < MCPU_MAX_THREADGROUP_MEMORY - offset ? offset + size : MCPU_MAX_THREADGROUP_MEMORY;
+    for (uint64_t b = offset; b < end; b++) {
+        byte_marks *m = &c->marks[b];
+        const mark *other = NULL;
+        int32_t other_access = MSL_ACCESS_WRITE;
+        if (!c->owner[b]) {
+            f.what = FOUND_OUT_OF_BOUNDS;
+        } else if ((kind & MSL_ACCESS_READ) && (!m->write.thread || m->write.epoch < c->first_epoch)) {
+            if (!c->unwritten_read) { /* reported at the interval's end unless a race shows first */
+                f.what = FOUND_UNINITIALISED;
+                locate_in_threadgroup(w, offset, &f);
+                name_threads(w, &f);
+                c->unwritten_read = &c->pending;
+                c->pending = f;
+                f.what = FOUND_NOTHING;
+            }
+            note_read(c, m, &now);
+            if (kind & MSL_ACCESS_WRITE) m->write = now;
+        } else if (conflicts(c, &m->write, &now)) {
+            other = &m->write;
+        } else if (kind & MSL_ACCESS_WRITE) {
+            const mark *reads[3] = {&m->read, &m->read_same_simd, &m->read_other_simd};
+            for (int r = 0; r < 3 && !other; r++)
+                if (conflicts(c, reads[r], &now)) other = reads[r], other_access = MSL_ACCESS_READ;
+            if (!other) {
+                m->write = now;
+                m->read.thread = m->read_same_simd.thread = m->read_other_simd.thread = 0;
+            }
+        } else {
+            note_read(c, m, &now);
+        }
+        if (other) {
+            f.what = FOUND_RACE;
+            f.other = other->thread - 1u;
+            f.other_pc = other->pc;
+            f.other_access = other_access | (other->atomic ? MSL_ACCESS_ATOMIC : 0);
+        }
+        if (f.what) {
+            locate_in_threadgroup(w, offset, &f);
+            name_threads(w, &f);
+            report_finding(w, &f);
+        }
+    }
+    if (end - offset < size) { /* runs past the end of threadgroup memory */
+        f.what = FOUND_OUT_OF_BOUNDS;
+        locate_in_threadgroup(w, offset, &f);
+        name_threads(w, &f);
+        report_finding(w, &f);
+    }
+}
+
+/* At the end of a barrier interval (or of the threadgroup): a read of bytes nobody wrote. */
+static void check_interval_end(worker *w) {
+    if (w->checked && w->checked->unwritten_read) report_finding(w, w->checked->unwritten_read);
+}
+
+/* An access inside the guarded region: within some bound buffer, or out of bounds of the nearest. */
+static void check_buffer(worker *w, uintptr_t a, uint64_t size, int32_t kind, const void *pc) {
+    const guarded *g = w->job->guard;
+    uint32_t nearest = 0;
+    uint64_t distance = UINT64_MAX;
+    for (uint32_t i = 0; i < g->n; i++) {
+        uintptr_t start = g->start[i];
+        uint64_t len = g->length[i];
+        if (a >= start && size <= len && a - start <= len - size) return;
+        uint64_t d = a < start ? start - a : a - start >= len ? a - start - len : 0;
+        if (d < distance) nearest = i, distance = d;
+    }
+    finding f = {.what = FOUND_OUT_OF_BOUNDS, .access = kind, .other = NO_THREAD, .pc = pc, .size = size,
+                 .bytes = g->length[nearest], .offset = (int64_t)(a - g->start[nearest]), .space = IN_BUFFER,
+                 .index = (int32_t)g->index[nearest]};
+    name_threads(w, &f);
+    report_finding(w, &f);
+}
+
+static void rt_access(const void *address, uint64_t size, int32_t kind, const void *pc) {
+    worker *w = tls_worker;
+    if (!w || !w->in_kernel || !w->checked) return; /* not kernel code of a checked dispatch */
+    uintptr_t a = (uintptr_t)address, in_group = a - (uintptr_t)w->tg_memory;
+    const guarded *g = w->job->guard;
+    if (in_group < MCPU_MAX_THREADGROUP_MEMORY) check_threadgroup(w, in_group, size, kind, pc);
+    else if (g && a - (uintptr_t)g->region < g->bytes) check_buffer(w, a, size, kind, pc);
+}
+
+/* Copies the buffers of known length into a fresh region: each group of overlapping bindings on
+ * its own pages (at its original offset in the page, keeping alignment) between guard pages.
+ * copies[i] is what binds [[buffer(i)]]. */
+enum { GUARD_BYTES = 256u << 20 };
+static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_status *st) {
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    uint32_t order[MSL_MAX_BUFFERS], n = 0, group_of[MSL_MAX_BUFFERS];
+    uintptr_t lo[MSL_MAX_BUFFERS], hi[MSL_MAX_BUFFERS];
+    size_t at[MSL_MAX_BUFFERS], span[MSL_MAX_BUFFERS];
+    memset(g, 0, sizeof *g);
+    for (uint32_t i = 0; i < l->n_buffers; i++) {
+        copies[i] = l->buffers[i];
+        uint64_t len = l->buffer_lengths ? l->buffer_lengths[i] : UINT64_MAX;
+        if (!l->buffers[i] || len == UINT64_MAX) continue;
+        if (len > UINTPTR_MAX - (uintptr_t)l->buffers[i])
+            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': buffer %u of %llu bytes wraps around the address space",
+                           l->kernel_name, i, (unsigned long long)len);
+        uint32_t k = n++; /* insertion by address */
+        for (; k > 0 && (uintptr_t)l->buffers[order[k - 1]] > (uintptr_t)l->buffers[i]; k--) order[k] = order[k - 1];
+        order[k] = i;
+    }
+    size_t total = GUARD_BYTES;
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t i = order[k];
+        uintptr_t a = (uintptr_t)l->buffers[i], e = a + l->buffer_lengths[i];
+        if (g->n_groups && a < hi[g->n_groups - 1]) {
+            hi[g->n_groups - 1] = e > hi[g->n_groups - 1] ? e : hi[g->n_groups - 1];
+        } else {
+            lo[g->n_groups] = a, hi[g->n_groups] = e;
+            g->n_groups++;
+        }
+        group_of[k] = g->n_groups - 1;
+    }
+    for (uint32_t k = 0; k < g->n_groups; k++) {
+        size_t bytes = (size_t)(hi[k] - lo[k]) + lo[k] % page;
+        span[k] = bytes == 0 ? page : (bytes + page - 1) / page * page;
+        at[k] = total;
+        if (span[k] > SIZE_MAX / 2 - total - GUARD_BYTES)
+            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': buffers too large for checked mode", l->kernel_name);
+        total += span[k] + GUARD_BYTES;
+    }
+    if (n == 0) return FA_OK;
+    void *region = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (region == MAP_FAILED)
+        return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': no address space for checked mode's guarded buffers",
+                       l->kernel_name);
+    g->region = region, g->bytes = total;
+    for (uint32_t k = 0; k < g->n_groups; k++) {
+        unsigned char *copy = g->region + at[k] + lo[k] % page;
+        if (mprotect(g->region + at[k], span[k], PROT_READ | PROT_WRITE)) {
+            munmap(g->region, g->bytes);
+            g->region = NULL;
+            return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': no memory for checked mode's copy of %llu bytes",
+                           l->kernel_name, (unsigned long long)(hi[k] - lo[k]));
+        }
+        memcpy(copy, (const void *)lo[k], (size_t)(hi[k] - lo[k]));
+        g->group[k].original = (unsigned char *)lo[k];
+        g->group[k].copy = copy;
+        g->group[k].bytes = hi[k] - lo[k];
+    }
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t i = order[k];
+        unsigned char *copy = g->group[group_of[k]].copy + ((uintptr_t)l->buffers[i] - lo[group_of[k]]);
+        copies[i] = copy;
+        g->index[k] = i, g->start[k] = (uintptr_t)copy, g->length[k] = l->buffer_lengths[i];
+    }
+    g->n = n;
+    return FA_OK;
+}
+
+/* Writes what the kernel changed back to the buffers, and frees the region. */
+static void unguard_buffers(guarded *g) {
+    if (!g->region) return;
+    for (uint32_t k = 0; k < g->n_groups; k++)
+        if (memcmp(g->group[k].original, g->group[k].copy, (size_t)g->group[k].bytes))
+            memcpy(g->group[k].original, g->group[k].copy, (size_t)g->group[k].bytes);
+    munmap(g->region, g->bytes);
+    g->region = NULL;
+}
+
+static int is_shim_file(const char *path) {
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    for (uint32_t i = 0; i < mcpu_shim_file_count; i++)
+        if (!strcmp(base, mcpu_shim_files[i].name)) return 1;
+    return 0;
+}
+
+/* "file:line" of a kernel's code address: the innermost inlined frame in the kernel's own source
+ * (a shim function such as simdgroup_load names its caller), from the library's line tables, read
+ * by addr2line (binutils, installed with the linker that built the library). */
+static void source_place(const void *pc, char *out, size_t n) {
+    Dl_info info;
+    if (!pc || !dladdr(pc, &info) || !info.dli_fname) {
+        snprintf(out, n, "%p", pc);
+        return;
+    }
+    char address[32], *text = NULL;
+    snprintf(address, sizeof address, "0x%llx",
+             (unsigned long long)((uintptr_t)pc - 1 - (uintptr_t)info.dli_fbase)); /* the call itself */
+    char *argv[] = {"addr2line", "-i", "-e", (char *)info.dli_fname, address, NULL};
+    int found = 0;
+    if (mcpu_run_tool(argv, &text, 30.0) == 0 && text) {
+        char *rest = NULL;
+        for (char *line = strtok_r(text, "\n", &rest); line && !found; line = strtok_r(NULL, "\n", &rest)) {
+            char *extra = strstr(line, " (discriminator");
+            if (extra) *extra = 0;
+            if (!strncmp(line, "./", 2)) line += 2;
+            char *colon = strrchr(line, ':');
+            if (line[0] == '?' || !colon || colon[1] == '?' || !strcmp(colon, ":0") || is_shim_file(line)) continue;
+            snprintf(out, n, "%s", line);
+            found = 1;
+        }
+    }
+    free(text);
+    if (!found)
+        snprintf(out, n, "%s+0x%lx (no line: addr2line could not tell)", info.dli_sname ? info.dli_sname : "?",
+                 (unsigned long)((uintptr_t)pc - (uintptr_t)(info.dli_sname ? info.dli_saddr : info.dli_fbase)));
+}
+
+static const char *access_words(int32_t kind, int32_t past) {
+    static const char *const words[2][4] = {{"reads", "writes", "atomically reads", "atomically writes"},
+                                            {"read", "wrote", "atomically read", "atomically wrote"}};
+    return words[past][((kind & MSL_ACCESS_WRITE) ? 1 : 0) + ((kind & MSL_ACCESS_ATOMIC) ? 2 : 0)];
+}
+
+/* The dispatch's error message for its finding, with source lines (after the dispatch). */
+static void describe_finding(const job *j, fa_status *st) {
+    const finding *f = &j->found;
+    char here[512], there[512], where[96];
+    source_place(f->pc, here, sizeof here);
+    if (f->space == IN_BUFFER) snprintf(where, sizeof where, "[[buffer(%d)]]", f->index);
+    else if (f->index < 0) snprintf(where, sizeof where, "threadgroup memory");
+    else if (f->is_static) snprintf(where, sizeof where, "kernel-scope threadgroup array #%d", f->index + 1);
+    else snprintf(where, sizeof where, "[[threadgroup(%d)]]", f->index);
+    const uint32_t *g = f->group, *p = f->position, *q = f->other_position;
+    text m = {.len = 0};
+    add(&m, "kernel '%s': ", j->launch->kernel_name);
+    if (f->what == FOUND_RACE) {
+        source_place(f->other_pc, there, sizeof there);
+        int same_simd = f->thread / MSL_SIMD_WIDTH == f->other / MSL_SIMD_WIDTH;
+        add(&m,
+            "threadgroup memory data race in threadgroup (%u,%u,%u): thread %u (%u,%u,%u) %s %llu bytes at byte %lld "
+            "of %s at %s; thread %u (%u,%u,%u) %s them at %s, with no threadgroup_barrier(mem_flags::mem_threadgroup)%s "
+            "between",
+            g[0], g[1], g[2], f->thread, p[0], p[1], p[2], access_words(f->access, 0), (unsigned long long)f->size,
+            (long long)f->offset, where, here, f->other, q[0], q[1], q[2], access_words(f->other_access, 1), there,
+            same_simd ? " or simdgroup_barrier(mem_flags::mem_threadgroup) (same SIMD-group)" : "");
+    } else if (f->what == FOUND_UNINITIALISED) {
+        add(&m,
+            "read of threadgroup memory never written in this threadgroup: thread %u (%u,%u,%u) of threadgroup "
+            "(%u,%u,%u) %s %llu bytes at byte %lld of %s (%llu bytes) at %s",
+            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access, 0), (unsigned long long)f->size,
+            (long long)f->offset, where, (unsigned long long)f->bytes, here);
+    } else {
+        add(&m,
+            "out-of-bounds access: thread %u (%u,%u,%u) of threadgroup (%u,%u,%u) %s %llu bytes at byte offset %lld "
+            "of %s, which has %llu bytes%s, at %s",
+            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access, 0), (unsigned long long)f->size,
+            (long long)f->offset, where, (unsigned long long)f->bytes,
+            f->space == IN_THREADGROUP_MEMORY && f->index < 0 ? " allocated" : "", here);
+    }
+    fa_fail(st, FA_ERR_RUNTIME, "%s", m.buf);
+}
+
+static _Atomic uint64_t checked_dispatches;
+uint64_t mcpu_checked_dispatches(void) { return atomic_load(&checked_dispatches); }
+
+/* Whether libraries are built checked by default: 0 or 1; UNREAD: the environment says, at the
+ * next use; BAD: it said checked_env (one atomic load per call otherwise: the plan cache asks). */
+enum { CHECKED_UNREAD = -1, CHECKED_BAD = -2 };
+static atomic_int checked_default = CHECKED_UNREAD;
+static char checked_env[64];
+
+int32_t mcpu_checked(fa_status *st) {
+    int v = atomic_load(&checked_default);
+    if (v == CHECKED_UNREAD) {
+        const char *env = getenv("FLASHATTN_MPS_CPU_CHECKED");
+        v = !env || !*env || !strcmp(env, "0") ? 0 : !strcmp(env, "1") ? 1 : CHECKED_BAD;
+        if (v == CHECKED_BAD) snprintf(checked_env, sizeof checked_env, "%s", env);
+        atomic_store(&checked_default, v);
+    }
+    if (v == CHECKED_BAD) {
+        fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", checked_env);
+        return -1;
+    }
+    return v;
+}
+
+void mcpu_set_checked(int32_t checked) {
+    atomic_store(&checked_default, checked < 0 ? CHECKED_UNREAD : checked != 0);
+}
+
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
-                                        rt_fail, rt_fail_argument, rt_unbound_storage};
+                                        rt_fail, rt_fail_argument, rt_unbound_storage, rt_access};
     return &api;
 }
 
@@ -610,8 +1047,10 @@ static int worker_prepare(worker *w, job *j) {
     w->tg_args_bytes = 0;
     for (uint32_t a = 0; a < l->n_threadgroup_args; a++) { /* 16-byte aligned, as in Metal */
         w->tg_args[a] = w->tg_memory + w->tg_args_bytes;
+        if (w->checked) memset(w->checked->owner + w->tg_args_bytes, 1 + (int)a, l->threadgroup_arg_lengths[a]);
         w->tg_args_bytes += (l->threadgroup_arg_lengths[a] + 15) & ~(uint64_t)15;
     }
+    w->tg_used = w->tg_args_bytes;
     for (; w->n_stacks < w->n_threads; w->n_stacks++)
         if (mcpu_stack_region_take(&w->stacks, w->n_stacks, &w->threads[w->n_stacks].fiber) != 0) return -1;
     for (uint32_t i = 0; i < w->n_threads; i++) {
@@ -658,6 +1097,11 @@ static void report_fault(worker *w) {
     Dl_info info;
     if (w->fault_pc && dladdr(w->fault_pc, &info) && info.dli_sname)
         add(&m, ", in %s+0x%lx", info.dli_sname, (unsigned long)((char *)w->fault_pc - (char *)info.dli_saddr));
+    if (w->job->checked) { /* its line tables name the faulting line */
+        char place[512];
+        source_place((const char *)w->fault_pc + 1, place, sizeof place);
+        add(&m, " at %s", place);
+    }
     if (g->file) add(&m, ", after its sync point at %s:%u (%s)", g->file, g->line, g->what);
     else add(&m, ", before any sync point");
     job_fail(w->job, FA_ERR_RUNTIME, m.buf);
@@ -671,6 +1115,11 @@ static void run_threadgroup(worker *w, uint64_t index) {
     pos[1] = (uint32_t)(index / tgpg[0] % tgpg[1]);
     pos[2] = (uint32_t)(index / tgpg[0] / tgpg[1]);
     memset(w->tg_memory, GARBAGE, w->tg_args_bytes); /* fresh garbage: no leftovers to rely on */
+    if (w->checked) { /* a new barrier interval; the last threadgroup's arrays are gone */
+        w->checked->first_epoch = ++w->checked->epoch;
+        w->checked->unwritten_read = NULL;
+        memset(w->checked->owner + w->tg_args_bytes, 0, w->tg_used - w->tg_args_bytes);
+    }
     w->tg_used = w->tg_args_bytes;
     w->n_statics = 0;
     w->n_done = 0;
@@ -704,12 +1153,16 @@ static void run_threadgroup(worker *w, uint64_t index) {
 }
 
 static void work(worker *w, job *j) {
-    if (worker_prepare(w, j) != 0) return; /* no stacks for this worker: the others do the work */
-    while (!atomic_load_explicit(&j->failed, memory_order_relaxed)) {
-        uint64_t index = atomic_fetch_add_explicit(&j->next_group, 1, memory_order_relaxed);
-        if (index >= j->n_groups) break;
-        run_threadgroup(w, index);
+    if (j->checked && !(w->checked = calloc(1, sizeof *w->checked))) return; /* the others do the work */
+    if (worker_prepare(w, j) == 0) { /* else no stacks for this worker: the others do the work */
+        while (!atomic_load_explicit(&j->failed, memory_order_relaxed)) {
+            uint64_t index = atomic_fetch_add_explicit(&j->next_group, 1, memory_order_relaxed);
+            if (index >= j->n_groups) break;
+            run_threadgroup(w, index);
+        }
     }
+    free(w->checked);
+    w->checked = NULL;
 }
 
 /* ---- the pool: workers, helper threads that join dispatches, the watchdog ---- */
@@ -942,9 +1395,20 @@ static void start_threads(void) { /* under pool.mu */
     }
 }
 
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, fa_status *st) {
+int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, int32_t checked, fa_status *st) {
     const uint32_t *g = launch->threadgroups_per_grid;
-    job j = {.fn = fn, .launch = launch, .n_groups = (uint64_t)g[0] * g[1] * g[2], .st = st};
+    guarded guard = {0};
+    msl_launch on_copies;
+    void *copies[MSL_MAX_BUFFERS];
+    if (checked) { /* the kernel runs on guarded copies of the buffers */
+        atomic_fetch_add(&checked_dispatches, 1);
+        if (guard_buffers(launch, &guard, copies, st)) return st->code;
+        on_copies = *launch;
+        on_copies.buffers = copies;
+        launch = &on_copies;
+    }
+    job j = {.fn = fn, .launch = launch, .n_groups = (uint64_t)g[0] * g[1] * g[2], .st = st, .checked = checked,
+             .guard = checked ? &guard : NULL};
     atomic_init(&j.next_group, 0);
     atomic_init(&j.failed, 0);
     pthread_once(&pool.once, pool_once);
@@ -988,6 +1452,10 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, fa_status *st) {
     pthread_mutex_unlock(&pool.mu);
     if (atomic_load(&j.next_group) < j.n_groups) /* nobody could take them */
         job_fail(&j, FA_ERR_RUNTIME, "cannot map fiber stacks (out of memory or vm.max_map_count)");
+    if (checked) {
+        unguard_buffers(&guard);
+        if (j.found.what) describe_finding(&j, st);
+    }
     return atomic_load(&j.failed) ? st->code : FA_OK;
 }
 
@@ -1057,6 +1525,6 @@ int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_s
     msl_launch launch = {a->kernel, a->buffers, a->n_buffers, a->n_threadgroup_args,
                          a->threadgroup_arg_lengths, a->constants, a->n_constants,
                          {a->grid[0], a->grid[1], a->grid[2]},
-                         {a->threadgroup[0], a->threadgroup[1], a->threadgroup[2]}};
-    return mcpu_run(fn, &launch, st);
+                         {a->threadgroup[0], a->threadgroup[1], a->threadgroup[2]}, a->buffer_lengths};
+    return mcpu_run(fn, &launch, mcpu_library_checked(lib), st);
 }

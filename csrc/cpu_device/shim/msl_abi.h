@@ -15,7 +15,7 @@
 extern "C" {
 #endif
 
-#define MSL_ABI_VERSION 2u
+#define MSL_ABI_VERSION 3u
 #ifdef __cplusplus
 #define MSL_ALIGN16 alignas(16)
 #else
@@ -58,6 +58,9 @@ typedef struct msl_launch {
     uint32_t n_constants;
     uint32_t threadgroups_per_grid[3];
     uint32_t threads_per_threadgroup[3];
+    /* Bytes bound at each buffer (setBuffer's length minus its offset), UINT64_MAX where unknown;
+     * NULL when the caller gave none. Checked mode copies buffers into guarded storage by them. */
+    const uint64_t *buffer_lengths;
 } msl_launch;
 
 /* One SIMD-group's exchange area: a lane publishes into slot[its parity][lane], synchronises, then
@@ -106,12 +109,22 @@ typedef struct msl_thread {
     const msl_group *group;
 } msl_thread;
 
-/* Sync kinds, for diagnostics: which construct a thread is waiting in. */
+/* Sync kinds, for diagnostics: which construct a thread is waiting in. A barrier's kind carries
+ * its mem_flags shifted by MSL_SYNC_FLAGS_SHIFT (checked mode orders memory by them). */
 typedef enum msl_sync_kind {
     MSL_SYNC_THREADGROUP_BARRIER = 1,
     MSL_SYNC_SIMDGROUP_BARRIER = 2,
     MSL_SYNC_SIMD_COLLECTIVE = 3
 } msl_sync_kind;
+#define MSL_SYNC_FLAGS_SHIFT 8
+#define MSL_MEM_THREADGROUP 2u /* metal::mem_flags::mem_threadgroup */
+
+/* Checked mode: what an instrumented load or store reports (api->access). */
+typedef enum msl_access_kind {
+    MSL_ACCESS_READ = 1,
+    MSL_ACCESS_WRITE = 2, /* a read-modify-write is READ | WRITE */
+    MSL_ACCESS_ATOMIC = 4 /* with READ and/or WRITE */
+} msl_access_kind;
 
 typedef struct msl_runtime_api {
     uint32_t abi_version; /* MSL_ABI_VERSION */
@@ -133,6 +146,11 @@ typedef struct msl_runtime_api {
     /* MSL_UNBOUND_BYTES of zeroes, read-only (a write faults, failing the dispatch): what an
      * optional [[buffer(n), function_constant(c)]] argument left unbound refers to. */
     const void *(*unbound_storage)(void);
+    /* Checked mode (libraries built with MSL_CHECKED): every load and store of kernel code, before
+     * it happens. `pc` is the return address into the kernel's code. Fails the dispatch (does not
+     * return) on a threadgroup-memory race, an uninitialised threadgroup read or an access outside
+     * the bound buffers or threadgroup memory; ignores memory that is neither. */
+    void (*access)(const void *address, uint64_t size, int32_t kind, const void *pc);
 } msl_runtime_api;
 
 #ifdef __cplusplus

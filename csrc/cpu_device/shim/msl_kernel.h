@@ -271,4 +271,91 @@ using ::msl_rt::is_function_constant_defined;
 
 extern "C" void __msl_bind_runtime(const msl_runtime_api *a) { ::msl_rt::api = a; }
 
+#ifdef MSL_CHECKED
+/* Checked mode: the library is compiled with -fsanitize=thread, whose instrumentation calls
+ * __tsan_* functions before every load and store of kernel code. No sanitizer runtime is linked:
+ * these are all of it. Each forwards the address, size and kind with its return address (the
+ * access's place in the kernel, for the report's source line) to the runtime, which keeps shadow
+ * state of threadgroup memory and the bounds of the buffers. They are not instrumented themselves
+ * and are named through asm labels (g++ predeclares the __tsan_* names with its own types). */
+#ifdef __clang__ /* whose no_sanitize still instruments atomics: the hooks' own would recurse */
+#define MSL_UNINSTRUMENTED __attribute__((disable_sanitizer_instrumentation))
+#else
+#define MSL_UNINSTRUMENTED __attribute__((no_sanitize("thread")))
+#endif
+#define MSL_HOOK(ret, name, ...)                                                                                  \
+    extern "C" MSL_UNINSTRUMENTED __attribute__((visibility("hidden"), used)) ret msl_hook_##name(__VA_ARGS__)    \
+        __asm__("__tsan_" #name);                                                                                 \
+    ret msl_hook_##name(__VA_ARGS__)
+namespace msl_rt {
+MSL_UNINSTRUMENTED inline void checked_access(const volatile void *p, uint64_t n, int32_t kind, const void *pc) {
+    if (api) api->access(const_cast<const void *>(p), n, kind, pc);
+}
+} // namespace msl_rt
+#define MSL_CHECK(p, n, kind) ::msl_rt::checked_access(p, n, kind, __builtin_return_address(0))
+#define MSL_HOOK_ACCESS(n)                                                                                        \
+    MSL_HOOK(void, read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); }                                         \
+    MSL_HOOK(void, write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }                                       \
+    MSL_HOOK(void, unaligned_read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); }                               \
+    MSL_HOOK(void, unaligned_write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
+MSL_HOOK_ACCESS(1) MSL_HOOK_ACCESS(2) MSL_HOOK_ACCESS(4) MSL_HOOK_ACCESS(8) MSL_HOOK_ACCESS(16)
+MSL_HOOK(void, read_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_READ); }
+MSL_HOOK(void, write_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
+MSL_HOOK(void, init, void) {}
+MSL_HOOK(void, func_entry, void *) {}
+MSL_HOOK(void, func_exit, void *) {}
+MSL_HOOK(void, vptr_update, void **, void *) {}
+MSL_HOOK(void, vptr_read, void **) {}
+MSL_HOOK(void, atomic_thread_fence, int order) { __atomic_thread_fence(order); }
+MSL_HOOK(void, atomic_signal_fence, int order) { __atomic_signal_fence(order); }
+/* Atomics: checked as atomic accesses (which never race with each other), then done for real; the
+ * orders arrive as the compiler's __ATOMIC_* values. */
+#define MSL_RMW (MSL_ACCESS_ATOMIC | MSL_ACCESS_READ | MSL_ACCESS_WRITE)
+#define MSL_HOOK_RMW(bits, name, builtin)                                                                         \
+    MSL_HOOK(uint##bits##_t, atomic##bits##_##name, volatile uint##bits##_t *p, uint##bits##_t v, int order) {    \
+        MSL_CHECK(p, bits / 8, MSL_RMW);                                                                          \
+        return builtin(p, v, order);                                                                              \
+    }
+#define MSL_HOOK_ATOMIC(bits)                                                                                     \
+    MSL_HOOK(uint##bits##_t, atomic##bits##_load, const volatile uint##bits##_t *p, int order) {                  \
+        MSL_CHECK(p, bits / 8, MSL_ACCESS_ATOMIC | MSL_ACCESS_READ);                                              \
+        return __atomic_load_n(p, order);                                                                         \
+    }                                                                                                             \
+    MSL_HOOK(void, atomic##bits##_store, volatile uint##bits##_t *p, uint##bits##_t v, int order) {               \
+        MSL_CHECK(p, bits / 8, MSL_ACCESS_ATOMIC | MSL_ACCESS_WRITE);                                             \
+        __atomic_store_n(p, v, order);                                                                            \
+    }                                                                                                             \
+    MSL_HOOK_RMW(bits, exchange, __atomic_exchange_n)                                                             \
+    MSL_HOOK_RMW(bits, fetch_add, __atomic_fetch_add)                                                             \
+    MSL_HOOK_RMW(bits, fetch_sub, __atomic_fetch_sub)                                                             \
+    MSL_HOOK_RMW(bits, fetch_and, __atomic_fetch_and)                                                             \
+    MSL_HOOK_RMW(bits, fetch_or, __atomic_fetch_or)                                                               \
+    MSL_HOOK_RMW(bits, fetch_xor, __atomic_fetch_xor)                                                             \
+    MSL_HOOK_RMW(bits, fetch_nand, __atomic_fetch_nand)                                                           \
+    MSL_HOOK(int, atomic##bits##_compare_exchange_strong, volatile uint##bits##_t *p, uint##bits##_t *expected,   \
+             uint##bits##_t desired, int order, int fail) {                                                       \
+        MSL_CHECK(p, bits / 8, MSL_RMW);                                                                          \
+        return __atomic_compare_exchange_n(p, expected, desired, false, order, fail);                             \
+    }                                                                                                             \
+    MSL_HOOK(int, atomic##bits##_compare_exchange_weak, volatile uint##bits##_t *p, uint##bits##_t *expected,     \
+             uint##bits##_t desired, int order, int fail) {                                                       \
+        MSL_CHECK(p, bits / 8, MSL_RMW);                                                                          \
+        return __atomic_compare_exchange_n(p, expected, desired, true, order, fail);                              \
+    }                                                                                                             \
+    MSL_HOOK(uint##bits##_t, atomic##bits##_compare_exchange_val, volatile uint##bits##_t *p, uint##bits##_t cmp, \
+             uint##bits##_t desired, int order, int fail) {                                                       \
+        MSL_CHECK(p, bits / 8, MSL_RMW);                                                                          \
+        __atomic_compare_exchange_n(p, &cmp, desired, false, order, fail);                                        \
+        return cmp;                                                                                               \
+    }
+MSL_HOOK_ATOMIC(8) MSL_HOOK_ATOMIC(16) MSL_HOOK_ATOMIC(32) MSL_HOOK_ATOMIC(64)
+#undef MSL_HOOK_ATOMIC
+#undef MSL_HOOK_RMW
+#undef MSL_RMW
+#undef MSL_HOOK_ACCESS
+#undef MSL_CHECK
+#undef MSL_HOOK
+#undef MSL_UNINSTRUMENTED
+#endif
+
 #endif

@@ -158,14 +158,17 @@ namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) | int(b)); }
 
-/* One OS thread runs a threadgroup's fibers, so memory needs no fence: only execution syncs. */
-inline void threadgroup_barrier(mem_flags, MSL_CALLER) {
+/* One OS thread runs a threadgroup's fibers, so memory needs no fence: only execution syncs. The
+ * flags go along for checked mode, where only mem_threadgroup orders threadgroup memory. */
+inline void threadgroup_barrier(mem_flags flags, MSL_CALLER) {
     msl_thread *t = msl_rt::api->current();
-    msl_rt::api->sync(t, MSL_SYNC_THREADGROUP_BARRIER, "threadgroup_barrier", file, line);
+    msl_rt::api->sync(t, MSL_SYNC_THREADGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "threadgroup_barrier",
+                      file, line);
 }
 
-inline void simdgroup_barrier(mem_flags, MSL_CALLER) {
-    msl_rt::simd_sync(MSL_SYNC_SIMDGROUP_BARRIER, "simdgroup_barrier", file, line);
+inline void simdgroup_barrier(mem_flags flags, MSL_CALLER) {
+    msl_rt::simd_sync(MSL_SYNC_SIMDGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "simdgroup_barrier", file,
+                      line);
 }
 
 /* ---- SIMD-group collectives, over the lanes that have not returned ---- */
