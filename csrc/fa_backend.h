@@ -47,6 +47,14 @@ typedef struct fa_binding {
     int64_t length;
 } fa_binding;
 
+/* The binding of tensor t, or of `fallback` when t has no storage (an absent optional or an empty
+ * tensor: Metal still wants a buffer bound where no kernel reads). */
+static inline fa_binding fa_tensor_binding(const fa_tensor *t, const fa_tensor *fallback) {
+    const fa_tensor *bound = t->storage != NULL ? t : fallback;
+    const fa_binding b = {bound->storage, bound->byte_offset, NULL, bound->storage_bytes - bound->byte_offset};
+    return b;
+}
+
 typedef struct fa_dispatch {
     fa_binding bindings[FA_MAX_BINDINGS];
     uint32_t n_bindings;

@@ -23,33 +23,19 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     fa_dispatch d;
     memset(&d, 0, sizeof d);
     for (uint32_t i = 0; i < BACKWARD_TENSORS; ++i) {
-        const fa_tensor *bound = tensors[i]->storage != NULL ? tensors[i] : present;
-        d.bindings[i].storage = bound->storage;
-        d.bindings[i].byte_offset = bound->byte_offset;
-        d.bindings[i].length = bound->storage_bytes - bound->byte_offset;
+        d.bindings[i] = fa_tensor_binding(tensors[i], present);
     }
     d.bindings[BACKWARD_TENSORS].bytes = &ready->params;
     d.bindings[BACKWARD_TENSORS].length = (int64_t)sizeof ready->params;
-    /* [[buffer(11)]]: the attn_mask, untouched unless FA_FC_MASK_KIND says there is one. */
-    const fa_tensor *mask = args->mask.storage != NULL ? &args->mask : present;
-    d.bindings[BACKWARD_TENSORS + 1].storage = mask->storage;
-    d.bindings[BACKWARD_TENSORS + 1].byte_offset = mask->byte_offset;
-    d.bindings[BACKWARD_TENSORS + 1].length = mask->storage_bytes - mask->byte_offset;
-    /* [[buffer(12)]]: the ALiBi slopes, untouched unless FA_FC_ALIBI. */
-    const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
-    d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;
-    d.bindings[BACKWARD_TENSORS + 2].byte_offset = slopes->byte_offset;
-    /* [[buffer(13)]], [[buffer(14)]]: the sinks and their per-row gradient terms, untouched unless FA_FC_SINKS. */
-    const fa_tensor *sinks = args->sinks.storage != NULL ? &args->sinks : present;
-    const fa_tensor *sink_grad = args->sink_grad.storage != NULL ? &args->sink_grad : present;
-    d.bindings[BACKWARD_TENSORS + 3].storage = sinks->storage;
-    d.bindings[BACKWARD_TENSORS + 3].byte_offset = sinks->byte_offset;
-    d.bindings[BACKWARD_TENSORS + 4].storage = sink_grad->storage;
-    d.bindings[BACKWARD_TENSORS + 4].byte_offset = sink_grad->byte_offset;
-    /* [[buffer(16)]]: dropout's generator state, untouched unless FA_FC_DROPOUT. */
-    const fa_tensor *rng = args->rng_state.storage != NULL ? &args->rng_state : present;
-    d.bindings[16].storage = rng->storage;
-    d.bindings[16].byte_offset = rng->byte_offset;
+    /* The optional inputs, each untouched unless its function constant says it is there:
+     * [[buffer(11)]] the attn_mask (FA_FC_MASK_KIND), [[buffer(12)]] the ALiBi slopes, [[buffer(13)]]
+     * and [[buffer(14)]] the sinks and their per-row gradient terms, [[buffer(16)]] dropout's
+     * generator state. */
+    d.bindings[BACKWARD_TENSORS + 1] = fa_tensor_binding(&args->mask, present);
+    d.bindings[BACKWARD_TENSORS + 2] = fa_tensor_binding(&args->alibi_slopes, present);
+    d.bindings[BACKWARD_TENSORS + 3] = fa_tensor_binding(&args->sinks, present);
+    d.bindings[BACKWARD_TENSORS + 4] = fa_tensor_binding(&args->sink_grad, present);
+    d.bindings[16] = fa_tensor_binding(&args->rng_state, present);
     d.n_bindings = 17;
     int32_t rc = FA_OK;
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {

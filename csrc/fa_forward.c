@@ -5,12 +5,6 @@
 
 /* An empty tensor (S == 0, say) may have no storage at all; Metal still wants every buffer
  * argument bound, and the kernel reads none of its elements, so bind `fallback` in its place. */
-static fa_binding tensor_binding(const fa_tensor *t, const fa_tensor *fallback) {
-    const fa_tensor *bound = t->storage != NULL ? t : fallback;
-    fa_binding b = {bound->storage, bound->byte_offset, NULL, bound->storage_bytes - bound->byte_offset};
-    return b;
-}
-
 int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args *args, fa_status *st) {
     if (ready->empty) {
         return FA_OK;
@@ -25,18 +19,18 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     fa_dispatch d;
     memset(&d, 0, sizeof d);
     const fa_tensor *present = args->out.storage != NULL ? &args->out : &args->lse;
-    d.bindings[0] = tensor_binding(&args->q, present);
-    d.bindings[1] = tensor_binding(&args->k, present);
-    d.bindings[2] = tensor_binding(&args->v, present);
-    d.bindings[3] = tensor_binding(&args->out, present);
-    d.bindings[4] = tensor_binding(&args->lse, present); /* untouched unless FA_FC_WRITE_LSE */
+    d.bindings[0] = fa_tensor_binding(&args->q, present);
+    d.bindings[1] = fa_tensor_binding(&args->k, present);
+    d.bindings[2] = fa_tensor_binding(&args->v, present);
+    d.bindings[3] = fa_tensor_binding(&args->out, present);
+    d.bindings[4] = fa_tensor_binding(&args->lse, present); /* untouched unless FA_FC_WRITE_LSE */
     d.bindings[5].bytes = &ready->params;
     d.bindings[5].length = (int64_t)sizeof ready->params;
-    d.bindings[6] = tensor_binding(&args->workspace, present); /* untouched unless the plan splits */
-    d.bindings[7] = tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
-    d.bindings[8] = tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
-    d.bindings[9] = tensor_binding(&args->sinks, present); /* untouched unless FA_FC_SINKS */
-    d.bindings[12] = tensor_binding(&args->rng_state, present);   /* untouched unless FA_FC_DROPOUT */
+    d.bindings[6] = fa_tensor_binding(&args->workspace, present); /* untouched unless the plan splits */
+    d.bindings[7] = fa_tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
+    d.bindings[8] = fa_tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
+    d.bindings[9] = fa_tensor_binding(&args->sinks, present); /* untouched unless FA_FC_SINKS */
+    d.bindings[12] = fa_tensor_binding(&args->rng_state, present);   /* untouched unless FA_FC_DROPOUT */
     d.n_bindings = 13;
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
