@@ -1,9 +1,13 @@
 /* Runs a prepared backward pass (fa_plan_cache.h) on the backend of the tensors' device. */
 #include "fa_plan_cache.h"
+#include "fa_sequence.h"
 
 #include <string.h>
 
 enum { BACKWARD_TENSORS = 10 };
+
+static const char *const names_of_tensors[BACKWARD_TENSORS] = {"q",   "k",     "v",  "out", "dout",
+                                                               "lse", "delta", "dq", "dk",  "dv"};
 
 int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_args *args, fa_status *st) {
     /* Bindings 0..9 in the kernels' [[buffer(n)]] order. An empty tensor may have no storage;
@@ -37,8 +41,18 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     const fa_tensor *slopes = args->alibi_slopes.storage != NULL ? &args->alibi_slopes : present;
     d.bindings[BACKWARD_TENSORS + 2].storage = slopes->storage;
     d.bindings[BACKWARD_TENSORS + 2].byte_offset = slopes->byte_offset;
-    d.n_bindings = BACKWARD_TENSORS + 3;
+    /* [[buffer(15)]]: the sequence table, untouched unless FA_FC_SEQUENCES (13, 14: not read). */
+    for (uint32_t i = BACKWARD_TENSORS + 3; i <= 15; ++i) {
+        d.bindings[i] = d.bindings[0];
+    }
+    d.n_bindings = 16;
     int32_t rc = FA_OK;
+    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
+        rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params.forward,
+                               (int64_t)sizeof ready->params.forward, &args->sequences, tensors, names_of_tensors,
+                               BACKWARD_TENSORS, st);
+        d.bindings[15] = fa_sequence_binding(&args->sequences);
+    }
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
         if (step->pipeline != NULL) {

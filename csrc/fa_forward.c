@@ -1,5 +1,6 @@
 /* Runs a prepared forward pass (fa_plan_cache.h) on the backend of the tensors' device. */
 #include "fa_plan_cache.h"
+#include "fa_sequence.h"
 
 #include <string.h>
 
@@ -35,7 +36,16 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     d.bindings[6] = tensor_binding(&args->workspace, present); /* untouched unless the plan splits */
     d.bindings[7] = tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
     d.bindings[8] = tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
-    d.n_bindings = 9;
+    d.bindings[9] = tensor_binding(present, present);               /* not read */
+    d.bindings[10] = tensor_binding(present, present); /* the sequence table: untouched unless FA_FC_SEQUENCES */
+    d.n_bindings = 11;
+    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
+        const fa_tensor *views[] = {&args->q, &args->k, &args->v, &args->out, &args->lse, &args->workspace};
+        const char *const names[] = {"q", "k", "v", "out", "lse", "workspace"};
+        rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
+                               &args->sequences, views, names, 6, st);
+        d.bindings[10] = fa_sequence_binding(&args->sequences);
+    }
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
         memcpy(d.threadgroup_bytes, step->threadgroup_bytes, sizeof d.threadgroup_bytes);

@@ -3,6 +3,7 @@
  * overwritten); a hit copies its plan out under the table's lock. */
 #include "fa_plan_cache.h"
 #include "fa_cache.h"
+#include "fa_sequence.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -26,6 +27,8 @@ typedef struct forward_key {
     double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, mask, alibi;
+    shape_key sequences; /* the table's shape; its max lengths below */
+    int64_t max_q_len, max_kv_len;
 } forward_key;
 
 typedef struct backward_key {
@@ -33,6 +36,8 @@ typedef struct backward_key {
     double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi;
+    shape_key sequences;
+    int64_t max_q_len, max_kv_len;
 } backward_key;
 
 typedef struct plan_table {
@@ -140,10 +145,27 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
+        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
+        (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
         return rc;
     }
     return FA_OK;
+}
+
+/* The sequence table's part of a plan key (zero without one). */
+static void sequences_of(const fa_sequence_args *s, int32_t device, shape_key *shape, int64_t *max_q_len,
+                         int64_t *max_kv_len) {
+    if (fa_sequences_present(s)) {
+        shape_of(&s->table, device, shape);
+        *max_q_len = s->max_q_len;
+        *max_kv_len = s->max_kv_len;
+    }
+}
+
+/* The table kernel's pipeline, when the plan has one. */
+static int32_t resolve_builder(const fa_backend *backend, int32_t sequences, const fa_plan_dispatch *builder,
+                               fa_ready_dispatch *ready, fa_status *st) {
+    return sequences ? resolve(backend, builder, 1, 0, ready, st) : FA_OK;
 }
 
 int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa_status *st) {
@@ -169,6 +191,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     }
     shape_of_optional(&a->mask, a->device, &key.mask);
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
+    sequences_of(&a->sequences, a->device, &key.sequences, &key.max_q_len, &key.max_kv_len);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);
@@ -188,7 +211,9 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
         if ((ready->backend = backend_of(a->device, st)) == NULL) {
             return st->code;
         }
-        if ((rc = resolve(ready->backend, plan.dispatches, plan.n_dispatches, 0, ready->dispatches, st)) != FA_OK) {
+        if ((rc = resolve(ready->backend, plan.dispatches, plan.n_dispatches, 0, ready->dispatches, st)) != FA_OK ||
+            (rc = resolve_builder(ready->backend, plan.sequences, &plan.sequence_builder, &ready->sequence_builder,
+                                  st)) != FA_OK) {
             return rc;
         }
     }
@@ -207,7 +232,8 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)))) {
+        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
+        (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
         return rc;
     }
     return fa_plan_check_backward_aliases(a, st);
@@ -233,6 +259,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     shape_of_optional(&a->mask, a->device, &key.mask);
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
+    sequences_of(&a->sequences, a->device, &key.sequences, &key.max_q_len, &key.max_kv_len);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
         return check_backward_storage(a, st);
@@ -248,7 +275,9 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     if ((ready->backend = backend_of(a->device, st)) == NULL) {
         return st->code;
     }
-    if ((rc = resolve(ready->backend, plan.dispatches, FA_BACKWARD_DISPATCHES, 1, ready->dispatches, st)) != FA_OK) {
+    if ((rc = resolve(ready->backend, plan.dispatches, FA_BACKWARD_DISPATCHES, 1, ready->dispatches, st)) != FA_OK ||
+        (rc = resolve_builder(ready->backend, plan.sequences, &plan.sequence_builder, &ready->sequence_builder,
+                              st)) != FA_OK) {
         return rc;
     }
     table_store(&backward_plans, &key, hash, ready);

@@ -30,6 +30,7 @@
 #include <metal_stdlib>
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
 
@@ -37,9 +38,9 @@ using namespace metal;
 
 // The workspace of a split plan, in floats: partial outputs [split][b][h][i][Ev] (unnormalised),
 // then from p.split_stats_offset the partial (max, sum) pairs in the same order. This is the
-// index of row (b, h, i) of one split in either array.
+// index of row (b, h, i) of one split in either array (rows per head: the grid's, with sequences).
 inline long fa_split_row(constant fa_params &p, int split, long b, long h, int i) {
-  return ((long(split) * p.batch + b) * p.q_heads + h) * p.q_len + i;
+  return ((long(split) * p.batch + b) * p.q_heads + h) * (fa_sequences ? p.seq_grid_q_len : p.q_len) + i;
 }
 
 template <typename T>
@@ -101,10 +102,11 @@ template <typename T, int COLS, int ROWS>
     const device T *v [[buffer(2)]],
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
-    constant fa_params &p [[buffer(5)]],
+    constant fa_params &params [[buffer(5)]],
     device float *workspace [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
+    constant fa_params *sequence_table [[buffer(10)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -119,8 +121,19 @@ template <typename T, int COLS, int ROWS>
   // Rows of this kv head are ordered (query head, query row); this threadgroup takes `rows` of them
   // from `first`.
   const long b = group.z;
+  constant fa_params &p = fa_sequence_params(params, sequence_table, b);
   const int head_rows = p.gqa_factor * p.q_len;
   const int chunks = (head_rows + ROWS - 1) / ROWS;
+  // A sequence with fewer rows than the grid's max_seqlen packs them into fewer chunks: the
+  // threadgroups past them leave.
+  if (fa_sequences && (chunks == 0 || long(group.y) >= chunks * long(p.kv_heads))) {
+    return;
+  }
+  q = fa_sequence_q(q, p, b, p.q_strides);
+  out = fa_sequence_q(out, p, b, p.o_strides);
+  lse = fa_sequence_q(lse, p, b, p.lse_strides);
+  k = fa_sequence_k(k, p, b, p.k_strides);
+  v = fa_sequence_k(v, p, b, p.v_strides);
   const long kv_h = group.y / chunks;
   const int first = int(group.y % chunks) * ROWS;
   const int rows = min(ROWS, head_rows - first);

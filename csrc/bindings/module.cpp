@@ -240,9 +240,25 @@ fa_band_args band_args(py::handle band) {
     return b;
 }
 
+// sequences: None, or (table, scratch, max_q_len, max_kv_len) (fa_sequence_args).
+fa_sequence_args sequence_args(py::handle sequences, int32_t device) {
+    fa_sequence_args s;
+    std::memset(&s, 0, sizeof s);
+    if (sequences.is_none()) {
+        return s;
+    }
+    const auto fields = sequences.cast<std::tuple<py::object, py::object, int64_t, int64_t>>();
+    s.table = to_tensor(std::get<0>(fields), "sequences", device);
+    s.scratch = to_tensor(std::get<1>(fields), "sequence_scratch", device);
+    s.max_q_len = std::get<2>(fields);
+    s.max_kv_len = std::get<3>(fields);
+    return s;
+}
+
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                             py::handle band, double softcap, py::handle alibi, bool unbatched = false) {
+                             py::handle band, double softcap, py::handle alibi, bool unbatched = false,
+                             py::handle sequences = py::none()) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -258,6 +274,7 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.band = band_args(band);
     args.softcap = softcap;
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device); // already (B, Hq)
+    args.sequences = sequence_args(sequences, device);
     return args;
 }
 
@@ -266,9 +283,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 // alive while the kernels run.
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
-             py::handle band, double softcap, py::handle alibi) {
-    fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, unbatched);
+             py::handle band, double softcap, py::handle alibi, py::handle sequences) {
+    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi,
+                                        unbatched, sequences);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -318,9 +335,9 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
-                      py::handle alibi) {
+                      py::handle alibi, py::handle sequences) {
     const fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi);
+        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, false, sequences);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -353,7 +370,8 @@ py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, 
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi) {
+              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
+              py::handle sequences) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -373,6 +391,7 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
     args.band = band_args(band);
     args.softcap = softcap;
     args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
+    args.sequences = sequence_args(sequences, device);
     fa_status st;
     int32_t rc;
     {
@@ -523,6 +542,8 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_FLOAT16") = static_cast<int>(FA_F16);
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
     m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
+    m.attr("DTYPE_INT32") = static_cast<int>(FA_I32);
+    m.attr("SEQUENCE_PARAMS_BYTES") = static_cast<int>(sizeof(fa_params)); // per sequence (fa_sequence_args)
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
     m.attr("DEVICE_MPS") = static_cast<int>(FA_DEVICE_MPS);
     m.attr("KERNEL_AUTO") = static_cast<int>(FA_KERNEL_AUTO);
@@ -554,7 +575,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
           py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sequences") = py::none());
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
@@ -564,14 +585,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sequences") = py::none());
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none());
+          py::arg("alibi_slopes") = py::none(), py::arg("sequences") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
