@@ -99,6 +99,11 @@ typedef struct fa_sequence_args {
     fa_tensor table;
     fa_tensor scratch;
     int64_t max_q_len, max_kv_len;
+    /* Paged KV (ndim 0 when absent): (B, pages per sequence) int32, contiguous. k and v are then
+     * (pages, Hkv, page_size, D) views of the pool; key position t of sequence b (t counted from
+     * its table entry's first key row) is row t % page_size of page block_table[b][t / page_size].
+     * Entries are clamped into the pool by the kernel; the decode kernel runs it. */
+    fa_tensor block_table;
 } fa_sequence_args;
 
 typedef struct fa_forward_args {

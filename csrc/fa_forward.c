@@ -38,13 +38,17 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     d.bindings[8] = tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
     d.bindings[9] = tensor_binding(present, present);               /* not read */
     d.bindings[10] = tensor_binding(present, present); /* the sequence table: untouched unless FA_FC_SEQUENCES */
-    d.n_bindings = 11;
+    d.bindings[11] = tensor_binding(present, present); /* the block table: untouched unless FA_FC_PAGED */
+    d.n_bindings = 12;
     if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
         const fa_tensor *views[] = {&args->q, &args->k, &args->v, &args->out, &args->lse, &args->workspace};
         const char *const names[] = {"q", "k", "v", "out", "lse", "workspace"};
         rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
                                &args->sequences, views, names, 6, st);
         d.bindings[10] = fa_sequence_binding(&args->sequences);
+        if (args->sequences.block_table.storage != NULL) {
+            d.bindings[11] = tensor_binding(&args->sequences.block_table, present);
+        }
     }
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];

@@ -508,6 +508,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL);
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
+    add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
     return d;
 }
 
@@ -845,9 +846,9 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    const int32_t kernel = a->kernel != FA_KERNEL_AUTO         ? a->kernel
-                           : p->q_len <= DECODE_MAX_QUERY_LEN ? FA_KERNEL_DECODE
-                                                               : FA_KERNEL_FORWARD;
+    const int32_t kernel = a->kernel != FA_KERNEL_AUTO                                  ? a->kernel
+                           : p->q_len <= DECODE_MAX_QUERY_LEN || fa_sequence_paged(&a->sequences) ? FA_KERNEL_DECODE
+                                                                                        : FA_KERNEL_FORWARD;
     switch (kernel) {
     case FA_KERNEL_SIMPLE:
         rc = plan_simple(a, plan);

@@ -27,7 +27,7 @@ typedef struct forward_key {
     double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, mask, alibi;
-    shape_key sequences; /* the table's shape; its max lengths below */
+    shape_key sequences, block_table; /* the tables' shapes; the max lengths below */
     int64_t max_q_len, max_kv_len;
 } forward_key;
 
@@ -36,7 +36,7 @@ typedef struct backward_key {
     double scale, softcap;
     fa_band_args band;
     shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi;
-    shape_key sequences;
+    shape_key sequences, block_table;
     int64_t max_q_len, max_kv_len;
 } backward_key;
 
@@ -153,10 +153,11 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
 }
 
 /* The sequence table's part of a plan key (zero without one). */
-static void sequences_of(const fa_sequence_args *s, int32_t device, shape_key *shape, int64_t *max_q_len,
-                         int64_t *max_kv_len) {
+static void sequences_of(const fa_sequence_args *s, int32_t device, shape_key *shape, shape_key *pages,
+                         int64_t *max_q_len, int64_t *max_kv_len) {
     if (fa_sequences_present(s)) {
         shape_of(&s->table, device, shape);
+        shape_of_optional(&s->block_table, device, pages);
         *max_q_len = s->max_q_len;
         *max_kv_len = s->max_kv_len;
     }
@@ -191,7 +192,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     }
     shape_of_optional(&a->mask, a->device, &key.mask);
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
-    sequences_of(&a->sequences, a->device, &key.sequences, &key.max_q_len, &key.max_kv_len);
+    sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);
@@ -259,7 +260,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     shape_of_optional(&a->mask, a->device, &key.mask);
     shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
-    sequences_of(&a->sequences, a->device, &key.sequences, &key.max_q_len, &key.max_kv_len);
+    sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
         return check_backward_storage(a, st);

@@ -9,6 +9,10 @@ enum { SEQUENCE_SCRATCH_ALIGNMENT = 16, SEQUENCE_TABLE_THREADS = 32 };
 
 int32_t fa_sequences_present(const fa_sequence_args *s) { return s->table.ndim != 0 || s->table.storage != NULL; }
 
+int32_t fa_sequence_paged(const fa_sequence_args *s) {
+    return s->block_table.ndim != 0 || s->block_table.storage != NULL;
+}
+
 int32_t fa_sequence_check_storage(const fa_sequence_args *s, int32_t device, fa_status *st) {
     int32_t rc = fa_check_tensor(&s->table, "sequences", 2, 0, st);
     if (rc != FA_OK) {
@@ -27,6 +31,20 @@ int32_t fa_sequence_check_storage(const fa_sequence_args *s, int32_t device, fa_
     }
     if ((rc = fa_check_tensor(&s->scratch, "sequence_scratch", 1, 1, st)) != FA_OK) {
         return rc;
+    }
+    if (fa_sequence_paged(s)) {
+        const fa_tensor *t = &s->block_table;
+        if ((rc = fa_check_tensor(t, "block_table", 2, 0, st)) != FA_OK) {
+            return rc;
+        }
+        if (t->dtype != FA_I32 || t->sizes[0] != n || t->sizes[1] < 1 || t->sizes[1] > INT32_MAX ||
+            (n > 0 && t->strides[1] != 1) || (n > 1 && t->strides[0] != t->sizes[1])) {
+            char shape[64];
+            fa_describe_shape(t, shape, sizeof shape);
+            return fa_fail(st, t->dtype != FA_I32 ? FA_ERR_TYPE : FA_ERR_VALUE,
+                           "block_table: must be a contiguous (B, pages) int32 tensor with B = %lld, got %s %s",
+                           (long long)n, fa_dtype_name(t->dtype), shape);
+        }
     }
     const int64_t needed = n * (int64_t)sizeof(fa_params);
     const uint64_t start =
@@ -69,6 +87,18 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     if (q[0] > INT32_MAX || q[2] > INT32_MAX || k[0] > INT32_MAX || k[2] > INT32_MAX) {
         return fa_fail(st, FA_ERR_VALUE, "sequences: views beyond 2^31-1 batches or rows are not supported");
     }
+    if (fa_sequence_paged(s)) {
+        if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_DECODE) {
+            return fa_fail(st, FA_ERR_VALUE, "block_table: a paged KV cache is read by the decode kernel only "
+                                             "(forward, no gradients)");
+        }
+        if (k[0] < 1 || k[2] < 1 || k[2] * s->block_table.sizes[1] > INT32_MAX) {
+            return fa_fail(st, FA_ERR_VALUE,
+                           "block_table: the pool must hold pages of at least one row, and pages x page size must "
+                           "be below 2^31 (pool %lld pages of %lld rows, %lld per sequence)",
+                           (long long)k[0], (long long)k[2], (long long)s->block_table.sizes[1]);
+        }
+    }
     *grid = *a;
     const int64_t batch = s->table.sizes[0];
     set_grid_view(&grid->q, batch, s->max_q_len);
@@ -94,6 +124,14 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p) {
                               : -1;
     p->seq_bottom_right = w->bottom_right != 0;
     p->seq_grid_q_len = p->q_len;
+    const fa_sequence_args *s = &real->sequences;
+    if (fa_sequence_paged(s)) { /* a sequence's keys: every page its table row names */
+        p->page_size = (fa_i32)real->k.sizes[2];
+        p->pages_per_sequence = (fa_i32)s->block_table.sizes[1];
+        p->page_count = (fa_i32)real->k.sizes[0];
+        p->seq_k_batches = 1;
+        p->seq_k_rows = p->page_size * p->pages_per_sequence;
+    }
 }
 
 void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,

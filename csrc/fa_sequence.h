@@ -11,6 +11,8 @@ extern "C" {
 
 /* Whether a call has a sequence table (a 0-D descriptor with storage is refused, never "absent"). */
 int32_t fa_sequences_present(const fa_sequence_args *s);
+/* Whether the keys are read through a block table (paged KV). */
+int32_t fa_sequence_paged(const fa_sequence_args *s);
 
 /* Validates the sequence arguments of a forward call whose q, k, v, out, lse descriptors are
  * checked, and writes *grid: the call as the grid sees it, every q-side view (B, Hq, max_q_len, .)

@@ -3,7 +3,8 @@
 The new keys and values are written into the cache in place with torch ops (one indexed store
 per tensor: the cache is never copied), after rotary embedding of q and the new k when given (torch
 ops in float32 on the few new rows: too little work to justify a kernel). The attention itself is
-the kernels reading the cache in place through a sequence table (metal/fa_sequence.h): query rows
+the kernels reading the cache in place through a sequence table (metal/fa_sequence.h; a paged cache
+through its block table too, function constant 13): query rows
 of batch b attend to cache row cache_batch_idx[b], keys cache_leftpad[b] .. cache_seqlens[b] + new
 - 1, causal bottom-right per sequence; the decode kernel (split-K as usual) for few query rows.
 
@@ -68,15 +69,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: an int >= 0, a performance hint in flash-attn; here the planner always chooses
             the split-K of the decode kernel itself (results do not depend on it).
         return_softmax_lse: also return the (batch, nheads, seqlen_q) float32 log-sum-exp.
-        block_table (paged caches), sinks: not supported yet (NotImplementedError).
+        block_table: None, or (batch, max_num_blocks) int32 for a paged cache: k_cache and v_cache
+            are then the pool (num_blocks, page_block_size, nheads_k, headdim) and position t of
+            batch b lives in page block_table[b, t // page_block_size] (any page size; the decode
+            kernel reads the pages through the table in place). Not with cache_batch_idx.
+        sinks: not supported yet (NotImplementedError).
 
     Returns out (batch, seqlen_q, nheads, headdim_v) (and the lse). Not differentiable, as
     flash-attn's.
     """
     who = "flash_attn_with_kvcache"
     band, softcap = check_common(who, None, causal, window_size, softcap, False, sinks)
-    if block_table is not None:
-        raise NotImplementedError(_NOT_HERE.format(who, "block_table (a paged KV cache)", _given(block_table)))
     if return_softmax_lse is not True and return_softmax_lse is not False:
         raise TypeError(f"{who}: return_softmax_lse must be a bool, got {_given(return_softmax_lse)}")
     if rotary_interleaved is not True and rotary_interleaved is not False:
@@ -97,6 +100,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     batch, seqlen_q = q.shape[0], q.shape[1]
     cache_batch, cache_len = k_cache.shape[0], k_cache.shape[1]
     new = 0 if k is None else k.shape[1]
+    pages = None
+    if block_table is not None:  # paged: k_cache is the pool (pages, page_size, nheads_k, headdim)
+        if cache_batch_idx is not None:
+            raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
+                or block_table.device != q.device:
+            raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {q.device}, "
+                             f"got {tuple(block_table.shape)} on {block_table.device}")
+        if v_cache.shape[:2] != k_cache.shape[:2]:
+            raise ValueError(f"{who}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share "
+                             "their pages")
+        pages = block_table.tolist()
+        pool, page_size = cache_batch, cache_len
+        cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
     if k is not None and (k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
                           or v.shape[2:] != v_cache.shape[2:]):
         raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, seqlen_new) rows of "
@@ -111,6 +130,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rows = _optional_lengths(cache_batch_idx, "cache_batch_idx", who, q.device, batch) or list(range(batch))
     leftpad = _optional_lengths(cache_leftpad, "cache_leftpad", who, q.device, batch) or [0] * batch
     for b in range(batch):
+        if pages is not None:
+            used = -(-(lengths[b] + new) // page_size) if 0 <= lengths[b] <= cache_len - new else 0
+            bad = [page for page in pages[b][:used] if not 0 <= page < pool]
+            if bad:
+                raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
         if not 0 <= rows[b] < cache_batch:
             raise ValueError(f"{who}: cache_batch_idx[{b}] = {rows[b]} is outside the cache's {cache_batch} rows")
         if not 0 <= lengths[b] <= cache_len - new:
@@ -137,13 +161,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k = _rotate(k, rotary_cos, rotary_sin, starts[:, None] + torch.arange(new, device=q.device),
                         rotary_interleaved)
     if k is not None and new > 0 and batch > 0:
-        index = (torch.tensor(rows, device=q.device)[:, None].expand(batch, new), starts[:, None] + torch.arange(
-            new, device=q.device))
+        positions = starts[:, None] + torch.arange(new, device=q.device)
+        if pages is None:
+            index = (torch.tensor(rows, device=q.device)[:, None].expand(batch, new), positions)
+        else:  # the page of each position, and its row in the page
+            index = (block_table.long().gather(1, positions // page_size), positions % page_size)
         k_cache.index_put_(index, k)  # in place: only these rows of the cache are written
         v_cache.index_put_(index, v)
 
-    table = torch.tensor([[b, 0, seqlen_q, rows[b], leftpad[b], lengths[b] + new - leftpad[b]] for b in range(batch)],
-                         dtype=torch.int32).reshape(batch, 6).to(q.device)
+    k_batch = [0] * batch if pages is not None else rows
+    table = torch.tensor([[b, 0, seqlen_q, k_batch[b], leftpad[b], lengths[b] + new - leftpad[b]]
+                          for b in range(batch)], dtype=torch.int32).reshape(batch, 6).to(q.device)
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
     scale = _scale_value(q.shape[-1], softmax_scale)
@@ -153,5 +181,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         else None
     views = [t.transpose(1, 2) for t in (q, k_cache, v_cache, out)]
     max_keys = max([lengths[b] + new - leftpad[b] for b in range(batch)], default=0)
-    run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, seqlen_q, max_keys))
+    run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, seqlen_q, max_keys, block_table))
     return (out, lse) if return_softmax_lse else out

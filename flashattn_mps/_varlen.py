@@ -58,12 +58,13 @@ def _check_prefix_sums(cu: torch.Tensor, name: str, total: int, max_len: int, ma
         raise ValueError(f"{who}: {max_name} = {max_len}, but {name} holds a sequence of {max(lengths)}")
 
 
-def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int) -> tuple:
+def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None) -> tuple:
     """What _C.forward / _C.backward take as `sequences`: the (B, 6) int32 table, scratch for the
-    per-sequence kernel arguments, and the grid's lengths."""
+    per-sequence kernel arguments, the grid's lengths, and the (B, pages) block table of a paged
+    cache or None."""
     words = (table.shape[0] * _C.SEQUENCE_PARAMS_BYTES + 3) // 4
     scratch = torch.empty(max(words, 1), dtype=torch.float32, device=table.device)
-    return table, scratch, max_q_len, max_kv_len
+    return table, scratch, max_q_len, max_kv_len, block_table
 
 
 def run_forward(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO):

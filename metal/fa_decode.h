@@ -107,6 +107,7 @@ template <typename T, int COLS, int ROWS>
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
     constant fa_params *sequence_table [[buffer(10)]],
+    const device int *block_table [[buffer(11)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],
@@ -189,12 +190,17 @@ template <typename T, int COLS, int ROWS>
     const bool second = j + 1 < end;
     float k_reg[2][COLS];
     float v_reg[2][COLS];
-    fa_decode_load<T, COLS>(k_reg[0], k_row, p.k_strides[3], p.head_dim, lane, as_vectors);
-    fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
-    fa_decode_load<T, COLS>(k_reg[1], k_row + p.k_strides[2], p.k_strides[3], second ? p.head_dim : 0, lane,
-                            as_vectors);
-    fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
-                            as_vectors);
+    // A paged cache: each key's row through the block table (fa_sequence.h).
+    const device T *k_rows[2] = {k_row, k_row + p.k_strides[2]};
+    const device T *v_rows[2] = {v_row, v_row + p.v_strides[2]};
+    for (int t = 0; fa_paged && t < 2; ++t) {
+      k_rows[t] = fa_paged_key(k, p, block_table, b, kv_h, j + t, p.k_strides);
+      v_rows[t] = fa_paged_key(v, p, block_table, b, kv_h, j + t, p.v_strides);
+    }
+    fa_decode_load<T, COLS>(k_reg[0], k_rows[0], p.k_strides[3], p.head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], p.v_head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(k_reg[1], k_rows[1], p.k_strides[3], second ? p.head_dim : 0, lane, as_vectors);
+    fa_decode_load<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], second ? p.v_head_dim : 0, lane, as_vectors);
     for (int r = 0; r < ROWS && r < rows; ++r) {
       float partial[2] = {0.0f, 0.0f};
       for (int c = 0; c < COLS; ++c) {

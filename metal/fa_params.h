@@ -28,6 +28,7 @@ typedef int32_t fa_i32;
 #define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
 #define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
 #define FA_FC_SEQUENCES 12 // bool: each batch entry is a sequence of its own lengths and start (fa_sequence.h)
+#define FA_FC_PAGED 13     // bool: with sequences, keys are read through a block table (paged KV; fa_sequence.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -87,6 +88,12 @@ typedef struct fa_params {
   fa_i32 seq_q_row0;
   fa_i32 seq_k_batch;      // its keys: k[seq_k_batch, :, seq_k_row0 + j]
   fa_i32 seq_k_row0;
+  // Paged KV under FA_FC_PAGED: key position t of sequence b is row t % page_size of page
+  // block_table[b][t / page_size] of k's view (pages, Hkv, page_size, E).
+  fa_i32 page_size;
+  fa_i32 pages_per_sequence; // the block table's columns
+  fa_i32 page_count;         // pages in the pool: table entries are clamped into it
+  fa_i32 page_pad;
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.

@@ -115,7 +115,11 @@ def test_appends_in_place_and_attends(gen, shape, option):
     (dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, r"cache_seqlens must be \(2,\)"),
     (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), ValueError, r"cache_batch_idx\[1\] = 5"),
     (dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = 4"),
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "block_table"),
+    (dict(block_table=torch.tensor([[0], [5]], dtype=torch.int32)), ValueError, "names page 5, outside the pool"),
+    (dict(block_table=torch.tensor([[0], [1]])), TypeError, "block_table must be an int32"),
+    (dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, r"block_table must be \(batch"),
+    (dict(block_table=torch.tensor([[0], [1]], dtype=torch.int32), cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
+     ValueError, "cannot be combined with block_table"),
     (dict(num_splits=-1), ValueError, "num_splits"),
     (dict(k=None), ValueError, "k and v must be given together"),
 ])
@@ -127,3 +131,61 @@ def test_errors_name_the_argument(gen, change, error, words):
     with pytest.raises(error, match=words):
         flash_attn_with_kvcache(**args)
     assert torch.equal(args["k_cache"], before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_paged_cache_through_shuffled_block_tables(gen, case):
+    """A paged pool with shuffled pages gives what the same cache laid out contiguously gives,
+    appends land in the right pages, and every other page entry stays bitwise untouched."""
+    batch, lq, new, page, pages_per_seq, hq, hkv, d = [(3, 1, 1, 16, 5, 4, 2, 16), (2, 3, 2, 7, 9, 2, 2, 32),
+                                                       (2, 1, 0, 32, 3, 8, 2, 64), (2, 12, 4, 5, 20, 4, 1, 16)][case]
+    dtype = ALL_DTYPES[case % 3]
+    causal = case != 2
+    capacity = page * pages_per_seq
+    pool_pages = batch * pages_per_seq + 3  # spare pages that no table names
+    order = torch.randperm(pool_pages, generator=gen)
+    table = order[: batch * pages_per_seq].reshape(batch, pages_per_seq).to(torch.int32)
+    k_pool = randn(gen, pool_pages, page, hkv, d, dtype=dtype)
+    v_pool = randn(gen, pool_pages, page, hkv, d, dtype=dtype)
+    contiguous_k = k_pool[table.long()].reshape(batch, capacity, hkv, d).clone()
+    contiguous_v = v_pool[table.long()].reshape(batch, capacity, hkv, d).clone()
+    q = randn(gen, batch, lq, hq, d, dtype=dtype)
+    k = randn(gen, batch, new, hkv, d, dtype=dtype) if new else None
+    v = randn(gen, batch, new, hkv, d, dtype=dtype) if new else None
+    lengths = torch.tensor([capacity - new] + [int(x) for x in torch.randint(0, capacity - new + 1, (batch - 1,),
+                                                                                generator=gen)], dtype=torch.int32)
+    before_k, before_v = k_pool.clone(), v_pool.clone()
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=lengths, block_table=table, causal=causal)
+    want = flash_attn_with_kvcache(q, contiguous_k, contiguous_v, k, v, cache_seqlens=lengths, causal=causal)
+    if lq <= 8:  # the same decode kernel reads both: the same sums
+        assert torch.equal(out, want)
+    else:  # paged takes the decode kernel, contiguous the prefill one
+        assert max_error(out, want) <= {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert torch.equal(k_pool[table.long()].reshape(batch, capacity, hkv, d), contiguous_k)
+    assert torch.equal(v_pool[table.long()].reshape(batch, capacity, hkv, d), contiguous_v)
+    written = torch.zeros(pool_pages, page, dtype=torch.bool)
+    for b in range(batch):
+        for t in range(int(lengths[b]), int(lengths[b]) + new):
+            written[table[b, t // page], t % page] = True
+    assert torch.equal(k_pool[~written], before_k[~written]) and torch.equal(v_pool[~written], before_v[~written])
+
+
+def test_core_clamps_block_tables_it_cannot_trust(gen):
+    """The C layer never reads a block table in device memory: entries outside the pool and
+    lengths past the table are clamped by the kernel, so the dispatch stays inside the pool."""
+    from flashattn_mps import _C, _varlen
+
+    q, pool = randn(gen, 2, 1, 2, 16), randn(gen, 3, 4, 2, 16)
+    out = torch.zeros(2, 1, 2, 16)
+    entries = torch.tensor([[0, 0, 1, 0, 0, 2**31 - 1], [1, 0, 1, 0, 3, 9]], dtype=torch.int32)
+    bad_pages = torch.tensor([[-7, 2**31 - 1], [3, 99]], dtype=torch.int32)
+    views = [t.transpose(1, 2) for t in (q, pool, pool, out)]
+    _varlen.run_forward(*views, None, 0.25, False, (1, -1, -1), 0.0, None,
+                        _varlen.sequence_args(entries, 1, 8, bad_pages))
+    assert out.isfinite().all()
+    with pytest.raises(TypeError, match="block_table: must be a contiguous"):
+        _varlen.run_forward(*views, None, 0.25, False, (1, -1, -1), 0.0, None,
+                            _varlen.sequence_args(entries, 1, 8, bad_pages.float()))
+    with pytest.raises(ValueError, match="decode kernel only"):
+        _varlen.run_forward(*views, None, 0.25, False, (1, -1, -1), 0.0, None,
+                            _varlen.sequence_args(entries, 1, 8, bad_pages), _C.KERNEL_FORWARD)

@@ -193,11 +193,11 @@ def test_core_rejects_malformed_tables(gen):
     with pytest.raises(ValueError, match=r"contiguous \(B, 6\)"):
         run(_varlen.sequence_args(torch.zeros(6, 2, dtype=torch.int32).t(), 4, 4))
     with pytest.raises(ValueError, match="sequence_scratch: needs"):
-        run((good, torch.empty(3), 4, 4))
+        run((good, torch.empty(3), 4, 4, None))
     with pytest.raises(ValueError, match="max_seqlen_q and max_seqlen_k"):
         run(_varlen.sequence_args(good, -1, 4))
     with pytest.raises(ValueError, match="overlaps"):
-        run((good, storage[: 2 * _C.SEQUENCE_PARAMS_BYTES // 4], 4, 4))
+        run((good, storage[: 2 * _C.SEQUENCE_PARAMS_BYTES // 4], 4, 4, None))
 
 
 @pytest.mark.parametrize("through", ["position_ids", "flash_kwargs"])

@@ -240,18 +240,19 @@ fa_band_args band_args(py::handle band) {
     return b;
 }
 
-// sequences: None, or (table, scratch, max_q_len, max_kv_len) (fa_sequence_args).
+// sequences: None, or (table, scratch, max_q_len, max_kv_len, block_table or None) (fa_sequence_args).
 fa_sequence_args sequence_args(py::handle sequences, int32_t device) {
     fa_sequence_args s;
     std::memset(&s, 0, sizeof s);
     if (sequences.is_none()) {
         return s;
     }
-    const auto fields = sequences.cast<std::tuple<py::object, py::object, int64_t, int64_t>>();
+    const auto fields = sequences.cast<std::tuple<py::object, py::object, int64_t, int64_t, py::object>>();
     s.table = to_tensor(std::get<0>(fields), "sequences", device);
     s.scratch = to_tensor(std::get<1>(fields), "sequence_scratch", device);
     s.max_q_len = std::get<2>(fields);
     s.max_kv_len = std::get<3>(fields);
+    s.block_table = to_tensor(std::get<4>(fields), "block_table", device);
     return s;
 }
 
