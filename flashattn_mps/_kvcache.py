@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import _given, _scale_value
-from ._varlen import _alibi_view, _check_int, _NOT_HERE, check_common, check_lengths_tensor, run_forward, sequence_args
+from ._api import _given
+from ._varlen import (_alibi_view, _check_int, check_bool, check_common, check_lengths_tensor, check_scale, run_forward,
+                      sequence_args)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
@@ -80,10 +81,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     who = "flash_attn_with_kvcache"
     band, softcap = check_common(who, None, causal, window_size, softcap, False, sinks)
-    if return_softmax_lse is not True and return_softmax_lse is not False:
-        raise TypeError(f"{who}: return_softmax_lse must be a bool, got {_given(return_softmax_lse)}")
-    if rotary_interleaved is not True and rotary_interleaved is not False:
-        raise TypeError(f"{who}: rotary_interleaved must be a bool, got {_given(rotary_interleaved)}")
+    check_bool(return_softmax_lse, "return_softmax_lse", who)
+    check_bool(rotary_interleaved, "rotary_interleaved", who)
     _check_int(num_splits, "num_splits", who)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is None and name in ("k", "v"):
@@ -172,9 +171,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_batch = [0] * batch if pages is not None else rows
     table = torch.tensor([[b, 0, seqlen_q, k_batch[b], leftpad[b], lengths[b] + new - leftpad[b]]
                           for b in range(batch)], dtype=torch.int32).reshape(batch, 6).to(q.device)
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
-    scale = _scale_value(q.shape[-1], softmax_scale)
+    scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, batch, q.shape[2], q.device, who)
     out = q.new_empty((batch, seqlen_q, q.shape[2], v_cache.shape[3]))
     lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) if return_softmax_lse \

@@ -95,6 +95,19 @@ def _alibi_view(slopes, batch: int, heads: int, device, who: str):
     return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
 
 
+def check_bool(value, name: str, who: str) -> bool:
+    if value is not True and value is not False:
+        raise TypeError(f"{who}: {name} must be a bool, got {_given(value)}")
+    return value
+
+
+def check_scale(softmax_scale, head_dim: int, who: str) -> float:
+    """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
+    return _scale_value(head_dim, softmax_scale)
+
+
 def check_common(who: str, dropout_p, causal, window_size, softcap, deterministic, sinks):
     """The options flash_attn_varlen_func and flash_attn_with_kvcache share with flash_attn_func."""
     if dropout_p is not None:
@@ -104,10 +117,8 @@ def check_common(who: str, dropout_p, causal, window_size, softcap, deterministi
             raise NotImplementedError(_NOT_HERE.format(who, "dropout_p > 0", dropout_p))
     if sinks is not None:
         raise NotImplementedError(_NOT_HERE.format(who, "sinks", _given(sinks)))
-    if causal is not True and causal is not False:
-        raise TypeError(f"{who}: causal must be a bool, got {_given(causal)}")
-    if deterministic is not True and deterministic is not False:
-        raise TypeError(f"{who}: deterministic must be a bool, got {_given(deterministic)}")
+    check_bool(causal, "causal", who)
+    check_bool(deterministic, "deterministic", who)
     left, right = _check_window(window_size, who)
     return (1, left, right), _check_softcap(softcap, who)
 
@@ -189,9 +200,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
     _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, "max_seqlen_k", who)
     batch = cu_seqlens_q.shape[0] - 1
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
-    scale = _scale_value(q.shape[-1], softmax_scale)
+    scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, batch, q.shape[1], q.device, who)
     zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
     table = torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, cu_seqlens_k[:-1],

@@ -68,7 +68,14 @@ inline int fa_sequence_clamp(int x, int lo, int hi) { return x < lo ? lo : x > h
     return;
   }
   const device int *e = entries + long(b) * FA_SEQUENCE_COLUMNS;
-  fa_params s = p;
+  // The call's params word by word (MSL copies no struct across address spaces), then this
+  // sequence's fields.
+  const constant fa_i32 *from = (const constant fa_i32 *)&p;
+  device fa_i32 *to = (device fa_i32 *)(table + b);
+  for (uint i = 0; i < sizeof(fa_params) / sizeof(fa_i32); ++i) {
+    to[i] = from[i];
+  }
+  device fa_params &s = table[b];
   s.seq_q_batch = fa_sequence_clamp(e[FA_SEQ_Q_BATCH], 0, metal::max(p.seq_q_batches - 1, 0));
   s.seq_q_row0 = fa_sequence_clamp(e[FA_SEQ_Q_ROW0], 0, p.seq_q_rows);
   s.q_len = fa_sequence_clamp(e[FA_SEQ_Q_LEN], 0, metal::min(p.seq_q_rows - s.seq_q_row0, p.seq_grid_q_len));
@@ -80,7 +87,6 @@ inline int fa_sequence_clamp(int x, int lo, int hi) { return x < lo ? lo : x > h
   s.band_lo = band.lo;
   s.band_hi = band.hi;
   s.split_begin = metal::max(0, band.lo); // the first key row 0 sees; the planner sized the splits for all keys
-  table[b] = s;
 }
 
 // The params sequence b runs with: its table entry under FA_FC_SEQUENCES, else the call's.
