@@ -147,7 +147,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
                            threads);
     plan->sequences = forward.sequences;
     if (plan->sequences) {
-        fa_sequence_set_builder(&plan->sequence_builder, tiled, fa_backward_source, (uint32_t)f->batch);
+        fa_sequence_set_builder(&plan->sequence_builder, tiled, fa_backward_source, dtype, (uint32_t)f->batch);
     }
     return FA_OK;
 }

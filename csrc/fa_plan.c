@@ -861,7 +861,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
     if (rc == FA_OK && plan->sequences && plan->n_dispatches > 0) {
         fa_sequence_set_builder(&plan->sequence_builder, &plan->dispatches[0], plan->dispatches[0].source_name,
-                                (uint32_t)p->batch);
+                                a->q.dtype, (uint32_t)p->batch);
     }
     return rc;
 }

@@ -5,7 +5,7 @@
 #include <stdio.h>
 #include <string.h>
 
-enum { SEQUENCE_SCRATCH_ALIGNMENT = 16, SEQUENCE_TABLE_THREADS = 32 };
+enum { SEQUENCE_SCRATCH_ALIGNMENT = 16, SEQUENCE_TABLE_THREADS = FA_SEQUENCE_TABLE_THREADS };
 
 int32_t fa_sequences_present(const fa_sequence_args *s) { return s->table.ndim != 0 || s->table.storage != NULL; }
 
@@ -135,10 +135,10 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p) {
 }
 
 void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,
-                             uint32_t sequences) {
+                             int32_t dtype, uint32_t sequences) {
     memset(builder, 0, sizeof *builder);
     snprintf(builder->source_name, sizeof builder->source_name, "%s", source);
-    snprintf(builder->function, sizeof builder->function, "fa_sequence_table");
+    snprintf(builder->function, sizeof builder->function, "fa_sequence_table_%s", fa_kernel_type_name(dtype));
     memcpy(builder->macros, like->macros, sizeof builder->macros);
     builder->n_macros = like->n_macros;
     fa_plan_set_geometry(builder, (sequences + SEQUENCE_TABLE_THREADS - 1) / SEQUENCE_TABLE_THREADS, 1, 1,

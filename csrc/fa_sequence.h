@@ -27,9 +27,10 @@ int32_t fa_sequence_check_storage(const fa_sequence_args *s, int32_t device, fa_
  * (real: the call's own descriptors). */
 void fa_sequence_set_params(const fa_forward_args *real, fa_params *p);
 
-/* The table kernel's dispatch, in the library of `like` (so it costs no compile of its own). */
+/* The table kernel's dispatch, in the library of `like` (source and macros; so it costs no compile
+ * of its own), for element type dtype. */
 void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,
-                             uint32_t sequences);
+                             int32_t dtype, uint32_t sequences);
 
 /* Runs the table kernel (params: the plan's), after checking that the scratch it writes overlaps
  * none of `views`; then the attention kernels bind fa_sequence_binding. */

@@ -32,6 +32,9 @@ enum fa_sequence_entry {
   FA_SEQUENCE_COLUMNS = 6
 };
 
+// Threads per threadgroup of fa_sequence_table (one per sequence).
+#define FA_SEQUENCE_TABLE_THREADS 32
+
 typedef struct fa_band_bounds {
   fa_i32 lo;
   fa_i32 hi;
@@ -59,11 +62,15 @@ constant bool fa_paged [[function_constant(FA_FC_PAGED)]];
 inline int fa_sequence_clamp(int x, int lo, int hi) { return x < lo ? lo : x > hi ? hi : x; }
 
 // One thread per sequence: the table row of sequence b, clamped into q's and k's views (rows past
-// the grid's max_seqlen are cut, never read outside a view), becomes that sequence's params.
-[[kernel]] void fa_sequence_table(const device int *entries [[buffer(0)]],
-                                  device fa_params *table [[buffer(1)]],
-                                  constant fa_params &p [[buffer(5)]],
-                                  uint b [[thread_position_in_grid]]) {
+// the grid's max_seqlen are cut, never read outside a view), becomes that sequence's params. Each
+// entry file instantiates it for its element type (T is unused), so it lives in the library the
+// attention kernels are in and costs no compile of its own.
+template <typename T>
+[[kernel, max_total_threads_per_threadgroup(FA_SEQUENCE_TABLE_THREADS)]] void fa_sequence_table(
+    const device int *entries [[buffer(0)]],
+    device fa_params *table [[buffer(1)]],
+    constant fa_params &p [[buffer(5)]],
+    uint b [[thread_position_in_grid]]) {
   if (b >= uint(p.batch)) {
     return;
   }

@@ -102,3 +102,5 @@ template <typename T>
 }
 
 template [[host_name(FA_HOST_NAME("fa_simple"))]] [[kernel]] decltype(fa_simple<FA_DTYPE>) fa_simple<FA_DTYPE>;
+template [[host_name(FA_HOST_NAME("fa_sequence_table"))]] [[kernel]]
+decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;
