@@ -199,9 +199,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
     _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
     _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, "max_seqlen_k", who)
-    batch = cu_seqlens_q.shape[0] - 1
     scale = check_scale(softmax_scale, q.shape[-1], who)
-    alibi = _alibi_view(alibi_slopes, batch, q.shape[1], q.device, who)
+    alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
+    return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal, band, softcap, alibi)
+
+
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
+                     softcap: float, alibi=None):
+    """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
+    caller; the kernels clamp the table whatever it holds): no host read of the tensors."""
+    batch = cu_seqlens_q.shape[0] - 1
     zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
     table = torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, cu_seqlens_k[:-1],
                          cu_seqlens_k.diff()], dim=1).contiguous()

@@ -221,14 +221,18 @@ def test_transformers_padding_free_llama_matches_eager_per_sequence(monkeypatch,
     ids = [torch.randint(0, 64, (n,)) for n in lengths]
     packed = torch.cat(ids)[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    calls = []
-    run = _varlen.run_forward
+    calls, host_checks = [], []
+    run, check = _varlen.run_forward, _varlen._check_prefix_sums
     monkeypatch.setattr(_varlen, "run_forward", lambda *a, **k: calls.append(1) or run(*a, **k))
+    monkeypatch.setattr(_varlen, "_check_prefix_sums", lambda *a, **k: host_checks.append(1) or check(*a, **k))
     extra = {}
     if through == "flash_kwargs":
         cu = prefix_sums(lengths)
         extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
     logits = ours(packed, position_ids=positions, **extra).logits[0]
     assert len(calls) == config.num_hidden_layers
+    # Prefix sums built from position_ids are good by construction: no per-layer host read of them;
+    # the caller's flash kwargs are validated (q's and k's) in every layer.
+    assert len(host_checks) == (0 if through == "position_ids" else 2 * config.num_hidden_layers)
     expected = torch.cat([eager(x[None]).logits[0] for x in ids])
     assert max_error(logits, expected) < 1e-4

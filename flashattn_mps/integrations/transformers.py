@@ -108,38 +108,55 @@ def _window_mask(q_length: int, kv_length: int, window: int, causal: bool, devic
     return (keys - position).abs() <= window
 
 
+_last_packing = [None, -1, None]  # (position_ids, its version, _packed_sequences' answer): one per forward
+
+
 def _packed_sequences(query: torch.Tensor, kwargs: dict):
-    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k) of a padding-free batch, or None: flash-attn's
-    kwargs cu_seq_lens_q/k and max_length_q/k (transformers' DataCollatorWithFlattening), or a
-    batch of one whose position_ids restart at 0 (packed sequences; one host read of them)."""
+    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k, trusted) of a padding-free batch, or None:
+    flash-attn's kwargs cu_seq_lens_q/k and max_length_q/k (transformers'
+    DataCollatorWithFlattening; validated by flash_attn_varlen_func), or a batch of one whose
+    position_ids restart at 0 (packed sequences). The prefix sums built from position_ids are
+    good by construction and read on the host once per forward (every layer gets the same
+    position_ids tensor), not once per layer."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None and cu_k is not None and query.shape[0] == 1:
         max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
         max_q = int(cu_q.diff().max()) if max_q is None else int(max_q)
         max_k = int(cu_k.diff().max()) if max_k is None else int(max_k)
-        return cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, False
     positions = kwargs.get("position_ids")
     if positions is None or query.shape[0] != 1 or positions.shape[-1] != query.shape[2] or query.shape[2] < 2:
         return None
+    if _last_packing[0] is positions and _last_packing[1] == positions._version:
+        return _last_packing[2]
     flat = positions.reshape(-1)
     starts = (flat == 0).nonzero().reshape(-1)
-    if starts.numel() < 2 or int(starts[0]) != 0:
-        return None  # one sequence (or not packed): the ordinary path
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return cu, cu, longest, longest
+    packed = None
+    if starts.numel() >= 2 and int(starts[0]) == 0:  # else one sequence (or not packed): the ordinary path
+        cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+        longest = int(cu.diff().max())
+        packed = (cu, cu, longest, longest, True)
+    _last_packing[:] = [positions, positions._version, packed]
+    return packed
 
 
-def _attend_packed(module, query, key, value, dropout, scaling, is_causal, sliding_window, cu_q, cu_k, max_q, max_k):
-    """The (1, L, Hq, Ev) output of packed sequences through flash_attn_varlen_func (causal per
+def _attend_packed(module, query, key, value, dropout, scaling, is_causal, sliding_window, cu_q, cu_k, max_q, max_k,
+                   trusted):
+    """The (1, L, Hq, Ev) output of packed sequences through the varlen kernels (causal per
     sequence; transformers' sliding window of `w` keys is flash-attn's window_size (w - 1, 0))."""
-    from .._varlen import flash_attn_varlen_func
+    from .._api import _scale_value
+    from .._varlen import flash_attn_varlen_func, packed_attention
 
     if dropout:
         raise NotImplementedError("flashattn_mps attention: dropout with packed sequences is not supported yet")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = flash_attn_varlen_func(q, k, v, cu_q.to(query.device), cu_k.to(query.device), max_q, max_k,
-                                 softmax_scale=scaling, causal=causal, window_size=window)
+    cu_q, cu_k = cu_q.to(query.device), cu_k.to(query.device)
+    if trusted:
+        out = packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, _scale_value(q.shape[-1], scaling), causal,
+                               (1, *window), 0.0)
+    else:
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scaling, causal=causal,
+                                     window_size=window)
     return out.unsqueeze(0)
