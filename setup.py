@@ -19,6 +19,7 @@ C_SOURCES = [
     "csrc/fa_backward_plan.c",
     "csrc/fa_backward.c",
     "csrc/fa_plan_cache.c",
+    "csrc/fa_sequence.c",
     "csrc/fa_cache.c",
     "csrc/cpu_backend.c",
     "csrc/cpu_device/compile.c",

@@ -44,6 +44,7 @@
  * Work, as multiply-adds per (query, key) pair: dK/dV 2E + 2Ev, dQ 2E + Ev (S is recomputed by
  * both: 7 matrix products against the forward's 2, metal-flash-attention's count). */
 #include "fa_plan.h"
+#include "fa_sequence.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -209,6 +210,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.dropout_p = a->dropout_p;
     forward_args.rng_state = a->rng_state;
     forward_args.sinks = a->sinks;
+    forward_args.sequences = a->sequences;
     forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
@@ -257,8 +259,11 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         return rc;
     }
     fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, t, "delta", dtype);
-    fa_plan_set_geometry(delta, (uint32_t)((f->q_len + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
-                         (uint32_t)f->q_heads, (uint32_t)f->batch, 32u * FA_BACKWARD_DELTA_ROWS);
+    /* D is per row: with sequences it runs over q's whole view, not the grid's. */
+    const int64_t delta_rows = forward.sequences ? f->seq_q_rows : f->q_len;
+    fa_plan_set_geometry(delta, (uint32_t)((delta_rows + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
+                         (uint32_t)f->q_heads, (uint32_t)(forward.sequences ? f->seq_q_batches : f->batch),
+                         32u * FA_BACKWARD_DELTA_ROWS);
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
     fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, t, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
@@ -268,5 +273,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
     set_backward_costs(plan, &forward, a, t, e_blocks, key_blocks);
+    plan->sequences = forward.sequences;
+    if (plan->sequences) {
+        fa_sequence_set_builder(&plan->sequence_builder, tiled, fa_backward_source, dtype, (uint32_t)f->batch);
+    }
     return FA_OK;
 }

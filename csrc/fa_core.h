@@ -37,8 +37,8 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...)
 #endif
     ;
 
-/* FA_BOOL (one byte, nonzero = true) is for attention masks only. */
-typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2, FA_BOOL = 3 } fa_dtype;
+/* FA_BOOL (one byte, nonzero = true) is for attention masks only; FA_I32 for sequence tables only. */
+typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2, FA_BOOL = 3, FA_I32 = 4 } fa_dtype;
 
 typedef enum fa_device { FA_DEVICE_CPU = 0, FA_DEVICE_MPS = 1 } fa_device;
 
@@ -84,6 +84,28 @@ typedef struct fa_band_args {
     int64_t window_left, window_right;
 } fa_band_args;
 
+/* Packed sequences (flash_attn_varlen_func) and KV caches (flash_attn_with_kvcache): when
+ * `table` is present (ndim 2), grid batch entry b is sequence b of table (B, 6) int32, contiguous:
+ * (q batch, first q row, q rows, k batch, first k row, keys) (metal/fa_sequence.h). Its query rows
+ * are q[q batch, :, first .. first + rows) (out and lse alike), its keys k and v[k batch, :, ...];
+ * causal, windows and ALiBi apply per sequence (its own diagonal, S_b - L_b with bottom_right).
+ * The table lives in device memory and is not read by the host: a kernel clamps each entry into
+ * q's and k's views and into max_q_len / max_kv_len (the grid's rows and keys), so a bad entry
+ * can only cut a sequence short, never address outside a view; the Python layer validates the
+ * contents first. `scratch` is a float32 1-D tensor on the same device of at least
+ * B * sizeof(fa_params) bytes, 16-byte aligned, that receives the per-sequence kernel arguments.
+ * No attn_mask with sequences. ALiBi slopes are (B, Hq) over the sequences. */
+typedef struct fa_sequence_args {
+    fa_tensor table;
+    fa_tensor scratch;
+    int64_t max_q_len, max_kv_len;
+    /* Paged KV (ndim 0 when absent): (B, pages per sequence) int32, contiguous. k and v are then
+     * (pages, Hkv, page_size, D) views of the pool; key position t of sequence b (t counted from
+     * its table entry's first key row) is row t % page_size of page block_table[b][t / page_size].
+     * Entries are clamped into the pool by the kernel; the decode kernel runs it. */
+    fa_tensor block_table;
+} fa_sequence_args;
+
 typedef struct fa_forward_args {
     int32_t device; /* fa_device: which backend runs it */
     fa_tensor q, k, v, out, lse;
@@ -118,6 +140,7 @@ typedef struct fa_forward_args {
      * exp(sinks[h]) in its denominator, with no value. lse includes it; a row that sees no key gives
      * zeros and lse = sinks[h]. */
     fa_tensor sinks;
+    fa_sequence_args sequences; /* packed sequences / KV caches (h23); all zero: none */
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -150,6 +173,7 @@ typedef struct fa_backward_args {
      * receives each row's term -exp(sinks[h] - lse) * delta of the sinks' gradient, which is its
      * sum over B and L (the caller sums, deterministically). */
     fa_tensor sinks, sink_grad;
+    fa_sequence_args sequences; /* the forward's */
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

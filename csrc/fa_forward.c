@@ -1,5 +1,6 @@
 /* Runs a prepared forward pass (fa_plan_cache.h) on the backend of the tensors' device. */
 #include "fa_plan_cache.h"
+#include "fa_sequence.h"
 
 #include <string.h>
 
@@ -30,8 +31,20 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     d.bindings[7] = fa_tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
     d.bindings[8] = fa_tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
     d.bindings[9] = fa_tensor_binding(&args->sinks, present); /* untouched unless FA_FC_SINKS */
+    d.bindings[10] = fa_tensor_binding(present, present); /* the sequence table: untouched unless FA_FC_SEQUENCES */
+    d.bindings[11] = fa_tensor_binding(present, present); /* the block table: untouched unless FA_FC_PAGED */
     d.bindings[12] = fa_tensor_binding(&args->rng_state, present);   /* untouched unless FA_FC_DROPOUT */
     d.n_bindings = 13;
+    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
+        const fa_tensor *views[] = {&args->q, &args->k, &args->v, &args->out, &args->lse, &args->workspace};
+        const char *const names[] = {"q", "k", "v", "out", "lse", "workspace"};
+        rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
+                               &args->sequences, views, names, 6, st);
+        d.bindings[10] = fa_sequence_binding(&args->sequences);
+        if (args->sequences.block_table.storage != NULL) {
+            d.bindings[11] = fa_tensor_binding(&args->sequences.block_table, present);
+        }
+    }
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
         memcpy(d.threadgroup_bytes, step->threadgroup_bytes, sizeof d.threadgroup_bytes);

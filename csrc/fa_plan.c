@@ -1,12 +1,14 @@
 /* Validation and planning of the forward pass. */
 #include "fa_plan.h"
+#include "fa_sequence.h"
+#include "../metal/fa_sequence.h"
 
 #include <stdio.h>
 #include <string.h>
 
-static const char *const dtype_names[] = {"float32", "float16", "bfloat16", "bool"};
+static const char *const dtype_names[] = {"float32", "float16", "bfloat16", "bool", "int32"};
 static const char *const kernel_type_names[] = {"float", "half", "bfloat"};
-static const int64_t dtype_bytes[] = {4, 2, 2, 1};
+static const int64_t dtype_bytes[] = {4, 2, 2, 1, 4};
 
 static const char *simple_source = "fa_simple.metal";
 static const char *forward_source = "fa_forward.metal";
@@ -239,7 +241,7 @@ int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int3
     if (t->ndim != ndim) {
         return fa_fail(st, FA_ERR_VALUE, "%s: expected a %d-D descriptor, got ndim=%d", name, ndim, t->ndim);
     }
-    if (t->dtype < FA_F32 || t->dtype > FA_BOOL) {
+    if (t->dtype < FA_F32 || t->dtype > FA_I32) {
         return fa_fail(st, FA_ERR_TYPE, "%s: unknown dtype code %d", name, t->dtype);
     }
     if (float32_only && t->dtype != FA_F32) {
@@ -361,8 +363,9 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
     fa_describe_shape(&a->k, ks, sizeof ks);
     fa_describe_shape(&a->v, vs, sizeof vs);
     fa_describe_shape(&a->out, os, sizeof os);
-    if (a->q.dtype == FA_BOOL) {
-        return fa_fail(st, FA_ERR_TYPE, "q: bool is a mask dtype; attention takes float32, float16 or bfloat16");
+    if (a->q.dtype == FA_BOOL || a->q.dtype == FA_I32) {
+        return fa_fail(st, FA_ERR_TYPE, "q: %s is not an attention dtype; attention takes float32, float16 or bfloat16",
+                       dtype_names[a->q.dtype]);
     }
     if (a->k.dtype != a->q.dtype || a->v.dtype != a->q.dtype || a->out.dtype != a->q.dtype) {
         return fa_fail(st, FA_ERR_TYPE, "q, k, v and out must share one dtype, got %s, %s, %s, %s",
@@ -418,7 +421,7 @@ static int32_t check_mask(const fa_forward_args *a, fa_status *st) {
         return fa_fail(st, FA_ERR_VALUE, "mask %s must be (B, Hq, L, S) for q %s and k %s (broadcast with stride 0)",
                        ms, qs, ks);
     }
-    if (a->mask.dtype != FA_BOOL && a->mask.dtype != FA_F32 && a->mask.dtype != a->q.dtype) {
+    if (a->mask.dtype != FA_BOOL && a->mask.dtype != FA_F32 && a->mask.dtype != a->q.dtype) { /* int32 too */
         return fa_fail(st, FA_ERR_TYPE, "mask: dtype %s; masks are bool, float32 or q's dtype (%s)",
                        dtype_names[a->mask.dtype], dtype_names[a->q.dtype]);
     }
@@ -563,6 +566,8 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     add_constant_int(d, FA_FC_DROPOUT, a->write_probs        ? FA_DROPOUT_PROBS
                                        : a->dropout_p > 0.0 ? FA_DROPOUT_APPLY
                                                             : FA_DROPOUT_NONE);
+    add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
+    add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
     return d;
 }
 
@@ -807,11 +812,9 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         return fa_fail(st, FA_ERR_VALUE, "causal or window_size: L + S must be below 2^31, got L = %lld, S = %lld",
                        (long long)l, (long long)s);
     }
-    /* Clamped before the sums, so a window of up to 2^63 - 1 cannot overflow. */
-    const int64_t lo = left < 0 || left > l + s ? -l : diagonal - left;
-    const int64_t hi = right < 0 || right > l + s ? s : diagonal + right;
-    p->band_lo = (fa_i32)(lo < -l ? -l : lo > s ? s : lo);
-    p->band_hi = (fa_i32)(hi < -l ? -l : hi > s ? s : hi);
+    const fa_band_bounds bounds = fa_band_around(l, s, diagonal, left, right);
+    p->band_lo = bounds.lo;
+    p->band_hi = bounds.hi;
     return FA_OK;
 }
 
@@ -866,8 +869,10 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
                        "too many query rows for the decode kernel: %lld per kv head (at most 2^31-1) on %d kv heads",
                        (long long)head_rows, p->kv_heads);
     }
-    int64_t first_key, end_key; /* the keys some row sees: the splits share them */
-    band_keys(plan, 0, p->q_len, &first_key, &end_key);
+    int64_t first_key = 0, end_key = p->kv_len; /* the keys some row sees: the splits share them */
+    if (!plan->sequences) { /* each sequence starts its splits at its own first key (fa_sequence.h) */
+        band_keys(plan, 0, p->q_len, &first_key, &end_key);
+    }
     p->split_begin = (fa_i32)first_key;
     p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks,
                                       end_key > first_key ? end_key - first_key : 0, &p->split_count);
@@ -905,8 +910,20 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     int32_t rc;
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
-        (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (rc = check_shapes(a, st)) || (rc = check_mask(a, st))) {
+        (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)))) {
+        return rc;
+    }
+    /* With a sequence table the rest plans the grid's view: B sequences of max_seqlen rows. */
+    const fa_forward_args *real = a;
+    fa_forward_args grid;
+    plan->sequences = fa_sequences_present(&a->sequences);
+    if (plan->sequences) {
+        if ((rc = fa_sequence_grid_args(a, &grid, st)) != FA_OK) {
+            return rc;
+        }
+        a = &grid;
+    }
+    if ((rc = check_shapes(a, st)) || (rc = check_mask(a, st))) {
         return rc;
     }
 
@@ -967,19 +984,30 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         return rc;
     }
 
+    if (plan->sequences) {
+        fa_sequence_set_params(real, p);
+    }
+
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    const int32_t kernel = a->write_probs                     ? FA_KERNEL_SIMPLE
-                           : a->kernel != FA_KERNEL_AUTO        ? a->kernel
-                           : p->q_len <= DECODE_MAX_QUERY_LEN ? FA_KERNEL_DECODE
-                                                              : FA_KERNEL_FORWARD;
+    const int32_t kernel = a->write_probs                                               ? FA_KERNEL_SIMPLE
+                           : a->kernel != FA_KERNEL_AUTO                                  ? a->kernel
+                           : p->q_len <= DECODE_MAX_QUERY_LEN || fa_sequence_paged(&a->sequences) ? FA_KERNEL_DECODE
+                                                                                          : FA_KERNEL_FORWARD;
     switch (kernel) {
     case FA_KERNEL_SIMPLE:
-        return plan_simple(a, plan);
+        rc = plan_simple(a, plan);
+        break;
     case FA_KERNEL_DECODE:
-        return plan_decode(a, plan, st);
+        rc = plan_decode(a, plan, st);
+        break;
     default:
-        return plan_forward(a, plan, st);
+        rc = plan_forward(a, plan, st);
     }
+    if (rc == FA_OK && plan->sequences && plan->n_dispatches > 0) {
+        fa_sequence_set_builder(&plan->sequence_builder, &plan->dispatches[0], plan->dispatches[0].source_name,
+                                a->q.dtype, (uint32_t)p->batch);
+    }
+    return rc;
 }
 
 int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *w, fa_status *st) {

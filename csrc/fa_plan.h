@@ -50,6 +50,8 @@ typedef struct fa_plan {
     int32_t banded;          /* FA_FC_BAND: causal or a window limits each row's keys (params.band_lo/hi) */
     int64_t workspace_bytes; /* scratch the dispatches share (fa_forward_workspace_bytes) */
     fa_params params;
+    int32_t sequences;                  /* FA_FC_SEQUENCES: a sequence table (fa_sequence.h) */
+    fa_plan_dispatch sequence_builder;  /* with sequences: the table kernel, run before the dispatches */
 } fa_plan;
 
 /* Validate every descriptor of args except the workspace, and plan the launches. */
@@ -123,6 +125,8 @@ enum { FA_BACKWARD_DELTA = 0, FA_BACKWARD_DKDV = 1, FA_BACKWARD_DQ = 2, FA_BACKW
 typedef struct fa_backward_plan {
     fa_plan_dispatch dispatches[FA_BACKWARD_DISPATCHES];
     fa_backward_params params;
+    int32_t sequences;
+    fa_plan_dispatch sequence_builder; /* as fa_plan's */
 } fa_backward_plan;
 
 extern const char fa_backward_source[];

@@ -3,6 +3,7 @@
  * overwritten); a hit copies its plan out under the table's lock. */
 #include "fa_plan_cache.h"
 #include "fa_cache.h"
+#include "fa_sequence.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -29,6 +30,8 @@ typedef struct forward_key {
     double dropout_p; /* dropout: the rate, the probability pass, the generator state's shape */
     int32_t write_probs, reserved_dropout;
     shape_key rng;
+    shape_key sequences, block_table; /* the tables' shapes; the max lengths below */
+    int64_t max_q_len, max_kv_len;
 } forward_key;
 
 typedef struct backward_key {
@@ -38,6 +41,8 @@ typedef struct backward_key {
     shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi, sinks, sink_grad;
     double dropout_p; /* with the generator state's shape */
     shape_key rng;
+    shape_key sequences, block_table;
+    int64_t max_q_len, max_kv_len;
 } backward_key;
 
 typedef struct plan_table {
@@ -153,10 +158,28 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
         (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
         (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
         (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
-        (present(&a->sinks) && (rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)))) {
+        (present(&a->sinks) && (rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st))) ||
+        (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
         return rc;
     }
     return FA_OK;
+}
+
+/* The sequence table's part of a plan key (zero without one). */
+static void sequences_of(const fa_sequence_args *s, int32_t device, shape_key *shape, shape_key *pages,
+                         int64_t *max_q_len, int64_t *max_kv_len) {
+    if (fa_sequences_present(s)) {
+        shape_of(&s->table, device, shape);
+        shape_of_optional(&s->block_table, device, pages);
+        *max_q_len = s->max_q_len;
+        *max_kv_len = s->max_kv_len;
+    }
+}
+
+/* The table kernel's pipeline, when the plan has one. */
+static int32_t resolve_builder(const fa_backend *backend, int32_t sequences, const fa_plan_dispatch *builder,
+                               fa_ready_dispatch *ready, fa_status *st) {
+    return sequences ? resolve(backend, builder, 1, 0, ready, st) : FA_OK;
 }
 
 int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa_status *st) {
@@ -186,6 +209,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     key.write_probs = a->write_probs != 0;
     shape_of_optional(&a->rng_state, a->device, &key.rng);
     shape_of_optional(&a->sinks, a->device, &key.sinks);
+    sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);
@@ -205,7 +229,9 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
         if ((ready->backend = backend_of(a->device, st)) == NULL) {
             return st->code;
         }
-        if ((rc = resolve(ready->backend, plan.dispatches, plan.n_dispatches, 0, ready->dispatches, st)) != FA_OK) {
+        if ((rc = resolve(ready->backend, plan.dispatches, plan.n_dispatches, 0, ready->dispatches, st)) != FA_OK ||
+            (rc = resolve_builder(ready->backend, plan.sequences, &plan.sequence_builder, &ready->sequence_builder,
+                                  st)) != FA_OK) {
             return rc;
         }
     }
@@ -227,7 +253,8 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
         (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
         (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
         (present(&a->sinks) && ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) ||
-                                (rc = fa_check_tensor(&a->sink_grad, "sink_grad", 3, 1, st))))) {
+                                (rc = fa_check_tensor(&a->sink_grad, "sink_grad", 3, 1, st)))) ||
+        (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
         return rc;
     }
     return fa_plan_check_backward_aliases(a, st);
@@ -257,6 +284,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     shape_of_optional(&a->rng_state, a->device, &key.rng);
     shape_of_optional(&a->sinks, a->device, &key.sinks);
     shape_of_optional(&a->sink_grad, a->device, &key.sink_grad);
+    sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&backward_plans, &key, hash, ready)) {
         return check_backward_storage(a, st);
@@ -272,7 +300,9 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     if ((ready->backend = backend_of(a->device, st)) == NULL) {
         return st->code;
     }
-    if ((rc = resolve(ready->backend, plan.dispatches, FA_BACKWARD_DISPATCHES, 1, ready->dispatches, st)) != FA_OK) {
+    if ((rc = resolve(ready->backend, plan.dispatches, FA_BACKWARD_DISPATCHES, 1, ready->dispatches, st)) != FA_OK ||
+        (rc = resolve_builder(ready->backend, plan.sequences, &plan.sequence_builder, &ready->sequence_builder,
+                              st)) != FA_OK) {
         return rc;
     }
     table_store(&backward_plans, &key, hash, ready);

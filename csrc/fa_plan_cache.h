@@ -27,12 +27,14 @@ typedef struct fa_forward_ready {
     int32_t empty;           /* nothing to launch */
     uint32_t n_dispatches;
     fa_ready_dispatch dispatches[FA_MAX_PLAN_DISPATCHES];
+    fa_ready_dispatch sequence_builder; /* pipeline NULL without a sequence table */
 } fa_forward_ready;
 
 typedef struct fa_backward_ready {
     const fa_backend *backend;
     fa_backward_params params;
     fa_ready_dispatch dispatches[FA_BACKWARD_DISPATCHES];
+    fa_ready_dispatch sequence_builder; /* pipeline NULL without a sequence table */
 } fa_backward_ready;
 
 /* Validate every descriptor of args but the workspace, plan (or find the plan) and resolve its

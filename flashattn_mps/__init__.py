@@ -10,6 +10,8 @@ sliding windows) over the same kernels.
 from ._C import MetalCompileError, MetalDispatchError
 from ._api import explain_plan, flash_attention
 from ._flash_attn import flash_attn_func
+from ._varlen import flash_attn_varlen_func
+from ._kvcache import flash_attn_with_kvcache
 from . import _autograd  # registers the torch.library ops that make flash_attention differentiable
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 
@@ -17,6 +19,8 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attention",
     "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "scaled_dot_product_attention",
     "explain",
     "explain_plan",

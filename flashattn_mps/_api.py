@@ -19,7 +19,8 @@ _DTYPE_CODES = {
     torch.float16: _C.DTYPE_FLOAT16,
     torch.bfloat16: _C.DTYPE_BFLOAT16,
 }
-_DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL}  # bool only for masks
+_DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL,  # bool only for masks
+                      torch.int32: _C.DTYPE_INT32}  # int32 only for sequence tables (_varlen.py)
 _C.set_tensor_dtypes(_DESCRIPTOR_DTYPES)
 _DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
 

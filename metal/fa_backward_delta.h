@@ -8,6 +8,7 @@
 
 #include <metal_stdlib>
 #include "fa_params.h"
+#include "fa_sequence.h"
 #include "fa_variants.h"
 
 using namespace metal;
@@ -28,7 +29,7 @@ template <typename T>
   const long b = group.z;
   const long h = group.y;
   const int row = int(group.x) * FA_BACKWARD_DELTA_ROWS + int(sg);
-  if (row >= f.q_len) {
+  if (row >= (fa_sequences ? f.seq_q_rows : f.q_len)) { // with sequences: every row of q's view
     return; // a whole SIMD-group leaves: no collective below sees a partial group
   }
   const device T *o_row = out + b * f.o_strides[0] + h * f.o_strides[1] + long(row) * f.o_strides[2];

@@ -24,6 +24,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_schedule.h"
+#include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
 
@@ -42,6 +43,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
     const device float *alibi_slopes [[buffer(12)]],
+    constant fa_params *sequence_table [[buffer(15)]],
     const device uint *rng [[buffer(16)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -58,18 +60,29 @@ template <typename T, int BD, int BDV, int BK, int WM>
   threadgroup T *q_tile = (threadgroup T *)q_storage;
   threadgroup T *do_tile = (threadgroup T *)do_storage;
 
-  constant fa_params &f = p.forward;
   const fa_block_position block = fa_block_of(group, groups, false);
   const long b = block.batch;
-  const int e_blocks = fa_head_blocks(f.head_dim, BD);
-  const int v_blocks = fa_head_blocks(f.v_head_dim, BDV);
+  const int e_blocks = fa_head_blocks(p.forward.head_dim, BD);
+  const int v_blocks = fa_head_blocks(p.forward.v_head_dim, BDV);
   const fa_column_block columns = fa_column_block_of(block.head, max(e_blocks, v_blocks));
   const long kv_h = columns.head;
   const bool owns_dk = columns.block < e_blocks; // a threadgroup past either count skips that gradient
   const bool owns_dv = columns.block < v_blocks;
   const int dk_col0 = columns.block * BD;
   const int dv_col0 = columns.block * BDV;
+  constant fa_params &f = fa_sequence_params(p.forward, sequence_table, b);
   const int key_block = block.block * 8 * WM;
+  if (fa_sequences && key_block >= f.kv_len) {
+    return; // past this sequence's keys (the grid is sized for the longest)
+  }
+  k = fa_sequence_k(k, f, b, f.k_strides);
+  v = fa_sequence_k(v, f, b, f.v_strides);
+  dk = fa_sequence_k(dk, f, b, p.dk_strides);
+  dv = fa_sequence_k(dv, f, b, p.dv_strides);
+  q = fa_sequence_q(q, f, b, f.q_strides);
+  dout = fa_sequence_q(dout, f, b, p.do_strides);
+  lse = fa_sequence_q(lse, f, b, f.lse_strides);
+  delta = fa_sequence_q(delta, f, b, p.delta_strides);
   const int key0 = key_block + 8 * int(sg); // first of this SIMD-group's 8 keys
   const ushort2 at = fa_frag_coord(lane);
   const int my_key = key0 + at.y;           // the one key whose elements this lane holds

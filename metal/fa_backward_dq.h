@@ -23,6 +23,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_schedule.h"
+#include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
 
@@ -40,6 +41,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     constant fa_backward_params &p [[buffer(10)]],
     const device uchar *mask [[buffer(11)]],
     const device float *alibi_slopes [[buffer(12)]],
+    constant fa_params *sequence_table [[buffer(15)]],
     const device uint *rng [[buffer(16)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -55,15 +57,25 @@ template <typename T, int BD, int BDV, int BK, int WM>
   threadgroup T *k_tile = (threadgroup T *)k_storage;
   threadgroup T *v_tile = (threadgroup T *)v_storage;
 
-  constant fa_params &f = p.forward;
   const fa_block_position block = fa_block_of(group, groups, true);
   const long b = block.batch;
-  const int e_blocks = fa_head_blocks(f.head_dim, BD);
+  const int e_blocks = fa_head_blocks(p.forward.head_dim, BD);
   const fa_column_block columns = fa_column_block_of(block.head, e_blocks);
   const long h = columns.head;
   const int col0 = columns.block * BD; // the first of this threadgroup's dQ columns
+  constant fa_params &f = fa_sequence_params(p.forward, sequence_table, b);
   const long kv_h = h / f.gqa_factor;
   const int q_block = block.block * BQ;
+  if (fa_sequences && q_block >= f.q_len) {
+    return; // past this sequence's rows (the grid is sized for the longest)
+  }
+  q = fa_sequence_q(q, f, b, f.q_strides);
+  dout = fa_sequence_q(dout, f, b, p.do_strides);
+  lse = fa_sequence_q(lse, f, b, f.lse_strides);
+  delta = fa_sequence_q(delta, f, b, p.delta_strides);
+  dq = fa_sequence_q(dq, f, b, p.dq_strides);
+  k = fa_sequence_k(k, f, b, f.k_strides);
+  v = fa_sequence_k(v, f, b, f.v_strides);
   const int row0 = q_block + 8 * int(sg);
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;

@@ -32,6 +32,7 @@
 #include "fa_dropout.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
 
@@ -39,9 +40,9 @@ using namespace metal;
 
 // The workspace of a split plan, in floats: partial outputs [split][b][h][i][Ev] (unnormalised),
 // then from p.split_stats_offset the partial (max, sum) pairs in the same order. This is the
-// index of row (b, h, i) of one split in either array.
+// index of row (b, h, i) of one split in either array (rows per head: the grid's, with sequences).
 inline long fa_split_row(constant fa_params &p, int split, long b, long h, int i) {
-  return ((long(split) * p.batch + b) * p.q_heads + h) * p.q_len + i;
+  return ((long(split) * p.batch + b) * p.q_heads + h) * (fa_sequences ? p.seq_grid_q_len : p.q_len) + i;
 }
 
 template <typename T>
@@ -105,11 +106,13 @@ template <typename T, int COLS, int ROWS>
     const device T *v [[buffer(2)]],
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
-    constant fa_params &p [[buffer(5)]],
+    constant fa_params &params [[buffer(5)]],
     device float *workspace [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
     const device float *sinks [[buffer(9)]],
+    constant fa_params *sequence_table [[buffer(10)]],
+    const device int *block_table [[buffer(11)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -125,8 +128,19 @@ template <typename T, int COLS, int ROWS>
   // Rows of this kv head are ordered (query head, query row); this threadgroup takes `rows` of them
   // from `first`.
   const long b = group.z;
+  constant fa_params &p = fa_sequence_params(params, sequence_table, b);
   const int head_rows = p.gqa_factor * p.q_len;
   const int chunks = (head_rows + ROWS - 1) / ROWS;
+  // A sequence with fewer rows than the grid's max_seqlen packs them into fewer chunks: the
+  // threadgroups past them leave.
+  if (fa_sequences && (chunks == 0 || long(group.y) >= chunks * long(p.kv_heads))) {
+    return;
+  }
+  q = fa_sequence_q(q, p, b, p.q_strides);
+  out = fa_sequence_q(out, p, b, p.o_strides);
+  lse = fa_sequence_q(lse, p, b, p.lse_strides);
+  k = fa_sequence_k(k, p, b, p.k_strides);
+  v = fa_sequence_k(v, p, b, p.v_strides);
   const long kv_h = group.y / chunks;
   const int first = int(group.y % chunks) * ROWS;
   const int rows = min(ROWS, head_rows - first);
@@ -186,13 +200,18 @@ template <typename T, int COLS, int ROWS>
     static_assert(!late_values || ROWS == 1, "late value loads serve one row");
     float k_reg[2][COLS];
     float v_reg[2][COLS];
-    fa_decode_load<T, COLS>(k_reg[0], k_row, p.k_strides[3], p.head_dim, lane, as_vectors);
-    fa_decode_load<T, COLS>(k_reg[1], k_row + p.k_strides[2], p.k_strides[3], second ? p.head_dim : 0, lane,
-                            as_vectors);
+    // A paged cache: each key's row through the block table (fa_sequence.h).
+    const device T *k_rows[2] = {k_row, k_row + p.k_strides[2]};
+    const device T *v_rows[2] = {v_row, v_row + p.v_strides[2]};
+    for (int t = 0; fa_paged && t < 2; ++t) {
+      k_rows[t] = fa_paged_key(k, p, block_table, b, kv_h, j + t, p.k_strides);
+      v_rows[t] = fa_paged_key(v, p, block_table, b, kv_h, j + t, p.v_strides);
+    }
+    fa_decode_load<T, COLS>(k_reg[0], k_rows[0], p.k_strides[3], p.head_dim, lane, as_vectors);
+    fa_decode_load<T, COLS>(k_reg[1], k_rows[1], p.k_strides[3], second ? p.head_dim : 0, lane, as_vectors);
     if (!late_values) {
-      fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
-      fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
-                              as_vectors);
+      fa_decode_load<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], p.v_head_dim, lane, as_vectors);
+      fa_decode_load<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], second ? p.v_head_dim : 0, lane, as_vectors);
     }
     for (int r = 0; r < ROWS && r < rows; ++r) {
       float partial[2] = {0.0f, 0.0f};
@@ -202,9 +221,8 @@ template <typename T, int COLS, int ROWS>
       }
       const float score[2] = {simd_sum(partial[0]), simd_sum(partial[1])};
       if (late_values) { // one row (the planner's cap): the key rows are dead, their registers take the values
-        fa_decode_load<T, COLS>(v_reg[0], v_row, p.v_strides[3], p.v_head_dim, lane, as_vectors);
-        fa_decode_load<T, COLS>(v_reg[1], v_row + p.v_strides[2], p.v_strides[3], second ? p.v_head_dim : 0, lane,
-                                as_vectors);
+        fa_decode_load<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], p.v_head_dim, lane, as_vectors);
+        fa_decode_load<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], second ? p.v_head_dim : 0, lane, as_vectors);
       }
       for (int t = 0; t < 2; ++t) {
         // Row and key are the same on every lane, so skipping keeps the SIMD-group together; a

@@ -18,14 +18,21 @@ template <typename T, int COLS>
 [[kernel, max_total_threads_per_threadgroup(32)]] void fa_decode_merge(
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
-    constant fa_params &p [[buffer(5)]],
+    constant fa_params &params [[buffer(5)]],
     const device float *workspace [[buffer(6)]],
     const device float *sinks [[buffer(9)]],
+    constant fa_params *sequence_table [[buffer(10)]],
     uint3 group [[threadgroup_position_in_grid]],
     ushort lane [[thread_index_in_simdgroup]]) {
   const int i = int(group.x);
   const long h = group.y;
   const long b = group.z;
+  constant fa_params &p = fa_sequence_params(params, sequence_table, b);
+  if (i >= p.q_len) {
+    return; // a sequence shorter than the grid's max_seqlen_q
+  }
+  out = fa_sequence_q(out, p, b, p.o_strides);
+  lse = fa_sequence_q(lse, p, b, p.lse_strides);
   fa_online_softmax total = fa_softmax_init();
   float value[COLS];
   for (int c = 0; c < COLS; ++c) {

@@ -23,6 +23,7 @@
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_schedule.h"
+#include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
 
@@ -35,10 +36,11 @@ template <typename T, int BD, int BDV, int BK, int WM>
     const device T *v [[buffer(2)]],
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
-    constant fa_params &p [[buffer(5)]],
+    constant fa_params &params [[buffer(5)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
     const device float *sinks [[buffer(9)]],
+    constant fa_params *sequence_table [[buffer(10)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -56,11 +58,20 @@ template <typename T, int BD, int BDV, int BK, int WM>
 
   const fa_block_position block = fa_block_of(group, groups, true);
   const long b = block.batch;
-  const fa_column_block columns = fa_column_block_of(block.head, fa_head_blocks(p.v_head_dim, BDV));
+  const fa_column_block columns = fa_column_block_of(block.head, fa_head_blocks(params.v_head_dim, BDV));
   const long h = columns.head;
   const int col0 = columns.block * BDV; // the first of this threadgroup's output columns
+  constant fa_params &p = fa_sequence_params(params, sequence_table, b);
   const long kv_h = h / p.gqa_factor;
   const int q_block = block.block * BQ;
+  if (fa_sequences && q_block >= p.q_len) {
+    return; // past this sequence's rows (the grid is sized for the longest)
+  }
+  q = fa_sequence_q(q, p, b, p.q_strides);
+  out = fa_sequence_q(out, p, b, p.o_strides);
+  lse = fa_sequence_q(lse, p, b, p.lse_strides);
+  k = fa_sequence_k(k, p, b, p.k_strides);
+  v = fa_sequence_k(v, p, b, p.v_strides);
   const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;         // the one row whose elements this lane holds

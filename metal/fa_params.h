@@ -35,8 +35,10 @@ typedef uint32_t fa_u32;
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 #define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
 #define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
-#define FA_FC_DROPOUT 11  // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
 #define FA_FC_SINKS 10    // bool: attention sinks, one logit per query head in every row's softmax (fa_variants.h)
+#define FA_FC_DROPOUT 11  // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
+#define FA_FC_SEQUENCES 12 // bool: each batch entry is a sequence of its own lengths and start (fa_sequence.h)
+#define FA_FC_PAGED 13     // bool: with sequences, keys are read through a block table (paged KV; fa_sequence.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -96,6 +98,27 @@ typedef struct fa_params {
   float dropout_scale;
   // Attention sinks (h20): under FA_FC_SINKS, buffer(9) holds the float32 sink logit of each query head.
   fa_i64 sink_stride; // elements between heads' sinks
+  // Packed sequences and KV caches under FA_FC_SEQUENCES (fa_sequence.h). The planner fills the
+  // first eight from the views and options; fa_sequence_table writes one copy of these params per
+  // sequence with its own q_len, kv_len, band, diagonal, split_begin and the last four.
+  fa_i32 seq_q_batches;    // q's view (batches, rows): every table entry is clamped into it
+  fa_i32 seq_q_rows;
+  fa_i32 seq_k_batches;    // k's and v's
+  fa_i32 seq_k_rows;
+  fa_i32 seq_window_left;  // the band around each sequence's diagonal: -1 unbounded (right 0 under causal)
+  fa_i32 seq_window_right;
+  fa_i32 seq_bottom_right; // diagonal key of row i: i + S_b - L_b (flash-attn's), else i
+  fa_i32 seq_grid_q_len;   // max_seqlen_q: the rows the grid and the split workspace are sized for
+  fa_i32 seq_q_batch;      // this sequence's rows: q[seq_q_batch, :, seq_q_row0 + i]
+  fa_i32 seq_q_row0;
+  fa_i32 seq_k_batch;      // its keys: k[seq_k_batch, :, seq_k_row0 + j]
+  fa_i32 seq_k_row0;
+  // Paged KV under FA_FC_PAGED: key position t of sequence b is row t % page_size of page
+  // block_table[b][t / page_size] of k's view (pages, Hkv, page_size, E).
+  fa_i32 page_size;
+  fa_i32 pages_per_sequence; // the block table's columns
+  fa_i32 page_count;         // pages in the pool: table entries are clamped into it
+  fa_i32 page_pad;
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.

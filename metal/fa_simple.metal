@@ -13,6 +13,7 @@
 #include "fa_instantiate.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
 
@@ -25,22 +26,29 @@ template <typename T>
     const device T *v [[buffer(2)]],
     device T *out [[buffer(3)]],
     device float *lse [[buffer(4)]],
-    constant fa_params &p [[buffer(5)]],
+    constant fa_params &params [[buffer(5)]],
     device float *probs [[buffer(6)]],
     const device uchar *mask [[buffer(7)]],
     const device float *alibi_slopes [[buffer(8)]],
     const device float *sinks [[buffer(9)]],
+    constant fa_params *sequence_table [[buffer(10)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_group [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
   const int row = int(group.x) * FA_SIMPLE_ROWS_PER_GROUP + int(simd_group);
+  const fa_i64 b = group.z;
+  constant fa_params &p = fa_sequence_params(params, sequence_table, b);
   if (row >= p.q_len) {
     return; // whole SIMD-group leaves together: no collective is split
   }
-  const fa_i64 b = group.z;
   const fa_i64 h = group.y;
   const fa_i64 kv_h = h / p.gqa_factor;
+  q = fa_sequence_q(q, p, b, p.q_strides);
+  out = fa_sequence_q(out, p, b, p.o_strides);
+  lse = fa_sequence_q(lse, p, b, p.lse_strides);
+  k = fa_sequence_k(k, p, b, p.k_strides);
+  v = fa_sequence_k(v, p, b, p.v_strides);
 
   const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + row * p.q_strides[2];
   const device T *k_head = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
@@ -121,3 +129,5 @@ template <typename T>
 }
 
 template [[host_name(FA_HOST_NAME("fa_simple"))]] [[kernel]] decltype(fa_simple<FA_DTYPE>) fa_simple<FA_DTYPE>;
+template [[host_name(FA_HOST_NAME("fa_sequence_table"))]] [[kernel]]
+decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;

@@ -15,12 +15,13 @@ KERNEL_TYPES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "
 PADDED_HEAD_DIMS = [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
 BACKWARD_DELTA_THREADS = 32 * 4  # FA_BACKWARD_DELTA_ROWS SIMD-groups (fa_backward_plan.c)
 
-# The kernels each source instantiates, by host name without the "_<type>" suffix.
+# The kernels each source instantiates, by host name without the "_<type>" suffix (every library
+# also holds the sequence-table kernel of metal/fa_sequence.h).
 SOURCE_KERNELS = {
-    "fa_simple.metal": {"fa_simple"},
-    "fa_forward.metal": {"fa_forward"},
-    "fa_decode.metal": {"fa_decode", "fa_decode_merge"},
-    "fa_backward.metal": {"fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq"},
+    "fa_simple.metal": {"fa_simple", "fa_sequence_table"},
+    "fa_forward.metal": {"fa_forward", "fa_sequence_table"},
+    "fa_decode.metal": {"fa_decode", "fa_decode_merge", "fa_sequence_table"},
+    "fa_backward.metal": {"fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq", "fa_sequence_table"},
 }
 
 

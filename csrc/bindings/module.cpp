@@ -240,11 +240,27 @@ fa_band_args band_args(py::handle band) {
     return b;
 }
 
+// sequences: None, or (table, scratch, max_q_len, max_kv_len, block_table or None) (fa_sequence_args).
+fa_sequence_args sequence_args(py::handle sequences, int32_t device) {
+    fa_sequence_args s;
+    std::memset(&s, 0, sizeof s);
+    if (sequences.is_none()) {
+        return s;
+    }
+    const auto fields = sequences.cast<std::tuple<py::object, py::object, int64_t, int64_t, py::object>>();
+    s.table = to_tensor(std::get<0>(fields), "sequences", device);
+    s.scratch = to_tensor(std::get<1>(fields), "sequence_scratch", device);
+    s.max_q_len = std::get<2>(fields);
+    s.max_kv_len = std::get<3>(fields);
+    s.block_table = to_tensor(std::get<4>(fields), "block_table", device);
+    return s;
+}
+
 fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
                              py::handle band, double softcap, py::handle alibi, py::handle sinks,
                              bool unbatched = false, double dropout_p = 0.0, py::handle rng_state = py::none(),
-                             bool write_probs = false) {
+                             bool write_probs = false, py::handle sequences = py::none()) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -264,6 +280,7 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.rng_state = to_tensor(rng_state, "rng_state", device);
     args.write_probs = write_probs;
     args.sinks = to_tensor(sinks, "sinks", device);               // (Hq,) float32
+    args.sequences = sequence_args(sequences, device);
     return args;
 }
 
@@ -273,9 +290,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
              py::handle band, double softcap, py::handle alibi, double dropout_p, py::handle rng_state,
-             bool write_probs, py::handle sinks) {
+             bool write_probs, py::handle sinks, py::handle sequences) {
     fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi,
-                                        sinks, unbatched, dropout_p, rng_state, write_probs);
+                                        sinks, unbatched, dropout_p, rng_state, write_probs, sequences);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -327,9 +344,10 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n);
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
-                      py::handle alibi, double dropout_p, py::handle rng_state, py::handle sinks) {
+                      py::handle alibi, double dropout_p, py::handle rng_state, py::handle sinks,
+                      py::handle sequences) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap,
-                                              alibi, sinks, false, dropout_p, rng_state);
+                                              alibi, sinks, false, dropout_p, rng_state, false, sequences);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -369,7 +387,7 @@ fa_backward_args backward_args(int32_t device, py::handle q, py::handle k, py::h
                                py::handle lse, py::handle dout, py::handle delta, py::handle dq, py::handle dk,
                                py::handle dv, double scale, bool causal, py::handle mask, bool unbatched,
                                py::handle band, double softcap, py::handle alibi, double dropout_p,
-                               py::handle rng_state, py::handle sinks, py::handle sink_grad) {
+                               py::handle rng_state, py::handle sinks, py::handle sink_grad, py::handle sequences) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -393,16 +411,17 @@ fa_backward_args backward_args(int32_t device, py::handle q, py::handle k, py::h
     args.rng_state = to_tensor(rng_state, "rng_state", device);
     args.sinks = to_tensor(sinks, "sinks", device);
     args.sink_grad = to_tensor(sink_grad, "sink_grad", device, unbatched);
+    args.sequences = sequence_args(sequences, device);
     return args;
 }
 
 void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
               py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
               bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
-              double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad) {
+              double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad, py::handle sequences) {
     const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
                                                 unbatched, band, softcap, alibi, dropout_p, rng_state, sinks,
-                                                sink_grad);
+                                                sink_grad, sequences);
     fa_status st;
     int32_t rc;
     {
@@ -418,7 +437,8 @@ py::list plan_backward(int32_t device, py::handle q, py::handle k, py::handle v,
                        bool causal, py::handle mask, py::handle band, double softcap, py::handle alibi,
                        double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad) {
     const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
-                                                false, band, softcap, alibi, dropout_p, rng_state, sinks, sink_grad);
+                                                false, band, softcap, alibi, dropout_p, rng_state, sinks, sink_grad,
+                                                py::none());
     fa_backward_plan plan;
     fa_status st;
     check(fa_plan_backward(&args, &plan, &st), st);
@@ -574,7 +594,9 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_FLOAT16") = static_cast<int>(FA_F16);
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
     m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
+    m.attr("DTYPE_INT32") = static_cast<int>(FA_I32);
     m.attr("MAX_HEAD_DIM") = static_cast<int>(FA_MAX_HEAD_DIM); // E and Ev alike
+    m.attr("SEQUENCE_PARAMS_BYTES") = static_cast<int>(sizeof(fa_params)); // per sequence (fa_sequence_args)
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
     m.attr("DEVICE_MPS") = static_cast<int>(FA_DEVICE_MPS);
     m.attr("KERNEL_AUTO") = static_cast<int>(FA_KERNEL_AUTO);
@@ -611,7 +633,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
           py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("write_probs") = false, py::arg("sinks") = py::none());
+          py::arg("write_probs") = false, py::arg("sinks") = py::none(), py::arg("sequences") = py::none());
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
@@ -622,7 +644,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none());
+          py::arg("sinks") = py::none(), py::arg("sequences") = py::none());
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
@@ -630,7 +652,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
+          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none(), py::arg("sequences") = py::none());
     m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (descriptors as for backward)",
           py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),

@@ -119,6 +119,10 @@ def attention_forward(
     `softcap` (each scaled score s becomes softcap * tanh(s / softcap)) and the (Hq,) sinks `s_aux`
     are applied in the kernels, gradients included. GQA runs without repeating key/value heads."""
     sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    packed = _packed_sequences(query, kwargs)
+    if packed is not None:  # padding-free: packed sequences go to the varlen kernels
+        return _attend_packed(module, query, key, value, dropout, scaling, is_causal, sliding_window,
+                              float(softcap or 0.0), sinks, *packed), None
     q_length, kv_length = query.shape[2], key.shape[2]
     wants_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     causal = wants_causal and attention_mask is None and q_length > 1  # a mask already holds causality
@@ -202,3 +206,57 @@ def _window_mask(q_length: int, kv_length: int, window: int, causal: bool, devic
     if causal:
         return (keys > position - window) & (keys <= position)
     return (keys - position).abs() <= window
+
+
+_last_packing = [None, -1, None]  # (position_ids, its version, _packed_sequences' answer): one per forward
+
+
+def _packed_sequences(query: torch.Tensor, kwargs: dict):
+    """(cu_seqlens_q, cu_seqlens_k, max_q, max_k, trusted) of a padding-free batch, or None:
+    flash-attn's kwargs cu_seq_lens_q/k and max_length_q/k (transformers'
+    DataCollatorWithFlattening; validated by flash_attn_varlen_func), or a batch of one whose
+    position_ids restart at 0 (packed sequences). The prefix sums built from position_ids are
+    good by construction and read on the host once per forward (every layer gets the same
+    position_ids tensor), not once per layer."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None and query.shape[0] == 1:
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        max_q = int(cu_q.diff().max()) if max_q is None else int(max_q)
+        max_k = int(cu_k.diff().max()) if max_k is None else int(max_k)
+        return cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, False
+    positions = kwargs.get("position_ids")
+    if positions is None or query.shape[0] != 1 or positions.shape[-1] != query.shape[2] or query.shape[2] < 2:
+        return None
+    if _last_packing[0] is positions and _last_packing[1] == positions._version:
+        return _last_packing[2]
+    flat = positions.reshape(-1)
+    starts = (flat == 0).nonzero().reshape(-1)
+    packed = None
+    if starts.numel() >= 2 and int(starts[0]) == 0:  # else one sequence (or not packed): the ordinary path
+        cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+        longest = int(cu.diff().max())
+        packed = (cu, cu, longest, longest, True)
+    _last_packing[:] = [positions, positions._version, packed]
+    return packed
+
+
+def _attend_packed(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, sinks, cu_q, cu_k,
+                   max_q, max_k, trusted):
+    """The (1, L, Hq, Ev) output of packed sequences through the varlen kernels (causal per
+    sequence; transformers' sliding window of `w` keys is flash-attn's window_size (w - 1, 0));
+    dropout, softcap and sinks in the kernels too."""
+    from .._api import _scale_value, _validate_sinks
+    from .._varlen import flash_attn_varlen_func, packed_attention
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0 if causal else sliding_window - 1)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    cu_q, cu_k = cu_q.to(query.device), cu_k.to(query.device)
+    if trusted:
+        sinks = None if sinks is None else _validate_sinks(sinks, query[0])
+        out = packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, _scale_value(q.shape[-1], scaling), causal,
+                               (1, *window), softcap, None, sinks, float(dropout))
+    else:
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, float(dropout), softmax_scale=scaling,
+                                     causal=causal, window_size=window, softcap=softcap, sinks=sinks)
+    return out.unsqueeze(0)

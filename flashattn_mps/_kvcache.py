@@ -1,0 +1,184 @@
+"""flash-attn 2's `flash_attn_with_kvcache`: decoding against a preallocated KV cache.
+
+The new keys and values are written into the cache in place with torch ops (one indexed store
+per tensor: the cache is never copied), after rotary embedding of q and the new k when given (torch
+ops in float32 on the few new rows: too little work to justify a kernel). The attention itself is
+the kernels reading the cache in place through a sequence table (metal/fa_sequence.h; a paged cache
+through its block table too, function constant 13): query rows
+of batch b attend to cache row cache_batch_idx[b], keys cache_leftpad[b] .. cache_seqlens[b] + new
+- 1, causal bottom-right per sequence; the decode kernel (split-K as usual) for few query rows.
+
+As flash-attn's kernel, positions are cache indices: new key n of batch b goes to (and is rotated
+at) position cache_seqlens[b] + n; q row i is rotated at cache_seqlens[b] + i when causal or
+windowed, else at cache_seqlens[b]. The lengths are validated on the host before any kernel runs
+(one read of the small int32 tensors on MPS), and the table kernel clamps them again."""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from ._api import _flash_attn_lse, _given, _validate_sinks
+from ._varlen import (_alibi_view, _check_int, check_bool, check_common, check_lengths_tensor, check_scale, run_forward,
+                      sequence_args)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
+    """x (B, L, H, D) with its first rotary_dim = 2 * cos.shape[1] dims rotated at positions (B, L),
+    in float32, returned in x's dtype (a new tensor: x is the caller's)."""
+    half = cos.shape[1]
+    c = cos[positions].float().unsqueeze(2)  # (B, L, 1, half)
+    s = sin[positions].float().unsqueeze(2)
+    rot = x[..., : 2 * half].float()
+    if interleaved:  # pairs (0, 1), (2, 3), ...
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rotated = torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+    else:  # GPT-NeoX: pairs (i, i + half)
+        x1, x2 = rot[..., :half], rot[..., half:]
+        rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+
+
+def _optional_lengths(t, name, who, device, batch):
+    if t is not None:
+        check_lengths_tensor(t, name, who, device, batch)
+        return t.tolist()
+    return None
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            sinks=None):
+    """flash-attn 2's flash_attn_with_kvcache.
+
+    Args, as flash-attn's:
+        q: (batch, seqlen_q, nheads, headdim).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim[_v]); updated in place
+            when k and v are given.
+        k, v: None, or the new (batch, seqlen_new, nheads_k, headdim[_v]) keys and values, written
+            into the cache at cache_seqlens (before attention, after rotary on k).
+        rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2) applied to q and the new k
+            (rotary_interleaved: pairs (0, 1), (2, 3)... when True, (i, i + rotary_dim / 2) when
+            False). q row i at position cache_seqlens + i when causal or windowed, else all at
+            cache_seqlens.
+        cache_seqlens: int, or (batch,) int32: the valid keys of each cache row before the update.
+        cache_batch_idx: None, or (batch,) int32: the cache row of each batch entry.
+        cache_leftpad: None, or (batch,) int32: the first valid key of each cache row.
+        softmax_scale, causal (bottom-right), window_size, softcap, alibi_slopes: as
+            flash_attn_func, per sequence of keys cache_leftpad .. cache_seqlens + seqlen_new - 1.
+        num_splits: an int >= 0, a performance hint in flash-attn; here the planner always chooses
+            the split-K of the decode kernel itself (results do not depend on it).
+        return_softmax_lse: also return the (batch, nheads, seqlen_q) float32 log-sum-exp.
+        block_table: None, or (batch, max_num_blocks) int32 for a paged cache: k_cache and v_cache
+            are then the pool (num_blocks, page_block_size, nheads_k, headdim) and position t of
+            batch b lives in page block_table[b, t // page_block_size] (any page size; the decode
+            kernel reads the pages through the table in place). Not with cache_batch_idx.
+        sinks: keyword only, None or (nheads,) attention-sink logits as in flash_attn_func.
+
+    Returns out (batch, seqlen_q, nheads, headdim_v) (and the lse). Not differentiable, as
+    flash-attn's.
+    """
+    who = "flash_attn_with_kvcache"
+    band, softcap = check_common(who, causal, window_size, softcap, False)
+    check_bool(return_softmax_lse, "return_softmax_lse", who)
+    check_bool(rotary_interleaved, "rotary_interleaved", who)
+    _check_int(num_splits, "num_splits", who)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        if t is None and name in ("k", "v"):
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
+        if t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}")
+        if t.device != q.device or t.dtype != q.dtype:
+            raise TypeError(f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got "
+                            f"{t.dtype}, {t.device}")
+    if (k is None) != (v is None):
+        raise ValueError(f"{who}: k and v must be given together")
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    cache_batch, cache_len = k_cache.shape[0], k_cache.shape[1]
+    new = 0 if k is None else k.shape[1]
+    pages = None
+    if block_table is not None:  # paged: k_cache is the pool (pages, page_size, nheads_k, headdim)
+        if cache_batch_idx is not None:
+            raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
+                or block_table.device != q.device:
+            raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {q.device}, "
+                             f"got {tuple(block_table.shape)} on {block_table.device}")
+        if v_cache.shape[:2] != k_cache.shape[:2]:
+            raise ValueError(f"{who}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share "
+                             "their pages")
+        pages = block_table.tolist()
+        pool, page_size = cache_batch, cache_len
+        cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
+    if k is not None and (k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
+                          or v.shape[2:] != v_cache.shape[2:]):
+        raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, seqlen_new) rows of "
+                         f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} for q {tuple(q.shape)}")
+
+    if cache_seqlens is None:
+        lengths = [cache_len] * batch  # a full cache (appending to it is past its end)
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        lengths = [cache_seqlens] * batch
+    else:
+        lengths = _optional_lengths(cache_seqlens, "cache_seqlens", who, q.device, batch)
+    rows = _optional_lengths(cache_batch_idx, "cache_batch_idx", who, q.device, batch) or list(range(batch))
+    leftpad = _optional_lengths(cache_leftpad, "cache_leftpad", who, q.device, batch) or [0] * batch
+    for b in range(batch):
+        if pages is not None:
+            used = -(-(lengths[b] + new) // page_size) if 0 <= lengths[b] <= cache_len - new else 0
+            bad = [page for page in pages[b][:used] if not 0 <= page < pool]
+            if bad:
+                raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
+        if not 0 <= rows[b] < cache_batch:
+            raise ValueError(f"{who}: cache_batch_idx[{b}] = {rows[b]} is outside the cache's {cache_batch} rows")
+        if not 0 <= lengths[b] <= cache_len - new:
+            raise ValueError(f"{who}: cache_seqlens[{b}] = {lengths[b]} with {new} new keys is past the cache's "
+                             f"{cache_len} positions")
+        if not 0 <= leftpad[b] <= lengths[b]:
+            raise ValueError(f"{who}: cache_leftpad[{b}] = {leftpad[b]} must be in [0, cache_seqlens[{b}] = "
+                             f"{lengths[b]}]")
+
+    starts = torch.tensor(lengths, dtype=torch.int64, device=q.device)
+    if rotary_cos is not None or rotary_sin is not None:
+        if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)):
+            raise TypeError(f"{who}: rotary_cos and rotary_sin must be given together as tensors")
+        if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape or 2 * rotary_cos.shape[1] > q.shape[3]:
+            raise ValueError(f"{who}: rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                             f"<= headdim {q.shape[3]}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        reach = max(lengths) + max(new, seqlen_q if causal or band[1:] != (-1, -1) else 1)
+        if batch and reach > rotary_cos.shape[0]:
+            raise ValueError(f"{who}: rotary_cos has {rotary_cos.shape[0]} positions, the rotated rows reach {reach}")
+        steps = torch.arange(seqlen_q, device=q.device) if causal or band[1:] != (-1, -1) else \
+            torch.zeros(seqlen_q, dtype=torch.int64, device=q.device)
+        q = _rotate(q, rotary_cos, rotary_sin, starts[:, None] + steps, rotary_interleaved)
+        if k is not None:
+            k = _rotate(k, rotary_cos, rotary_sin, starts[:, None] + torch.arange(new, device=q.device),
+                        rotary_interleaved)
+    if k is not None and new > 0 and batch > 0:
+        positions = starts[:, None] + torch.arange(new, device=q.device)
+        if pages is None:
+            index = (torch.tensor(rows, device=q.device)[:, None].expand(batch, new), positions)
+        else:  # the page of each position, and its row in the page
+            index = (block_table.long().gather(1, positions // page_size), positions % page_size)
+        k_cache.index_put_(index, k)  # in place: only these rows of the cache are written
+        v_cache.index_put_(index, v)
+
+    k_batch = [0] * batch if pages is not None else rows
+    table = torch.tensor([[b, 0, seqlen_q, k_batch[b], leftpad[b], lengths[b] + new - leftpad[b]]
+                          for b in range(batch)], dtype=torch.int32).reshape(batch, 6).to(q.device)
+    scale = check_scale(softmax_scale, q.shape[-1], who)
+    alibi = _alibi_view(alibi_slopes, batch, q.shape[2], q.device, who)
+    out = q.new_empty((batch, seqlen_q, q.shape[2], v_cache.shape[3]))
+    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) if return_softmax_lse \
+        else None
+    views = [t.transpose(1, 2) for t in (q, k_cache, v_cache, out)]
+    sinks = None if sinks is None else _validate_sinks(sinks, views[0]).detach()
+    max_keys = max([lengths[b] + new - leftpad[b] for b in range(batch)], default=0)
+    run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, seqlen_q, max_keys, block_table),
+                sinks=sinks)
+    return (out, _flash_attn_lse(lse)) if return_softmax_lse else out

@@ -1,0 +1,232 @@
+"""flash-attn 2's `flash_attn_varlen_func`: packed sequences of different lengths in one launch.
+
+q (total_q, H, D), k and v (total_k, Hkv, D) hold the sequences back to back; `cu_seqlens_q/k`
+(batch + 1, int32) are their prefix sums. The kernels get a sequence table, one row per sequence
+(q batch, first q row, q rows, k batch, first key, keys; metal/fa_sequence.h), built here with
+torch ops on the tensors' device, and map threadgroups to (sequence, query block): one launch
+over every sequence, no padding, no per-sequence loop. The packed tensors are viewed as
+(1, H, total, D) (a transpose, no copy).
+
+The table's contents are validated on the host before any kernel runs (flash-attn's errors, named
+arguments): on MPS that reads the small int32 prefix sums back, one synchronisation per call. The
+kernels never trust the table anyway: a kernel clamps every entry into the views (csrc/fa_core.h,
+fa_sequence_args), so even unvalidated contents could only cut a sequence short."""
+from __future__ import annotations
+
+import torch
+
+from . import _C, _sources
+from ._api import (_check_dropout, _check_softcap, _check_window, _given, _prepare_mps, _rng_words, _scale_value,
+                   _validate_sinks, dropout_rng_state)
+
+_NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
+
+
+def _check_int(value, name: str, who: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{who}: {name} must be an int, got {_given(value)}")
+    if value < 0 or value >= 2**31:
+        raise ValueError(f"{who}: {name} must be in [0, 2^31), got {value}")
+    return value
+
+
+def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
+    """A 1-D int32 tensor on `device` (of `length` entries when given), as flash-attn requires."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {_given(t)}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{who}: {name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or (length is not None and t.shape[0] != length):
+        want = f"({length},)" if length is not None else "1-D"
+        raise ValueError(f"{who}: {name} must be {want}, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{who}: {name} is on {t.device}, q on {device}")
+
+
+def _check_prefix_sums(cu: torch.Tensor, name: str, total: int, max_len: int, max_name: str, who: str) -> None:
+    """cu_seqlens: starts at 0, never decreases, ends within the packed rows, and no sequence is
+    longer than max_seqlen (one host read of the small tensor)."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{who}: {name} must start at 0, got {values[0]}")
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if any(n < 0 for n in lengths):
+        at = next(i for i, n in enumerate(lengths) if n < 0)
+        raise ValueError(f"{who}: {name} must be non-decreasing, got {values[at]} then {values[at + 1]} at {at}")
+    if values[-1] > total:
+        raise ValueError(f"{who}: {name} ends at {values[-1]}, past the {total} packed rows")
+    if lengths and max(lengths) > max_len:
+        raise ValueError(f"{who}: {max_name} = {max_len}, but {name} holds a sequence of {max(lengths)}")
+
+
+def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None) -> tuple:
+    """What _C.forward / _C.backward take as `sequences`: the (B, 6) int32 table, scratch for the
+    per-sequence kernel arguments, the grid's lengths, and the (B, pages) block table of a paged
+    cache or None."""
+    words = (table.shape[0] * _C.SEQUENCE_PARAMS_BYTES + 3) // 4
+    scratch = torch.empty(max(words, 1), dtype=torch.float32, device=table.device)
+    return table, scratch, max_q_len, max_kv_len, block_table
+
+
+def run_forward(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO,
+                sinks=None, dropout_p=0.0, rng_state=None):
+    """The forward over (B, H, L, D) views with a sequence table (q4 etc. already on one device);
+    kernel: a _C.KERNEL_* code (tests run each kernel); sinks a checked (Hq,) float32 tensor or
+    None; dropout_p with its generator state (dropout_rng_state)."""
+    device = _C.DEVICE_CPU if q4.is_cpu else _C.DEVICE_MPS
+    if device == _C.DEVICE_MPS:
+        _prepare_mps()
+    if not _sources.registered:
+        _sources.ensure_registered()
+    workspace = (lambda n: torch.empty((n + 3) // 4, dtype=torch.float32, device=q4.device))
+    _C.forward(device, q4, k4, v4, out4, lse3, scale, causal, kernel, workspace, None, False, band, softcap,
+               alibi, dropout_p, _rng_words(rng_state), False, sinks, sequences=sequences)
+
+
+def _alibi_view(slopes, batch: int, heads: int, device, who: str):
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {_given(slopes)}")
+    if slopes.dtype != torch.float32 or slopes.device != device:
+        raise TypeError(f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on "
+                        f"{slopes.device}")
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"{who}: alibi_slopes must be (nheads,) = ({heads},) or (batch, nheads) = ({batch}, "
+                         f"{heads}), got {tuple(slopes.shape)}")
+    slopes = slopes.detach()
+    return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
+
+
+def check_bool(value, name: str, who: str) -> bool:
+    if value is not True and value is not False:
+        raise TypeError(f"{who}: {name} must be a bool, got {_given(value)}")
+    return value
+
+
+def check_scale(softmax_scale, head_dim: int, who: str) -> float:
+    """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
+    return _scale_value(head_dim, softmax_scale)
+
+
+def check_common(who: str, causal, window_size, softcap, deterministic):
+    """The options flash_attn_varlen_func and flash_attn_with_kvcache share with flash_attn_func."""
+    check_bool(causal, "causal", who)
+    check_bool(deterministic, "deterministic", who)
+    left, right = _check_window(window_size, who)
+    return (1, left, right), _check_softcap(softcap, who)
+
+
+class _Varlen(torch.autograd.Function):
+    """(q, k, v packed, table, max lengths, options) -> (out, lse); gradients to q, k, v and the
+    sinks."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p, rng_state):
+        out = q.new_empty((*q.shape[:2], v.shape[2]))
+        lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
+        run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, max_q, max_k),
+                    sinks=sinks, dropout_p=dropout_p, rng_state=rng_state)
+        ctx.save_for_backward(q, k, v, out, lse, table, alibi, sinks, rng_state)
+        ctx.options = (max_q, max_k, scale, causal, band, softcap, dropout_p)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        if torch.is_grad_enabled():
+            raise RuntimeError("flash_attn_varlen_func: double backward is not supported (create_graph=True)")
+        q, k, v, out, lse, table, alibi, sinks, rng_state = ctx.saved_tensors
+        max_q, max_k, scale, causal, band, softcap, dropout_p = ctx.options
+        # Zeros: rows of q, k, v past the last sequence get no gradient from the kernels.
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        delta = torch.empty_like(lse)
+        dout = dout.resolve_neg() if dout.is_neg() else dout
+        views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out, dout, dq, dk, dv)]
+        device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
+        if device == _C.DEVICE_MPS:
+            _prepare_mps()
+        # Each row's term of the sinks' gradient; rows of q past the last sequence hold none.
+        sink_grad = None if sinks is None else torch.empty_like(lse)
+        _C.backward(device, *views[:4], lse, views[4], delta, *views[5:], scale, causal, None, False, band, softcap,
+                    alibi, dropout_p, _rng_words(rng_state), sinks, sink_grad,
+                    sequences=sequence_args(table, max_q, max_k))
+        dsinks = None
+        if sinks is not None:
+            used = torch.arange(q.shape[0], device=q.device) < (table[:, 1] + table[:, 2]).max(dim=0, keepdim=True)[0]
+            dsinks = sink_grad.masked_fill(~used, 0.0).sum(dim=(0, 2))
+        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks, None, None
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None):
+    """flash-attn 2's flash_attn_varlen_func: attention within each of `batch` packed sequences.
+
+    Args, as flash-attn's:
+        q: (total_q, nheads, headdim); k: (total_k, nheads_k, headdim); v: (total_k, nheads_k,
+            headdim_v); nheads a multiple of nheads_k (GQA). Any strides (nothing is copied).
+        cu_seqlens_q, cu_seqlens_k: (batch + 1,) int32 on q's device, the prefix sums of the
+            sequences' lengths: sequence b is rows cu[b] .. cu[b + 1] - 1. Starting at 0,
+            non-decreasing, ending within total (checked, with one host read on MPS).
+        max_seqlen_q, max_seqlen_k: ints at least every sequence's length (the grid is sized by
+            them; blocks past a shorter sequence leave at once).
+        dropout_p: dropout of the attention probabilities, as flash_attn_func's (Philox in the
+            kernels, seeded from torch's generator; the backward regenerates the mask).
+        softmax_scale: default 1 / sqrt(headdim).
+        causal: bottom-right aligned per sequence: query i of a sequence of L_b queries and S_b keys
+            sees keys j <= i + S_b - L_b.
+        window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads) float32): as in
+            flash_attn_func, each sequence on its own diagonal.
+        deterministic: accepted; the backward is always deterministic.
+        sinks: keyword only, (nheads,) attention-sink logits as in flash_attn_func, differentiable.
+        return_attn_probs, block_table: not supported yet (NotImplementedError).
+
+    Returns out (total_q, nheads, headdim_v) of q's dtype; differentiable in q, k and v (a fused
+    backward over the same sequence table). Rows of q past cu_seqlens_q[-1] are left unwritten.
+    """
+    who = "flash_attn_varlen_func"
+    band, softcap = check_common(who, causal, window_size, softcap, deterministic)
+    dropout_p = _check_dropout(dropout_p, who)
+    if return_attn_probs is not False:
+        raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True", _given(return_attn_probs)))
+    if block_table is not None:
+        raise NotImplementedError(_NOT_HERE.format(who, "block_table", _given(block_table)))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
+        if t.dim() != 3:
+            raise ValueError(f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}")
+    max_q = _check_int(max_seqlen_q, "max_seqlen_q", who)
+    max_k = _check_int(max_seqlen_k, "max_seqlen_k", who)
+    check_lengths_tensor(cu_seqlens_q, "cu_seqlens_q", who, q.device)
+    check_lengths_tensor(cu_seqlens_k, "cu_seqlens_k", who, q.device, cu_seqlens_q.shape[0])
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
+    _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
+    _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, "max_seqlen_k", who)
+    scale = check_scale(softmax_scale, q.shape[-1], who)
+    alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
+    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1))
+    return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal, band, softcap, alibi,
+                            sinks, dropout_p)
+
+
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
+                     softcap: float, alibi=None, sinks=None, dropout_p=0.0):
+    """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
+    caller; the kernels clamp the table whatever it holds): no host read of the tensors. sinks: a
+    checked (H,) float32 tensor or None."""
+    batch = cu_seqlens_q.shape[0] - 1
+    zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
+    table = torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, cu_seqlens_k[:-1],
+                         cu_seqlens_k.diff()], dim=1).contiguous()
+    if q.is_neg() or k.is_neg() or v.is_neg():
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
+    rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    out, _lse = _Varlen.apply(q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p,
+                              rng_state)
+    return out
