@@ -64,7 +64,7 @@ inline void *bound_threadgroup_arg(msl_thread *t, uint32_t n, const char *file, 
 /* Pointer arguments: `device T* p [[buffer(n)]]`, `threadgroup T* p [[threadgroup(n)]]`. */
 struct arg_ptr {
     void *p;
-    template <class T> operator T *() const { return static_cast<T *>(p); }
+    template <class T> operator T *() const { return (T *)p; } /* into T's address space */
 };
 
 /* Reference arguments: `constant Params& p [[buffer(n)]]`. */
@@ -74,7 +74,7 @@ struct arg_ref {
     template <class T> operator T &() const {
         if (unbound && sizeof(T) > MSL_UNBOUND_BYTES)
             kernel_fail(api->current(), "an unbound optional buffer reference larger than 64 KiB", __FILE__, __LINE__);
-        return *static_cast<T *>(p);
+        return *(T *)p;
     }
 };
 
@@ -226,9 +226,9 @@ template <class T, class F> derived_constant<T, F> make_derived_constant(F f) { 
 /* Kernel-scope `threadgroup T a[N];` becomes
  * `auto &a = ::msl_rt::threadgroup_static<T[N]>([] {});`: the lambda's closure type differs per
  * declaration and per template instantiation, so `site`'s address keys one block per threadgroup. */
-template <class T, class Site> T &threadgroup_static(Site) {
+template <class T, class Site> threadgroup T &threadgroup_static(Site) {
     static char site; /* not const: never merged with another site's */
-    return *static_cast<T *>(api->threadgroup_static(api->current(), &site, sizeof(T), alignof(T)));
+    return *(threadgroup T *)api->threadgroup_static(api->current(), &site, sizeof(T), alignof(T));
 }
 
 /* A [[buffer(n)]] or [[threadgroup(n)]] index the prepass could not read (a constant expression):
@@ -255,9 +255,9 @@ template <class Kernel, unsigned long long Bytes> struct threadgroup_memory {
  * same address space (or a null pointer constant) converts, as in Metal. */
 namespace msl_strict {
 template <class T> struct space : std::integral_constant<int, 0> {};
-template <class T> struct space<device T> : std::integral_constant<int, 1> {};
-template <class T> struct space<constant T> : std::integral_constant<int, 2> {};
-template <class T> struct space<threadgroup T> : std::integral_constant<int, 3> {};
+template <class T> struct space<MSL_DEVICE T> : std::integral_constant<int, 1> {};
+template <class T> struct space<MSL_CONSTANT T> : std::integral_constant<int, 2> {};
+template <class T> struct space<MSL_THREADGROUP T> : std::integral_constant<int, 3> {};
 template <class To, class From, std::enable_if_t<space<std::remove_pointer_t<To>>::value == space<From>::value, int> = 0>
 To address_space_cast(From *p);
 template <class To, class I, std::enable_if_t<std::is_integral<I>::value, int> = 0> To address_space_cast(I);

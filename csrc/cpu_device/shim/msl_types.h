@@ -80,11 +80,9 @@ using std::true_type;
 
 /* T without its address space (Metal's remove_addrspace) */
 template <class T> struct remove_addrspace { using type = T; };
-#ifdef MSL_STRICT
-template <class T> struct remove_addrspace<device T> { using type = T; };
-template <class T> struct remove_addrspace<constant T> { using type = T; };
-template <class T> struct remove_addrspace<threadgroup T> { using type = T; };
-#endif
+template <class T> struct remove_addrspace<MSL_DEVICE T> { using type = T; };
+template <class T> struct remove_addrspace<MSL_CONSTANT T> { using type = T; };
+template <class T> struct remove_addrspace<MSL_THREADGROUP T> { using type = T; };
 template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
 
 /* Apple's internal traits that real headers use (under `#pragma METAL internals : enable`) */
@@ -314,6 +312,10 @@ template <class T, int N> struct info<vec<T, N>> {
     using elem = T;
 };
 template <class V> struct info<packed_vec<V>> : info<V> {};
+/* an operand in device, constant or threadgroup memory (a `const A &` deduced from it) */
+template <class X> struct info<MSL_DEVICE X> : info<X> {};
+template <class X> struct info<MSL_CONSTANT X> : info<X> {};
+template <class X> struct info<MSL_THREADGROUP X> : info<X> {};
 template <class X> using value_t = typename info<X>::type;
 template <class X> using elem_t = typename info<X>::elem;
 
@@ -572,21 +574,13 @@ MSL_MATRIX_TYPES(float)
 MSL_MATRIX_TYPES(half)
 #undef MSL_MATRIX_TYPES
 
-/* MSL's half literals, 1.0h and 1h: a suffix without '_' is reserved in C++, hence the pragmas. */
-#if defined(__clang__)
+/* MSL's half literals, 1.0h and 1h: a suffix without '_' is reserved in C++, hence the pragma
+ * (the shim is compiled by clang only, compile.c). */
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wuser-defined-literals"
-#else
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wliteral-suffix"
-#endif
 constexpr half operator""h(long double x) { return half(x); }
 constexpr half operator""h(unsigned long long x) { return half(x); }
-#if defined(__clang__)
 #pragma clang diagnostic pop
-#else
-#pragma GCC diagnostic pop
-#endif
 
 namespace metal {
 
