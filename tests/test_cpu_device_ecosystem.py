@@ -421,3 +421,24 @@ def test_the_compiler_must_be_clang(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHATTN_MPS_CXX", str(gxx))
     with pytest.raises(MetalCompileError, match=r"g\+\+' \(from FLASHATTN_MPS_CXX\) is not clang 16 or newer \(it says: g\+\+ \(Debian"):
         build(source)
+
+
+def test_a_kernel_over_32_kib_fails_at_its_dispatch_not_the_library():
+    # Metal refuses such a kernel when its pipeline is created (MLX's steel attention instantiates
+    # some it never dispatches): the library's other kernels compile and run.
+    lib = build("""
+        kernel void big(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          threadgroup float tile[8193];
+          tile[i] = 1.0f;
+          out[i] = tile[i];
+        }
+        kernel void small(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          threadgroup float tile[32];
+          tile[i] = float(i);
+          out[i] = tile[i];
+        }""")
+    out = torch.zeros(32)
+    lib.dispatch("small", (1,), (32,), [out])
+    assert torch.equal(out, torch.arange(32).float())
+    with pytest.raises(ValueError, match=r"kernel 'big': threadgroup memory exceeds 32768 bytes"):
+        lib.dispatch("big", (1,), (32,), [out])

@@ -855,8 +855,10 @@ typedef struct body {
     uint32_t tg_depth[MAX_TG_VARS], ntg;
 } body;
 
-/* After the declaration ending at token e: the compiler refuses the kernel when the threadgroup
- * variables in scope exceed Metal's 32 KiB, naming the kernel and the bytes (msl_kernel.h). */
+/* Strict mode, after the declaration ending at token e: the check refuses the kernel when the
+ * threadgroup variables in scope exceed Metal's 32 KiB, naming the kernel and the bytes
+ * (msl_kernel.h). The executed build refuses it where Metal's pipeline creation does: at its
+ * dispatch (runtime.c), so the library's other kernels still run. */
 static void threadgroup_budget(pp *P, uint64_t e, body *B) {
     sbuf r = {0};
     sb_printf(&r, " struct __msl_kernel_%s; static_assert(::msl_rt::threadgroup_memory<__msl_kernel_%s, 0", B->kernel,
@@ -928,7 +930,7 @@ static uint64_t threadgroup_decl(pp *P, uint64_t i, body *B) {
     } else {
         add_edit(P, P->t[i].a, P->t[e].b, r.p);
     }
-    if (B->kernel) threadgroup_budget(P, e, B);
+    if (B->kernel && P->strict) threadgroup_budget(P, e, B);
     return e;
 }
 

@@ -238,10 +238,10 @@ template <unsigned long long N> constexpr uint32_t argument_index() {
     return static_cast<uint32_t>(N);
 }
 
-/* After each kernel-scope threadgroup declaration the prepass asserts
- * `threadgroup_memory<__msl_kernel_NAME, sizeof(a) + sizeof(b) ...>::fits`: the kernel is refused
- * at compile time, as Metal's pipeline creation refuses it, and the message names the kernel (the
- * tag type) and the bytes. */
+/* In strict mode, after each kernel-scope threadgroup declaration, the prepass asserts
+ * `threadgroup_memory<__msl_kernel_NAME, sizeof(a) + sizeof(b) ...>::fits`: the check refuses the
+ * kernel, as Metal's pipeline creation does, and the message names the kernel (the tag type) and
+ * the bytes. (The executed build refuses it at its dispatch, runtime.c.) */
 template <class Kernel, unsigned long long Bytes> struct threadgroup_memory {
     static_assert(Bytes <= 32768,
                   "kernel-scope threadgroup memory beyond Metal's 32 KiB (32768 bytes) [rule: threadgroup-memory]");

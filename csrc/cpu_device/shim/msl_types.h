@@ -231,14 +231,17 @@ template <class F> struct fp16 {
     template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
     explicit constexpr fp16(T x) : v(F::from(x)) {}
     /* a class converting to float (a user's bfloat16_t): float to half is a standard conversion
-     * in MSL, so this one is implicit for half, explicit for bfloat (static_cast<bfloat>(x)) */
-    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
-                                            std::is_convertible_v<const T &, float> && implicit_from<F, float>,
-                                        int> = 0>
+     * in MSL, so this one is implicit for half, explicit for bfloat (static_cast<bfloat>(x)); a
+     * half or bfloat in device, constant or threadgroup memory is no such class */
+    template <class T, class P = remove_addrspace_t<T>,
+              std::enable_if_t<!fp16_v<P> && !scalar_v<T> && std::is_class_v<T> &&
+                                   std::is_convertible_v<const T &, float> && implicit_from<F, float>,
+                               int> = 0>
     constexpr fp16(const T &x) : v(F::from(float(x))) {}
-    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
-                                            std::is_convertible_v<const T &, float> && !implicit_from<F, float>,
-                                        int> = 0>
+    template <class T, class P = remove_addrspace_t<T>,
+              std::enable_if_t<!fp16_v<P> && !scalar_v<T> && std::is_class_v<T> &&
+                                   std::is_convertible_v<const T &, float> && !implicit_from<F, float>,
+                               int> = 0>
     explicit constexpr fp16(const T &x) : v(F::from(float(x))) {}
     constexpr operator float() const { return F::to_float(v); }
     static constexpr fp16 from_bits(uint16_t b) {
