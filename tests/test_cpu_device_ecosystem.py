@@ -196,6 +196,8 @@ def test_library_pieces_real_kernels_use():
           o[2] = partial.y + partial.z + partial.w + one.x + one.y + one.w;
           o[3] = mv.x; o[4] = mv.w;
           o[5] = float(h[2][2]) + float(h[2][1]);
+          float4x4 widened = (float4x4)h;                // another element type: explicit (llama.cpp)
+          o[14] = widened[1][1] + float(half4x4(m)[3][0]);
           o[6] = quad_sum(x[i]);
           o[7] = quad_shuffle_xor(x[i], 1);
           o[8] = quad_broadcast(x[i], 3);
@@ -231,6 +233,7 @@ def test_library_pieces_real_kernels_use():
     assert torch.equal(o[:, 11], fill)
     assert torch.equal(o[:, 12], torch.cat([q[:, 1:], q[:, 3:]], 1).reshape(-1))
     assert torch.equal(o[:, 13], torch.tensor([1.0, 0, 0, 0] * 8))
+    assert (o[:, 14] == 4).all()  # 3, and the last column's 1
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     r = torch.zeros(8, 8)
     lib.dispatch("mm", (1,), (32,), [a, b, r])

@@ -625,6 +625,12 @@ template <class T, int Cols, int Rows> struct matrix {
         for (int i = 0; i < Cols * Rows; i++) columns[i / Rows][i % Rows] = v[i];
     }
 
+    /* from another element type: explicit, as in MSL (`(float4x4)h` of a half4x4) */
+    template <class U, std::enable_if_t<!std::is_same_v<U, T>, int> = 0>
+    explicit constexpr matrix(const matrix<U, Cols, Rows> &m) : columns{} {
+        for (int c = 0; c < Cols; c++) columns[c] = vec<T, Rows>(m.columns[c]);
+    }
+
     constexpr vec<T, Rows> &operator[](int c) { return columns[c]; }
     constexpr const vec<T, Rows> &operator[](int c) const { return columns[c]; }
 
