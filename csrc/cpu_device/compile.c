@@ -632,8 +632,10 @@ static char *compiler_identity(const command *cxx, double timeout, fa_status *st
         return NULL;
     }
     free(err);
+    /* Apple's clang 15 is LLVM's 16 */
     const char *clang = strstr(id, "clang version ");
-    if (!clang || atoi(clang + strlen("clang version ")) < 16) {
+    int32_t apple = clang && clang - id >= 6 && !strncmp(clang - 6, "Apple ", 6);
+    if (!clang || atoi(clang + strlen("clang version ")) < (apple ? 15 : 16)) {
         fa_fail(st, FA_ERR_COMPILE,
                 "CPU Metal device: the C++ compiler '%s' (from %s) is not clang 16 or newer (it says: %.*s); "
                 "kernels compile with clang's address spaces; " CLANG_ADVICE,
@@ -757,11 +759,6 @@ static const char *next_line(const char *line) {
     return *line ? line + 1 : line;
 }
 
-static const char *prev_line(const char *start, const char *line) {
-    for (line--; line > start && line[-1] != '\n';) line--;
-    return line;
-}
-
 static int32_t mentions(const char *line, const char *what) {
     const char *hit = strstr(line, what);
     return hit && hit < line + strcspn(line, "\n");
@@ -833,13 +830,7 @@ static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *
     const char *first = NULL, *from = NULL;
     for (const char *line = out; *line && !first; line = next_line(line))
         if (mentions(line, "error:")) first = line;
-    /* inside the shim: g++ names the kernel's line before the error ("required from here"),
-     * clang after it (notes) */
-    for (const char *line = first; line && line > out && !strncmp(first, shim, (size_t)sn) && !from;) {
-        line = prev_line(out, line);
-        if (boundary(line)) break;
-        if (strncmp(line, shim, (size_t)sn) && location(line)) from = line;
-    }
+    /* inside the shim: clang names the kernel's line after the error (notes) */
     for (const char *line = first; line && *line && !strncmp(first, shim, (size_t)sn) && !from;) {
         line = next_line(line);
         if (boundary(line)) break;
