@@ -42,7 +42,19 @@ metal-offline-check: $(VENV)/.built
 doctor: $(VENV)/.built
 	$(PY) -m flashattn_mps.doctor
 
+# Off macOS the CPU Metal device compiles kernels with clang >= 16: installed from Debian/Ubuntu's
+# packages when none is on PATH (as root), else the message says what to install.
+CLANGS := clang++ clang++-20 clang++-19 clang++-18 clang++-17 clang++-16
+
 $(VENV)/.deps:
+	@if [ "$$(uname)" != Darwin ] && ! for c in $(CLANGS); do command -v $$c; done | grep -q .; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo "installing clang-16 (the CPU Metal device compiles kernels with it)"; \
+	    apt-get update -qq && apt-get install -y -qq clang-16 >/dev/null; \
+	  else \
+	    echo "the CPU Metal device needs clang >= 16 on PATH (Debian/Ubuntu: apt-get install clang-16)"; exit 1; \
+	  fi; \
+	fi
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q "torch==2.13.0" $(TEST_DEPS)
 	touch $@

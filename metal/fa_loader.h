@@ -36,7 +36,7 @@ inline void fa_load_tile_strided(threadgroup T *tile, int pitch, const device T 
   for (int i = int(tid); i < ROWS * COLS; i += THREADS) {
     const int r = i / COLS;
     const int c = i % COLS;
-    tile[r * pitch + c] = (r < valid_rows && c < valid_cols) ? src[r * row_stride + c * col_stride] : T(0);
+    tile[r * pitch + c] = (r < valid_rows && c < valid_cols) ? T(src[r * row_stride + c * col_stride]) : T(0);
   }
 }
 

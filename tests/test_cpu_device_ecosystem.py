@@ -196,6 +196,8 @@ def test_library_pieces_real_kernels_use():
           o[2] = partial.y + partial.z + partial.w + one.x + one.y + one.w;
           o[3] = mv.x; o[4] = mv.w;
           o[5] = float(h[2][2]) + float(h[2][1]);
+          float4x4 widened = (float4x4)h;                // another element type: explicit (llama.cpp)
+          o[14] = widened[1][1] + float(half4x4(m)[3][0]);
           o[6] = quad_sum(x[i]);
           o[7] = quad_shuffle_xor(x[i], 1);
           o[8] = quad_broadcast(x[i], 3);
@@ -231,6 +233,7 @@ def test_library_pieces_real_kernels_use():
     assert torch.equal(o[:, 11], fill)
     assert torch.equal(o[:, 12], torch.cat([q[:, 1:], q[:, 3:]], 1).reshape(-1))
     assert torch.equal(o[:, 13], torch.tensor([1.0, 0, 0, 0] * 8))
+    assert (o[:, 14] == 4).all()  # 3, and the last column's 1
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     r = torch.zeros(8, 8)
     lib.dispatch("mm", (1,), (32,), [a, b, r])
@@ -301,3 +304,144 @@ def test_simd_functions_act_on_the_active_lanes_in_divergent_control_flow():
         assert o[s, 0::3, 3].tolist() == [float(i) for i in range(11)]
         assert (o[s, :, 4] == xs.sum()).all()
         assert (o[s, :30, 5] == 30).all() and (o[s, 30:, 5] == -7).all()
+
+
+def test_address_spaces_stay_distinct():
+    # Overloads and specialisations Metal tells apart by address space (MLX's complex.h, utils.h,
+    # loaders): each call must reach its own one, as on a Mac.
+    lib = build("""
+        METAL_FUNC float space(device float &) { return 1.0f; }
+        METAL_FUNC float space(constant float &) { return 2.0f; }
+        METAL_FUNC float space(threadgroup float &) { return 3.0f; }
+        METAL_FUNC float space(thread float &) { return 4.0f; }
+        template <class T> METAL_FUNC float at(const device T *) { return 10.0f; }
+        template <class T> METAL_FUNC float at(const threadgroup T *) { return 30.0f; }
+        template <class P> struct kind { static constexpr int value = 0; };
+        template <class T> struct kind<device T *> { static constexpr int value = 100; };
+        template <class T> struct kind<threadgroup T *> { static constexpr int value = 300; };
+        METAL_FUNC long offset(uint2 e, constant const int64_t strides[2]) { return e.x * strides[0] + e.y * strides[1]; }
+        struct pair {  // members overloaded on the address space of `this`, with one body as MLX has them
+          float a, b;
+          constexpr pair(float x, float y) : a(x), b(y) {}
+          constexpr pair(float x, float y) constant : a(x), b(y) {}
+          pair() = default;
+          pair() threadgroup = default;
+          float sum() const thread { return a + b; }
+          float sum() const device { return a + b; }
+          float sum() const constant { return a + b; }
+          float sum() const threadgroup { return a + b; }
+        };
+        struct tag {  // a constructor for constant objects only
+          float v;
+          constexpr tag(float x) constant : v(x) {}
+        };
+        constant pair k_pair = pair(1.0f, 2.0f);
+        constant tag k_tag(5.0f);
+        kernel void k(device float *out [[buffer(0)]], constant float *c [[buffer(1)]],
+                      constant int64_t *strides [[buffer(2)]], device pair *pairs [[buffer(3)]],
+                      uint i [[thread_position_in_grid]]) {
+          threadgroup float tg[32];
+          threadgroup pair tp;
+          float local = 0.0f;
+          tg[i] = float(i);
+          if (i == 0) tp = pair(3.0f, 4.0f);
+          threadgroup_barrier(mem_flags::mem_threadgroup);
+          device float *o = out + 12 * i;
+          o[0] = space(o[11]); o[1] = space(c[0]); o[2] = space(tg[i]); o[3] = space(local);
+          o[4] = at(o) + at(tg);
+          o[5] = float(kind<device float *>::value + kind<threadgroup float *>::value + kind<float *>::value);
+          o[6] = float(offset(uint2(i, 1), strides));
+          o[7] = k_pair.sum() + pairs[i].sum() + tp.sum() + pair(0.5f, 0.25f).sum();
+          o[8] = k_tag.v;
+        }""")
+    out = torch.zeros(32 * 12)
+    pairs = torch.arange(64).float()
+    lib.dispatch("k", (1,), (32,), [out, torch.ones(1), torch.tensor([3, 1000]), pairs])
+    o = out.view(32, 12)
+    assert o[:, :4].tolist() == [[1.0, 2.0, 3.0, 4.0]] * 32
+    assert (o[:, 4] == 40).all() and (o[:, 5] == 400).all()
+    assert torch.equal(o[:, 6], 3 * torch.arange(32).float() + 1000)
+    assert torch.equal(o[:, 7], 3 + pairs.view(32, 2).sum(1) + 7 + 0.75)
+    assert (o[:, 8] == 5).all()
+
+
+@pytest.mark.parametrize("statement", [
+    "threadgroup float *t = out;",                    # device to threadgroup
+    "device float *d = (device float *)c;",           # constant to device, even cast
+    "constant float *k = (constant float *)out;",     # device to constant
+])
+def test_address_space_conversions_are_refused_as_in_msl(statement):
+    # the message names the address spaces as MSL does
+    with pytest.raises(MetalCompileError, match=r"mismatching address spaces|'threadgroup float \*' with an lvalue of type 'device float \*'"):
+        build(f"""
+            kernel void k(device float *out [[buffer(0)]], constant float *c [[buffer(1)]]) {{
+              {statement}
+            }}""")
+
+
+def test_explicit_specialisation_at_class_scope():
+    # Apple's compiler (clang) takes it; g++ did not.
+    lib = build("""
+        struct pick {
+          template <int N> static float f(float x) { return x * N; }
+          template <> float f<0>(float x) { return -x; }
+        };
+        kernel void k(device float *out [[buffer(0)]]) { out[0] = pick::f<0>(1.0f) + pick::f<3>(2.0f); }""")
+    out = torch.zeros(1)
+    lib.dispatch("k", (1,), (1,), [out])
+    assert out.item() == 5
+
+
+def test_explicit_instantiation_spelling_out_a_const_constant_parameter():
+    lib = build("""
+        struct params { float scale; };
+        template <typename T>
+        [[kernel]] void scaled(const constant params *p [[buffer(0)]], device T *out [[buffer(1)]],
+                               uint i [[thread_position_in_grid]]) {
+          out[i] = T(p->scale * float(i) + 1.0f);
+        }
+        template [[host_name("scaled_float")]] [[kernel]] void scaled<float>(
+            const constant params *p [[buffer(0)]], device float *out [[buffer(1)]], uint i [[thread_position_in_grid]]);
+        template [[host_name("scaled_half")]] [[kernel]] void scaled<half>(
+            const constant params *p [[buffer(0)]], device half *out [[buffer(1)]], uint i [[thread_position_in_grid]]);
+        """)
+    for name, dtype in (("scaled_float", torch.float32), ("scaled_half", torch.float16)):
+        out = torch.zeros(8, dtype=dtype)
+        lib.dispatch(name, (1,), (8,), [struct.pack("f", 0.5), out])
+        assert torch.equal(out, (0.5 * torch.arange(8) + 1).to(dtype))
+
+
+def test_the_compiler_must_be_clang(tmp_path, monkeypatch):
+    # Kernels need clang's address spaces: without clang the message says what to install.
+    monkeypatch.delenv("FLASHATTN_MPS_CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    source = "kernel void k(device float *out [[buffer(0)]]) { out[0] = 1.0f; }  // no clang"
+    with pytest.raises(MetalCompileError, match=r"clang\+\+ 16 or newer, and PATH holds none .* apt-get install clang-16"):
+        build(source)
+    gxx = tmp_path / "g++"  # what g++ says it is
+    gxx.write_text("#!/bin/sh\necho 'g++ (Debian 12.2.0-14) 12.2.0'\n")
+    gxx.chmod(0o755)
+    monkeypatch.setenv("FLASHATTN_MPS_CXX", str(gxx))
+    with pytest.raises(MetalCompileError, match=r"g\+\+' \(from FLASHATTN_MPS_CXX\) is not clang 16 or newer \(it says: g\+\+ \(Debian"):
+        build(source)
+
+
+def test_a_kernel_over_32_kib_fails_at_its_dispatch_not_the_library():
+    # Metal refuses such a kernel when its pipeline is created (MLX's steel attention instantiates
+    # some it never dispatches): the library's other kernels compile and run.
+    lib = build("""
+        kernel void big(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          threadgroup float tile[8193];
+          tile[i] = 1.0f;
+          out[i] = tile[i];
+        }
+        kernel void small(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          threadgroup float tile[32];
+          tile[i] = float(i);
+          out[i] = tile[i];
+        }""")
+    out = torch.zeros(32)
+    lib.dispatch("small", (1,), (32,), [out])
+    assert torch.equal(out, torch.arange(32).float())
+    with pytest.raises(ValueError, match=r"kernel 'big': threadgroup memory exceeds 32768 bytes"):
+        lib.dispatch("big", (1,), (32,), [out])

@@ -53,16 +53,20 @@ static char *g_cxx, *g_cxx_id; /* the compiler last asked for and its --version 
 
 static const char *const PRE_FLAGS[] = {
     "-E", "-x", "c++", "-std=gnu++17", "-nostdinc", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1"};
-/* Kernels view buffers through other types (half* as half4*): no type-based alias analysis.
- * MSL's char is signed, which aarch64 Linux's is not by default. */
-static const char *const CC_FLAGS[] = {"-x",    "c++",    "-std=gnu++17", "-O2", "-fno-strict-aliasing",
-                                       "-fsigned-char", "-fPIC", "-shared"};
+/* -fsycl-is-device gives clang's language address spaces the default one converts from (msl_shim.h);
+ * without device code to diagnose, it changes nothing else the kernels see. Kernels view buffers
+ * through other types (half* as half4*): no type-based alias analysis. MSL's char is signed, which
+ * aarch64 Linux's is not by default. `const constant T` reads const twice: allowed. Every error
+ * goes to the log (clang stops at 20 by default); a crashing clang leaves no reproducer in /tmp. */
+static const char *const CC_FLAGS[] = {"-x", "c++", "-std=gnu++17", "-Xclang", "-fsycl-is-device", "-O3",
+                                       "-fno-strict-aliasing", "-fsigned-char", "-fPIC", "-shared",
+                                       "-Wno-unknown-attributes", "-Wno-duplicate-decl-specifier", "-ferror-limit=0",
+                                       "-fno-crash-diagnostics"};
 static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
 /* Checked mode: every load and store calls the shim's __tsan_* hooks (msl_kernel.h), without the
- * sanitizer's runtime (g++ links it unless asked for the static one, which a shared object then
- * leaves out); line tables, in a DWARF version addr2line reads, name the accesses' source lines. */
+ * sanitizer's runtime (clang links none into a shared object); line tables, in a DWARF version
+ * addr2line reads, name the accesses' source lines. */
 static const char *const CHECKED_FLAGS[] = {"-DMSL_CHECKED", "-fsanitize=thread", "-g1", "-gdwarf-4"};
-static const char GCC_NO_TSAN_RUNTIME_FLAG[] = "-static-libtsan";
 static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup", "metal_simdgroup_matrix",
                                     "metal_atomic",    "metal_math",      "metal_compute",
                                     "metal_integer",   "metal_common",    "metal_geometric",
@@ -505,8 +509,29 @@ static const char *run_failure(int32_t status, double timeout, char buf[96]) {
     return buf;
 }
 
-/* The compiler command: $FLASHATTN_MPS_CXX, else $CXX, else "c++", split into words at blanks, with
- * '...' and "..." quoting as in a shell (no expansions), so that CXX="ccache g++" works. */
+/* The compiler command: $FLASHATTN_MPS_CXX, split into words at blanks, with '...' and "..."
+ * quoting as in a shell (no expansions), so that "ccache clang++" works; else the first of
+ * CLANG_NAMES on PATH. It must be clang 16 or newer (checked on its identity, compiler_identity):
+ * kernels keep Metal's address spaces apart through clang's (msl_shim.h), which g++ lacks. */
+static const char *const CLANG_NAMES[] = {"clang++",    "clang++-20", "clang++-19", "clang++-18",
+                                          "clang++-17", "clang++-16"};
+#define CLANG_ADVICE "install clang (Debian/Ubuntu: apt-get install clang-16) or set FLASHATTN_MPS_CXX"
+
+/* The first of CLANG_NAMES that PATH holds as an executable, or NULL. */
+static const char *clang_on_path(void) {
+    const char *path = getenv("PATH");
+    for (uint64_t i = 0; path && i < COUNT(CLANG_NAMES); i++)
+        for (const char *d = path; *d;) {
+            uint64_t n = strcspn(d, ":");
+            char file[PATH_BYTES];
+            if (n + strlen(CLANG_NAMES[i]) + 3 < sizeof file) { /* an empty entry is the current directory */
+                snprintf(file, sizeof file, "%.*s/%s", n ? (int)n : 1, n ? d : ".", CLANG_NAMES[i]);
+                if (access(file, X_OK) == 0) return CLANG_NAMES[i];
+            }
+            d += n + (d[n] == ':');
+        }
+    return NULL;
+}
 enum { MAX_WORDS = 32 };
 typedef struct command {
     char text[PATH_BYTES];
@@ -518,8 +543,11 @@ typedef struct command {
 static int32_t compiler(command *c, fa_status *st) {
     const char *env = getenv("FLASHATTN_MPS_CXX");
     c->source = "FLASHATTN_MPS_CXX";
-    if (!env || !*env) env = getenv("CXX"), c->source = "CXX";
-    if (!env || !*env) env = "c++", c->source = "the default";
+    if (!env || !*env) env = clang_on_path(), c->source = "PATH";
+    if (!env)
+        return fa_fail(st, FA_ERR_COMPILE,
+                       "CPU Metal device: kernels compile with clang++ 16 or newer, and PATH holds none of "
+                       "clang++, clang++-20 ... clang++-16; " CLANG_ADVICE);
     if (strlen(env) >= sizeof c->text)
         return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command (%s) is longer than %zu bytes",
                        c->source, sizeof c->text - 1);
@@ -600,7 +628,7 @@ static char *compiler_identity(const command *cxx, double timeout, fa_status *st
     if (rc || !id || !*id) {
         errno = saved;
         fa_fail(st, FA_ERR_UNSUPPORTED,
-                "CPU Metal device: cannot run the C++ compiler '%s' (from %s): %s%s%s; set FLASHATTN_MPS_CXX or CXX",
+                "CPU Metal device: cannot run the C++ compiler '%s' (from %s): %s%s%s; " CLANG_ADVICE,
                 cxx->text, cxx->source,
                 rc < 0 ? run_failure(rc, timeout, why) : rc ? "`--version` failed" : "no `--version` output",
                 err && *err ? ": " : "", err ? err : "");
@@ -609,6 +637,17 @@ static char *compiler_identity(const command *cxx, double timeout, fa_status *st
         return NULL;
     }
     free(err);
+    /* Apple's clang 15 is LLVM's 16 */
+    const char *clang = strstr(id, "clang version ");
+    int32_t apple = clang && clang - id >= 6 && !strncmp(clang - 6, "Apple ", 6);
+    if (!clang || atoi(clang + strlen("clang version ")) < (apple ? 15 : 16)) {
+        fa_fail(st, FA_ERR_COMPILE,
+                "CPU Metal device: the C++ compiler '%s' (from %s) is not clang 16 or newer (it says: %.*s); "
+                "kernels compile with clang's address spaces; " CLANG_ADVICE,
+                cxx->text, cxx->source, (int)strcspn(id, "\n"), id);
+        free(id);
+        return NULL;
+    }
     pthread_mutex_lock(&g_lock);
     char *c = strdup(cxx->text), *i = strdup(id);
     if (c && i) {
@@ -725,11 +764,6 @@ static const char *next_line(const char *line) {
     return *line ? line + 1 : line;
 }
 
-static const char *prev_line(const char *start, const char *line) {
-    for (line--; line > start && line[-1] != '\n';) line--;
-    return line;
-}
-
 static int32_t mentions(const char *line, const char *what) {
     const char *hit = strstr(line, what);
     return hit && hit < line + strcspn(line, "\n");
@@ -757,34 +791,51 @@ static void keep_log(const char *out, uint64_t n, const char *tmp, const char *l
  * error as .metal file:line:col (line markers give those; an error inside the shim is reported at
  * the first .metal location the compiler names for it), then where the whole output is kept (log),
  * then as much of it as the message holds. */
+static int32_t ident_char(char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+}
+
 static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *out, const char *tmp,
                              const char *shim, const char *log) {
     if (!out || !*out) {
         free(out);
         return fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d) without a message", what, rc);
     }
-    char prefix[PATH_BYTES];
+    /* without the temporary directory's prefix, and with clang's names of the address spaces
+     * (msl_shim.h) spelled as in MSL; a name grows by at most 11/7 */
+    static const char *const SPACES[][2] = {{"__global_device", "device"}, {"__global_host", "constant"},
+                                            {"__local", "threadgroup"}};
+    char prefix[PATH_BYTES], *text = malloc(strlen(out) * 2 + 1);
+    if (!text) {
+        free(out);
+        return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    }
     uint64_t pn = (uint64_t)snprintf(prefix, sizeof prefix, "%s/", tmp), w = 0, sn = strlen(shim);
     for (uint64_t r = 0; out[r];) {
         if (!strncmp(out + r, prefix, (size_t)pn)) {
             r += pn;
             continue;
         }
-        out[w++] = out[r++];
+        int32_t starts = r == 0 || !ident_char(out[r - 1]);
+        uint64_t k = 0, n = 0;
+        for (; starts && k < COUNT(SPACES); k++)
+            if (!strncmp(out + r, SPACES[k][0], (size_t)(n = strlen(SPACES[k][0]))) && !ident_char(out[r + n])) break;
+        if (starts && k < COUNT(SPACES)) {
+            w += (uint64_t)sprintf(text + w, "%s", SPACES[k][1]);
+            r += n;
+            continue;
+        }
+        text[w++] = out[r++];
     }
-    out[w] = 0;
+    text[w] = 0;
+    free(out);
+    out = text;
     char note[PATH_BYTES + 96];
     keep_log(out, w, tmp, log, note);
     const char *first = NULL, *from = NULL;
     for (const char *line = out; *line && !first; line = next_line(line))
         if (mentions(line, "error:")) first = line;
-    /* inside the shim: g++ names the kernel's line before the error ("required from here"),
-     * clang after it (notes) */
-    for (const char *line = first; line && line > out && !strncmp(first, shim, (size_t)sn) && !from;) {
-        line = prev_line(out, line);
-        if (boundary(line)) break;
-        if (strncmp(line, shim, (size_t)sn) && location(line)) from = line;
-    }
+    /* inside the shim: clang names the kernel's line after the error (notes) */
     for (const char *line = first; line && *line && !strncmp(first, shim, (size_t)sn) && !from;) {
         line = next_line(line);
         if (boundary(line)) break;
@@ -862,7 +913,7 @@ static const char KEY_MARK[] = "flashattn_mps CPU Metal library ";
 /* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
  * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. A failing
  * compiler's whole output goes to file `log` (NULL: nowhere). */
-static int32_t build(const command *cxx, int32_t clang, int32_t clash, int32_t checked, const char *shim, const char *tmp,
+static int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp,
                      const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
                      uint32_t n_macros, double timeout, fa_status *st) {
     char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], so[PATH_BYTES], inc[PATH_BYTES],
@@ -948,11 +999,9 @@ static int32_t build(const command *cxx, int32_t clang, int32_t clash, int32_t c
     char *cc[COUNT(CC_FLAGS) + COUNT(CHECKED_FLAGS) + 12], cwd[PATH_BYTES], prefix_map[PATH_BYTES + 32];
     uint64_t n = 0;
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) cc[n++] = (char *)CC_FLAGS[i];
-    cc[n++] = clang ? "-Wno-unknown-attributes" : "-Wno-attributes";
     if (clash) cc[n++] = (char *)STACK_CLASH_FLAG;
     if (checked) {
         for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) cc[n++] = (char *)CHECKED_FLAGS[i];
-        if (!clang) cc[n++] = (char *)GCC_NO_TSAN_RUNTIME_FLAG;
         /* source names as the #line directives give them, not under the compiler's directory */
         if (getcwd(cwd, sizeof cwd) && snprintf(prefix_map, sizeof prefix_map, "-fdebug-prefix-map=%s=.", cwd) <
                                            (int)sizeof prefix_map)
@@ -1118,10 +1167,9 @@ static mcpu_library *find(const char *key) {
 
 static int32_t valid_macro(const mcpu_macro *m) {
     const char *c = m->name;
-    if (!c || !((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || *c == '_')) return 0;
+    if (!c || !ident_char(*c) || (*c >= '0' && *c <= '9')) return 0;
     for (; *c; c++)
-        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') || (*c >= '0' && *c <= '9') || *c == '_'))
-            return 0;
+        if (!ident_char(*c)) return 0;
     return !m->value || !strpbrk(m->value, "\r\n");
 }
 
@@ -1155,7 +1203,7 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
                      : FA_OK;
     if (!rc && !mkdtemp(tmp)) rc = io_fail(st, "create directory in", base);
     if (!rc) {
-        rc = build(cxx, strstr(id, "clang") != NULL, stack_clash_supported(cxx, timeout), checked, shim, tmp,
+        rc = build(cxx, stack_clash_supported(cxx, timeout), checked, shim, tmp,
                    writable ? log : NULL, key, source, source_name, macros, n_macros, timeout, st);
         if (!rc) rc = join(built, tmp, ".library.so", st);
         if (!rc && writable && !(rc = install(built, cache, key, st))) {

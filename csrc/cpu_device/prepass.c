@@ -855,8 +855,10 @@ typedef struct body {
     uint32_t tg_depth[MAX_TG_VARS], ntg;
 } body;
 
-/* After the declaration ending at token e: the compiler refuses the kernel when the threadgroup
- * variables in scope exceed Metal's 32 KiB, naming the kernel and the bytes (msl_kernel.h). */
+/* Strict mode, after the declaration ending at token e: the check refuses the kernel when the
+ * threadgroup variables in scope exceed Metal's 32 KiB, naming the kernel and the bytes
+ * (msl_kernel.h). The executed build refuses it where Metal's pipeline creation does: at its
+ * dispatch (runtime.c), so the library's other kernels still run. */
 static void threadgroup_budget(pp *P, uint64_t e, body *B) {
     sbuf r = {0};
     sb_printf(&r, " struct __msl_kernel_%s; static_assert(::msl_rt::threadgroup_memory<__msl_kernel_%s, 0", B->kernel,
@@ -928,7 +930,7 @@ static uint64_t threadgroup_decl(pp *P, uint64_t i, body *B) {
     } else {
         add_edit(P, P->t[i].a, P->t[e].b, r.p);
     }
-    if (B->kernel) threadgroup_budget(P, e, B);
+    if (B->kernel && P->strict) threadgroup_budget(P, e, B);
     return e;
 }
 
@@ -1036,7 +1038,7 @@ static void statement(pp *P, uint64_t s, uint64_t e) {
     free(h.host);
 }
 
-/* Strict mode: a parameter `constant T a[N]` (an array in an address space, a pointer in MSL) is
+/* A parameter `constant T a[N]` (an array in an address space, a pointer in MSL) is
  * spelled `constant T *a` for clang, which refuses address-space-qualified parameters. */
 static void array_params(pp *P, uint64_t p) {
     uint64_t close = skip_group(P, p) - 1;
@@ -1058,23 +1060,58 @@ static void array_params(pp *P, uint64_t p) {
     }
 }
 
-/* Strict mode: a member function [s, e) (its head ends at h) for objects in device, constant or
- * threadgroup memory (`f() device`) goes: clang has no address-space-qualified member functions,
- * and keeping one would redeclare the thread version. Calls on such objects are not checked. */
-static void space_member(pp *P, uint64_t s, uint64_t h, uint64_t e) {
+/* Member functions qualified with the address space of `this` (`f() device`, `S(T x) constant`).
+ * C++ outside OpenCL has no such qualifiers, so each overload set keeps one member callable on
+ * objects in every address space (which the executed build's default address space reaches): the
+ * unqualified (thread) one, else the first qualified one without its qualifier. */
+
+/* Where the member [s, h) names its address space (after its parameters and cv-qualifiers), or 0;
+ * *name: its name token, the one before the parameters. */
+static uint64_t member_space(const pp *P, uint64_t s, uint64_t h, uint64_t *name) {
     while ((word(P, s, "public") || word(P, s, "private") || word(P, s, "protected")) && is(P, s + 1, ':')) s += 2;
     uint64_t k = s;
     if (word(P, k, "template") && is(P, k + 1, '<')) k = skip_angles(P, k + 1);
     while (k < h && !is(P, k, '(')) k = is(P, k, '[') ? skip_group(P, k) : k + 1;
-    if (k >= h) return;
+    if (k >= h || k == s) return 0;
+    *name = k - 1;
     k = skip_group(P, k);
     while (word(P, k, "const") || word(P, k, "volatile")) k++;
-    if (k < h && (word(P, k, "device") || word(P, k, "constant") || word(P, k, "threadgroup")))
-        add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
+    return k < h && (word(P, k, "device") || word(P, k, "constant") || word(P, k, "threadgroup")) ? k : 0;
 }
 
-/* Declarations of a namespace (or class) body from i; returns the index after its '}'. */
-static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
+static int32_t same_tokens(const pp *P, uint64_t a, uint64_t b, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) {
+        const tok *x = &P->t[a + i], *y = &P->t[b + i];
+        if (x->k != y->k || x->b - x->a != y->b - y->a || memcmp(P->src + x->a, P->src + y->a, (size_t)(x->b - x->a)))
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether the class body opening at `open` ('{') declares, at its own level, a member with the
+ * tokens [name, space) that is unqualified (`thread` counts as unqualified) or comes before `name`. */
+static int32_t has_twin(const pp *P, uint64_t open, uint64_t name, uint64_t space) {
+    uint64_t n = space - name, close = skip_group(P, open) - 1;
+    for (uint64_t k = open + 1; k + n < close; k = is(P, k, '{') ? skip_group(P, k) : k + 1)
+        if (k != name && same_tokens(P, k, name, n) && (k < name || !address_space_word(P, k + n))) return 1;
+    return 0;
+}
+
+/* The member [s, e) of the class whose body opens at `open`, its head ending at h: in strict mode
+ * every qualified member goes (calls on such objects are not checked); else a qualified member with
+ * a twin goes, one without loses its qualifier. */
+static void space_member(pp *P, uint64_t open, uint64_t s, uint64_t h, uint64_t e) {
+    uint64_t name = 0, space = member_space(P, s, h, &name);
+    if (!space) return;
+    if (P->strict || has_twin(P, open, name, space))
+        add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
+    else
+        add_edit(P, P->t[space].a, P->t[space].b, NULL);
+}
+
+/* Declarations of a namespace (or class) body from i; returns the index after its '}'. in_class:
+ * for a class body, the index after its '{'; 0 otherwise. */
+static uint64_t walk_scope(pp *P, uint64_t i, uint64_t in_class) {
     while (i < P->n && !P->failed) {
         if (is(P, i, '}')) return i + 1;
         if (is(P, i, ';')) {
@@ -1091,7 +1128,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
             if (is(P, j, '}')) return j + 1; /* unbalanced: leave it to the compiler */
             if (is(P, j, ';')) {
                 if (!in_class) statement(P, s, j);
-                if (in_class && P->strict) space_member(P, s, j, j + 1);
+                if (in_class) space_member(P, in_class - 1, s, j, j + 1);
                 i = j + 1;
                 break;
             }
@@ -1112,7 +1149,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
                 i = walk_scope(P, j + 1, 0);
                 if (P->nns) free(P->ns[--P->nns]);
             } else if (kind == SC_LINKAGE || kind == SC_CLASS) {
-                i = walk_scope(P, j + 1, kind == SC_CLASS);
+                i = walk_scope(P, j + 1, kind == SC_CLASS ? j + 1 : 0);
             } else {
                 body B = {0};
                 char *name = NULL;
@@ -1120,7 +1157,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
                     head h;
                     scan_head(P, s, j, &h);
                     if (h.kernel && !h.explicit_inst) kernel_fn(P, s, j, &h, 1);
-                    if (!h.kernel && P->strict && h.paren < j) array_params(P, h.paren);
+                    if (!h.kernel && h.paren < j) array_params(P, h.paren);
                     if (h.paren < j && h.paren > s && is(P, h.paren - 1, 'w') && !word(P, h.paren - 1, "operator")) {
                         name = text(P, h.paren - 1, h.paren);
                         B.fn = name;
@@ -1131,7 +1168,7 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
                 }
                 i = walk_body(P, j + 1, &B);
                 free(name);
-                if (in_class && P->strict) space_member(P, s, j, i);
+                if (in_class) space_member(P, in_class - 1, s, j, i);
             }
             break;
         }
@@ -1139,29 +1176,17 @@ static uint64_t walk_scope(pp *P, uint64_t i, int32_t in_class) {
     return i;
 }
 
-/* Attributes and qualifiers the shim's macros would break, anywhere in the source:
- * `[[threadgroup(n)]]` on helper functions' parameters (MLX writes them; Metal ignores them), and,
- * unless strict, `const constant T` (or `constant const T`, `f() const constant`), which reads
- * `const const` once constant is const and g++ rejects: such a `constant` goes. */
+/* `[[threadgroup(n)]]` on helper functions' parameters, anywhere in the source (MLX writes them;
+ * Metal ignores them): the shim's threadgroup macro would break them. */
 static void clashes(pp *P) {
     for (uint64_t i = 0; i < P->n; i++) {
-        if (attr_at(P, i)) {
-            item it[MAX_ITEMS];
-            uint64_t end;
-            uint32_t n = attr_items(P, i, &end, it);
-            for (uint32_t k = 0; k < n; k++)
-                if (word(P, it[k].name, "threadgroup")) {
-                    add_edit(P, P->t[i].a, P->t[end - 1].b, NULL);
-                    break;
-                }
-        }
-        if (P->strict || !word(P, i, "constant")) continue;
-        uint64_t a = i, b = i + 1;
-        while (a > 0 && (is(P, a - 1, 'w') || is(P, a - 1, 'D'))) a--;
-        while (b < P->n && (is(P, b, 'w') || is(P, b, 'D'))) b++;
-        for (uint64_t k = a; k < b; k++)
-            if (word(P, k, "const")) {
-                add_edit(P, P->t[i].a, P->t[i].b, NULL);
+        if (!attr_at(P, i)) continue;
+        item it[MAX_ITEMS];
+        uint64_t end;
+        uint32_t n = attr_items(P, i, &end, it);
+        for (uint32_t k = 0; k < n; k++)
+            if (word(P, it[k].name, "threadgroup")) {
+                add_edit(P, P->t[i].a, P->t[end - 1].b, NULL);
                 break;
             }
     }

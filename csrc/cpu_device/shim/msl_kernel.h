@@ -64,7 +64,7 @@ inline void *bound_threadgroup_arg(msl_thread *t, uint32_t n, const char *file, 
 /* Pointer arguments: `device T* p [[buffer(n)]]`, `threadgroup T* p [[threadgroup(n)]]`. */
 struct arg_ptr {
     void *p;
-    template <class T> operator T *() const { return static_cast<T *>(p); }
+    template <class T> operator T *() const { return (T *)p; } /* into T's address space */
 };
 
 /* Reference arguments: `constant Params& p [[buffer(n)]]`. */
@@ -74,7 +74,7 @@ struct arg_ref {
     template <class T> operator T &() const {
         if (unbound && sizeof(T) > MSL_UNBOUND_BYTES)
             kernel_fail(api->current(), "an unbound optional buffer reference larger than 64 KiB", __FILE__, __LINE__);
-        return *static_cast<T *>(p);
+        return *(T *)p;
     }
 };
 
@@ -226,9 +226,9 @@ template <class T, class F> derived_constant<T, F> make_derived_constant(F f) { 
 /* Kernel-scope `threadgroup T a[N];` becomes
  * `auto &a = ::msl_rt::threadgroup_static<T[N]>([] {});`: the lambda's closure type differs per
  * declaration and per template instantiation, so `site`'s address keys one block per threadgroup. */
-template <class T, class Site> T &threadgroup_static(Site) {
+template <class T, class Site> threadgroup T &threadgroup_static(Site) {
     static char site; /* not const: never merged with another site's */
-    return *static_cast<T *>(api->threadgroup_static(api->current(), &site, sizeof(T), alignof(T)));
+    return *(threadgroup T *)api->threadgroup_static(api->current(), &site, sizeof(T), alignof(T));
 }
 
 /* A [[buffer(n)]] or [[threadgroup(n)]] index the prepass could not read (a constant expression):
@@ -238,10 +238,10 @@ template <unsigned long long N> constexpr uint32_t argument_index() {
     return static_cast<uint32_t>(N);
 }
 
-/* After each kernel-scope threadgroup declaration the prepass asserts
- * `threadgroup_memory<__msl_kernel_NAME, sizeof(a) + sizeof(b) ...>::fits`: the kernel is refused
- * at compile time, as Metal's pipeline creation refuses it, and the message names the kernel (the
- * tag type) and the bytes. */
+/* In strict mode, after each kernel-scope threadgroup declaration, the prepass asserts
+ * `threadgroup_memory<__msl_kernel_NAME, sizeof(a) + sizeof(b) ...>::fits`: the check refuses the
+ * kernel, as Metal's pipeline creation does, and the message names the kernel (the tag type) and
+ * the bytes. (The executed build refuses it at its dispatch, runtime.c.) */
 template <class Kernel, unsigned long long Bytes> struct threadgroup_memory {
     static_assert(Bytes <= 32768,
                   "kernel-scope threadgroup memory beyond Metal's 32 KiB (32768 bytes) [rule: threadgroup-memory]");
@@ -255,9 +255,9 @@ template <class Kernel, unsigned long long Bytes> struct threadgroup_memory {
  * same address space (or a null pointer constant) converts, as in Metal. */
 namespace msl_strict {
 template <class T> struct space : std::integral_constant<int, 0> {};
-template <class T> struct space<device T> : std::integral_constant<int, 1> {};
-template <class T> struct space<constant T> : std::integral_constant<int, 2> {};
-template <class T> struct space<threadgroup T> : std::integral_constant<int, 3> {};
+template <class T> struct space<MSL_DEVICE T> : std::integral_constant<int, 1> {};
+template <class T> struct space<MSL_CONSTANT T> : std::integral_constant<int, 2> {};
+template <class T> struct space<MSL_THREADGROUP T> : std::integral_constant<int, 3> {};
 template <class To, class From, std::enable_if_t<space<std::remove_pointer_t<To>>::value == space<From>::value, int> = 0>
 To address_space_cast(From *p);
 template <class To, class I, std::enable_if_t<std::is_integral<I>::value, int> = 0> To address_space_cast(I);
@@ -301,6 +301,22 @@ MSL_UNINSTRUMENTED inline void checked_access(const volatile void *p, uint64_t n
 MSL_HOOK_ACCESS(1) MSL_HOOK_ACCESS(2) MSL_HOOK_ACCESS(4) MSL_HOOK_ACCESS(8) MSL_HOOK_ACCESS(16)
 MSL_HOOK(void, read_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_READ); }
 MSL_HOOK(void, write_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
+/* Block copies the compiler turned into calls (clang names them __tsan_memcpy and kin): checked as
+ * the ranges they read and write, then done with the builtins, which are not instrumented here. */
+MSL_HOOK(void *, memcpy, void *dst, const void *src, unsigned long n) {
+    MSL_CHECK(src, n, MSL_ACCESS_READ);
+    MSL_CHECK(dst, n, MSL_ACCESS_WRITE);
+    return __builtin_memcpy(dst, src, n);
+}
+MSL_HOOK(void *, memmove, void *dst, const void *src, unsigned long n) {
+    MSL_CHECK(src, n, MSL_ACCESS_READ);
+    MSL_CHECK(dst, n, MSL_ACCESS_WRITE);
+    return __builtin_memmove(dst, src, n);
+}
+MSL_HOOK(void *, memset, void *dst, int value, unsigned long n) {
+    MSL_CHECK(dst, n, MSL_ACCESS_WRITE);
+    return __builtin_memset(dst, value, n);
+}
 MSL_HOOK(void, init, void) {}
 MSL_HOOK(void, func_entry, void *) {}
 MSL_HOOK(void, func_exit, void *) {}

@@ -23,14 +23,22 @@
 #endif
 
 #ifdef MSL_STRICT
-#define device __attribute__((address_space(1)))
-#define constant __attribute__((address_space(2)))
-#define threadgroup __attribute__((address_space(3)))
+#define MSL_DEVICE __attribute__((address_space(1)))
+#define MSL_CONSTANT __attribute__((address_space(2)))
+#define MSL_THREADGROUP __attribute__((address_space(3)))
+#define constant MSL_CONSTANT
 #else
-#define device
-#define constant const
-#define threadgroup
+/* The executed build (clang with -fsycl-is-device, compile.c): three distinct language address
+ * spaces, so overloads and partial specialisations on them stay apart and conversions between them
+ * are refused as in Metal, while each converts implicitly to the default (thread) one: the shim's
+ * own member functions and copies reach objects in any address space. constant memory is const. */
+#define MSL_DEVICE __attribute__((opencl_global_device))
+#define MSL_CONSTANT __attribute__((opencl_global_host))
+#define MSL_THREADGROUP __attribute__((opencl_local))
+#define constant MSL_CONSTANT const
 #endif
+#define device MSL_DEVICE
+#define threadgroup MSL_THREADGROUP
 #define thread
 #define kernel
 /* from Apple's <metal_stdlib>, whose stand-in is empty: kept by the -E step, expanded here */

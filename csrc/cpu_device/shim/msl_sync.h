@@ -472,35 +472,34 @@ simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
  * transpose_matrix src[(origin.x + c) * elements_per_row + origin.y + r]: the origin is (column,
  * row) of the matrix, as in metal-flash-attention's simdgroup_matrix_storage. Each lane moves its
  * own two elements, so loads and stores need no sync. As in Metal, the memory holds the matrix's
- * own element type, in device or threadgroup memory (strict mode; here every pointer is plain). */
+ * own element type, in device or threadgroup memory (strict mode: declarations only). */
 #ifdef MSL_STRICT
+#define MSL_SIMDGROUP_LOAD_BODY ;
+#define MSL_SIMDGROUP_STORE_BODY ;
+#else
+#define MSL_SIMDGROUP_LOAD_BODY                                                                                   \
+    {                                                                                                             \
+        for (int j = 0; j < 2; j++)                                                                               \
+            d.elements[j] = src[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)]; \
+    }
+#define MSL_SIMDGROUP_STORE_BODY                                                                                  \
+    {                                                                                                             \
+        for (int j = 0; j < 2; j++)                                                                               \
+            dst[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)] = a.elements[j]; \
+    }
+#endif
 #define MSL_SIMDGROUP_LOAD_STORE(space)                                                                           \
     template <class T, int Cols, int Rows>                                                                        \
     void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const space T *src, ulong elements_per_row = Cols,    \
-                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);                         \
+                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) MSL_SIMDGROUP_LOAD_BODY  \
     template <class T, int Cols, int Rows>                                                                        \
     void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, space T *dst, ulong elements_per_row = Cols,   \
-                         ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false);
+                         ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) MSL_SIMDGROUP_STORE_BODY
 MSL_SIMDGROUP_LOAD_STORE(device)
 MSL_SIMDGROUP_LOAD_STORE(threadgroup)
 #undef MSL_SIMDGROUP_LOAD_STORE
-#else
-template <class T, int Cols, int Rows>
-void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const T *src, uint64_t elements_per_row = Cols,
-                    ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
-    for (int j = 0; j < 2; j++) {
-        d.elements[j] = src[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)];
-    }
-}
-
-template <class T, int Cols, int Rows>
-void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, T *dst, uint64_t elements_per_row = Cols,
-                     ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) {
-    for (int j = 0; j < 2; j++) {
-        dst[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)] = a.elements[j];
-    }
-}
-#endif
+#undef MSL_SIMDGROUP_LOAD_BODY
+#undef MSL_SIMDGROUP_STORE_BODY
 
 } // namespace metal
 

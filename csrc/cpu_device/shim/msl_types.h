@@ -80,11 +80,9 @@ using std::true_type;
 
 /* T without its address space (Metal's remove_addrspace) */
 template <class T> struct remove_addrspace { using type = T; };
-#ifdef MSL_STRICT
-template <class T> struct remove_addrspace<device T> { using type = T; };
-template <class T> struct remove_addrspace<constant T> { using type = T; };
-template <class T> struct remove_addrspace<threadgroup T> { using type = T; };
-#endif
+template <class T> struct remove_addrspace<MSL_DEVICE T> { using type = T; };
+template <class T> struct remove_addrspace<MSL_CONSTANT T> { using type = T; };
+template <class T> struct remove_addrspace<MSL_THREADGROUP T> { using type = T; };
 template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
 
 /* Apple's internal traits that real headers use (under `#pragma METAL internals : enable`) */
@@ -233,14 +231,17 @@ template <class F> struct fp16 {
     template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
     explicit constexpr fp16(T x) : v(F::from(x)) {}
     /* a class converting to float (a user's bfloat16_t): float to half is a standard conversion
-     * in MSL, so this one is implicit for half, explicit for bfloat (static_cast<bfloat>(x)) */
-    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
-                                            std::is_convertible_v<const T &, float> && implicit_from<F, float>,
-                                        int> = 0>
+     * in MSL, so this one is implicit for half, explicit for bfloat (static_cast<bfloat>(x)); a
+     * half or bfloat in device, constant or threadgroup memory is no such class */
+    template <class T, class P = remove_addrspace_t<T>,
+              std::enable_if_t<!fp16_v<P> && !scalar_v<T> && std::is_class_v<T> &&
+                                   std::is_convertible_v<const T &, float> && implicit_from<F, float>,
+                               int> = 0>
     constexpr fp16(const T &x) : v(F::from(float(x))) {}
-    template <class T, std::enable_if_t<!scalar_v<T> && !std::is_same_v<T, fp16> && std::is_class_v<T> &&
-                                            std::is_convertible_v<const T &, float> && !implicit_from<F, float>,
-                                        int> = 0>
+    template <class T, class P = remove_addrspace_t<T>,
+              std::enable_if_t<!fp16_v<P> && !scalar_v<T> && std::is_class_v<T> &&
+                                   std::is_convertible_v<const T &, float> && !implicit_from<F, float>,
+                               int> = 0>
     explicit constexpr fp16(const T &x) : v(F::from(float(x))) {}
     constexpr operator float() const { return F::to_float(v); }
     static constexpr fp16 from_bits(uint16_t b) {
@@ -314,6 +315,10 @@ template <class T, int N> struct info<vec<T, N>> {
     using elem = T;
 };
 template <class V> struct info<packed_vec<V>> : info<V> {};
+/* an operand in device, constant or threadgroup memory (a `const A &` deduced from it) */
+template <class X> struct info<MSL_DEVICE X> : info<X> {};
+template <class X> struct info<MSL_CONSTANT X> : info<X> {};
+template <class X> struct info<MSL_THREADGROUP X> : info<X> {};
 template <class X> using value_t = typename info<X>::type;
 template <class X> using elem_t = typename info<X>::elem;
 
@@ -572,21 +577,13 @@ MSL_MATRIX_TYPES(float)
 MSL_MATRIX_TYPES(half)
 #undef MSL_MATRIX_TYPES
 
-/* MSL's half literals, 1.0h and 1h: a suffix without '_' is reserved in C++, hence the pragmas. */
-#if defined(__clang__)
+/* MSL's half literals, 1.0h and 1h: a suffix without '_' is reserved in C++, hence the pragma
+ * (the shim is compiled by clang only, compile.c). */
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wuser-defined-literals"
-#else
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wliteral-suffix"
-#endif
 constexpr half operator""h(long double x) { return half(x); }
 constexpr half operator""h(unsigned long long x) { return half(x); }
-#if defined(__clang__)
 #pragma clang diagnostic pop
-#else
-#pragma GCC diagnostic pop
-#endif
 
 namespace metal {
 
@@ -626,6 +623,12 @@ template <class T, int Cols, int Rows> struct matrix {
     constexpr matrix(S... s) : columns{} {
         T v[] = {T(s)...};
         for (int i = 0; i < Cols * Rows; i++) columns[i / Rows][i % Rows] = v[i];
+    }
+
+    /* from another element type: explicit, as in MSL (`(float4x4)h` of a half4x4) */
+    template <class U, std::enable_if_t<!std::is_same_v<U, T>, int> = 0>
+    explicit constexpr matrix(const matrix<U, Cols, Rows> &m) : columns{} {
+        for (int c = 0; c < Cols; c++) columns[c] = vec<T, Rows>(m.columns[c]);
     }
 
     constexpr vec<T, Rows> &operator[](int c) { return columns[c]; }
