@@ -33,6 +33,22 @@ def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
     return (a[finite] - golden[finite]).abs().max().item()
 
 
+def assert_gradients_match(grads, reference, inputs, dout, names="qkv", factor=5.0):
+    """grads (of the kernels' out, against dout) beside the gradients of reference(*leaves) for
+    fresh leaves made from the inputs, in float64 (golden) and in the inputs' dtype, by PyTorch's
+    rule: error <= max(1e-5, factor x the same-dtype reference's error)."""
+    def reference_grads(tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        expected = reference(*leaves)
+        return torch.autograd.grad(expected, leaves, dout.to(expected.dtype))
+
+    golden = reference_grads([t.double() for t in inputs])
+    same_dtype = reference_grads(inputs)
+    for name, actual, want, near in zip(names, grads, golden, same_dtype):
+        error, reference_error = max_error(actual, want), max_error(near, want)
+        assert error <= max(1e-5, factor * reference_error), (f"d{name}", error, reference_error)
+
+
 def assert_matches_sdpa(out, q, k, v, causal=False, scale=None, factor=5.0):
     """PyTorch's rule: error vs a float64 golden <= max(1e-5, factor x the error of torch's own SDPA
     in the same dtype)."""

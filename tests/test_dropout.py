@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import flashattn_mps
 from flashattn_mps import _C, _api, _sources, explain_plan, flash_attention, flash_attn_func, metal_cpu
-from conftest import ALL_DTYPES, max_error, randn, sample_product
+from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product
 from test_flash_attn import reference as flash_reference, visible
 
 
@@ -55,16 +55,7 @@ def check_gradients(leaves, out, dout, keep, dropout_p, sdpa_layout=lambda t: t,
     """The gradients of out (SDPA layout) with respect to leaves, seen in SDPA layout."""
     grads = [sdpa_layout(g) for g in torch.autograd.grad(out, leaves, dout)]
     inputs = [sdpa_layout(t) for t in leaves]
-
-    def reference_grads(tensors):
-        leaves = [t.detach().requires_grad_() for t in tensors]
-        expected = reference(*leaves, keep, dropout_p, **options)
-        return torch.autograd.grad(expected, leaves, dout.to(expected.dtype))
-
-    goldens = reference_grads([t.double() for t in inputs])
-    same_dtype = reference_grads(inputs)
-    for name, g, golden, ref in zip("qkv", grads, goldens, same_dtype):
-        assert_close(g, golden, ref, f"d{name}")
+    assert_gradients_match(grads, lambda *t: reference(*t, keep, dropout_p, **options), inputs, dout)
 
 
 # --- the generator ---------------------------------------------------------------------------

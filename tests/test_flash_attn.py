@@ -8,7 +8,7 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import explain_plan, flash_attention, flash_attn_func
-from conftest import ALL_DTYPES, max_error, randn, sample_product
+from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product
 
 
 def visible(l, s, causal, bottom_right, window, device="cpu"):
@@ -148,18 +148,8 @@ def test_gradients_match_reference(gen, lengths, variant, dtype):
     alibi = slopes(gen, alibi_kind, 1, 4)
     out = flash_attn_func(*inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
     grads = torch.autograd.grad(out, inputs, dout)
-
-    def reference_grads(tensors):
-        leaves = [t.detach().clone().requires_grad_() for t in tensors]
-        out = reference(*sdpa_view(*leaves), causal=causal, bottom_right=True, window=window,
-                        softcap=softcap, alibi=alibi).transpose(1, 2)
-        return torch.autograd.grad(out, leaves, dout.to(out.dtype))
-
-    golden = reference_grads([t.double() for t in inputs])
-    same_dtype = reference_grads(inputs)
-    for name, ours, gold, ref in zip("qkv", grads, golden, same_dtype):
-        error, reference_error = max_error(ours, gold), max_error(ref, gold)
-        assert error <= max(1e-5, 5 * reference_error), (name, error, reference_error)
+    assert_gradients_match(grads, lambda *t: reference(*sdpa_view(*t), causal=causal, bottom_right=True, window=window,
+                                                       softcap=softcap, alibi=alibi).transpose(1, 2), inputs, dout)
 
 
 @pytest.mark.parametrize("window, splits", [((300, 0), 1), ((700, 200), 2), ((1500, -1), 5)])

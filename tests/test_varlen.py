@@ -7,7 +7,7 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
-from conftest import ALL_DTYPES, max_error, randn
+from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn
 from test_flash_attn import reference, slopes
 
 
@@ -108,17 +108,7 @@ def test_gradients_match_each_sequence(gen, case):
     out = flash_attn_varlen_func(*leaves, prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k),
                                  causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
     grads = torch.autograd.grad(out, leaves, dout)
-
-    def reference_grads(tensors):
-        tensors = [t.clone().requires_grad_() for t in tensors]
-        ref = per_sequence_reference(*tensors, lens_q, lens_k, **options)
-        return torch.autograd.grad(ref, tensors, dout.to(ref.dtype))
-
-    golden = reference_grads([t.double() for t in inputs])
-    same_dtype = reference_grads(inputs)
-    for name, actual, want, near in zip("qkv", grads, golden, same_dtype):
-        error, reference_error = max_error(actual, want), max_error(near, want)
-        assert error <= max(1e-5, 5 * reference_error), (name, error, reference_error)
+    assert_gradients_match(grads, lambda *t: per_sequence_reference(*t, lens_q, lens_k, **options), inputs, dout)
 
 
 def test_one_launch_over_every_sequence(gen):
