@@ -353,3 +353,25 @@ def test_training_dropout_runs_in_the_kernels(caplog):
         model(torch.randint(3, VOCAB, (1, 6))).logits.sum().backward()
     assert "-> flashattn_mps kernels" in caplog.text and "dropout_p=0.5 (in the kernels)" in caplog.text
     assert "-> torch's" not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["gemma2_softcap", "gpt_oss_sinks"])
+def test_packed_softcap_and_sinks_models_match_eager_per_sequence(name, core_calls):
+    """Padding-free batches (position_ids restarting at 0) of Gemma 2 and GPT-OSS take the varlen
+    kernels with their softcap, sinks and sliding layers (window 4, shorter than a sequence),
+    forward and backward, matching eager attention on each sequence alone."""
+    ours, reference, _ = models(name, "eager")
+    lengths = [6, 1, 9]
+    ids = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    logits = ours(torch.cat(ids)[None], position_ids=positions).logits[0]
+    expected = torch.cat([reference(x[None]).logits[0] for x in ids])
+    assert core_calls["forward"] == 2 and core_calls["masked"] == 0  # both layers, no mask built
+    assert max_error(logits, expected) < 2e-4
+    logits.square().mean().backward()
+    torch.cat([reference(x[None]).logits[0] for x in ids]).square().mean().backward()
+    assert core_calls["backward"] == 2
+    ours_grads = dict(ours.named_parameters())
+    for pname, p in reference.named_parameters():
+        if p.grad is not None:
+            assert max_error(ours_grads[pname].grad, p.grad) < 1e-4 * max(1.0, p.grad.abs().max().item()), pname
