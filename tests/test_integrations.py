@@ -283,7 +283,10 @@ def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     module = _Module()
     module.is_causal = causal
     out, _ = fa_transformers.attention_forward(module, q, k, v, None, sliding_window=window, allow_cpu=True)
-    function = (sliding_window_causal_mask_function if causal else sliding_window_bidirectional_mask_function)(window)
+    # transformers' flash-attention convention: window_size (window - 1, window - 1), the masks'
+    # bidirectional window one less (ModernBERT passes its config's window + 1).
+    function = (sliding_window_causal_mask_function(window) if causal
+                else sliding_window_bidirectional_mask_function(window - 1))
     mask = sdpa_mask(batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=kv_length - q_length,
                      mask_function=function, allow_is_causal_skip=False)
     golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask).transpose(1, 2)
@@ -375,3 +378,35 @@ def test_packed_softcap_and_sinks_models_match_eager_per_sequence(name, core_cal
     for pname, p in reference.named_parameters():
         if p.grad is not None:
             assert max_error(ours_grads[pname].grad, p.grad) < 1e-4 * max(1.0, p.grad.abs().max().item()), pname
+
+
+def test_modernbert_sliding_layers_run_without_a_mask(core_calls):
+    """ModernBERT's bidirectional sliding layers (local_attention 4: keys at most 2 positions
+    away; the module passes 3 as sliding_window) take the kernels' window with no L x S mask when
+    nothing is padded, and match transformers' SDPA path (logits and gradients); with padding the
+    mask is built as for "sdpa"."""
+    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                           num_attention_heads=4, local_attention=4, global_attn_every_n_layers=3,
+                                           max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    reference = transformers.ModernBertModel(config).eval()
+    reference.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(reference)
+    ours.set_attn_implementation(NAME)
+    ids = torch.randint(1, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    out = ours(ids).last_hidden_state
+    assert core_calls["forward"] == 3 and core_calls["masked"] == 0
+    expected = reference(ids).last_hidden_state
+    assert max_error(out, expected) < 1e-5
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    theirs = dict(reference.named_parameters())
+    for name, p in ours.named_parameters():
+        if p.grad is not None:
+            assert max_error(p.grad, theirs[name].grad) < 1e-5 * max(1.0, p.grad.abs().max().item()), name
+    padded = torch.ones_like(ids)
+    padded[1, 8:] = 0
+    masked = core_calls["masked"]
+    out = ours(ids, attention_mask=padded).last_hidden_state
+    assert core_calls["masked"] > masked
+    assert max_error(out, reference(ids, attention_mask=padded).last_hidden_state) < 1e-5

@@ -24,7 +24,8 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import create_position_bias_mask
 from transformers.masking_utils import (_ignore_causal_mask_sdpa, _non_vmap_expansion_sdpa, prepare_padding_mask,
-                                        sdpa_mask, sliding_window_causal_mask_function)
+                                        sdpa_mask, sliding_window_bidirectional_mask_function,
+                                        sliding_window_causal_mask_function)
 
 from .._api import flash_attention
 from .._sdpa import _attend, _plan, log
@@ -53,10 +54,11 @@ def register(name: str = DEFAULT_NAME, cpu: bool = False) -> str:
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                    mask_function=None, attention_mask=None, local_size: Optional[int] = None,
                    allow_is_causal_skip: bool = True, **kwargs) -> Optional[torch.Tensor]:
-    """transformers' mask interface: `sdpa_mask`'s masks, but None for a sliding-window causal mask
-    the kernels apply themselves from `sliding_window` (see `_native_window`)."""
+    """transformers' mask interface: `sdpa_mask`'s masks, but None for a sliding-window mask
+    (causal or bidirectional) the kernels apply themselves from `sliding_window` (see `_native_window`)."""
     if _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
-                      allow_is_causal_skip, kwargs.get("device", "cpu")):
+                      allow_is_causal_skip, kwargs.get("allow_is_bidirectional_skip", False),
+                      kwargs.get("device", "cpu")):
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
@@ -65,14 +67,15 @@ def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, k
 
 
 def _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
-                   allow_is_causal_skip, device) -> bool:
-    """Whether the mask asked for is exactly transformers' sliding-window causal mask over keys
-    without padding, aligned as attention_forward aligns a window without a mask: queries and keys
-    at the same positions (a prefill), or one query at the last key (a decode step). transformers
-    asks for every local mask with `local_size`; the mask function is checked on a probe of
-    positions, so a chunked mask of the same size, or one with extra patterns, is built as usual
-    (those also come with allow_is_causal_skip False, as packed sequences do)."""
-    if local_size is None or not allow_is_causal_skip or mask_function is None:
+                   allow_is_causal_skip, allow_is_bidirectional_skip, device) -> bool:
+    """Whether the mask asked for is exactly transformers' sliding-window causal mask (or, asked
+    with allow_is_bidirectional_skip, its bidirectional one: ModernBERT's) over keys without
+    padding, aligned as attention_forward aligns a window without a mask: queries and keys at the
+    same positions (a prefill, an encoder), or one query at the last key (a causal decode step).
+    transformers asks for every local mask with `local_size`; the mask function is checked on a
+    probe of positions, so a chunked mask of the same size, or one with extra patterns, is built as
+    usual (those also come without the skip flags, as packed sequences do)."""
+    if local_size is None or mask_function is None or not (allow_is_causal_skip or allow_is_bidirectional_skip):
         return False
     if not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return False  # a static cache's tensor offset: its value cannot be read while tracing
@@ -87,7 +90,8 @@ def _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, atte
     probe = torch.arange(2 * local_size + 2, device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     expanded = _non_vmap_expansion_sdpa(zero, zero, probe, probe)
-    expected = sliding_window_causal_mask_function(local_size)(*expanded)
+    pattern = sliding_window_causal_mask_function if allow_is_causal_skip else sliding_window_bidirectional_mask_function
+    expected = pattern(local_size)(*expanded)
     return bool(torch.equal(mask_function(*expanded).expand_as(expected), expected))
 
 
@@ -114,8 +118,10 @@ def attention_forward(
     Without a mask, a causal call is top-left aligned as in transformers' SDPA path (the queries
     come first: a prefill, or a static cache's unused tail) except a single query, which sees
     every key; `sliding_window` is then applied by the kernels on the same alignment (causal: the
-    query's own key and the `sliding_window` - 1 before it, transformers' convention; bidirectional:
-    keys at most `sliding_window` positions away). With a mask, the mask already holds the window.
+    query's own key and the `sliding_window` - 1 before it; bidirectional: keys at most
+    `sliding_window` - 1 positions away: transformers' flash-attention convention, window_size
+    (sliding_window - 1, sliding_window - 1), for which ModernBERT passes its masks' window + 1).
+    With a mask, the mask already holds the window.
     `softcap` (each scaled score s becomes softcap * tanh(s / softcap)) and the (Hq,) sinks `s_aux`
     are applied in the kernels, gradients included. GQA runs without repeating key/value heads."""
     sinks = s_aux if s_aux is not None else kwargs.get("sinks")
@@ -128,7 +134,7 @@ def attention_forward(
     causal = wants_causal and attention_mask is None and q_length > 1  # a mask already holds causality
     window = None
     if attention_mask is None and sliding_window is not None and max(q_length, kv_length) > sliding_window:
-        window = (sliding_window - 1, 0) if wants_causal else (sliding_window, sliding_window)
+        window = (sliding_window - 1, 0) if wants_causal else (sliding_window - 1, sliding_window - 1)
     if position_bias is not None:  # relative position biases (T5 and kin) join the mask, as in "sdpa"
         if window is not None:
             attention_mask = _window_mask(q_length, kv_length, sliding_window, wants_causal, query.device)
@@ -180,7 +186,7 @@ def _materialised_attention(query, key, value, mask, dropout, causal, scaling, w
     q_length, kv_length = query.shape[2], key.shape[2]
     causal = causal or decode_causal
     if window is not None:
-        keep = _window_mask(q_length, kv_length, window[0] + 1 if causal else window[0], causal, query.device)
+        keep = _window_mask(q_length, kv_length, window[0] + 1, causal, query.device)
     else:
         keep = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device)
         keep = keep.tril(kv_length - q_length if decode_causal else 0) if causal else keep
@@ -198,14 +204,15 @@ def _materialised_attention(query, key, value, mask, dropout, causal, scaling, w
 
 def _window_mask(q_length: int, kv_length: int, window: int, causal: bool, device) -> torch.Tensor:
     """(L, S) bool: query i, at key position i (or S - 1 for a single query), sees the keys
-    transformers' sliding masks let it see: causal, the `window` - 1 keys before it and itself;
-    bidirectional, the keys at most `window` positions away."""
+    transformers' flash-attention path lets it see (window_size (window - 1, window - 1)): causal,
+    the `window` - 1 keys before it and itself; bidirectional, the keys at most `window` - 1
+    positions away (ModernBERT passes its masks' window + 1)."""
     offset = kv_length - 1 if q_length == 1 else 0
     position = torch.arange(q_length, device=device)[:, None] + offset
     keys = torch.arange(kv_length, device=device)[None, :]
     if causal:
         return (keys > position - window) & (keys <= position)
-    return (keys - position).abs() <= window
+    return (keys - position).abs() <= window - 1
 
 
 _last_packing = [None, -1, None]  # (position_ids, its version, _packed_sequences' answer): one per forward
