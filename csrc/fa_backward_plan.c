@@ -1,8 +1,8 @@
 /* Validation and planning of the backward pass.
  *
- * Up to head dims of 256 the backward kernels take the forward kernel's specialisation: the
- * forward's tile table (fa_plan.c) fits them as it is, because each streams two tiles of the
- * forward's shapes through threadgroup memory:
+ * Up to head dims of 128 the backward kernels take the forward kernel's tiles: the forward's tile
+ * table (fa_plan.c) fits them as it is, because each streams two tiles of the forward's shapes
+ * through threadgroup memory:
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
  *          (2 * BK floats, at most 256 bytes): at most 18.3 KiB of Apple7-9's 32 KiB.
@@ -14,14 +14,17 @@
  *   D = 64   fp32 64, fp16 48 (BK 32)             fp32 80, fp16 64
  *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
- * (bf16 as fp32 with the fp16 tiles). Over the budget of about 128: dK/dV from D = 128 in fp32,
- * everything at D = 256 (kept as they were until a Mac measures spilling against the blocked
- * configuration below, which serves them too).
+ * (bf16 as fp32 with the fp16 tiles). Over the budget of about 128: dK/dV at D = 128 in fp32 (by
+ * 8, kept), and everything above 128, by up to twice the budget at D = 256: a spill of that size
+ * round-trips most of the accumulators through memory on every tile, so those dims take the blocked
+ * configuration below instead (as metal-flash-attention blocks its backward above D = 128), trading
+ * a recomputation of S and dP per block (2x at D = 256 in fp16, 3x in fp32) for no spill.
  *
- * Above 256 (E or Ev, up to 576) the backward blocks along D (metal/fa_head_blocks.h) with tiles of
+ * Above 128 (E or Ev, up to 576) the backward blocks along D (metal/fa_head_blocks.h) with tiles of
  * its own: each dim in the fewest equal blocks of at most BACKWARD_BLOCK_HALF = 128 columns (fp16)
- * or BACKWARD_BLOCK_FLOAT = 96 (fp32 and bf16, whose operand fragments are float): 320 -> 3 x 112
- * (fp16) or 4 x 80, 448 -> 4 x 112 or 5 x 96, 512 -> 4 x 128 or 6 x 96, 576 -> 5 x 128 or 6 x 96.
+ * or BACKWARD_BLOCK_FLOAT = 96 (fp32 and bf16, whose operand fragments are float): 192 -> 2 x 96,
+ * 256 -> 2 x 128 (fp16) or 3 x 88, 320 -> 3 x 112 or 4 x 80, 448 -> 4 x 112 or 5 x 96, 512 -> 4 x
+ * 128 or 6 x 96, 576 -> 5 x 128 or 6 x 96.
  * Products over a head dim (S, dP and their transposes) stream both operands block by block; each
  * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
  * (Hq x E blocks), dK/dV (Hkv x max(E blocks, Ev blocks)), each recomputing S and dP for its block.
@@ -83,9 +86,9 @@ static int64_t whole_bytes(const fa_tensor *t) {
     return n;
 }
 
-enum { BACKWARD_RESIDENT_MAX_HEAD_DIM = 256, BACKWARD_BLOCK_HALF = 128, BACKWARD_BLOCK_FLOAT = 96 };
+enum { BACKWARD_RESIDENT_MAX_HEAD_DIM = 128, BACKWARD_BLOCK_HALF = 128, BACKWARD_BLOCK_FLOAT = 96 };
 
-/* The backward's tiles (see above): the forward's up to 256, blocks of its own beyond. */
+/* The backward's tiles (see above): the forward's up to 128, blocks of its own beyond. */
 static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
     const int32_t blocked = e > BACKWARD_RESIDENT_MAX_HEAD_DIM || ev > BACKWARD_RESIDENT_MAX_HEAD_DIM;
     const int32_t widest = !blocked ? BACKWARD_RESIDENT_MAX_HEAD_DIM

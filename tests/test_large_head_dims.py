@@ -167,3 +167,15 @@ def test_dropin_falls_back_beyond_576():
     assert f"head dims above {_C.MAX_HEAD_DIM}" in explain(q, k, v)
     with pytest.raises(ValueError, match="head dims up to 576 are supported, q has 600"):
         flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("e, dtype, blocks", [(128, torch.float16, 1), (128, torch.float32, 1), (192, torch.float32, 2),
+                                              (256, torch.float16, 2), (256, torch.float32, 3)])
+def test_backward_blocks_above_128(e, dtype, blocks):
+    """Above 128 the backward's accumulators take column blocks (its resident tiles would need up to
+    twice the register budget at 256): dQ's grid carries Hq x E blocks, dK/dV's Hkv x blocks."""
+    q, k, v = (torch.empty(1, h, n, e, dtype=dtype) for h, n in ((4, 40), (2, 70), (2, 70)))
+    plan = explain_plan(q, k, v, backward=True)["dispatches"]
+    dkdv, dq = plan[1], plan[2]
+    assert dkdv["grid"] == (3, 2 * blocks, 1) and dq["grid"] == (2, 4 * blocks, 1)
+    assert dkdv["cost"]["registers"] <= (114 if blocks > 1 else 136)  # fp32 at 128: 8 over, kept resident
