@@ -141,6 +141,10 @@ typedef struct fa_forward_args {
      * zeros and lse = sinks[h]. */
     fa_tensor sinks;
     fa_sequence_args sequences; /* packed sequences / KV caches (h23); all zero: none */
+    /* Split-K of the decode kernel, as flash-attn's num_splits: 0 the planner's heuristic, 1 no
+     * split, n > 1 that many splits of the keys (at most 128; fewer when there are too few keys
+     * for n shares of whole key-pair turns). The prefill kernel never splits. */
+    int32_t num_splits;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

@@ -200,19 +200,22 @@ static int32_t decode_vector_loadable(const fa_tensor *t, int32_t chunk) {
     return 1;
 }
 
-/* Keys per split; *splits receives their number (1: no split). */
-static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t *splits) {
+/* Keys per split; *splits receives their number (1: no split). requested > 0 asks for that many
+ * (flash-attn's num_splits, capped at DECODE_MAX_SPLITS); 0 takes the heuristic above. */
+static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t requested, int32_t *splits) {
     int64_t n = 1;
-    if (threadgroups < DECODE_TARGET_THREADGROUPS && keys >= 2 * DECODE_MIN_SPLIT_KEYS) {
+    if (requested > 0) {
+        n = requested < DECODE_MAX_SPLITS ? requested : DECODE_MAX_SPLITS;
+    } else if (threadgroups < DECODE_TARGET_THREADGROUPS && keys >= 2 * DECODE_MIN_SPLIT_KEYS) {
         n = (DECODE_TARGET_THREADGROUPS + threadgroups - 1) / threadgroups;
         n = n < keys / DECODE_MIN_SPLIT_KEYS ? n : keys / DECODE_MIN_SPLIT_KEYS;
         n = n < DECODE_MAX_SPLITS ? n : DECODE_MAX_SPLITS;
     }
-    if (n == 1) {
+    const int64_t pair_turn = 2 * FA_DECODE_SIMD_GROUPS;
+    if (n == 1 || keys <= pair_turn) { /* one turn of key pairs cannot be shared */
         *splits = 1;
         return (int32_t)keys;
     }
-    const int64_t pair_turn = 2 * FA_DECODE_SIMD_GROUPS;
     const int64_t per_split = ((keys + n - 1) / n + pair_turn - 1) / pair_turn * pair_turn;
     *splits = (int32_t)((keys + per_split - 1) / per_split);
     return (int32_t)per_split;
@@ -875,7 +878,8 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
     }
     p->split_begin = (fa_i32)first_key;
     p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks,
-                                      end_key > first_key ? end_key - first_key : 0, &p->split_count);
+                                      end_key > first_key ? end_key - first_key : 0, a->num_splits,
+                                      &p->split_count);
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);

@@ -32,6 +32,7 @@ typedef struct forward_key {
     shape_key rng;
     shape_key sequences, block_table; /* the tables' shapes; the max lengths below */
     int64_t max_q_len, max_kv_len;
+    int32_t num_splits, reserved_splits;
 } forward_key;
 
 typedef struct backward_key {
@@ -210,6 +211,7 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     shape_of_optional(&a->rng_state, a->device, &key.rng);
     shape_of_optional(&a->sinks, a->device, &key.sinks);
     sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
+    key.num_splits = a->num_splits;
     const uint64_t hash = fa_hash_bytes(&key, sizeof key);
     if (table_find(&forward_plans, &key, hash, ready)) {
         return check_forward_storage(a, st);

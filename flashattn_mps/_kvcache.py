@@ -67,8 +67,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_leftpad: None, or (batch,) int32: the first valid key of each cache row.
         softmax_scale, causal (bottom-right), window_size, softcap, alibi_slopes: as
             flash_attn_func, per sequence of keys cache_leftpad .. cache_seqlens + seqlen_new - 1.
-        num_splits: an int >= 0, a performance hint in flash-attn; here the planner always chooses
-            the split-K of the decode kernel itself (results do not depend on it).
+        num_splits: as flash-attn's: 0 lets the planner choose the decode kernel's split-K, 1 does
+            not split the keys, n > 1 splits them into n shares (at most 128, and fewer when the
+            keys are too few for n shares of whole key-pair turns), merged exactly. It applies to
+            the decode kernel (seqlen_q <= 8, and every paged call); the prefill kernel never
+            splits. Results agree whatever it is, to rounding.
         return_softmax_lse: also return the (batch, nheads, seqlen_q) float32 log-sum-exp.
         block_table: None, or (batch, max_num_blocks) int32 for a paged cache: k_cache and v_cache
             are then the pool (num_blocks, page_block_size, nheads_k, headdim) and position t of
@@ -180,5 +183,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     sinks = None if sinks is None else _validate_sinks(sinks, views[0]).detach()
     max_keys = max([lengths[b] + new - leftpad[b] for b in range(batch)], default=0)
     run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, seqlen_q, max_keys, block_table),
-                sinks=sinks)
+                sinks=sinks, num_splits=num_splits)
     return (out, _flash_attn_lse(lse)) if return_softmax_lse else out

@@ -69,10 +69,11 @@ def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_ta
 
 
 def run_forward(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO,
-                sinks=None, dropout_p=0.0, rng_state=None):
+                sinks=None, dropout_p=0.0, rng_state=None, num_splits=0):
     """The forward over (B, H, L, D) views with a sequence table (q4 etc. already on one device);
     kernel: a _C.KERNEL_* code (tests run each kernel); sinks a checked (Hq,) float32 tensor or
-    None; dropout_p with its generator state (dropout_rng_state)."""
+    None; dropout_p with its generator state (dropout_rng_state); num_splits the decode kernel's
+    split-K (0: the planner's choice)."""
     device = _C.DEVICE_CPU if q4.is_cpu else _C.DEVICE_MPS
     if device == _C.DEVICE_MPS:
         _prepare_mps()
@@ -80,7 +81,7 @@ def run_forward(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, seq
         _sources.ensure_registered()
     workspace = (lambda n: torch.empty((n + 3) // 4, dtype=torch.float32, device=q4.device))
     _C.forward(device, q4, k4, v4, out4, lse3, scale, causal, kernel, workspace, None, False, band, softcap,
-               alibi, dropout_p, _rng_words(rng_state), False, sinks, sequences=sequences)
+               alibi, dropout_p, _rng_words(rng_state), False, sinks, sequences=sequences, num_splits=num_splits)
 
 
 def _alibi_view(slopes, batch: int, heads: int, device, who: str):

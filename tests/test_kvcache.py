@@ -222,3 +222,41 @@ def test_paged_decode_example_matches_recomputation(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--steps", "3"])
     runpy.run_path(str(script), run_name="__main__")
     assert "decodes exactly the recomputed tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_num_splits_sets_the_decode_split(gen, monkeypatch, paged):
+    """num_splits as flash-attn documents it: 1 keeps the keys in one share, n > 1 splits them into
+    n shares (merged exactly), 0 leaves it to the planner; the results agree to rounding."""
+    from flashattn_mps import _C
+
+    plans = []
+    real = _C.forward
+
+    def planned(*args, **kwargs):  # the plan of each call, from the same descriptors
+        plan_args = dict(kwargs)
+        plan_args.pop("workspace", None)
+        positional = args[:9] + args[10:]  # without the workspace
+        names = ["mask", "unbatched", "band", "softcap", "alibi_slopes", "dropout_p", "rng_state", "write_probs",
+                 "sinks"]
+        extra = dict(zip(names, positional[9:]))
+        extra.pop("unbatched"), extra.pop("write_probs")
+        plans.append(_C.plan_forward(*positional[:9], **extra, **plan_args)["split_count"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_C, "forward", planned)
+    lengths = [300, 700]
+    q, k_cache, v_cache = randn(gen, 2, 1, 4, 16), randn(gen, 2, 768, 2, 16), randn(gen, 2, 768, 2, 16)
+    args = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32))
+    if paged:  # pages of 64 rows, stored in reverse order
+        pool_k = k_cache.reshape(24, 64, 2, 16).flip(0).contiguous()
+        pool_v = v_cache.reshape(24, 64, 2, 16).flip(0).contiguous()
+        table = (23 - torch.arange(24, dtype=torch.int32)).reshape(2, 12)
+        caches, args["block_table"] = (pool_k, pool_v), table
+    else:
+        caches = (k_cache, v_cache)
+    outs = {n: flash_attn_with_kvcache(q, *caches, num_splits=n, **args) for n in (0, 1, 3, 200)}
+    # 200 is capped at 128 shares, and a share is whole turns of 16 keys: 44 shares of 700 keys.
+    assert plans[1:] == [1, 3, 44]
+    for n, out in outs.items():
+        assert torch.allclose(out, outs[1], atol=2e-6), n

@@ -260,7 +260,7 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
                              py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
                              py::handle band, double softcap, py::handle alibi, py::handle sinks,
                              bool unbatched = false, double dropout_p = 0.0, py::handle rng_state = py::none(),
-                             bool write_probs = false, py::handle sequences = py::none()) {
+                             bool write_probs = false, py::handle sequences = py::none(), int32_t num_splits = 0) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
@@ -281,6 +281,7 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
     args.write_probs = write_probs;
     args.sinks = to_tensor(sinks, "sinks", device);               // (Hq,) float32
     args.sequences = sequence_args(sequences, device);
+    args.num_splits = num_splits;
     return args;
 }
 
@@ -290,9 +291,9 @@ fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::han
 void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
              double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
              py::handle band, double softcap, py::handle alibi, double dropout_p, py::handle rng_state,
-             bool write_probs, py::handle sinks, py::handle sequences) {
+             bool write_probs, py::handle sinks, py::handle sequences, int32_t num_splits) {
     fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi,
-                                        sinks, unbatched, dropout_p, rng_state, write_probs, sequences);
+                                        sinks, unbatched, dropout_p, rng_state, write_probs, sequences, num_splits);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -345,9 +346,9 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n);
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
                       py::handle alibi, double dropout_p, py::handle rng_state, py::handle sinks,
-                      py::handle sequences) {
+                      py::handle sequences, int32_t num_splits) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap,
-                                              alibi, sinks, false, dropout_p, rng_state, false, sequences);
+                                              alibi, sinks, false, dropout_p, rng_state, false, sequences, num_splits);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -633,7 +634,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
           py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("write_probs") = false, py::arg("sinks") = py::none(), py::arg("sequences") = py::none());
+          py::arg("write_probs") = false, py::arg("sinks") = py::none(), py::arg("sequences") = py::none(),
+          py::arg("num_splits") = 0);
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
           "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
@@ -644,7 +646,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sequences") = py::none());
+          py::arg("sinks") = py::none(), py::arg("sequences") = py::none(), py::arg("num_splits") = 0);
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
