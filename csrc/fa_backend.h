@@ -47,6 +47,10 @@ typedef struct fa_binding {
     int64_t length;
 } fa_binding;
 
+/* Whether an optional descriptor is given: it has dims or storage. A 0-D one with storage is
+ * present (and refused by fa_check_tensor), never taken for "none". */
+static inline int32_t fa_tensor_present(const fa_tensor *t) { return t->ndim != 0 || t->storage != NULL; }
+
 /* The binding of tensor t, or of `fallback` when t has no storage (an absent optional or an empty
  * tensor: Metal still wants a buffer bound where no kernel reads). */
 static inline fa_binding fa_tensor_binding(const fa_tensor *t, const fa_tensor *fallback) {

@@ -148,7 +148,7 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     const double issued_e = (double)((f->head_dim + 7) / 8 * 8), issued_ev = (double)((f->v_head_dim + 7) / 8 * 8);
     const int64_t rows_bytes = (int64_t)rows * 4; /* lse or D, float32 */
     const int64_t dout_bytes = (int64_t)rows * f->v_head_dim * elem;
-    const int64_t sink_bytes = a->sinks.ndim != 0 ? rows_bytes : 0;
+    const int64_t sink_bytes = fa_tensor_present(&a->sinks) ? rows_bytes : 0;
     /* Operand fragments are half for fp16 inputs (fa_fragments.h), accumulators and scores float. */
     const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
     const int64_t tile_bytes = fa_plan_tile_bytes(t, elem) + 2 * t.wm; /* two tiles of BK rows and the tile votes */
@@ -226,7 +226,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = check_matches(&a->dv, "dv", 4, a->v.dtype, &a->v, "the shape of v", st))) {
         return rc;
     }
-    const int32_t with_sinks = a->sinks.ndim != 0 || a->sinks.storage != NULL; /* checked by the forward plan */
+    const int32_t with_sinks = fa_tensor_present(&a->sinks); /* checked by the forward plan */
     if (with_sinks &&
         (rc = check_matches(&a->sink_grad, "sink_grad", 3, FA_F32, &a->q, "(B, Hq, L) for q", st)) != FA_OK) {
         return rc;

@@ -408,7 +408,7 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
 
 /* The mask, when present, is a (B, Hq, L, S) view of bool, float32 or q's dtype. */
 static int32_t check_mask(const fa_forward_args *a, fa_status *st) {
-    if (a->mask.ndim == 0 && a->mask.storage == NULL) {
+    if (!fa_tensor_present(&a->mask)) {
         return FA_OK; /* no mask; a 0-D descriptor with storage is refused below */
     }
     int32_t rc = fa_check_tensor(&a->mask, "mask", 4, 0, st);
@@ -545,25 +545,14 @@ void fa_plan_set_tile_macros(fa_plan_dispatch *d, fa_tiles t) {
     add_macro(d, "FA_WM", t.wm);
 }
 
-/* ALiBi slopes are present when the descriptor has dims or storage: a 0-D one with storage is
- * refused by fa_check_tensor, never taken for "none". */
-static int32_t has_alibi(const fa_forward_args *a) {
-    return a->alibi_slopes.ndim != 0 || a->alibi_slopes.storage != NULL;
-}
-
-/* Sinks are present by the same rule as the ALiBi slopes. */
-static int32_t has_sinks(const fa_forward_args *a) {
-    return a->sinks.ndim != 0 || a->sinks.storage != NULL;
-}
-
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
     start_dispatch(d, source, kernel, a->q.dtype);
     add_constant_bool(d, FA_FC_BAND, plan->banded);
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
-    add_constant_bool(d, FA_FC_ALIBI, has_alibi(a));
-    add_constant_bool(d, FA_FC_SINKS, has_sinks(a));
+    add_constant_bool(d, FA_FC_ALIBI, fa_tensor_present(&a->alibi_slopes));
+    add_constant_bool(d, FA_FC_SINKS, fa_tensor_present(&a->sinks));
     add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->write_probs); /* the pass reads it */
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     add_constant_int(d, FA_FC_DROPOUT, a->write_probs        ? FA_DROPOUT_PROBS
@@ -961,7 +950,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
     p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
     p->diagonal = a->band.bottom_right ? p->kv_len - p->q_len : 0;
-    if (has_alibi(a)) {
+    if (fa_tensor_present(&a->alibi_slopes)) {
         if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
             return rc;
         }
@@ -973,7 +962,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         }
         copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
     }
-    if (has_sinks(a)) {
+    if (fa_tensor_present(&a->sinks)) {
         if ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) != FA_OK) {
             return rc;
         }

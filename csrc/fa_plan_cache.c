@@ -107,11 +107,9 @@ static void shape_of(const fa_tensor *t, int32_t device, shape_key *s) {
 
 /* An optional descriptor (mask, ALiBi slopes) is present when it has dims or storage: a 0-D
  * descriptor with storage is refused by fa_check_tensor, never taken for "absent". */
-static int32_t present(const fa_tensor *t) { return t->ndim != 0 || t->storage != NULL; }
-
 /* An absent optional descriptor leaves its part of the key zero. */
 static void shape_of_optional(const fa_tensor *t, int32_t device, shape_key *s) {
-    if (present(t)) {
+    if (fa_tensor_present(t)) {
         shape_of(t, device, s);
     }
 }
@@ -156,10 +154,10 @@ static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
         (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
-        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
-        (present(&a->sinks) && (rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st))) ||
+        (fa_tensor_present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
+        (fa_tensor_present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
+        (fa_tensor_present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
+        (fa_tensor_present(&a->sinks) && (rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st))) ||
         (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
         return rc;
     }
@@ -251,10 +249,10 @@ static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) 
         }
     }
     if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
-        (present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
-        (present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
-        (present(&a->sinks) && ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) ||
+        (fa_tensor_present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
+        (fa_tensor_present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
+        (fa_tensor_present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
+        (fa_tensor_present(&a->sinks) && ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) ||
                                 (rc = fa_check_tensor(&a->sink_grad, "sink_grad", 3, 1, st)))) ||
         (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
         return rc;

@@ -7,11 +7,9 @@
 
 enum { SEQUENCE_SCRATCH_ALIGNMENT = 16, SEQUENCE_TABLE_THREADS = FA_SEQUENCE_TABLE_THREADS };
 
-int32_t fa_sequences_present(const fa_sequence_args *s) { return s->table.ndim != 0 || s->table.storage != NULL; }
+int32_t fa_sequences_present(const fa_sequence_args *s) { return fa_tensor_present(&s->table); }
 
-int32_t fa_sequence_paged(const fa_sequence_args *s) {
-    return s->block_table.ndim != 0 || s->block_table.storage != NULL;
-}
+int32_t fa_sequence_paged(const fa_sequence_args *s) { return fa_tensor_present(&s->block_table); }
 
 int32_t fa_sequence_check_storage(const fa_sequence_args *s, int32_t device, fa_status *st) {
     int32_t rc = fa_check_tensor(&s->table, "sequences", 2, 0, st);
@@ -70,7 +68,7 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     if (rc != FA_OK) {
         return rc;
     }
-    if (a->mask.ndim != 0 || a->mask.storage != NULL) {
+    if (fa_tensor_present(&a->mask)) {
         return fa_fail(st, FA_ERR_VALUE, "sequences: an attn_mask cannot be combined with a sequence table");
     }
     if (s->max_q_len < 0 || s->max_q_len > INT32_MAX || s->max_kv_len < 0 || s->max_kv_len > INT32_MAX) {
@@ -145,10 +143,7 @@ void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *
                          SEQUENCE_TABLE_THREADS);
 }
 
-fa_binding fa_sequence_binding(const fa_sequence_args *s) {
-    fa_binding b = {s->scratch.storage, s->scratch.byte_offset, NULL, 0};
-    return b;
-}
+fa_binding fa_sequence_binding(const fa_sequence_args *s) { return fa_tensor_binding(&s->scratch, &s->scratch); }
 
 int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
                           int64_t params_bytes, const fa_sequence_args *s, const fa_tensor *const *views,
@@ -169,8 +164,7 @@ int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *bu
     }
     fa_dispatch d;
     memset(&d, 0, sizeof d);
-    d.bindings[0].storage = s->table.storage;
-    d.bindings[0].byte_offset = s->table.byte_offset;
+    d.bindings[0] = fa_tensor_binding(&s->table, &s->table);
     d.bindings[1] = fa_sequence_binding(s);
     for (int i = 2; i < 5; ++i) {
         d.bindings[i] = d.bindings[1]; /* unused: Metal wants an argument table without holes */
