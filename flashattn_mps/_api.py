@@ -157,38 +157,52 @@ def _check_window(window_size, who: str) -> tuple:
 
 
 def _validate_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
-    """ALiBi slopes as the (B, Hq) view the core reads (a batch stride of 0 for (Hq,) slopes)."""
-    if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"flash_attention: alibi_slopes must be a torch.Tensor or None, got {_type_name(slopes)}")
-    if slopes.dtype != torch.float32 or slopes.device != q.device:
-        raise TypeError(
-            f"flash_attention: alibi_slopes must be float32 on q's device ({q.device}), got {slopes.dtype} on "
-            f"{slopes.device}"
-        )
+    """ALiBi slopes of flash_attention's q (B, Hq, L, E) or (Hq, L, E), as _alibi_view gives them."""
     batch, heads = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    return _alibi_view(slopes, batch, heads, q.device, "flash_attention")
+
+
+def _alibi_view(slopes, batch: int, heads: int, device, who: str):
+    """ALiBi slopes (None, or float32 (Hq,) or (B, Hq) on `device`) as the (B, Hq) view the core
+    reads (a batch stride of 0 for (Hq,) slopes), or None."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {_type_name(slopes)}")
+    if slopes.dtype != torch.float32 or slopes.device != device:
+        raise TypeError(
+            f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on {slopes.device}"
+        )
     if slopes.shape not in ((heads,), (batch, heads)):
         raise ValueError(
-            f"flash_attention: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got "
+            f"{who}: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got "
             f"{tuple(slopes.shape)}"
         )
     slopes = slopes.detach()
     return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
 
 
-def _validate_sinks(sinks, q: torch.Tensor) -> torch.Tensor:
+def _check_bool(value, name: str, who: str) -> bool:
+    if value is not True and value is not False:
+        raise TypeError(f"{who}: {name} must be a bool, got {_given(value)}")
+    return value
+
+
+def _validate_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.Tensor:
     """Attention sinks as the (Hq,) float32 tensor the core reads: float32 as given, or q's dtype
-    converted to float32 (a copy of Hq numbers, differentiable, so gradients reach the given tensor)."""
+    converted to float32 (a copy of Hq numbers, differentiable, so gradients reach the given tensor).
+    q is seen with heads third from last, as (..., Hq, L, E)."""
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"flash_attention: sinks must be a torch.Tensor or None, got {_type_name(sinks)}")
+        raise TypeError(f"{who}: sinks must be a torch.Tensor or None, got {_type_name(sinks)}")
     if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
         raise TypeError(
-            f"flash_attention: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
+            f"{who}: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
             f"{sinks.dtype} on {sinks.device}"
         )
     heads = q.shape[-3]
     if sinks.shape != (heads,):
         raise ValueError(
-            f"flash_attention: sinks must be (Hq,) = ({heads},), one logit per query head, got {tuple(sinks.shape)} "
+            f"{who}: sinks must be (Hq,) = ({heads},), one logit per query head, got {tuple(sinks.shape)} "
             f"for q {_shape(q)}"
         )
     sinks = sinks.float()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import _check_dropout, _check_softcap, _check_window, _given, _scale_value, attend, dropout_rng_state
+from ._api import (_check_bool, _check_dropout, _check_softcap, _check_window, _given, _scale_value, attend,
+                   dropout_rng_state)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -52,12 +53,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     float16 and bfloat16; D, Dv <= 576.
     """
     dropout_p = _check_dropout(dropout_p, "flash_attn_func")
-    if return_attn_probs is not True and return_attn_probs is not False:
-        raise TypeError(f"flash_attn_func: return_attn_probs must be a bool, got {_given(return_attn_probs)}")
-    if causal is not True and causal is not False:
-        raise TypeError(f"flash_attn_func: causal must be a bool, got {_given(causal)}")
-    if deterministic is not True and deterministic is not False:
-        raise TypeError(f"flash_attn_func: deterministic must be a bool, got {_given(deterministic)}")
+    for name, flag in (("return_attn_probs", return_attn_probs), ("causal", causal), ("deterministic", deterministic)):
+        _check_bool(flag, name, "flash_attn_func")
     left, right = _check_window(window_size, "flash_attn_func")
     softcap = _check_softcap(softcap, "flash_attn_func")
     for name, t in (("q", q), ("k", k), ("v", v)):

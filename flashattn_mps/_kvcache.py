@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import _flash_attn_lse, _given, _validate_sinks
-from ._varlen import (_alibi_view, _check_int, check_bool, check_common, check_lengths_tensor, check_scale, run_forward,
-                      sequence_args)
+from ._api import _alibi_view, _check_bool, _flash_attn_lse, _given, _validate_sinks
+from ._varlen import _check_int, check_common, check_lengths_tensor, check_scale, run_forward, sequence_args
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
@@ -84,8 +83,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """
     who = "flash_attn_with_kvcache"
     band, softcap = check_common(who, causal, window_size, softcap, False)
-    check_bool(return_softmax_lse, "return_softmax_lse", who)
-    check_bool(rotary_interleaved, "rotary_interleaved", who)
+    _check_bool(return_softmax_lse, "return_softmax_lse", who)
+    _check_bool(rotary_interleaved, "rotary_interleaved", who)
     _check_int(num_splits, "num_splits", who)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is None and name in ("k", "v"):
@@ -180,7 +179,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) if return_softmax_lse \
         else None
     views = [t.transpose(1, 2) for t in (q, k_cache, v_cache, out)]
-    sinks = None if sinks is None else _validate_sinks(sinks, views[0]).detach()
+    sinks = None if sinks is None else _validate_sinks(sinks, views[0], who).detach()
     max_keys = max([lengths[b] + new - leftpad[b] for b in range(batch)], default=0)
     run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, seqlen_q, max_keys, block_table),
                 sinks=sinks, num_splits=num_splits)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from . import _C, _sources
-from ._api import (_check_dropout, _check_softcap, _check_window, _given, _prepare_mps, _rng_words, _scale_value,
-                   _validate_sinks, dropout_rng_state)
+from ._api import (_alibi_view, _check_bool, _check_dropout, _check_softcap, _check_window, _given, _prepare_mps,
+                   _rng_words, _scale_value, _validate_sinks, dropout_rng_state)
 
 _NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
 
@@ -84,27 +84,6 @@ def run_forward(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, seq
                alibi, dropout_p, _rng_words(rng_state), False, sinks, sequences=sequences, num_splits=num_splits)
 
 
-def _alibi_view(slopes, batch: int, heads: int, device, who: str):
-    if slopes is None:
-        return None
-    if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {_given(slopes)}")
-    if slopes.dtype != torch.float32 or slopes.device != device:
-        raise TypeError(f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on "
-                        f"{slopes.device}")
-    if slopes.shape not in ((heads,), (batch, heads)):
-        raise ValueError(f"{who}: alibi_slopes must be (nheads,) = ({heads},) or (batch, nheads) = ({batch}, "
-                         f"{heads}), got {tuple(slopes.shape)}")
-    slopes = slopes.detach()
-    return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
-
-
-def check_bool(value, name: str, who: str) -> bool:
-    if value is not True and value is not False:
-        raise TypeError(f"{who}: {name} must be a bool, got {_given(value)}")
-    return value
-
-
 def check_scale(softmax_scale, head_dim: int, who: str) -> float:
     """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
@@ -114,8 +93,8 @@ def check_scale(softmax_scale, head_dim: int, who: str) -> float:
 
 def check_common(who: str, causal, window_size, softcap, deterministic):
     """The options flash_attn_varlen_func and flash_attn_with_kvcache share with flash_attn_func."""
-    check_bool(causal, "causal", who)
-    check_bool(deterministic, "deterministic", who)
+    _check_bool(causal, "causal", who)
+    _check_bool(deterministic, "deterministic", who)
     left, right = _check_window(window_size, who)
     return (1, left, right), _check_softcap(softcap, who)
 
@@ -211,7 +190,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, "max_seqlen_k", who)
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
-    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1))
+    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1), who)
     return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal, band, softcap, alibi,
                             sinks, dropout_p)
 
