@@ -165,18 +165,16 @@ template <typename T, int BD, int BDV, int BK, int WM>
       }
       fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
 
-      // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the band (ragged rows are
-      // handled by lse = +inf) and the bool mask's bits; an additive mask is added throughout.
-      const bool test_band = fa_banded && start.tile_class == FA_TILE_MIXED;
-      const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
+      // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the band and the bool mask's
+      // bits (ragged rows are handled by lse = +inf; keys past S are never stored); an additive
+      // mask is added throughout.
       const bool add_mask = fa_mask_is_additive() && key_valid;
       long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         const float2 kept = fa_dropout_factor_pair(f, dropout, b, h, q0 + 8 * j + at.x, my_key, false);
         for (int e = 0; e < 2; ++e) {
           const int col = 8 * j + at.x + e; // the query row q0 + col
-          const bool visible = !(test_band && fa_band_hides(f, q0 + col, my_key)) &&
-                               !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
+          const bool visible = !fa_mixed_tile_hides(f, start, q0 + col, my_key, 2 * j + e);
           const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
           float score = capped + fa_alibi_bias(f, slope_log2, q0 + col, my_key);
           if (visible && add_mask && col < valid_rows) {

@@ -149,16 +149,13 @@ template <typename T, int BD, int BDV, int BK, int WM>
     fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
 
     // s_frag becomes dS in place, with the forward's per-score masking.
-    const bool test_bounds = start.tile_class == FA_TILE_MIXED;
-    const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
     const bool add_mask = fa_mask_is_additive() && row_valid;
     long entry = mask_at;
     for (int j = 0; j < BK / 8; ++j) {
       const float2 kept = fa_dropout_factor_pair(f, dropout, b, h, my_row, k0 + 8 * j + at.x, true);
       for (int e = 0; e < 2; ++e) {
         const int key = k0 + 8 * j + at.x + e;
-        const bool visible = !(test_bounds && (key >= f.kv_len || fa_band_hides(f, my_row, key))) &&
-                             !(test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0);
+        const bool visible = !fa_mixed_tile_hides(f, start, my_row, key, 2 * j + e);
         const float capped = fa_softcap_score(f, s_frag[j].thread_elements()[e]);
         float score = capped + fa_alibi_bias(f, slope_log2, my_row, key);
         if (visible && add_mask) {

@@ -139,18 +139,14 @@ template <typename T, int BD, int BDV, int BK, int WM>
 
     // Per-score masking: bounds and the band in MIXED tiles, a bool mask's bits unless the
     // slice is wholly kept, an additive mask everywhere it is present (padding rows read nothing).
-    const bool test_bounds = start.tile_class == FA_TILE_MIXED;
-    const bool test_bits = fa_mask_kind == FA_MASK_BOOL && start.tile_class == FA_TILE_MIXED;
     const bool add_mask = fa_mask_is_additive() && row_valid;
-    if (test_bounds || fa_mask_is_additive()) { // uniform over the SIMD-group: simd_any below
+    if (start.tile_class == FA_TILE_MIXED || fa_mask_is_additive()) { // uniform over the SIMD-group: simd_any below
       long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         for (int e = 0; e < 2; ++e) {
           const int key = k0 + 8 * j + at.x + e;
           const float score = s_frag[j].thread_elements()[e]; // (no references to vector elements in MSL)
-          if (test_bounds && (key >= p.kv_len || fa_band_hides(p, my_row, key))) {
-            s_frag[j].thread_elements()[e] = -INFINITY;
-          } else if (test_bits && ((start.keep >> (2 * j + e)) & 1u) == 0) {
+          if (fa_mixed_tile_hides(p, start, my_row, key, 2 * j + e)) {
             s_frag[j].thread_elements()[e] = -INFINITY;
           } else if (add_mask) {
             s_frag[j].thread_elements()[e] = score + fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));

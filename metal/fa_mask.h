@@ -152,6 +152,15 @@ inline fa_tile_start fa_start_tile(int tile_class, const device uchar *mask, lon
   return start;
 }
 
+// Whether a MIXED tile hides the score of (row, key), bit `bit` of the lane's bool-mask bits: a key
+// past S, one outside the band, or a bool mask's bit off. Other classes hide no single score
+// (BLOCKED slices are skipped before the scores, VISIBLE ones keep them all).
+inline bool fa_mixed_tile_hides(constant fa_params &p, fa_tile_start start, int row, int key, int bit) {
+  return start.tile_class == FA_TILE_MIXED &&
+         (key >= p.kv_len || fa_band_hides(p, row, key) ||
+          (fa_mask_kind == FA_MASK_BOOL && ((start.keep >> bit) & 1u) == 0));
+}
+
 // A range [begin, end) of keys or query rows; empty when end <= begin.
 struct fa_range {
   int begin;
