@@ -134,7 +134,10 @@ typedef struct fa_forward_args {
      * the simple kernel over the arguments of a forward call that wrote lse (read here, as are q, k,
      * v, mask, options; out is untouched) and writes into the workspace, as a contiguous (B, Hq, L, S)
      * float32 array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i),
-     * negated where dropout drops it; entries a row does not see are left as they are. */
+     * negated where dropout drops it; entries a row does not see are left as they are. With
+     * sequences, B is the table's sequences and L, S are max_q_len, max_kv_len: sequence b's
+     * probabilities fill the top-left L_b x S_b block of its slice (flash-attn's padded S_dmask).
+     * Not with a block table (the simple kernel reads keys in place). */
     int32_t write_probs;
     /* Attention sinks (ndim 0 when absent): (Hq,) float32 logits; each row's softmax also counts
      * exp(sinks[h]) in its denominator, with no value. lse includes it; a row that sees no key gives

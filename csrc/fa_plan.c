@@ -745,7 +745,7 @@ static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t co
 
 /* Dropout's fields of the params (metal/fa_params.h) and its generator state, and the probability
  * pass (fa_core.h): that pass runs the simple kernel, reads lse, and writes the (B, Hq, L, S)
- * float32 probabilities into the workspace. */
+ * float32 probabilities into the workspace (with sequences the grid's B, L and S: a is its view). */
 static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
     const double rate = a->dropout_p;
@@ -775,6 +775,10 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
     if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_SIMPLE) {
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass runs the simple kernel, got kernel %d",
                        a->kernel);
+    }
+    if (fa_sequence_paged(&a->sequences)) {
+        return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass reads keys in place, not through a "
+                                         "block_table");
     }
     int64_t bytes;
     if (__builtin_mul_overflow((int64_t)p->batch * p->q_heads, (int64_t)p->q_len * p->kv_len, &bytes) ||

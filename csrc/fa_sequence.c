@@ -141,6 +141,9 @@ void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *
     builder->n_macros = like->n_macros;
     fa_plan_set_geometry(builder, (sequences + SEQUENCE_TABLE_THREADS - 1) / SEQUENCE_TABLE_THREADS, 1, 1,
                          SEQUENCE_TABLE_THREADS);
+    /* explain_plan's figures: the table's rows and the call's params in, one params per sequence out. */
+    builder->cost.min_bytes_read = (int64_t)sequences * FA_SEQUENCE_COLUMNS * 4 + (int64_t)sizeof(fa_params);
+    builder->cost.min_bytes_written = (int64_t)sequences * (int64_t)sizeof(fa_params);
 }
 
 fa_binding fa_sequence_binding(const fa_sequence_args *s) { return fa_tensor_binding(&s->scratch, &s->scratch); }

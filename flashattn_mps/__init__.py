@@ -10,8 +10,8 @@ sliding windows) over the same kernels.
 from ._C import MetalCompileError, MetalDispatchError
 from ._api import explain_plan, flash_attention
 from ._flash_attn import flash_attn_func
-from ._varlen import flash_attn_varlen_func
-from ._kvcache import flash_attn_with_kvcache
+from ._varlen import explain_varlen_plan, flash_attn_varlen_func
+from ._kvcache import explain_kvcache_plan, flash_attn_with_kvcache
 from . import _autograd  # registers the torch.library ops that make flash_attention differentiable
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 
@@ -24,6 +24,8 @@ __all__ = [
     "scaled_dot_product_attention",
     "explain",
     "explain_plan",
+    "explain_varlen_plan",
+    "explain_kvcache_plan",
     "patch",
     "unpatch",
     "MetalCompileError",

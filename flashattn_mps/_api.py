@@ -528,24 +528,55 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     return dq, dk, dv, sink_grad.sum(dim=-1).reshape(-1, sink_grad.shape[-2]).sum(dim=0)
 
 
+def probs_arguments(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+                    dropout_p=0.0, rng_state=None, sequences=None):
+    """The probability pass's arguments, as _C.forward and _C.plan_forward take them, and the shape
+    of the probabilities it writes: (B, Hq, L, S), or with sequences (_varlen.sequence_args) the
+    grid's (sequences, Hq, max_seqlen_q, max_seqlen_k), each sequence in its top-left block."""
+    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
+    if rng_state is None:  # no dropout: every probability is kept whatever the words
+        rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
+    shape = (*q.shape[:-1], k.shape[-2]) if sequences is None else \
+        (sequences[0].shape[0], q.shape[-3], sequences[2], sequences[3])
+    args = (device, q, k, v, out, lse, scale, causal, _C.KERNEL_SIMPLE)
+    options = dict(mask=mask, band=band, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p,
+                   rng_state=_rng_words(rng_state), write_probs=True, sequences=sequences)
+    return args, options, shape
+
+
+def probs_pass_runs(lse: torch.Tensor) -> bool:
+    """Whether there is a probability pass to run: an empty lse (no query rows) has no storage for
+    the core to read, and every probability is 0."""
+    return lse.numel() > 0
+
+
 def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
-               dropout_p=0.0, rng_state=None) -> torch.Tensor:
+               dropout_p=0.0, rng_state=None, sequences=None) -> torch.Tensor:
     """The attention probabilities of forward_core's call that returned out and lse, as flash-attn's
     return_attn_probs shows them: (B, Hq, L, S) float32, exp(s_ij - lse_i) for every key row i sees,
     negated where dropout dropped it (0 elsewhere). The simple kernel's probability pass computes
     them from the same scores and generator as the attention kernels (csrc/fa_core.h, write_probs);
-    an L x S array, for tests."""
-    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
-    if device == _C.DEVICE_MPS:
+    an L x S array, for tests. sequences: a varlen call's, with its (1, Hq, total, D) views (the
+    layout probs_arguments says)."""
+    args, options, shape = probs_arguments(q, k, v, out, lse, mask, causal, scale, band, softcap, alibi, dropout_p,
+                                           rng_state, sequences)
+    if args[0] == _C.DEVICE_MPS:
         _prepare_mps()
-    if rng_state is None:  # no dropout: every probability is kept whatever the words
-        rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
-    probs = torch.zeros((*q.shape[:-1], k.shape[-2]), dtype=torch.float32, device=q.device)
+    probs = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    if not probs_pass_runs(lse):
+        return probs
     if not _sources.registered:
         _sources.ensure_registered()
-    _C.forward(device, q, k, v, out, lse, scale, causal, _C.KERNEL_SIMPLE, probs.view(-1), mask, q.dim() == 3, band,
-               softcap, alibi, dropout_p, _rng_words(rng_state), True)
+    _C.forward(*args, workspace=probs.view(-1), unbatched=q.dim() == 3, **options)
     return probs
+
+
+def explained(plan: dict, device: torch.device) -> dict:
+    """A plan as the explain functions return it: with "metal_stream" (how dispatches reach the GPU)
+    for MPS tensors."""
+    if device.type == "mps":
+        plan["metal_stream"] = _metal_mode.describe()
+    return plan
 
 
 def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
@@ -568,7 +599,10 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     backward=True: the plan of the gradients' pass instead, {"dispatches": [delta, dkdv, dq]}: the
     pre-pass D = rowsum(dO * O), dK/dV over key blocks ("tiles": the query tiles its threadgroups
     visit, over every query head of a GQA group) and dQ over query blocks ("tiles": the key tiles,
-    as the forward's), with the same cost figures (csrc/fa_backward_plan.c counts them)."""
+    as the forward's), with the same cost figures (csrc/fa_backward_plan.c counts them).
+
+    Calls of flash_attn_varlen_func and flash_attn_with_kvcache are explained by
+    explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments."""
     causal, band = _band_of(causal, window_size, window_align)
     _validate(q, k, v, causal, scale, attn_mask)
     code = _check_options(kernel, False)
@@ -591,10 +625,7 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
                                                sink_grad=sink_grad, **options)}
     if backward is not False:
         raise TypeError(f"explain_plan: backward must be a bool, got {_given(backward)}")
-    plan = _C.plan_forward(device, q, k, v, out, None, scale, causal, code, **options)
-    if q.device.type == "mps":
-        plan["metal_stream"] = _metal_mode.describe()
-    return plan
+    return explained(_C.plan_forward(device, q, k, v, out, None, scale, causal, code, **options), q.device)
 
 
 def _scale_value(head_dim: int, scale) -> float:

@@ -14,11 +14,14 @@ windowed, else at cache_seqlens[b]. The lengths are validated on the host before
 (one read of the small int32 tensors on MPS), and the table kernel clamps them again."""
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from . import _C
 from ._api import _alibi_view, _check_bool, _flash_attn_lse, _given, _validate_sinks
-from ._varlen import _check_int, check_common, check_lengths_tensor, check_scale, run_forward, sequence_args
+from ._varlen import (AttentionOptions, _check_int, check_common, check_lengths_tensor, check_scale, plan_forward,
+                      run_forward, sequence_args)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
@@ -79,9 +82,63 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         sinks: keyword only, None or (nheads,) attention-sink logits as in flash_attn_func.
 
     Returns out (batch, seqlen_q, nheads, headdim_v) (and the lse). Not differentiable, as
-    flash-attn's.
+    flash-attn's. explain_kvcache_plan, given the same arguments, shows what it launches.
     """
-    who = "flash_attn_with_kvcache"
+    call = _check_cache_call("flash_attn_with_kvcache", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                             cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+                             sinks)
+    args, options, out, lse = _attention_arguments(call, _update_cache(call))
+    run_forward(*args, **options)
+    return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
+
+
+def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                         cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                         return_softmax_lse=False, *, sinks=None) -> dict:
+    """What `flash_attn_with_kvcache` with exactly these arguments would launch, without running it:
+    its checks (the same host reads of the length and block tables), and nothing written: the cache
+    is not appended to, q is not rotated (the kernels would read the rotation's new contiguous q,
+    so the plan reads one of that layout).
+
+    Returns explain_plan's dict: {"dispatches": [...], "split_count", "workspace_bytes", "empty"}
+    (and "metal_stream" on MPS), the dispatches in launch order: the sequence table's kernel
+    (fa_sequence_table_*), then the attention kernel (fa_decode_* for seqlen_q <= 8 and every paged
+    cache, followed by fa_decode_merge_* when split_count > 1; else the prefill fa_forward_*)."""
+    call = _check_cache_call("explain_kvcache_plan", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                             cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+                             sinks)
+    rotated = q if call.rotary is None else torch.empty_like(q, memory_format=torch.contiguous_format)
+    args, options, _, _ = _attention_arguments(call, rotated)
+    return plan_forward(*args, **options)
+
+
+class _CacheCall(NamedTuple):
+    """A flash_attn_with_kvcache call after its checks, before it touches anything."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    rotary: Optional[tuple]  # (cos, sin, interleaved, steps of q's rows) or None
+    starts: torch.Tensor     # (batch,) int64: each sequence's cache position of its first new key
+    rows: list               # the cache row of each batch entry (unpaged)
+    page_size: int           # with a block table, else 0
+    block_table: Optional[torch.Tensor]
+    table: torch.Tensor      # the (batch, 6) int32 sequence table on q's device
+    max_keys: int
+    options: AttentionOptions
+    num_splits: int
+    return_softmax_lse: bool
+
+
+def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                      alibi_slopes, num_splits, return_softmax_lse, sinks) -> _CacheCall:
+    """flash_attn_with_kvcache's checks (explain_kvcache_plan's too), every one before the cache is
+    written; the host reads of the small length and block tables are the function's own."""
     band, softcap = check_common(who, causal, window_size, softcap, False)
     _check_bool(return_softmax_lse, "return_softmax_lse", who)
     _check_bool(rotary_interleaved, "rotary_interleaved", who)
@@ -146,6 +203,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              f"{lengths[b]}]")
 
     starts = torch.tensor(lengths, dtype=torch.int64, device=q.device)
+    rotary = None
     if rotary_cos is not None or rotary_sin is not None:
         if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)):
             raise TypeError(f"{who}: rotary_cos and rotary_sin must be given together as tensors")
@@ -157,30 +215,48 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             raise ValueError(f"{who}: rotary_cos has {rotary_cos.shape[0]} positions, the rotated rows reach {reach}")
         steps = torch.arange(seqlen_q, device=q.device) if causal or band[1:] != (-1, -1) else \
             torch.zeros(seqlen_q, dtype=torch.int64, device=q.device)
-        q = _rotate(q, rotary_cos, rotary_sin, starts[:, None] + steps, rotary_interleaved)
-        if k is not None:
-            k = _rotate(k, rotary_cos, rotary_sin, starts[:, None] + torch.arange(new, device=q.device),
-                        rotary_interleaved)
-    if k is not None and new > 0 and batch > 0:
-        positions = starts[:, None] + torch.arange(new, device=q.device)
-        if pages is None:
-            index = (torch.tensor(rows, device=q.device)[:, None].expand(batch, new), positions)
-        else:  # the page of each position, and its row in the page
-            index = (block_table.long().gather(1, positions // page_size), positions % page_size)
-        k_cache.index_put_(index, k)  # in place: only these rows of the cache are written
-        v_cache.index_put_(index, v)
+        rotary = (rotary_cos, rotary_sin, rotary_interleaved, steps)
 
     k_batch = [0] * batch if pages is not None else rows
     table = torch.tensor([[b, 0, seqlen_q, k_batch[b], leftpad[b], lengths[b] + new - leftpad[b]]
                           for b in range(batch)], dtype=torch.int32).reshape(batch, 6).to(q.device)
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, batch, q.shape[2], q.device, who)
-    out = q.new_empty((batch, seqlen_q, q.shape[2], v_cache.shape[3]))
-    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) if return_softmax_lse \
-        else None
-    views = [t.transpose(1, 2) for t in (q, k_cache, v_cache, out)]
-    sinks = None if sinks is None else _validate_sinks(sinks, views[0], who).detach()
+    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(1, 2), who).detach()
     max_keys = max([lengths[b] + new - leftpad[b] for b in range(batch)], default=0)
-    run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, seqlen_q, max_keys, block_table),
-                sinks=sinks, num_splits=num_splits)
-    return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
+    return _CacheCall(q, k_cache, v_cache, k, v, rotary, starts, rows, 0 if pages is None else page_size, block_table,
+                      table, max_keys, AttentionOptions(scale, causal, band, softcap, alibi, sinks), num_splits,
+                      return_softmax_lse)
+
+
+def _update_cache(call: _CacheCall) -> torch.Tensor:
+    """Rotates q and the new keys (when rotary is given) and writes the new keys and values into the
+    cache in place; returns the q the kernels read."""
+    q, k = call.q, call.k
+    batch, new = q.shape[0], 0 if k is None else k.shape[1]
+    if call.rotary is not None:
+        cos, sin, interleaved, steps = call.rotary
+        q = _rotate(q, cos, sin, call.starts[:, None] + steps, interleaved)
+        if k is not None:
+            k = _rotate(k, cos, sin, call.starts[:, None] + torch.arange(new, device=q.device), interleaved)
+    if k is not None and new > 0 and batch > 0:
+        positions = call.starts[:, None] + torch.arange(new, device=q.device)
+        if call.block_table is None:
+            index = (torch.tensor(call.rows, device=q.device)[:, None].expand(batch, new), positions)
+        else:  # the page of each position, and its row in the page
+            index = (call.block_table.long().gather(1, positions // call.page_size), positions % call.page_size)
+        call.k_cache.index_put_(index, k)  # in place: only these rows of the cache are written
+        call.v_cache.index_put_(index, call.v)
+    return q
+
+
+def _attention_arguments(call: _CacheCall, q: torch.Tensor):
+    """run_forward's (and plan_forward's) arguments for the attention over the updated cache, with
+    the out and lse (or None) they fill."""
+    batch, seqlen_q = q.shape[0], q.shape[1]
+    out = q.new_empty((batch, seqlen_q, q.shape[2], call.v_cache.shape[3]))
+    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) \
+        if call.return_softmax_lse else None
+    views = [t.transpose(1, 2) for t in (q, call.k_cache, call.v_cache, out)]
+    args = (*views, lse, *call.options[:5], sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
+    return args, dict(sinks=call.options.sinks, num_splits=call.num_splits), out, lse

@@ -13,11 +13,15 @@ kernels never trust the table anyway: a kernel clamps every entry into the views
 fa_sequence_args), so even unvalidated contents could only cut a sequence short."""
 from __future__ import annotations
 
+import math
+from typing import NamedTuple, Optional
+
 import torch
 
 from . import _C, _sources
-from ._api import (_alibi_view, _check_bool, _check_dropout, _check_softcap, _check_window, _given, _prepare_mps,
-                   _rng_words, _scale_value, _validate_sinks, dropout_rng_state)
+from ._api import (_alibi_view, _check_bool, _check_dropout, _check_softcap, _check_window, _flash_attn_lse, _given,
+                   _prepare_mps, _rng_words, _scale_value, _validate_sinks, dropout_rng_state, explained,
+                   probs_arguments, probs_core, probs_pass_runs)
 
 _NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
 
@@ -68,20 +72,41 @@ def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_ta
     return table, scratch, max_q_len, max_kv_len, block_table
 
 
-def run_forward(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO,
-                sinks=None, dropout_p=0.0, rng_state=None, num_splits=0):
-    """The forward over (B, H, L, D) views with a sequence table (q4 etc. already on one device);
-    kernel: a _C.KERNEL_* code (tests run each kernel); sinks a checked (Hq,) float32 tensor or
-    None; dropout_p with its generator state (dropout_rng_state); num_splits the decode kernel's
-    split-K (0: the planner's choice)."""
+def forward_arguments(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO,
+                      sinks=None, dropout_p=0.0, rng_state=None, num_splits=0):
+    """What _C.forward and _C.plan_forward take for the forward over (B, H, L, D) views with a
+    sequence table (q4 etc. already on one device): positional arguments and options. kernel: a
+    _C.KERNEL_* code (tests run each kernel); sinks a checked (Hq,) float32 tensor or None;
+    dropout_p with its generator state (dropout_rng_state); num_splits the decode kernel's split-K
+    (0: the planner's choice)."""
     device = _C.DEVICE_CPU if q4.is_cpu else _C.DEVICE_MPS
-    if device == _C.DEVICE_MPS:
+    return (device, q4, k4, v4, out4, lse3, scale, causal, kernel), dict(
+        band=band, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, rng_state=_rng_words(rng_state),
+        sinks=sinks, sequences=sequences, num_splits=num_splits)
+
+
+def run_forward(*call, **options):
+    """Runs the forward forward_arguments(*call, **options) describes."""
+    args, options = forward_arguments(*call, **options)
+    if args[0] == _C.DEVICE_MPS:
         _prepare_mps()
     if not _sources.registered:
         _sources.ensure_registered()
-    workspace = (lambda n: torch.empty((n + 3) // 4, dtype=torch.float32, device=q4.device))
-    _C.forward(device, q4, k4, v4, out4, lse3, scale, causal, kernel, workspace, None, False, band, softcap,
-               alibi, dropout_p, _rng_words(rng_state), False, sinks, sequences=sequences, num_splits=num_splits)
+    workspace = (lambda n: torch.empty((n + 3) // 4, dtype=torch.float32, device=args[1].device))
+    _C.forward(*args, workspace, **options)
+
+
+def plan_forward(*call, **options) -> dict:
+    """What run_forward(*call, **options) would launch, as explain_plan shows it, without running
+    (the planner reads shapes, strides and options, never an element)."""
+    args, options = forward_arguments(*call, **options)
+    return explained(_C.plan_forward(*args, **options), args[1].device)
+
+
+def planning_rng_state(device) -> torch.Tensor:
+    """Generator words for planning a dropout call: zeros, so that explaining draws nothing from
+    torch's generator (the words change no plan)."""
+    return torch.zeros(4, dtype=torch.int32, device=device)
 
 
 def check_scale(softmax_scale, head_dim: int, who: str) -> float:
@@ -99,15 +124,42 @@ def check_common(who: str, causal, window_size, softcap, deterministic):
     return (1, left, right), _check_softcap(softcap, who)
 
 
+def packed_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed (total, H, D) tensor as the kernels' (1, H, total, D) view (a transpose, no copy)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def forward_outputs(q: torch.Tensor, v: torch.Tensor):
+    """The forward's out (total_q, H, Dv) and its (1, H, total_q) float32 lse, unwritten."""
+    out = q.new_empty((*q.shape[:2], v.shape[2]))
+    return out, torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+
+
+def backward_arguments(q, k, v, out, lse, dout, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks,
+                       dropout_p, rng_state):
+    """What _C.backward and _C.plan_backward take for the gradients of a packed forward, and the
+    gradients they fill: (dq, dk, dv, sink_grad or None)."""
+    # Zeros: rows of q, k, v past the last sequence get no gradient from the kernels.
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    # Each row's term of the sinks' gradient; rows of q past the last sequence hold none.
+    sink_grad = None if sinks is None else torch.empty_like(lse)
+    views = [packed_view(t) for t in (q, k, v, out, dout, *grads)]
+    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
+    args = (device, *views[:4], lse, views[4], torch.empty_like(lse), *views[5:], scale, causal)
+    options = dict(band=band, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p,
+                   rng_state=_rng_words(rng_state), sinks=sinks, sink_grad=sink_grad,
+                   sequences=sequence_args(table, max_q, max_k))
+    return args, options, (*grads, sink_grad)
+
+
 class _Varlen(torch.autograd.Function):
     """(q, k, v packed, table, max lengths, options) -> (out, lse); gradients to q, k, v and the
     sinks."""
 
     @staticmethod
     def forward(ctx, q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p, rng_state):
-        out = q.new_empty((*q.shape[:2], v.shape[2]))
-        lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-        views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
+        out, lse = forward_outputs(q, v)
+        views = [packed_view(t) for t in (q, k, v, out)]
         run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, max_q, max_k),
                     sinks=sinks, dropout_p=dropout_p, rng_state=rng_state)
         ctx.save_for_backward(q, k, v, out, lse, table, alibi, sinks, rng_state)
@@ -121,19 +173,13 @@ class _Varlen(torch.autograd.Function):
             raise RuntimeError("flash_attn_varlen_func: double backward is not supported (create_graph=True)")
         q, k, v, out, lse, table, alibi, sinks, rng_state = ctx.saved_tensors
         max_q, max_k, scale, causal, band, softcap, dropout_p = ctx.options
-        # Zeros: rows of q, k, v past the last sequence get no gradient from the kernels.
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        delta = torch.empty_like(lse)
         dout = dout.resolve_neg() if dout.is_neg() else dout
-        views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out, dout, dq, dk, dv)]
-        device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
-        if device == _C.DEVICE_MPS:
+        args, options, (dq, dk, dv, sink_grad) = backward_arguments(q, k, v, out, lse, dout, table, max_q, max_k, scale,
+                                                                    causal, band, softcap, alibi, sinks, dropout_p,
+                                                                    rng_state)
+        if args[0] == _C.DEVICE_MPS:
             _prepare_mps()
-        # Each row's term of the sinks' gradient; rows of q past the last sequence hold none.
-        sink_grad = None if sinks is None else torch.empty_like(lse)
-        _C.backward(device, *views[:4], lse, views[4], delta, *views[5:], scale, causal, None, False, band, softcap,
-                    alibi, dropout_p, _rng_words(rng_state), sinks, sink_grad,
-                    sequences=sequence_args(table, max_q, max_k))
+        _C.backward(*args, **options)
         dsinks = None
         if sinks is not None:
             used = torch.arange(q.shape[0], device=q.device) < (table[:, 1] + table[:, 2]).max(dim=0, keepdim=True)[0]
@@ -162,17 +208,63 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads) float32): as in
             flash_attn_func, each sequence on its own diagonal.
         deterministic: accepted; the backward is always deterministic.
+        return_attn_probs: also return softmax_lse and S_dmask (below), for tests, as flash-attn.
         sinks: keyword only, (nheads,) attention-sink logits as in flash_attn_func, differentiable.
-        return_attn_probs, block_table: not supported yet (NotImplementedError).
+        block_table: not supported yet (NotImplementedError).
 
     Returns out (total_q, nheads, headdim_v) of q's dtype; differentiable in q, k and v (a fused
     backward over the same sequence table). Rows of q past cu_seqlens_q[-1] are left unwritten.
+    With return_attn_probs, (out, softmax_lse, S_dmask), gradients still flowing through out:
+    softmax_lse (nheads, total_q) float32, each row's log-sum-exp of its scaled scores (of the
+    undropped probabilities, sinks included), +inf for a row that sees no key and for rows past
+    cu_seqlens_q[-1]; S_dmask (batch, nheads, max_seqlen_q, max_seqlen_k) of q's dtype, sequence
+    b's softmax probabilities in its top-left [L_b, S_b] block (0 for keys a row does not see and
+    outside the block), negative where dropout dropped them (the keep mask is ~signbit(S_dmask)), the
+    very mask the forward applied. flash-attn rounds the last two sizes up to multiples of 128 and
+    returns an empty S_dmask without dropout; here they are exactly max_seqlen_q and max_seqlen_k,
+    probabilities without dropout too (one probability pass of the simple kernel over every
+    sequence). Not with block_table. explain_varlen_plan, given the same arguments, shows what it
+    launches.
     """
-    who = "flash_attn_varlen_func"
+    call = _check_varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                         return_attn_probs, block_table, sinks)
+    return packed_attention(*call[:7], *call.options, call.dropout_p, call.return_attn_probs)
+
+
+class AttentionOptions(NamedTuple):
+    """The checked options of a packed or cached call, the first five in forward_arguments' order."""
+    scale: float
+    causal: bool
+    band: tuple
+    softcap: float
+    alibi: Optional[torch.Tensor]
+    sinks: Optional[torch.Tensor]
+
+
+class _VarlenCall(NamedTuple):
+    """A flash_attn_varlen_func call after its checks."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_q: int
+    max_k: int
+    options: AttentionOptions
+    dropout_p: float
+    return_attn_probs: bool
+
+
+def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
+                  sinks) -> _VarlenCall:
+    """flash_attn_varlen_func's checks (explain_varlen_plan's too), raising as flash-attn does."""
     band, softcap = check_common(who, causal, window_size, softcap, deterministic)
     dropout_p = _check_dropout(dropout_p, who)
-    if return_attn_probs is not False:
-        raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True", _given(return_attn_probs)))
+    _check_bool(return_attn_probs, "return_attn_probs", who)
+    if return_attn_probs and block_table is not None:  # the probability pass reads keys in place
+        raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True with a block_table", "both"))
     if block_table is not None:
         raise NotImplementedError(_NOT_HERE.format(who, "block_table", _given(block_table)))
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -191,22 +283,74 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
     sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1), who)
-    return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal, band, softcap, alibi,
-                            sinks, dropout_p)
+    return _VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
+                       AttentionOptions(scale, causal, band, softcap, alibi, sinks), dropout_p, return_attn_probs)
+
+
+def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """The (batch, 6) int32 sequence table of packed sequences (metal/fa_sequence.h), built on the
+    prefix sums' device (no host read)."""
+    zeros = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_q.device)
+    return torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, cu_seqlens_k[:-1],
+                        cu_seqlens_k.diff()], dim=1).contiguous()
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
-                     softcap: float, alibi=None, sinks=None, dropout_p=0.0):
+                     softcap: float, alibi=None, sinks=None, dropout_p=0.0, return_attn_probs=False):
     """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
     caller; the kernels clamp the table whatever it holds): no host read of the tensors. sinks: a
     checked (H,) float32 tensor or None."""
-    batch = cu_seqlens_q.shape[0] - 1
-    zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
-    table = torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, cu_seqlens_k[:-1],
-                         cu_seqlens_k.diff()], dim=1).contiguous()
+    table = packed_table(cu_seqlens_q, cu_seqlens_k)
     if q.is_neg() or k.is_neg() or v.is_neg():
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
-    out, _lse = _Varlen.apply(q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p,
-                              rng_state)
-    return out
+    out, lse = _Varlen.apply(q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p,
+                             rng_state)
+    if not return_attn_probs:
+        return out
+    # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
+    views = [packed_view(t.detach()) for t in (q, k, v, out)]
+    probs = probs_core(*views, lse, None, causal, scale, band, softcap, alibi, dropout_p, rng_state,
+                       sequence_args(table, max_q, max_k))
+    past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
+    return out, _flash_attn_lse(lse[0]).masked_fill(past, math.inf), probs.to(q.dtype)
+
+
+def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                        deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
+                        backward=False) -> dict:
+    """What `flash_attn_varlen_func` with exactly these arguments would launch, without running it
+    (its checks are the function's own, so a call it refuses is refused here, with the same host
+    read of the prefix sums; no other element is read and torch's generator is not drawn from).
+
+    Returns explain_plan's dict: {"dispatches": [...], "split_count", "workspace_bytes", "empty"}
+    (and "metal_stream" on MPS), the dispatches in launch order: the sequence table's kernel
+    (fa_sequence_table_*, one thread per sequence), then the attention kernel over (sequence,
+    query block) (decode, with split-K and its merge, for max_seqlen_q <= 8, else prefill); with
+    return_attn_probs, after them the probability pass (the table's kernel again and fa_simple).
+    backward=True: the gradients' dispatches instead: the table's kernel, then explain_plan's
+    delta, dkdv and dq, for a gradient of out laid out as out (a strided one may change the
+    dkdv kernel's load path, function constant 3)."""
+    call = _check_varlen("explain_varlen_plan", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                         return_attn_probs, block_table, sinks)
+    _check_bool(backward, "backward", "explain_varlen_plan")
+    table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
+    rng_state = planning_rng_state(q.device)
+    out, lse = forward_outputs(q, v)
+    options = call.options[:5]  # scale, causal, band, softcap, alibi
+    if backward:
+        args, kwargs, _ = backward_arguments(q, k, v, out, lse, out, table, call.max_q, call.max_k, *options,
+                                             call.options.sinks, call.dropout_p, rng_state)
+        return explained({"dispatches": _C.plan_backward(*args, **kwargs)}, q.device)
+    views = [packed_view(t) for t in (q, k, v, out)]
+    sequences = sequence_args(table, call.max_q, call.max_k)
+    plan = plan_forward(*views, lse, *options, sequences, sinks=call.options.sinks, dropout_p=call.dropout_p,
+                        rng_state=rng_state)
+    if call.return_attn_probs and probs_pass_runs(lse):
+        scale, causal, band, softcap, alibi = options
+        args, kwargs, _ = probs_arguments(*views, lse, None, causal, scale, band, softcap, alibi, call.dropout_p,
+                                          rng_state, sequences)
+        plan["dispatches"] += _C.plan_forward(*args, **kwargs)["dispatches"]
+    return plan

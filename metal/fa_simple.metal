@@ -69,11 +69,12 @@ template <typename T>
   const fa_dropout_rng dropout = fa_dropout_state(rng);
   // The probability pass (FA_DROPOUT_PROBS) reads the forward's lse and writes row i of the
   // contiguous (B, Hq, L, S) float32 probabilities instead of attention (keys it never visits stay
-  // as the caller initialised them: zeros).
+  // as the caller initialised them: zeros). L and S are the grid's (the call's params): under
+  // sequences each sequence's L_b x S_b probabilities are the top-left block of its (L, S) slice.
   const bool probs_pass = fa_dropout_mode == FA_DROPOUT_PROBS;
   const long lse_at = b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2];
   const float row_lse_log2 = probs_pass ? lse[lse_at] * M_LOG2E_F : 0.0f;
-  device float *probs_row = probs + ((b * p.q_heads + h) * p.q_len + row) * long(p.kv_len);
+  device float *probs_row = probs + ((b * params.q_heads + h) * params.q_len + row) * long(params.kv_len);
 
   // Under the band (causal, window) row i sees keys [begin, end) only.
   const fa_range keys = fa_visible_keys(p, row, 1);

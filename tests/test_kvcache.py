@@ -233,15 +233,8 @@ def test_num_splits_sets_the_decode_split(gen, monkeypatch, paged):
     plans = []
     real = _C.forward
 
-    def planned(*args, **kwargs):  # the plan of each call, from the same descriptors
-        plan_args = dict(kwargs)
-        plan_args.pop("workspace", None)
-        positional = args[:9] + args[10:]  # without the workspace
-        names = ["mask", "unbatched", "band", "softcap", "alibi_slopes", "dropout_p", "rng_state", "write_probs",
-                 "sinks"]
-        extra = dict(zip(names, positional[9:]))
-        extra.pop("unbatched"), extra.pop("write_probs")
-        plans.append(_C.plan_forward(*positional[:9], **extra, **plan_args)["split_count"])
+    def planned(*args, **kwargs):  # the plan of each call, from the same descriptors (without the workspace)
+        plans.append(_C.plan_forward(*args[:9], **kwargs)["split_count"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_C, "forward", planned)

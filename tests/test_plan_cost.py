@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from flashattn_mps import explain_plan
+from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_plan, explain_varlen_plan, flash_attn_varlen_func,
+                          flash_attn_with_kvcache)
 from test_instantiation import DEFINITION, preprocessed
 
 
@@ -195,3 +196,137 @@ def test_backward_tiles_grow_with_the_window_not_with_s():
     wide = tiles(8192, (512, 0))
     assert all(w > 2 * n for w, n in zip(wide, long_))
     assert all(full > 10 * n for full, n in zip(tiles(8192, (-1, -1)), long_))
+
+
+# --- packed sequences and KV caches (explain_varlen_plan, explain_kvcache_plan) ----------------
+
+@pytest.fixture
+def core_plans(monkeypatch):
+    """The plan of every C forward and backward call, made from the very arguments the call passed,
+    and the workspace bytes each forward asked for: what ran, to hold the explain functions to."""
+    seen = {"forward": [], "backward": [], "workspace": []}
+    forward, backward = _C.forward, _C.backward
+
+    def recorded_forward(*args, **kwargs):
+        options = {name: value for name, value in kwargs.items() if name not in ("workspace", "unbatched")}
+        seen["forward"].append(_C.plan_forward(*args[:9], **options))
+        workspace = args[9] if len(args) > 9 else kwargs.pop("workspace")
+        if callable(workspace):
+            asked = workspace
+            workspace = lambda n: seen["workspace"].append(n) or asked(n)  # noqa: E731
+        return forward(*args[:9], workspace, *args[10:], **kwargs)
+
+    def recorded_backward(*args, **kwargs):
+        seen["backward"].append(_C.plan_backward(*args, **kwargs))
+        return backward(*args, **kwargs)
+
+    monkeypatch.setattr(_C, "forward", recorded_forward)
+    monkeypatch.setattr(_C, "backward", recorded_backward)
+    return seen
+
+
+def functions(dispatches):
+    return [d["function"] for d in dispatches]
+
+
+def test_explain_kvcache_plan_is_the_split_decode_that_runs(gen, core_plans):
+    """A short q over a long cache: the table kernel, split-K decode and its merge. Explaining
+    appends nothing and rotates nothing; the real call then plans exactly that and asks for the
+    split's workspace."""
+    q = torch.randn(2, 1, 4, 16, generator=gen).half()
+    k_cache, v_cache = (torch.randn(2, 1024, 2, 16, generator=gen).half() for _ in range(2))
+    new_k, new_v = (torch.randn(2, 1, 2, 16, generator=gen).half() for _ in range(2))
+    cos, sin = torch.rand(1024, 4, generator=gen), torch.rand(1024, 4, generator=gen)
+    args = dict(k=new_k, v=new_v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.tensor([600, 1000],
+                                                                                             dtype=torch.int32),
+                causal=True)
+    before = [t.clone() for t in (q, k_cache, v_cache)]
+    plan = explain_kvcache_plan(q, k_cache, v_cache, **args)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k_cache, v_cache)))  # nothing written
+    assert functions(plan["dispatches"]) == ["fa_sequence_table_half", "fa_decode_half", "fa_decode_merge_half"]
+    assert plan["split_count"] > 1 and plan["dispatches"][1]["grid"][0] == plan["split_count"]
+    assert plan["dispatches"][0]["cost"]["min_bytes_written"] == 2 * _C.SEQUENCE_PARAMS_BYTES
+    assert core_plans["forward"] == []
+    flash_attn_with_kvcache(q, k_cache, v_cache, **args)
+    assert core_plans["forward"] == [plan] and core_plans["workspace"] == [plan["workspace_bytes"]] != [0]
+    assert not torch.equal(k_cache, before[1])  # the real call appended
+    unsplit = explain_kvcache_plan(q, k_cache, v_cache, **args, num_splits=1)
+    assert functions(unsplit["dispatches"]) == ["fa_sequence_table_half", "fa_decode_half"]
+    flash_attn_with_kvcache(q, k_cache, v_cache, **args, num_splits=1)
+    assert core_plans["forward"][1:] == [unsplit] and core_plans["workspace"] == [plan["workspace_bytes"]]
+
+
+@pytest.mark.parametrize("lens_q, lens_k, attention", [([40, 2, 17], [40, 5, 17], ["fa_forward_float"]),
+                                                       ([3, 1, 0], [700, 9, 4], ["fa_decode_float",
+                                                                                 "fa_decode_merge_float"])])
+def test_explain_varlen_plan_is_the_kernel_that_runs(gen, core_plans, lens_q, lens_k, attention):
+    """Prefill for long sequences, split decode for short ones: the plan explain_varlen_plan gives is
+    the one the real call makes, and the output is bit for bit the reported kernel's (forced through
+    the core), not another's."""
+    q, k, v = torch.randn(sum(lens_q), 4, 16, generator=gen), torch.randn(sum(lens_k), 2, 16, generator=gen), \
+        torch.randn(sum(lens_k), 2, 16, generator=gen)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lens_q, lens_k))
+    call = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
+    plan = explain_varlen_plan(*call, causal=True)
+    assert functions(plan["dispatches"]) == ["fa_sequence_table_float", *attention]
+    assert plan["dispatches"][1]["constants"][12] == 1  # FA_FC_SEQUENCES
+    out = flash_attn_varlen_func(*call, causal=True)
+    assert core_plans["forward"] == [plan]
+    table = _varlen.packed_table(cu_q, cu_k)
+
+    def forced(kernel):
+        result = torch.zeros_like(out)
+        views = [_varlen.packed_view(t) for t in (q, k, v, result)]
+        _varlen.run_forward(*views, None, 16 ** -0.5, True, (1, -1, -1), 0.0, None,
+                            _varlen.sequence_args(table, max(lens_q), max(lens_k)), kernel)
+        return result
+
+    reported = _C.KERNEL_FORWARD if attention[0] == "fa_forward_float" else _C.KERNEL_DECODE
+    others = {_C.KERNEL_SIMPLE, _C.KERNEL_FORWARD, _C.KERNEL_DECODE} - {reported}
+    assert torch.equal(forced(reported), out)
+    assert not any(torch.equal(forced(kernel), out) for kernel in others)
+
+
+def test_explain_varlen_plan_with_probs_and_backward(gen, core_plans):
+    """return_attn_probs adds the probability pass (the table kernel and fa_simple under
+    FA_DROPOUT_PROBS); backward=True gives the gradients' dispatches after the table kernel; both
+    as the real calls plan them. Explaining draws nothing from torch's generator."""
+    q, k, v = (torch.randn(30, 2, 16, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 12, 12, 30], dtype=torch.int32)
+    call = (q, k, v, cu, cu, 18, 18)
+    options = dict(dropout_p=0.3, window_size=(5, 1), softcap=0.5, sinks=torch.zeros(2))
+    rng = torch.get_rng_state()
+    plan = explain_varlen_plan(*call, **options, return_attn_probs=True)
+    backward = explain_varlen_plan(*call, **options, backward=True)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert functions(plan["dispatches"]) == ["fa_sequence_table_float", "fa_forward_float",
+                                             "fa_sequence_table_float", "fa_simple_float"]
+    assert plan["dispatches"][3]["constants"][_C.FC_DROPOUT] == _C.DROPOUT_PROBS
+    assert plan["dispatches"][3]["grid"] == (-(-18 // 4), 2, 3)  # max_seqlen_q in rows of 4, heads, sequences
+    assert functions(backward["dispatches"]) == ["fa_sequence_table_float", "fa_backward_delta_float",
+                                                 "fa_backward_dkdv_float", "fa_backward_dq_float"]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _, _ = flash_attn_varlen_func(*leaves, *call[3:], **options, return_attn_probs=True)
+    out.backward(torch.randn_like(out))  # a gradient of out's layout, as the plan assumes
+    assert [d for p in core_plans["forward"] for d in p["dispatches"]] == plan["dispatches"]
+    assert core_plans["backward"] == [backward["dispatches"]]
+
+
+def test_explain_functions_share_the_calls_checks(gen):
+    """The explain functions refuse what the functions refuse, with the same messages; a refused
+    cache call writes nothing (every check runs before the cache is appended to)."""
+    q, k, v = (torch.randn(7, 2, 8, generator=gen) for _ in range(3))
+    bad = torch.tensor([0, 5, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="explain_varlen_plan: cu_seqlens_q must be non-decreasing"):
+        explain_varlen_plan(q, k, v, bad, torch.tensor([0, 3, 7], dtype=torch.int32), 5, 4)
+    with pytest.raises(TypeError, match="explain_varlen_plan: backward must be a bool"):
+        explain_varlen_plan(q, k, v, torch.tensor([0, 7], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32),
+                            7, 7, backward=None)
+    q, k_cache, v_cache = torch.randn(1, 1, 2, 8), torch.zeros(1, 16, 2, 8), torch.zeros(1, 16, 2, 8)
+    new = torch.ones(1, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"explain_kvcache_plan: cache_seqlens\[0\] = 16 with 1 new keys"):
+        explain_kvcache_plan(q, k_cache, v_cache, new, new, cache_seqlens=16)
+    for bad_option in (dict(softmax_scale="x"), dict(alibi_slopes=torch.ones(3)), dict(sinks=torch.ones(5))):
+        with pytest.raises((TypeError, ValueError), match="flash_attn_with_kvcache"):
+            flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=3, **bad_option)
+        assert not k_cache.any() and not v_cache.any()

@@ -339,29 +339,36 @@ int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::
     return bytes;
 }
 
-py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n);
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n,
+                        const fa_plan_dispatch *sequence_builder = nullptr);
 
 // The planner's decision, for tests and curiosity: kernels with their grids, function constants and
 // costs (fa_dispatch_cost), the split count and the workspace size.
 py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                       double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
                       py::handle alibi, double dropout_p, py::handle rng_state, py::handle sinks,
-                      py::handle sequences, int32_t num_splits) {
+                      py::handle sequences, int32_t num_splits, bool write_probs) {
     const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap,
-                                              alibi, sinks, false, dropout_p, rng_state, false, sequences, num_splits);
+                                              alibi, sinks, false, dropout_p, rng_state, write_probs, sequences,
+                                              num_splits);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
-    return py::dict(py::arg("dispatches") = dispatch_dicts(plan.dispatches, plan.n_dispatches),
+    // The table kernel runs first when the plan launches anything (fa_forward_execute).
+    const bool builds = plan.sequences && !plan.empty && plan.n_dispatches > 0;
+    return py::dict(py::arg("dispatches") = dispatch_dicts(plan.dispatches, plan.n_dispatches,
+                                                           builds ? &plan.sequence_builder : nullptr),
                     py::arg("empty") = plan.empty != 0, py::arg("split_count") = plan.params.split_count,
                     py::arg("workspace_bytes") = plan.workspace_bytes);
 }
 
-// Dispatches as explain_plan shows them: kernel, macros, function constants, grid, costs.
-py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n) {
+// Dispatches as explain_plan shows them: kernel, macros, function constants, grid, costs; a
+// sequence table's kernel (not NULL) first, as it runs.
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, const fa_plan_dispatch *sequence_builder) {
     py::list dispatches;
-    for (uint32_t i = 0; i < n; ++i) {
-        const fa_plan_dispatch &d = plan_dispatches[i];
+    const uint32_t first = sequence_builder != nullptr ? 0 : 1;
+    for (uint32_t i = first; i <= n; ++i) {
+        const fa_plan_dispatch &d = i == 0 ? *sequence_builder : plan_dispatches[i - 1];
         py::dict macros;
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
@@ -436,14 +443,16 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
 py::list plan_backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
                        py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
                        bool causal, py::handle mask, py::handle band, double softcap, py::handle alibi,
-                       double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad) {
+                       double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad,
+                       py::handle sequences) {
     const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
                                                 false, band, softcap, alibi, dropout_p, rng_state, sinks, sink_grad,
-                                                py::none());
+                                                sequences);
     fa_backward_plan plan;
     fa_status st;
     check(fa_plan_backward(&args, &plan, &st), st);
-    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES);
+    const bool builds = plan.sequences && plan.params.forward.batch > 0; // fa_backward_execute
+    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES, builds ? &plan.sequence_builder : nullptr);
 }
 
 void register_source(const std::string &name, const std::string &text) {
@@ -646,7 +655,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
           py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sequences") = py::none(), py::arg("num_splits") = 0);
+          py::arg("sinks") = py::none(), py::arg("sequences") = py::none(), py::arg("num_splits") = 0,
+          py::arg("write_probs") = false);
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
           "(B, Hq, L) float32 scratch",
@@ -660,7 +670,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
           py::arg("causal"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
           py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none());
+          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none(), py::arg("sequences") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
