@@ -43,9 +43,10 @@ def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
         raise ValueError(f"{who}: {name} is on {t.device}, q on {device}")
 
 
-def _check_prefix_sums(cu: torch.Tensor, name: str, total: int, max_len: int, max_name: str, who: str) -> None:
-    """cu_seqlens: starts at 0, never decreases, ends within the packed rows, and no sequence is
-    longer than max_seqlen (one host read of the small tensor)."""
+def _check_prefix_sums(cu: torch.Tensor, name: str, total, max_len: int, max_name: str, who: str) -> list:
+    """cu_seqlens: starts at 0, never decreases, ends within the packed rows (`total`; None: no
+    bound), and no sequence is longer than max_seqlen (one host read of the small tensor).
+    Returns the sequences' lengths."""
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{who}: {name} must start at 0, got {values[0]}")
@@ -53,10 +54,35 @@ def _check_prefix_sums(cu: torch.Tensor, name: str, total: int, max_len: int, ma
     if any(n < 0 for n in lengths):
         at = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{who}: {name} must be non-decreasing, got {values[at]} then {values[at + 1]} at {at}")
-    if values[-1] > total:
+    if total is not None and values[-1] > total:
         raise ValueError(f"{who}: {name} ends at {values[-1]}, past the {total} packed rows")
     if lengths and max(lengths) > max_len:
         raise ValueError(f"{who}: {max_name} = {max_len}, but {name} holds a sequence of {max(lengths)}")
+    return lengths
+
+
+def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: torch.Tensor, device, who: str):
+    """A paged KV cache as flash-attn takes it: k_pool and v_pool (num_blocks, page_block_size,
+    nheads_k, headdim[_v]) sharing their pages, block_table a (batch, max_num_blocks) int32 tensor
+    on `device`. Returns the table's rows (one host read), the pool's pages and the page size."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
+            or block_table.device != device:
+        raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
+                         f"got {tuple(block_table.shape)} on {block_table.device}")
+    if v_pool.shape[:2] != k_pool.shape[:2]:
+        raise ValueError(f"{who}: the paged k {tuple(k_pool.shape)} and v {tuple(v_pool.shape)} must share their "
+                         "pages (num_blocks, page_block_size)")
+    return block_table.tolist(), k_pool.shape[0], k_pool.shape[1]
+
+
+def check_pages_used(pages: list, b: int, keys: int, page_size: int, pool: int, who: str) -> None:
+    """The pages sequence b's first `keys` positions live in (row b of the block table) are
+    inside the pool."""
+    bad = [page for page in pages[b][:-(-keys // page_size)] if not 0 <= page < pool]
+    if bad:
+        raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
 
 
 def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None) -> tuple:
@@ -163,7 +189,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             flash_attn_func, each sequence on its own diagonal.
         deterministic: accepted; the backward is always deterministic.
         sinks: keyword only, (nheads,) attention-sink logits as in flash_attn_func, differentiable.
-        return_attn_probs, block_table: not supported yet (NotImplementedError).
+        block_table: None, or (batch, max_num_blocks_per_seq) int32 on q's device for a paged KV
+            cache: k and v are then the pool (num_blocks, page_block_size, nheads_k, headdim[_v])
+            and sequence b's keys are its positions 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1,
+            position t in page block_table[b, t // page_block_size] (read in place, through the
+            table, by the prefill and the decode kernel alike). Every page a sequence uses must be
+            in the pool and its keys within the table's max_num_blocks_per_seq * page_block_size
+            positions (checked, one host read). Any page size >= 1 (flash-attn requires a multiple
+            of 256). Forward only, as in flash-attn: with q, k, v or sinks requiring grad under
+            grad mode it raises a RuntimeError naming block_table.
+        return_attn_probs: not supported yet (NotImplementedError).
 
     Returns out (total_q, nheads, headdim_v) of q's dtype; differentiable in q, k and v (a fused
     backward over the same sequence table). Rows of q past cu_seqlens_q[-1] are left unwritten.
@@ -173,13 +208,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     dropout_p = _check_dropout(dropout_p, who)
     if return_attn_probs is not False:
         raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True", _given(return_attn_probs)))
-    if block_table is not None:
-        raise NotImplementedError(_NOT_HERE.format(who, "block_table", _given(block_table)))
+    paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
-        if t.dim() != 3:
+        if not paged and t.dim() != 3:
             raise ValueError(f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}")
+    if paged:
+        _check_paged_views(q, k, v, who)
     max_q = _check_int(max_seqlen_q, "max_seqlen_q", who)
     max_k = _check_int(max_seqlen_k, "max_seqlen_k", who)
     check_lengths_tensor(cu_seqlens_q, "cu_seqlens_q", who, q.device)
@@ -187,10 +223,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
     _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
-    _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, "max_seqlen_k", who)
+    key_lengths = _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k,
+                                     "max_seqlen_k", who)
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
     sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1), who)
+    if paged:
+        return _paged_attention(q, k, v, cu_seqlens_q, key_lengths, block_table, max_q, max_k, scale, causal, band,
+                                softcap, alibi, sinks, dropout_p, who)
     return packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, scale, causal, band, softcap, alibi,
                             sinks, dropout_p)
 
@@ -209,4 +249,52 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     out, _lse = _Varlen.apply(q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p,
                               rng_state)
+    return out
+
+
+def _check_paged_views(q, k, v, who: str) -> None:
+    """q (total_q, nheads, headdim) and the pool k, v (num_blocks, page_block_size, nheads_k,
+    headdim[_v]) of q's dtype and device."""
+    if q.dim() != 3:
+        raise ValueError(f"{who}: q must be 3-D (total_q, nheads, headdim), got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{who}: with block_table, {name} must be the 4-D pool (num_blocks, page_block_size, "
+                             f"nheads_k, headdim), got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
+                            f"{t.device}")
+    if k.shape[2] != v.shape[2] or k.shape[3] != q.shape[2]:
+        raise ValueError(f"{who}: the paged k {tuple(k.shape)} and v {tuple(v.shape)} must share nheads_k, and k's "
+                         f"headdim must be q's {tuple(q.shape)}")
+
+
+def _paged_attention(q, k_pool, v_pool, cu_seqlens_q, key_lengths: list, block_table, max_q: int, max_k: int,
+                     scale: float, causal: bool, band, softcap: float, alibi, sinks, dropout_p: float, who: str):
+    """flash_attn_varlen_func over a paged KV cache, after its checks: the block table's checks,
+    then one forward over the sequence table (q rows from the prefix sums, keys from position 0 of
+    each sequence's pages)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    pages, pool, page_size = check_block_table(block_table, batch, k_pool, v_pool, q.device, who)
+    capacity = page_size * block_table.shape[1]
+    for b, keys in enumerate(key_lengths):
+        if keys > capacity:
+            raise ValueError(f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} positions of "
+                             f"its block_table row ({block_table.shape[1]} pages of {page_size})")
+        check_pages_used(pages, b, keys, page_size, pool, who)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_pool, v_pool, sinks)):
+        raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
+                           "sinks must not require grad (use torch.no_grad() or detach them)")
+    zeros = torch.zeros(batch, dtype=torch.int32, device=q.device)
+    key_counts = torch.tensor(key_lengths, dtype=torch.int32).to(q.device)
+    table = torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, zeros, key_counts], dim=1).contiguous()
+    if q.is_neg() or k_pool.is_neg() or v_pool.is_neg():
+        q, k_pool, v_pool = q.resolve_neg(), k_pool.resolve_neg(), v_pool.resolve_neg()
+    out = q.new_empty((*q.shape[:2], v_pool.shape[3]))
+    views = [q.transpose(0, 1).unsqueeze(0), k_pool.transpose(1, 2), v_pool.transpose(1, 2),
+             out.transpose(0, 1).unsqueeze(0)]
+    rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    run_forward(*views, None, scale, causal, band, softcap, alibi,
+                sequence_args(table, max_q, min(max_k, capacity), block_table), sinks=sinks, dropout_p=dropout_p,
+                rng_state=rng_state)
     return out
