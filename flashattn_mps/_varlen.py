@@ -5,7 +5,9 @@ q (total_q, H, D), k and v (total_k, Hkv, D) hold the sequences back to back; `c
 (q batch, first q row, q rows, k batch, first key, keys; metal/fa_sequence.h), built here with
 torch ops on the tensors' device, and map threadgroups to (sequence, query block): one launch
 over every sequence, no padding, no per-sequence loop. The packed tensors are viewed as
-(1, H, total, D) (a transpose, no copy).
+(1, H, total, D) (a transpose, no copy). With a block_table, k and v are a paged pool viewed as
+(pages, Hkv, page_size, D), and the kernels read each sequence's keys through the table in place
+(function constant 13; forward only, as flash-attn).
 
 The table's contents are validated on the host before any kernel runs (flash-attn's errors, named
 arguments): on MPS that reads the small int32 prefix sums back, one synchronisation per call. The
