@@ -97,14 +97,16 @@ def test_paged_equals_contiguous_in_the_same_kernel(gen, monkeypatch, case):
 
 def test_kvcache_prefill_on_a_paged_cache(gen):
     """flash_attn_with_kvcache with more than 8 query rows on a paged cache: the planner takes the
-    prefill kernel, as for a contiguous cache, and gives the contiguous call's bits."""
+    prefill kernel, as for a contiguous cache, and gives the contiguous call's bits (keys from
+    cache_leftpad on, so tiles start inside a page)."""
     k, v = randn(gen, 2 * 30, 2, 16), randn(gen, 2 * 30, 2, 16)
     k_pool, v_pool, table = paged_pool(gen, k, v, [30, 30], 4, extra_columns=0)
     q = randn(gen, 2, 12, 4, 16)
-    lengths = torch.tensor([30, 21], dtype=torch.int32)
-    out = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, block_table=table, causal=True)
+    lengths, leftpad = torch.tensor([30, 21], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, cache_leftpad=leftpad, block_table=table,
+                                  causal=True)
     want = flash_attn_with_kvcache(q, k.reshape(2, 30, 2, 16), v.reshape(2, 30, 2, 16), cache_seqlens=lengths,
-                                   causal=True)
+                                   cache_leftpad=leftpad, causal=True)
     assert torch.equal(out, want)
     entries = torch.tensor([[0, 0, 12, 0, 0, 30], [1, 0, 12, 0, 0, 21]], dtype=torch.int32)
     views = [t.transpose(1, 2) for t in (q, k_pool, v_pool, out)]
