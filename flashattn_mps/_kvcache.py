@@ -70,7 +70,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: as flash-attn's: 0 lets the planner choose the decode kernel's split-K, 1 does
             not split the keys, n > 1 splits them into n shares (at most 128, and fewer when the
             keys are too few for n shares of whole key-pair turns), merged exactly. It applies to
-            the decode kernel (seqlen_q <= 8, paged or not); the prefill kernel never splits. Results agree whatever it is, to rounding.
+            the decode kernel (seqlen_q <= 8, paged or not); the prefill kernel never splits.
+            Results agree whatever it is, to rounding.
         return_softmax_lse: also return the (batch, nheads, seqlen_q) float32 log-sum-exp.
         block_table: None, or (batch, max_num_blocks) int32 for a paged cache: k_cache and v_cache
             are then the pool (num_blocks, page_block_size, nheads_k, headdim) and position t of
