@@ -107,7 +107,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if block_table is not None:  # paged: k_cache is the pool (pages, page_size, nheads_k, headdim)
         if cache_batch_idx is not None:
             raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
-        pages, pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who)
+        pages, pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who,
+                                                     ("k_cache", "v_cache"))
         cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
     if k is not None and (k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
                           or v.shape[2:] != v_cache.shape[2:]):

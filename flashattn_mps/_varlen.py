@@ -63,10 +63,12 @@ def _check_prefix_sums(cu: torch.Tensor, name: str, total, max_len: int, max_nam
     return lengths
 
 
-def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: torch.Tensor, device, who: str):
+def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: torch.Tensor, device, who: str,
+                      names=("k", "v")):
     """A paged KV cache as flash-attn takes it: k_pool and v_pool (num_blocks, page_block_size,
-    nheads_k, headdim[_v]) sharing their pages, block_table a (batch, max_num_blocks) int32 tensor
-    on `device`. Returns the table's rows (one host read), the pool's pages and the page size."""
+    nheads_k, headdim[_v]; the caller's `names`) sharing their pages, block_table a (batch,
+    max_num_blocks) int32 tensor on `device`. Returns the table's rows (one host read), the pool's
+    pages and the page size."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
         raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
     if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
@@ -74,8 +76,8 @@ def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: tor
         raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
                          f"got {tuple(block_table.shape)} on {block_table.device}")
     if v_pool.shape[:2] != k_pool.shape[:2]:
-        raise ValueError(f"{who}: the paged k {tuple(k_pool.shape)} and v {tuple(v_pool.shape)} must share their "
-                         "pages (num_blocks, page_block_size)")
+        raise ValueError(f"{who}: the paged {names[0]} {tuple(k_pool.shape)} and {names[1]} {tuple(v_pool.shape)} "
+                         "must share their pages (num_blocks, page_block_size)")
     return block_table.tolist(), k_pool.shape[0], k_pool.shape[1]
 
 
