@@ -157,9 +157,9 @@ inline void fa_tile_advance(thread fa_tile_rows<T> &rows) {
   }
 }
 
-// A paged tile (FA_FC_PAGED): each access finds its row's page (a division and a read of the
-// table, cached), as vectors where the planner chose the contiguous path (every row start of the
-// pool is then aligned), else element by element.
+// A paged tile (FA_FC_PAGED) that straddles pages: each access finds its row's page (a division
+// and a read of the table, cached), as vectors where the planner chose the contiguous path (every
+// row start of the pool is then aligned), else element by element.
 template <typename T, int ROWS, int COLS, int THREADS>
 inline void fa_load_tile_paged(threadgroup T *tile, int pitch, fa_tile_rows<T> src, int valid_rows, int valid_cols,
                                uint tid) {
@@ -184,13 +184,21 @@ inline void fa_load_tile_paged(threadgroup T *tile, int pitch, fa_tile_rows<T> s
   }
 }
 
-// The tile load every kernel calls: the path the planner chose for this pipeline.
+// The tile load every kernel calls: the path the planner chose for this pipeline. A paged tile
+// whose valid rows lie in one page (every tile when pages are multiples of the tile's rows and the
+// walk starts on a page boundary) is rows a stride apart from its first: the plain paths, after
+// one division per tile (uniform over the threadgroup).
 template <typename T, int ROWS, int COLS, int THREADS>
 inline void fa_load_tile(threadgroup T *tile, int pitch, fa_tile_rows<T> src, int valid_rows, int valid_cols,
                          uint tid) {
   if (fa_paged && src.paged) {
-    fa_load_tile_paged<T, ROWS, COLS, THREADS>(tile, pitch, src, valid_rows, valid_cols, tid);
-  } else if (fa_contiguous_tiles) {
+    if (src.position % src.page_size + valid_rows > src.page_size) {
+      fa_load_tile_paged<T, ROWS, COLS, THREADS>(tile, pitch, src, valid_rows, valid_cols, tid);
+      return;
+    }
+    src = fa_rows(fa_tile_row(src, 0), src.row_stride, src.col_stride);
+  }
+  if (fa_contiguous_tiles) {
     fa_load_tile_contiguous<T, ROWS, COLS, THREADS>(tile, pitch, src.src, int(src.row_stride), valid_rows,
                                                     valid_cols, tid);
   } else {

@@ -39,15 +39,16 @@ def run_kernel(monkeypatch, kernel):
 
 
 # (lens_q, lens_k, page_size, (hq, hkv), (e, ev), kernel, (causal, window, softcap, ALiBi kind, sinks)):
-# page sizes that divide the prefill's key tiles and that do not (1, 3, 5), empty and length-1
-# sequences, GQA, every option, each kernel forced and chosen.
+# page sizes below the prefill's 32-key tiles (1, 3, 5: tiles straddle pages) and multiples of it
+# (64: tiles inside a page, or straddling where a window starts the walk mid-page), empty and
+# length-1 sequences, GQA, every option, each kernel forced and chosen.
 CASES = [
     ([3, 0, 1, 40], [5, 2, 1, 40], 1, (4, 2), (16, 16), _C.KERNEL_FORWARD, (True, (-1, -1), 0.0, None, False)),
     ([20, 1, 0, 37], [20, 64, 3, 37], 3, (6, 1), (32, 24), _C.KERNEL_FORWARD, (True, (6, -1), 0.7, None, False)),
     ([33, 7], [7, 33], 16, (2, 2), (8, 40), _C.KERNEL_DECODE, (False, (-1, -1), 0.0, "bh", False)),
     ([1, 1, 1], [17, 0, 300], 64, (4, 2), (16, 16), _C.KERNEL_DECODE, (True, (-1, -1), 0.0, None, True)),
     ([5, 8, 2], [9, 8, 200], 64, (4, 1), (16, 16), _C.KERNEL_AUTO, (False, (4, 2), 0.0, None, False)),
-    ([40, 12], [70, 12], 16, (4, 2), (16, 16), _C.KERNEL_FORWARD, (True, (-1, -1), 0.0, "h", True)),
+    ([40, 12], [70, 12], 64, (4, 2), (16, 16), _C.KERNEL_FORWARD, (True, (20, -1), 0.0, "h", True)),
     ([9, 3], [50, 19], 5, (2, 2), (32, 24), _C.KERNEL_FORWARD, (False, (-1, 3), 1.5, None, False)),
     ([12, 0, 30], [12, 5, 45], 3, (4, 2), (16, 16), _C.KERNEL_AUTO, (True, (3, -1), 0.0, "bh", False)),
 ]
@@ -72,7 +73,7 @@ def test_paged_matches_each_sequence(gen, monkeypatch, case):
 
 # (lens_q, lens_k, page_size, (e, ev), dtype, kernel, dropout_p)
 SAME_KERNEL = [
-    ([30, 0, 17], [64, 1, 40], 16, (16, 16), torch.float16, _C.KERNEL_FORWARD, 0.0),
+    ([30, 0, 17], [64, 1, 40], 32, (16, 16), torch.float16, _C.KERNEL_FORWARD, 0.0),  # pages of one tile
     ([30, 0, 17], [64, 1, 40], 3, (16, 16), torch.bfloat16, _C.KERNEL_FORWARD, 0.3),
     ([4, 2], [90, 33], 7, (16, 16), torch.float32, _C.KERNEL_DECODE, 0.3),
     ([19], [37], 6, (320, 320), torch.float32, _C.KERNEL_FORWARD, 0.0),  # head dims streamed in blocks
