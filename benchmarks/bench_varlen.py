@@ -32,7 +32,7 @@ from flashattn_mps import flash_attn_func, flash_attn_varlen_func, flash_attn_wi
 # (name, sequence lengths, heads, kv heads, head dim)
 VARLEN_CASES = [("mixed", [200, 13, 64, 7, 128], 4, 2, 64), ("one long", [256, 8, 8, 8], 4, 4, 64)]
 # (name, sequence lengths, heads, kv heads, head dim, page size)
-PAGED_CASES = [("mixed, pages of 16", [200, 13, 64, 7, 128], 4, 2, 64, 16),
+PAGED_CASES = [("mixed, pages of 64", [200, 13, 64, 7, 128], 4, 2, 64, 64),
                ("mixed, pages of 3", [200, 13, 64, 7, 128], 4, 2, 64, 3)]
 # (name, batch, cache lengths, heads, kv heads, head dim)
 DECODE_CASES = [("decode", 4, [300, 40, 700, 120], 8, 2, 64)]
