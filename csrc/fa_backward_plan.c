@@ -195,6 +195,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         return fa_fail(st, FA_ERR_VALUE, "fa_plan_backward: NULL argument");
     }
     memset(plan, 0, sizeof *plan);
+    if (fa_sequence_paged(&a->sequences)) { /* as flash-attn: a paged KV cache has no backward */
+        return fa_fail(st, FA_ERR_VALUE, "block_table: the backward does not read a paged KV cache (forward only)");
+    }
     /* Planning the forward validates q, k, v, out and lse and fills their kernel arguments. */
     fa_forward_args forward_args;
     memset(&forward_args, 0, sizeof forward_args);

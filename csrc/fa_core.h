@@ -102,7 +102,8 @@ typedef struct fa_sequence_args {
     /* Paged KV (ndim 0 when absent): (B, pages per sequence) int32, contiguous. k and v are then
      * (pages, Hkv, page_size, D) views of the pool; key position t of sequence b (t counted from
      * its table entry's first key row) is row t % page_size of page block_table[b][t / page_size].
-     * Entries are clamped into the pool by the kernel; the decode kernel runs it. */
+     * Entries are clamped into the pool by the kernel; the prefill or decode kernel reads it (forward
+     * only: the backward refuses a block table). */
     fa_tensor block_table;
 } fa_sequence_args;
 

@@ -988,7 +988,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
     const int32_t kernel = a->write_probs                                               ? FA_KERNEL_SIMPLE
                            : a->kernel != FA_KERNEL_AUTO                                  ? a->kernel
-                           : p->q_len <= DECODE_MAX_QUERY_LEN || fa_sequence_paged(&a->sequences) ? FA_KERNEL_DECODE
+                           : p->q_len <= DECODE_MAX_QUERY_LEN                             ? FA_KERNEL_DECODE
                                                                                           : FA_KERNEL_FORWARD;
     switch (kernel) {
     case FA_KERNEL_SIMPLE:

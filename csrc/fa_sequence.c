@@ -86,9 +86,9 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
         return fa_fail(st, FA_ERR_VALUE, "sequences: views beyond 2^31-1 batches or rows are not supported");
     }
     if (fa_sequence_paged(s)) {
-        if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_DECODE) {
-            return fa_fail(st, FA_ERR_VALUE, "block_table: a paged KV cache is read by the decode kernel only "
-                                             "(forward, no gradients)");
+        if (a->kernel == FA_KERNEL_SIMPLE || a->write_probs) {
+            return fa_fail(st, FA_ERR_VALUE, "block_table: a paged KV cache is read by the prefill and decode "
+                                             "kernels only (forward, no gradients)");
         }
         if (k[0] < 1 || k[2] < 1 || k[2] * s->block_table.sizes[1] > INT32_MAX) {
             return fa_fail(st, FA_ERR_VALUE,

@@ -4,7 +4,7 @@ The new keys and values are written into the cache in place with torch ops (one 
 per tensor: the cache is never copied), after rotary embedding of q and the new k when given (torch
 ops in float32 on the few new rows: too little work to justify a kernel). The attention itself is
 the kernels reading the cache in place through a sequence table (metal/fa_sequence.h; a paged cache
-through its block table too, function constant 13): query rows
+through its block table too, function constant 13, in the prefill and decode kernels): query rows
 of batch b attend to cache row cache_batch_idx[b], keys cache_leftpad[b] .. cache_seqlens[b] + new
 - 1, causal bottom-right per sequence; the decode kernel (split-K as usual) for few query rows.
 
@@ -20,8 +20,8 @@ import torch
 
 from . import _C
 from ._api import _alibi_view, _check_bool, _flash_attn_lse, _given, _validate_sinks
-from ._varlen import (AttentionOptions, _check_int, check_common, check_lengths_tensor, check_scale, plan_forward,
-                      run_forward, sequence_args)
+from ._varlen import (AttentionOptions, _check_int, check_block_table, check_common, check_lengths_tensor,
+                      check_pages_used, check_scale, plan_forward, run_forward, sequence_args)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
@@ -72,13 +72,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         num_splits: as flash-attn's: 0 lets the planner choose the decode kernel's split-K, 1 does
             not split the keys, n > 1 splits them into n shares (at most 128, and fewer when the
             keys are too few for n shares of whole key-pair turns), merged exactly. It applies to
-            the decode kernel (seqlen_q <= 8, and every paged call); the prefill kernel never
-            splits. Results agree whatever it is, to rounding.
+            the decode kernel (seqlen_q <= 8, paged or not); the prefill kernel never splits.
+            Results agree whatever it is, to rounding.
         return_softmax_lse: also return the (batch, nheads, seqlen_q) float32 log-sum-exp.
         block_table: None, or (batch, max_num_blocks) int32 for a paged cache: k_cache and v_cache
             are then the pool (num_blocks, page_block_size, nheads_k, headdim) and position t of
             batch b lives in page block_table[b, t // page_block_size] (any page size; the decode
-            kernel reads the pages through the table in place). Not with cache_batch_idx.
+            kernel, or the prefill kernel for seqlen_q > 8, reads the pages through the table in
+            place). Not with cache_batch_idx.
         sinks: keyword only, None or (nheads,) attention-sink logits as in flash_attn_func.
 
     Returns out (batch, seqlen_q, nheads, headdim_v) (and the lse). Not differentiable, as
@@ -104,8 +105,8 @@ def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
 
     Returns explain_plan's dict: {"dispatches": [...], "split_count", "workspace_bytes", "empty"}
     (and "metal_stream" on MPS), the dispatches in launch order: the sequence table's kernel
-    (fa_sequence_table_*), then the attention kernel (fa_decode_* for seqlen_q <= 8 and every paged
-    cache, followed by fa_decode_merge_* when split_count > 1; else the prefill fa_forward_*)."""
+    (fa_sequence_table_*), then the attention kernel (fa_decode_* for seqlen_q <= 8, paged or not,
+    followed by fa_decode_merge_* when split_count > 1; else the prefill fa_forward_*)."""
     call = _check_cache_call("explain_kvcache_plan", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                              cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
@@ -162,17 +163,8 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     if block_table is not None:  # paged: k_cache is the pool (pages, page_size, nheads_k, headdim)
         if cache_batch_idx is not None:
             raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
-        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-            raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
-        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
-                or block_table.device != q.device:
-            raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {q.device}, "
-                             f"got {tuple(block_table.shape)} on {block_table.device}")
-        if v_cache.shape[:2] != k_cache.shape[:2]:
-            raise ValueError(f"{who}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share "
-                             "their pages")
-        pages = block_table.tolist()
-        pool, page_size = cache_batch, cache_len
+        pages, pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who,
+                                                     ("k_cache", "v_cache"))
         cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
     if k is not None and (k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
                           or v.shape[2:] != v_cache.shape[2:]):
@@ -188,11 +180,8 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     rows = _optional_lengths(cache_batch_idx, "cache_batch_idx", who, q.device, batch) or list(range(batch))
     leftpad = _optional_lengths(cache_leftpad, "cache_leftpad", who, q.device, batch) or [0] * batch
     for b in range(batch):
-        if pages is not None:
-            used = -(-(lengths[b] + new) // page_size) if 0 <= lengths[b] <= cache_len - new else 0
-            bad = [page for page in pages[b][:used] if not 0 <= page < pool]
-            if bad:
-                raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
+        if pages is not None and 0 <= lengths[b] <= cache_len - new:
+            check_pages_used(pages, b, lengths[b] + new, page_size, pool, who)
         if not 0 <= rows[b] < cache_batch:
             raise ValueError(f"{who}: cache_batch_idx[{b}] = {rows[b]} is outside the cache's {cache_batch} rows")
         if not 0 <= lengths[b] <= cache_len - new:

@@ -5,7 +5,9 @@ q (total_q, H, D), k and v (total_k, Hkv, D) hold the sequences back to back; `c
 (q batch, first q row, q rows, k batch, first key, keys; metal/fa_sequence.h), built here with
 torch ops on the tensors' device, and map threadgroups to (sequence, query block): one launch
 over every sequence, no padding, no per-sequence loop. The packed tensors are viewed as
-(1, H, total, D) (a transpose, no copy).
+(1, H, total, D) (a transpose, no copy). With a block_table, k and v are a paged pool viewed as
+(pages, Hkv, page_size, D), and the kernels read each sequence's keys through the table in place
+(function constant 13; forward only, as flash-attn).
 
 The table's contents are validated on the host before any kernel runs (flash-attn's errors, named
 arguments): on MPS that reads the small int32 prefix sums back, one synchronisation per call. The
@@ -47,9 +49,10 @@ def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
         raise ValueError(f"{who}: {name} is on {t.device}, q on {device}")
 
 
-def _check_prefix_sums(cu: torch.Tensor, name: str, total: int, max_len: int, max_name: str, who: str) -> None:
-    """cu_seqlens: starts at 0, never decreases, ends within the packed rows, and no sequence is
-    longer than max_seqlen (one host read of the small tensor)."""
+def _check_prefix_sums(cu: torch.Tensor, name: str, total, max_len: int, max_name: str, who: str) -> list:
+    """cu_seqlens: starts at 0, never decreases, ends within the packed rows (`total`; None: no
+    bound), and no sequence is longer than max_seqlen (one host read of the small tensor).
+    Returns the sequences' lengths."""
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{who}: {name} must start at 0, got {values[0]}")
@@ -57,10 +60,37 @@ def _check_prefix_sums(cu: torch.Tensor, name: str, total: int, max_len: int, ma
     if any(n < 0 for n in lengths):
         at = next(i for i, n in enumerate(lengths) if n < 0)
         raise ValueError(f"{who}: {name} must be non-decreasing, got {values[at]} then {values[at + 1]} at {at}")
-    if values[-1] > total:
+    if total is not None and values[-1] > total:
         raise ValueError(f"{who}: {name} ends at {values[-1]}, past the {total} packed rows")
     if lengths and max(lengths) > max_len:
         raise ValueError(f"{who}: {max_name} = {max_len}, but {name} holds a sequence of {max(lengths)}")
+    return lengths
+
+
+def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: torch.Tensor, device, who: str,
+                      names=("k", "v")):
+    """A paged KV cache as flash-attn takes it: k_pool and v_pool (num_blocks, page_block_size,
+    nheads_k, headdim[_v]; the caller's `names`) sharing their pages, block_table a (batch,
+    max_num_blocks) int32 tensor on `device`. Returns the table's rows (one host read), the pool's
+    pages and the page size."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
+            or block_table.device != device:
+        raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
+                         f"got {tuple(block_table.shape)} on {block_table.device}")
+    if v_pool.shape[:2] != k_pool.shape[:2]:
+        raise ValueError(f"{who}: the paged {names[0]} {tuple(k_pool.shape)} and {names[1]} {tuple(v_pool.shape)} "
+                         "must share their pages (num_blocks, page_block_size)")
+    return block_table.tolist(), k_pool.shape[0], k_pool.shape[1]
+
+
+def check_pages_used(pages: list, b: int, keys: int, page_size: int, pool: int, who: str) -> None:
+    """The pages sequence b's first `keys` positions live in (row b of the block table) are
+    inside the pool."""
+    bad = [page for page in pages[b][:-(-keys // page_size)] if not 0 <= page < pool]
+    if bad:
+        raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
 
 
 def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None) -> tuple:
@@ -210,7 +240,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         deterministic: accepted; the backward is always deterministic.
         return_attn_probs: also return softmax_lse and S_dmask (below), for tests, as flash-attn.
         sinks: keyword only, (nheads,) attention-sink logits as in flash_attn_func, differentiable.
-        block_table: not supported yet (NotImplementedError).
+        block_table: None, or (batch, max_num_blocks_per_seq) int32 on q's device for a paged KV
+            cache: k and v are then the pool (num_blocks, page_block_size, nheads_k, headdim[_v])
+            and sequence b's keys are its positions 0 .. cu_seqlens_k[b + 1] - cu_seqlens_k[b] - 1,
+            position t in page block_table[b, t // page_block_size] (read in place, through the
+            table, by the prefill and the decode kernel alike). Every page a sequence uses must be
+            in the pool and its keys within the table's max_num_blocks_per_seq * page_block_size
+            positions (checked, one host read). Any page size >= 1 (flash-attn requires a multiple
+            of 256). Forward only, as in flash-attn: with q, k, v or sinks requiring grad under
+            grad mode it raises a RuntimeError naming block_table.
 
     Returns out (total_q, nheads, headdim_v) of q's dtype; differentiable in q, k and v (a fused
     backward over the same sequence table). Rows of q past cu_seqlens_q[-1] are left unwritten.
@@ -229,6 +267,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     call = _check_varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                          return_attn_probs, block_table, sinks)
+    if call.paged is not None:
+        return _paged_attention(call, "flash_attn_varlen_func")
     return packed_attention(*call[:7], *call.options, call.dropout_p, call.return_attn_probs)
 
 
@@ -240,6 +280,14 @@ class AttentionOptions(NamedTuple):
     softcap: float
     alibi: Optional[torch.Tensor]
     sinks: Optional[torch.Tensor]
+
+
+class PagedKeys(NamedTuple):
+    """A varlen call's paged KV cache: the block table, each sequence's key count and the
+    positions a table row holds."""
+    block_table: torch.Tensor
+    key_lengths: list
+    capacity: int
 
 
 class _VarlenCall(NamedTuple):
@@ -254,6 +302,7 @@ class _VarlenCall(NamedTuple):
     options: AttentionOptions
     dropout_p: float
     return_attn_probs: bool
+    paged: Optional[PagedKeys]  # with a block_table: k and v are the pool
 
 
 def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
@@ -265,13 +314,14 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     _check_bool(return_attn_probs, "return_attn_probs", who)
     if return_attn_probs and block_table is not None:  # the probability pass reads keys in place
         raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True with a block_table", "both"))
-    if block_table is not None:
-        raise NotImplementedError(_NOT_HERE.format(who, "block_table", _given(block_table)))
+    paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
-        if t.dim() != 3:
+        if not paged and t.dim() != 3:
             raise ValueError(f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}")
+    if paged:
+        _check_paged_views(q, k, v, who)
     max_q = _check_int(max_seqlen_q, "max_seqlen_q", who)
     max_k = _check_int(max_seqlen_k, "max_seqlen_k", who)
     check_lengths_tensor(cu_seqlens_q, "cu_seqlens_q", who, q.device)
@@ -279,12 +329,24 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
     _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
-    _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_k, "max_seqlen_k", who)
+    key_lengths = _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k,
+                                     "max_seqlen_k", who)
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
     sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1), who)
+    paging = None
+    if paged:  # the pages each sequence's keys use: inside the pool, within its table row
+        pages, pool, page_size = check_block_table(block_table, cu_seqlens_q.shape[0] - 1, k, v, q.device, who)
+        capacity = page_size * block_table.shape[1]
+        for b, keys in enumerate(key_lengths):
+            if keys > capacity:
+                raise ValueError(f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} positions "
+                                 f"of its block_table row ({block_table.shape[1]} pages of {page_size})")
+            check_pages_used(pages, b, keys, page_size, pool, who)
+        paging = PagedKeys(block_table, key_lengths, capacity)
     return _VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                       AttentionOptions(scale, causal, band, softcap, alibi, sinks), dropout_p, return_attn_probs)
+                       AttentionOptions(scale, causal, band, softcap, alibi, sinks), dropout_p, return_attn_probs,
+                       paging)
 
 
 def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
@@ -331,11 +393,18 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return_attn_probs, after them the probability pass (the table's kernel again and fa_simple).
     backward=True: the gradients' dispatches instead: the table's kernel, then explain_plan's
     delta, dkdv and dq, for a gradient of out laid out as out (a strided one may change the
-    dkdv kernel's load path, function constant 3)."""
+    dkdv kernel's load path, function constant 3). With a block_table, the forward over the pages
+    (forward only: backward=True raises)."""
     call = _check_varlen("explain_varlen_plan", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                          return_attn_probs, block_table, sinks)
     _check_bool(backward, "backward", "explain_varlen_plan")
+    if call.paged is not None:
+        if backward:
+            raise ValueError("explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
+                             "there is no backward to explain")
+        args, options, _ = _paged_arguments(call)
+        return plan_forward(*args, **options, rng_state=planning_rng_state(q.device))
     table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
     rng_state = planning_rng_state(q.device)
     out, lse = forward_outputs(q, v)
@@ -354,3 +423,50 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                                           rng_state, sequences)
         plan["dispatches"] += _C.plan_forward(*args, **kwargs)["dispatches"]
     return plan
+
+
+def _check_paged_views(q, k, v, who: str) -> None:
+    """q (total_q, nheads, headdim) and the pool k, v (num_blocks, page_block_size, nheads_k,
+    headdim[_v]) of q's dtype and device."""
+    if q.dim() != 3:
+        raise ValueError(f"{who}: q must be 3-D (total_q, nheads, headdim), got {tuple(q.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{who}: with block_table, {name} must be the 4-D pool (num_blocks, page_block_size, "
+                             f"nheads_k, headdim), got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise TypeError(f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
+                            f"{t.device}")
+    if k.shape[2] != v.shape[2] or k.shape[3] != q.shape[2]:
+        raise ValueError(f"{who}: the paged k {tuple(k.shape)} and v {tuple(v.shape)} must share nheads_k, and k's "
+                         f"headdim must be q's {tuple(q.shape)}")
+
+
+def _paged_arguments(call: _VarlenCall):
+    """run_forward's (and plan_forward's) arguments for a varlen call over a paged pool (q rows from
+    the prefix sums, keys from position 0 of each sequence's pages), and the out they fill."""
+    q, k_pool, v_pool = call.q, call.k, call.v
+    block_table, key_lengths, capacity = call.paged
+    zeros = torch.zeros(call.cu_seqlens_q.shape[0] - 1, dtype=torch.int32, device=q.device)
+    key_counts = torch.tensor(key_lengths, dtype=torch.int32).to(q.device)
+    table = torch.stack([zeros, call.cu_seqlens_q[:-1], call.cu_seqlens_q.diff(), zeros, zeros, key_counts],
+                        dim=1).contiguous()
+    out = q.new_empty((*q.shape[:2], v_pool.shape[3]))
+    views = [packed_view(q), k_pool.transpose(1, 2), v_pool.transpose(1, 2), packed_view(out)]
+    sequences = sequence_args(table, call.max_q, min(call.max_k, capacity), block_table)
+    return (*views, None, *call.options[:5], sequences), dict(sinks=call.options.sinks, dropout_p=call.dropout_p), out
+
+
+def _paged_attention(call: _VarlenCall, who: str):
+    """flash_attn_varlen_func over a paged KV cache, after its checks: one forward over the
+    sequence table, the kernels reading each sequence's keys through the block table."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (call.q, call.k, call.v, call.options.sinks)):
+        raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
+                           "sinks must not require grad (use torch.no_grad() or detach them)")
+    if call.q.is_neg() or call.k.is_neg() or call.v.is_neg():
+        call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
+    args, options, out = _paged_arguments(call)
+    rng_state = dropout_rng_state(call.q.device) if call.dropout_p > 0.0 else None
+    run_forward(*args, **options, rng_state=rng_state)
+    return out

@@ -129,10 +129,10 @@ template <typename T, int BD, int BDV, int BK, int WM>
       if (!start.load) {
         continue; // no SIMD-group needs this tile: not even loaded
       }
-      fa_load_resident_tile<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows,
-                                                f.head_dim, tid);
-      fa_load_resident_tile<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
-                                                 f.v_head_dim, tid);
+      const fa_tile_rows<T> q_rows = fa_rows(q_src, f.q_strides[2], f.q_strides[3]);
+      const fa_tile_rows<T> do_rows = fa_rows(do_src, p.do_strides[2], p.do_strides[3]);
+      fa_load_resident_tile<T, BK, BD, 32 * WM>(q_tile, q_rows, valid_rows, f.head_dim, tid);
+      fa_load_resident_tile<T, BK, BDV, 32 * WM>(do_tile, do_rows, valid_rows, f.v_head_dim, tid);
       if (tid < uint(BK)) {
         // Rows past L get probability 0 through lse = +inf.
         const long row = q0 + long(tid);
@@ -150,16 +150,14 @@ template <typename T, int BD, int BDV, int BK, int WM>
         fa_frag_fill(dp_frag[j], 0.0f);
       }
       // Streamed, dK and dV below multiply this threadgroup's own blocks of Q and dO.
-      fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, k_frag, k_row, f.k_strides[3], key_valid, q_tile, q_src,
-                                                     f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim, !blocked,
-                                                     tid, at);
-      fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_src, f.q_strides[2], f.q_strides[3], valid_rows, f.head_dim,
-                                             min(columns.block, e_blocks - 1), tid);
+      fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, k_frag, k_row, f.k_strides[3], key_valid, q_tile, q_rows,
+                                                     valid_rows, f.head_dim, !blocked, tid, at);
+      fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_rows, valid_rows, f.head_dim, min(columns.block, e_blocks - 1),
+                                             tid);
       fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, v_frag, v_row, f.v_strides[3], key_valid, do_tile,
-                                                      do_src, p.do_strides[2], p.do_strides[3], valid_rows,
-                                                      f.v_head_dim, !blocked, tid, at);
-      fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_src, p.do_strides[2], p.do_strides[3], valid_rows,
-                                              f.v_head_dim, min(columns.block, v_blocks - 1), tid);
+                                                      do_rows, valid_rows, f.v_head_dim, !blocked, tid, at);
+      fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_rows, valid_rows, f.v_head_dim,
+                                              min(columns.block, v_blocks - 1), tid);
       if (blocked) {
         continue; // it adds nothing to dK or dV
       }

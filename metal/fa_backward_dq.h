@@ -74,8 +74,6 @@ template <typename T, int BD, int BDV, int BK, int WM>
   lse = fa_sequence_q(lse, f, b, f.lse_strides);
   delta = fa_sequence_q(delta, f, b, p.delta_strides);
   dq = fa_sequence_q(dq, f, b, p.dq_strides);
-  k = fa_sequence_k(k, f, b, f.k_strides);
-  v = fa_sequence_k(v, f, b, f.v_strides);
   const int row0 = q_block + 8 * int(sg);
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;
@@ -101,19 +99,17 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const float row_delta =
       row_valid ? delta[b * p.delta_strides[0] + h * p.delta_strides[1] + long(my_row) * p.delta_strides[2]] : 0.0f;
 
-  const device T *k_src = k + b * f.k_strides[0] + kv_h * f.k_strides[1];
-  const device T *v_src = v + b * f.v_strides[0] + kv_h * f.v_strides[1];
-  const long k_step = long(BK) * f.k_strides[2];
-  const long v_step = long(BK) * f.v_strides[2];
-  const long mask_key_stride = f.mask_strides[3];
-  // Tiles outside the band of the block's rows are never loaded, as in the forward.
+  // Tiles outside the band of the block's rows are never loaded; K/V tiles walk through the
+  // forward's cursors (fa_loader.h). No block table: the backward never reads a paged cache
+  // (fa_backward_plan.c refuses one), so FA_FC_PAGED is off here.
   const fa_range keys = fa_visible_keys(f, q_block, BQ);
-  k_src += long(keys.begin) * f.k_strides[2];
-  v_src += long(keys.begin) * f.v_strides[2];
+  fa_tile_rows<T> k_tiles = fa_kv_tiles(k, f, f.k_strides, (const device int *)nullptr, b, kv_h, keys.begin, BK);
+  fa_tile_rows<T> v_tiles = fa_kv_tiles(v, f, f.v_strides, (const device int *)nullptr, b, kv_h, keys.begin, BK);
+  const long mask_key_stride = f.mask_strides[3];
   long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, my_row, keys.begin + at.x);
 
-  for (int k0 = keys.begin, tile = 0; k0 < keys.end;
-       k0 += BK, ++tile, k_src += k_step, v_src += v_step, mask_at += BK * mask_key_stride) {
+  for (int k0 = keys.begin, tile = 0; k0 < keys.end; k0 += BK, ++tile, fa_tile_advance(k_tiles),
+           fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, f.kv_len - k0);
     const int bounds_class = fa_query_tile_class(f, row0, k0, BK);
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
@@ -121,10 +117,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
-                                              tid);
-    fa_load_resident_tile<T, BK, BDV, 32 * WM>(v_tile, v_src, f.v_strides[2], f.v_strides[3], valid_keys,
-                                               f.v_head_dim, tid);
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, f.head_dim, tid);
+    fa_load_resident_tile<T, BK, BDV, 32 * WM>(v_tile, v_tiles, valid_keys, f.v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const bool blocked = start.tile_class == FA_TILE_BLOCKED; // every probability of the slice is 0
@@ -134,15 +128,12 @@ template <typename T, int BD, int BDV, int BK, int WM>
       fa_frag_fill(s_frag[j], 0.0f);
       fa_frag_fill(dp_frag[j], 0.0f);
     }
-    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, f.q_strides[3], row_valid, k_tile, k_src,
-                                                   f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim, !blocked,
-                                                   tid, at);
+    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, f.q_strides[3], row_valid, k_tile, k_tiles,
+                                                   valid_keys, f.head_dim, !blocked, tid, at);
     // dQ below multiplies this threadgroup's own block of K.
-    fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_src, f.k_strides[2], f.k_strides[3], valid_keys, f.head_dim,
-                                           columns.block, tid);
+    fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, f.head_dim, columns.block, tid);
     fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, do_frag, do_row, p.do_strides[3], row_valid, v_tile,
-                                                    v_src, f.v_strides[2], f.v_strides[3], valid_keys, f.v_head_dim,
-                                                    !blocked, tid, at);
+                                                    v_tiles, valid_keys, f.v_head_dim, !blocked, tid, at);
     if (blocked) {
       continue; // it adds nothing to dQ
     }

@@ -30,6 +30,7 @@
 
 #include <metal_stdlib>
 #include "fa_dropout.h"
+#include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
 #include "fa_sequence.h"
@@ -191,6 +192,8 @@ template <typename T, int COLS, int ROWS>
   const long v_step = 2 * SG * p.v_strides[2];
   const long mask_step = 2 * SG * p.mask_strides[3];
   const bool as_vectors = fa_decode_vector_loads;
+  const fa_tile_rows<T> k_keys = fa_kv_tiles(k, p, p.k_strides, block_table, b, kv_h, 0, 0);
+  const fa_tile_rows<T> v_keys = fa_kv_tiles(v, p, p.v_strides, block_table, b, kv_h, 0, 0);
   for (int j = j0; j < end; j += 2 * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
     // Both keys' rows (and, up to FA_DECODE_LATE_VALUES_ABOVE columns per lane, their value rows)
     // are loaded before any arithmetic so their latencies overlap; a second key past the end reads
@@ -200,12 +203,12 @@ template <typename T, int COLS, int ROWS>
     static_assert(!late_values || ROWS == 1, "late value loads serve one row");
     float k_reg[2][COLS];
     float v_reg[2][COLS];
-    // A paged cache: each key's row through the block table (fa_sequence.h).
+    // A paged cache: each key's row through the block table (the K/V cursor, fa_loader.h).
     const device T *k_rows[2] = {k_row, k_row + p.k_strides[2]};
     const device T *v_rows[2] = {v_row, v_row + p.v_strides[2]};
     for (int t = 0; fa_paged && t < 2; ++t) {
-      k_rows[t] = fa_paged_key(k, p, block_table, b, kv_h, j + t, p.k_strides);
-      v_rows[t] = fa_paged_key(v, p, block_table, b, kv_h, j + t, p.v_strides);
+      k_rows[t] = fa_tile_row(k_keys, j + t);
+      v_rows[t] = fa_tile_row(v_keys, j + t);
     }
     fa_decode_load<T, COLS>(k_reg[0], k_rows[0], p.k_strides[3], p.head_dim, lane, as_vectors);
     fa_decode_load<T, COLS>(k_reg[1], k_rows[1], p.k_strides[3], second ? p.head_dim : 0, lane, as_vectors);

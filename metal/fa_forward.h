@@ -41,6 +41,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
     const device float *alibi_slopes [[buffer(8)]],
     const device float *sinks [[buffer(9)]],
     constant fa_params *sequence_table [[buffer(10)]],
+    const device int *block_table [[buffer(11)]],
     const device uint *rng [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
@@ -70,8 +71,6 @@ template <typename T, int BD, int BDV, int BK, int WM>
   q = fa_sequence_q(q, p, b, p.q_strides);
   out = fa_sequence_q(out, p, b, p.o_strides);
   lse = fa_sequence_q(lse, p, b, p.lse_strides);
-  k = fa_sequence_k(k, p, b, p.k_strides);
-  v = fa_sequence_k(v, p, b, p.v_strides);
   const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y;         // the one row whose elements this lane holds
@@ -94,21 +93,17 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
   const fa_dropout_rng dropout = fa_dropout_state(rng);
 
-  // Tiles advance by pointer steps; the lane's mask entries by one offset per tile (fa_mask.h).
-  const device T *k_src = k + b * p.k_strides[0] + kv_h * p.k_strides[1];
-  const device T *v_src = v + b * p.v_strides[0] + kv_h * p.v_strides[1] + long(col0) * p.v_strides[3];
-  const long k_step = long(BK) * p.k_strides[2];
-  const long v_step = long(BK) * p.v_strides[2];
-  const long mask_key_stride = p.mask_strides[3];
   // Under the band (causal, window) the rows of this block see only keys [begin, end): tiles
-  // outside are never loaded.
+  // outside are never loaded. K/V tiles advance through their cursors (pointer steps, or pages of
+  // a paged cache: fa_loader.h); the lane's mask entries by one offset per tile (fa_mask.h).
   const fa_range keys = fa_visible_keys(p, q_block, BQ);
-  k_src += long(keys.begin) * p.k_strides[2];
-  v_src += long(keys.begin) * p.v_strides[2];
+  fa_tile_rows<T> k_tiles = fa_kv_tiles(k, p, p.k_strides, block_table, b, kv_h, keys.begin, BK);
+  fa_tile_rows<T> v_tiles = fa_tile_columns(fa_kv_tiles(v, p, p.v_strides, block_table, b, kv_h, keys.begin, BK), col0);
+  const long mask_key_stride = p.mask_strides[3];
   long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(p, b, h, my_row, keys.begin + at.x);
 
-  for (int k0 = keys.begin, tile = 0; k0 < keys.end;
-       k0 += BK, ++tile, k_src += k_step, v_src += v_step, mask_at += BK * mask_key_stride) {
+  for (int k0 = keys.begin, tile = 0; k0 < keys.end; k0 += BK, ++tile, fa_tile_advance(k_tiles),
+           fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, p.kv_len - k0);
     const int bounds_class = fa_query_tile_class(p, row0, k0, BK);
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
@@ -116,10 +111,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_src, p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim,
-                                              tid);
-    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_src, p.v_strides[2], p.v_strides[3], valid_keys,
-                                      min(ev_cols, BDV), tid);
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, p.head_dim, tid);
+    fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_tiles, valid_keys, min(ev_cols, BDV), tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     // S = Q K^T for this SIMD-group's 8 rows and the tile's BK keys.
@@ -128,9 +121,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
     for (int j = 0; j < BK / 8; ++j) {
       fa_frag_fill(s_frag[j], 0.0f);
     }
-    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, p.q_strides[3], row_valid, k_tile, k_src,
-                                                   p.k_strides[2], p.k_strides[3], valid_keys, p.head_dim, !blocked,
-                                                   tid, at);
+    fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, p.q_strides[3], row_valid, k_tile, k_tiles,
+                                                   valid_keys, p.head_dim, !blocked, tid, at);
     if (blocked) {
       continue; // it adds nothing
     }

@@ -37,9 +37,9 @@ inline fa_column_block fa_column_block_of(long grid_head, int blocks) {
 }
 
 // acc[j] += A B_j^T over a head dim of `dim` columns in blocks of BW: A is the lane's row
-// (`a_row`, read into a_frag block by block, zeros for rows outside the matrix), B the rows of a
-// (NB * 8 x dim) view streamed block by block through `tile` (pitch BW + FA_TILE_PAD). Blocks and
-// their slices run in column order, so every score sums its 8-wide slices in the order of the
+// (`a_row`, read into a_frag block by block, zeros for rows outside the matrix), B the (NB * 8 x
+// dim) rows of `b_rows` (fa_loader.h) streamed block by block through `tile` (pitch BW +
+// FA_TILE_PAD). Blocks and their slices run in column order, so every score sums its 8-wide slices in the order of the
 // resident path whatever the block width: the backward's recomputed scores are the forward's to
 // the bit, which the probabilities exp2(S - lse) rely on. Every thread of the threadgroup must call
 // it (it synchronises); `compute` false (a blocked tile) only loads. The caller has synchronised
@@ -47,8 +47,8 @@ inline fa_column_block fa_column_block_of(long grid_head, int blocks) {
 template <typename T, int BW, int NB, int THREADS, typename E>
 inline void fa_frags_multiply_streamed(thread fa_frag *acc, thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
                                        const device T *a_row, long a_col_stride, bool a_valid, threadgroup T *tile,
-                                       const device T *b_src, long b_row_stride, long b_col_stride, int valid_b_rows,
-                                       int dim, bool compute, uint tid, ushort2 at) {
+                                       fa_tile_rows<T> b_rows, int valid_b_rows, int dim, bool compute, uint tid,
+                                       ushort2 at) {
   constexpr int PITCH = BW + FA_TILE_PAD;
   const int blocks = fa_head_blocks(dim, BW);
   for (int block = 0; block < blocks; ++block) {
@@ -57,8 +57,7 @@ inline void fa_frags_multiply_streamed(thread fa_frag *acc, thread metal::simdgr
     if (block > 0) {
       metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); // the last block is read
     }
-    fa_load_tile<T, 8 * NB, BW, THREADS>(tile, PITCH, b_src + long(col0) * b_col_stride, b_row_stride, b_col_stride,
-                                         valid_b_rows, cols, tid);
+    fa_load_tile<T, 8 * NB, BW, THREADS>(tile, PITCH, fa_tile_columns(b_rows, col0), valid_b_rows, cols, tid);
     metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     if (compute) {
       fa_frags_load_row<T, BW / 8>(a_frag, a_row + long(col0) * a_col_stride, a_col_stride, a_valid, cols, at);
@@ -73,11 +72,11 @@ inline void fa_frags_multiply_streamed(thread fa_frag *acc, thread metal::simdgr
 template <typename T, int BW, int NB, int THREADS, typename E>
 inline void fa_frags_multiply_head(thread fa_frag *acc, thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
                                    const device T *a_row, long a_col_stride, bool a_valid, threadgroup T *tile,
-                                   const device T *b_src, long b_row_stride, long b_col_stride, int valid_b_rows,
-                                   int dim, bool compute, uint tid, ushort2 at) {
+                                   fa_tile_rows<T> b_rows, int valid_b_rows, int dim, bool compute, uint tid,
+                                   ushort2 at) {
   if (dim > BW) {
-    fa_frags_multiply_streamed<T, BW, NB, THREADS>(acc, a_frag, a_row, a_col_stride, a_valid, tile, b_src,
-                                                   b_row_stride, b_col_stride, valid_b_rows, dim, compute, tid, at);
+    fa_frags_multiply_streamed<T, BW, NB, THREADS>(acc, a_frag, a_row, a_col_stride, a_valid, tile, b_rows,
+                                                   valid_b_rows, dim, compute, tid, at);
   } else if (compute) {
     fa_frags_multiply_transposed<T, BW / 8, NB>(acc, a_frag, tile, BW + FA_TILE_PAD, fa_slices(dim), at);
   }
@@ -95,10 +94,9 @@ inline void fa_load_resident_row(thread metal::simdgroup_matrix<E, 8, 8> *f, con
 // A resident operand's whole tile (dim <= BW), per key or query tile before its barrier; a
 // streamed one's tile loads per block.
 template <typename T, int ROWS, int BW, int THREADS>
-inline void fa_load_resident_tile(threadgroup T *tile, const device T *src, long row_stride, long col_stride,
-                                  int valid_rows, int dim, uint tid) {
+inline void fa_load_resident_tile(threadgroup T *tile, fa_tile_rows<T> src, int valid_rows, int dim, uint tid) {
   if (dim <= BW) {
-    fa_load_tile<T, ROWS, BW, THREADS>(tile, BW + FA_TILE_PAD, src, row_stride, col_stride, valid_rows, dim, tid);
+    fa_load_tile<T, ROWS, BW, THREADS>(tile, BW + FA_TILE_PAD, src, valid_rows, dim, tid);
   }
 }
 
@@ -106,15 +104,15 @@ inline void fa_load_resident_tile(threadgroup T *tile, const device T *src, long
 // caller's own accumulator block) for the product that follows, loading it unless it is the last
 // block, which the tile holds already. Uniform over the threadgroup; every thread calls it.
 template <typename T, int ROWS, int BW, int THREADS>
-inline void fa_keep_head_block(threadgroup T *tile, const device T *src, long row_stride, long col_stride,
-                               int valid_rows, int dim, int block, uint tid) {
+inline void fa_keep_head_block(threadgroup T *tile, fa_tile_rows<T> src, int valid_rows, int dim, int block,
+                               uint tid) {
   if (block == fa_head_blocks(dim, BW) - 1) {
     return;
   }
   const int col0 = block * BW;
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); // the last block is read
-  fa_load_tile<T, ROWS, BW, THREADS>(tile, BW + FA_TILE_PAD, src + long(col0) * col_stride, row_stride, col_stride,
-                                     valid_rows, metal::min(BW, dim - col0), tid);
+  fa_load_tile<T, ROWS, BW, THREADS>(tile, BW + FA_TILE_PAD, fa_tile_columns(src, col0), valid_rows,
+                                     metal::min(BW, dim - col0), tid);
   metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
 }
 

@@ -110,24 +110,13 @@ inline P fa_sequence_q(P ptr, constant fa_params &p, long b, constant fa_i64 *st
 }
 
 // The same for a key-side view (k, v, dK, dV). A paged cache is addressed per key instead
-// (fa_paged_key), from the pointer left as it is.
+// (fa_kv_tiles, fa_loader.h), from the pointer left as it is.
 template <typename P>
 inline P fa_sequence_k(P ptr, constant fa_params &p, long b, constant fa_i64 *strides) {
   return fa_sequences && !fa_paged ? ptr + ((long(p.seq_k_batch) - b) * strides[0] + long(p.seq_k_row0) * strides[2])
                                    : ptr;
 }
 
-// Under FA_FC_PAGED: the row of key j (counted from the sequence's first key) of kv head kv_h of
-// sequence b in a paged view `base` (pages, Hkv, page_size, .) with these strides. Entries of the
-// block table are not trusted: the column and the page are clamped into the table and the pool.
-template <typename T>
-inline const device T *fa_paged_key(const device T *base, constant fa_params &p, const device int *block_table,
-                                    long b, long kv_h, int j, constant fa_i64 *strides) {
-  const int position = p.seq_k_row0 + j;
-  const int column = fa_sequence_clamp(position / p.page_size, 0, p.pages_per_sequence - 1);
-  const int page = fa_sequence_clamp(block_table[b * p.pages_per_sequence + column], 0, p.page_count - 1);
-  return base + long(page) * strides[0] + kv_h * strides[1] + long(position % p.page_size) * strides[2];
-}
 #endif
 
 #endif

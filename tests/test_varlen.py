@@ -146,7 +146,7 @@ def bad_call(gen, **change):
     (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an int"),
     (dict(dropout_p=1.5), ValueError, "dropout_p must be in"),
     (dict(sinks=torch.zeros(3)), ValueError, "sinks must be (Hq,)"),
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), NotImplementedError, "block_table"),
+    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError, "with block_table, k must be the 4-D pool"),
 ])
 def test_errors_name_the_argument(gen, change, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
