@@ -776,10 +776,6 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass runs the simple kernel, got kernel %d",
                        a->kernel);
     }
-    if (fa_sequence_paged(&a->sequences)) {
-        return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass reads keys in place, not through a "
-                                         "block_table");
-    }
     int64_t bytes;
     if (__builtin_mul_overflow((int64_t)p->batch * p->q_heads, (int64_t)p->q_len * p->kv_len, &bytes) ||
         __builtin_mul_overflow(bytes, (int64_t)sizeof(float), &bytes)) {

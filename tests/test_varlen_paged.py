@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_mps import _C, _varlen, flash_attn_varlen_func, flash_attn_with_kvcache
+from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_varlen_plan, flash_attn_varlen_func,
+                           flash_attn_with_kvcache)
 from flashattn_mps import metal_cpu as mc
 from conftest import ALL_DTYPES, randn
 from test_cpu_device_checked import checked_core  # noqa: F401 (a fixture)
@@ -109,12 +110,10 @@ def test_kvcache_prefill_on_a_paged_cache(gen):
     want = flash_attn_with_kvcache(q, k.reshape(2, 30, 2, 16), v.reshape(2, 30, 2, 16), cache_seqlens=lengths,
                                    cache_leftpad=leftpad, causal=True)
     assert torch.equal(out, want)
-    entries = torch.tensor([[0, 0, 12, 0, 0, 30], [1, 0, 12, 0, 0, 21]], dtype=torch.int32)
-    views = [t.transpose(1, 2) for t in (q, k_pool, v_pool, out)]
-    plan = _C.plan_forward(_C.DEVICE_CPU, *views, None, 0.25, True, _C.KERNEL_AUTO,
-                           sequences=_varlen.sequence_args(entries, 12, 30, table))
-    assert [d["function"] for d in plan["dispatches"]] == ["fa_forward_float"]
-    assert plan["dispatches"][0]["constants"][13] == 1  # FA_FC_PAGED
+    plan = explain_kvcache_plan(q, k_pool, v_pool, cache_seqlens=lengths, cache_leftpad=leftpad, block_table=table,
+                                causal=True)
+    assert [d["function"] for d in plan["dispatches"]] == ["fa_sequence_table_float", "fa_forward_float"]
+    assert plan["dispatches"][1]["constants"][13] == 1  # FA_FC_PAGED
 
 
 def test_paged_prefill_runs_clean_in_checked_mode(gen, checked_core):  # noqa: F811
@@ -128,6 +127,26 @@ def test_paged_prefill_runs_clean_in_checked_mode(gen, checked_core):  # noqa: F
     assert checked_core() >= 2  # the table kernel, then the prefill
     mc.set_checked(False)
     assert torch.equal(out, flash_attn_varlen_func(*args, causal=True, block_table=table))
+
+
+@pytest.mark.parametrize("lens_q, kernel", [([12, 30], "fa_forward_float"), ([1, 3], "fa_decode_float")])
+def test_explain_names_the_paged_kernel_that_runs(gen, monkeypatch, lens_q, kernel):
+    """explain_varlen_plan over a block table: the table kernel, then the paged attention kernel the
+    real call runs (prefill for long q, decode for short), and no backward to explain."""
+    lens_k = [20, 40]
+    q, k, v = packed_inputs(gen, lens_q, lens_k, 4, 2, 16, 16, torch.float32)
+    k_pool, v_pool, table = paged_pool(gen, k, v, lens_k, 3)
+    args = (q, k_pool, v_pool, prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k))
+    plan = explain_varlen_plan(*args, causal=True, block_table=table)
+    assert [d["function"] for d in plan["dispatches"]][:2] == ["fa_sequence_table_float", kernel]
+    assert plan["dispatches"][1]["constants"][13] == 1  # FA_FC_PAGED
+    launched = []
+    real = _C.forward
+    monkeypatch.setattr(_C, "forward", lambda *a, **kw: launched.append(_C.plan_forward(*a[:9], **kw)) or real(*a, **kw))
+    flash_attn_varlen_func(*args, causal=True, block_table=table)
+    assert [d["function"] for d in launched[0]["dispatches"]] == [d["function"] for d in plan["dispatches"]]
+    with pytest.raises(ValueError, match="forward only"):
+        explain_varlen_plan(*args, causal=True, block_table=table, backward=True)
 
 
 def test_gradients_are_refused_by_name(gen):

@@ -136,6 +136,6 @@ def test_core_refuses_the_probability_pass_through_a_block_table():
     pool = torch.zeros(4, 2, 4, 8)  # (pages, Hkv, page_size, E)
     table = torch.tensor([[0, 0, 1, 0, 0, 6]], dtype=torch.int32)
     sequences = _varlen.sequence_args(table, 1, 6, torch.tensor([[3, 1, 0, 2]], dtype=torch.int32))
-    with pytest.raises(ValueError, match="write_probs: the probability pass reads keys in place, not through a"):
+    with pytest.raises(ValueError, match="block_table: a paged KV cache is read by the prefill and decode kernels only"):
         _C.forward(_C.DEVICE_CPU, q, pool, pool, out, lse, 1.0, False, _C.KERNEL_AUTO, torch.zeros(16),
                    rng_state=torch.zeros(4), write_probs=True, sequences=sequences)
