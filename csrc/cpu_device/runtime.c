@@ -1084,7 +1084,7 @@ static void report_fault(worker *w) {
     long slot = mcpu_stack_region_guard_slot(&w->stacks, w->fault_address);
     if (slot >= 0)
         add(&m, "stack overflow: the thread's %zu KiB fiber stack is exhausted (deep recursion or large local "
-                "arrays)", w->stacks.stack_bytes / 1024);
+                "arrays)", (size_t)MCPU_FIBER_STACK_BYTES / 1024); /* at least; fiber.c staggers the tops */
     else if (sig == SIGSEGV || sig == SIGBUS)
         add(&m, "invalid memory access (%s) at address %p, e.g. an out-of-bounds index into a buffer",
             sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", w->fault_address);
