@@ -71,7 +71,7 @@ static const char *const CC_FLAGS[] = {"-x", "c++", "-std=gnu++17", "-Xclang", "
  * function constant. So the front end writes IR, drop_convergent takes the attribute out, and
  * clang optimises and compiles that IR (the same passes and code as one clang run, minus it). */
 static const char *const IR_FLAGS[] = {"-S", "-emit-llvm", "-Xclang", "-disable-llvm-passes"};
-static const char *const CODEGEN_FLAGS[] = {"-x", "ir", "-O3", "-fPIC", "-shared"};
+static const char *const CODEGEN_FLAGS[] = {"-x", "ir", "-O3", "-fPIC", "-shared", "-fno-crash-diagnostics"};
 static const char NOT_CONVERGENT[] = "\"msl-not-convergent\""; /* an attribute group may not be empty */
 static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
 /* Checked mode: every load and store calls the shim's __tsan_* hooks (msl_kernel.h), without the
