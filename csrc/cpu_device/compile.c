@@ -2,10 +2,11 @@
  * "Compilation pipeline"): `c++ -E` against empty <metal_stdlib> stubs, mcpu_preprocess,
  * `c++ -include msl_shim.h` to LLVM IR, drop_convergent, then `c++ -shared` of that IR. Libraries
  * are cached in the process (by key, never unloaded) and on disk as <cache>/<key>.so with its
- * manifest <key>.sum, where the key is a SHA-256 of everything that shapes the binary. Several processes may build the same library at once: each
- * builds in its own temporary directory and rename()s the result into place, so nobody ever sees
- * a partial file. What is loaded must be vouched for (README, "Security and robustness"): private
- * entries only, never through a link, matching the manifest, reporting its key. */
+ * manifest <key>.sum, where the key is a SHA-256 of everything that shapes the binary. Several
+ * processes may build the same library at once: each builds in its own temporary directory and
+ * rename()s the result into place, so nobody ever sees a partial file. What is loaded must be
+ * vouched for (README, "Security and robustness"): private entries only, never through a link,
+ * matching the manifest, reporting its key. */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu_device.h"
 #include "shim_files.h"
@@ -54,11 +55,11 @@ static char *g_cxx, *g_cxx_id; /* the compiler last asked for and its --version 
 static const char *const PRE_FLAGS[] = {
     "-E", "-x", "c++", "-std=gnu++17", "-nostdinc", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1"};
 /* -fsycl-is-device gives clang's language address spaces the default one converts from (msl_shim.h);
- * without device code to diagnose, it changes nothing else the kernels see but convergence (below).
- * Kernels view buffers through other types (half* as half4*): no type-based alias analysis. MSL's
- * char is signed, which aarch64 Linux's is not by default. `const constant T` reads const twice:
- * allowed. Every error goes to the log (clang stops at 20 by default); a crashing clang leaves no
- * reproducer in /tmp. The front end stops at unoptimised LLVM IR (IR_FLAGS). */
+ * without device code to diagnose, it changes nothing else the kernels see. Kernels view buffers
+ * through other types (half* as half4*): no type-based alias analysis. MSL's char is signed, which
+ * aarch64 Linux's is not by default. `const constant T` reads const twice: allowed. Every error
+ * goes to the log (clang stops at 20 by default); a crashing clang leaves no reproducer in /tmp.
+ * The front end stops at unoptimised LLVM IR (IR_FLAGS), whose convergent attributes go (below). */
 static const char *const CC_FLAGS[] = {"-x", "c++", "-std=gnu++17", "-Xclang", "-fsycl-is-device", "-O3",
                                        "-fno-strict-aliasing", "-fsigned-char", "-fPIC",
                                        "-Wno-unknown-attributes", "-Wno-duplicate-decl-specifier", "-ferror-limit=0",
@@ -938,7 +939,8 @@ static char *drop_convergent(const char *ir) {
         int32_t group = !strncmp(line, "attributes #", 12), quoted = 0;
         for (const char *c = line; c < end;) {
             if (*c == '"') quoted = !quoted;
-            if (group && !quoted && c > line && c[-1] == ' ' && !strncmp(c, word, k) && (c[k] == ' ' || c[k] == '}')) {
+            int32_t here = group && !quoted && c > line && c[-1] == ' ' && !strncmp(c, word, k);
+            if (here && (c[k] == ' ' || c[k] == '}')) {
                 memcpy(w, NOT_CONVERGENT, sizeof NOT_CONVERGENT - 1);
                 w += sizeof NOT_CONVERGENT - 1, c += k;
             } else {
