@@ -1,11 +1,12 @@
 /* Compiles MSL source into a shared object for the CPU Metal device and loads it (ARCHITECTURE.md,
- * "Compilation pipeline"): `c++ -E` against empty <metal_stdlib> stubs, mcpu_preprocess, then
- * `c++ -shared -include msl_shim.h`. Libraries are cached in the process (by key, never unloaded)
- * and on disk as <cache>/<key>.so with its manifest <key>.sum, where the key is a SHA-256 of
- * everything that shapes the binary. Several processes may build the same library at once: each
- * builds in its own temporary directory and rename()s the result into place, so nobody ever sees
- * a partial file. What is loaded must be vouched for (README, "Security and robustness"): private
- * entries only, never through a link, matching the manifest, reporting its key. */
+ * "Compilation pipeline"): `c++ -E` against empty <metal_stdlib> stubs, mcpu_preprocess,
+ * `c++ -include msl_shim.h` to LLVM IR, drop_convergent, then `c++ -shared` of that IR. Libraries
+ * are cached in the process (by key, never unloaded) and on disk as <cache>/<key>.so with its
+ * manifest <key>.sum, where the key is a SHA-256 of everything that shapes the binary. Several
+ * processes may build the same library at once: each builds in its own temporary directory and
+ * rename()s the result into place, so nobody ever sees a partial file. What is loaded must be
+ * vouched for (README, "Security and robustness"): private entries only, never through a link,
+ * matching the manifest, reporting its key. */
 #define _POSIX_C_SOURCE 200809L
 #include "cpu_device.h"
 #include "shim_files.h"
@@ -57,16 +58,28 @@ static const char *const PRE_FLAGS[] = {
  * without device code to diagnose, it changes nothing else the kernels see. Kernels view buffers
  * through other types (half* as half4*): no type-based alias analysis. MSL's char is signed, which
  * aarch64 Linux's is not by default. `const constant T` reads const twice: allowed. Every error
- * goes to the log (clang stops at 20 by default); a crashing clang leaves no reproducer in /tmp. */
+ * goes to the log (clang stops at 20 by default); a crashing clang leaves no reproducer in /tmp.
+ * The front end stops at unoptimised LLVM IR (IR_FLAGS), whose convergent attributes go (below). */
 static const char *const CC_FLAGS[] = {"-x", "c++", "-std=gnu++17", "-Xclang", "-fsycl-is-device", "-O3",
-                                       "-fno-strict-aliasing", "-fsigned-char", "-fPIC", "-shared",
+                                       "-fno-strict-aliasing", "-fsigned-char", "-fPIC",
                                        "-Wno-unknown-attributes", "-Wno-duplicate-decl-specifier", "-ferror-limit=0",
                                        "-fno-crash-diagnostics"};
+/* -fsycl-is-device also marks every function and call convergent, as for a SIMT target, and clang
+ * 16 has no -fno-convergent-functions. Here each GPU thread is a fiber that runs its code
+ * sequentially, so no transformation that is sound for one thread can change which barrier a
+ * thread reaches. Yet convergent calls stay put: the const self() and function-constant lookups
+ * (msl_sync.h, msl_kernel.h) run again at every loop iteration, loops are not unswitched on a
+ * function constant. So the front end writes IR, drop_convergent takes the attribute out, and
+ * clang optimises and compiles that IR (the same passes and code as one clang run, minus it). */
+static const char *const IR_FLAGS[] = {"-S", "-emit-llvm", "-Xclang", "-disable-llvm-passes"};
+static const char *const CODEGEN_FLAGS[] = {"-x", "ir", "-O3", "-fPIC", "-shared", "-fno-crash-diagnostics"};
+static const char NOT_CONVERGENT[] = "\"msl-not-convergent\""; /* an attribute group may not be empty */
 static const char STACK_CLASH_FLAG[] = "-fstack-clash-protection";
 /* Checked mode: every load and store calls the shim's __tsan_* hooks (msl_kernel.h), without the
  * sanitizer's runtime (clang links none into a shared object); line tables, in a DWARF version
  * addr2line reads, name the accesses' source lines. */
 static const char *const CHECKED_FLAGS[] = {"-DMSL_CHECKED", "-fsanitize=thread", "-g1", "-gdwarf-4"};
+static const char CODEGEN_CHECKED_FLAG[] = "-fsanitize=thread"; /* the instrumentation is a pass */
 static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup", "metal_simdgroup_matrix",
                                     "metal_atomic",    "metal_math",      "metal_compute",
                                     "metal_integer",   "metal_common",    "metal_geometric",
@@ -910,16 +923,47 @@ static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_
 
 static const char KEY_MARK[] = "flashattn_mps CPU Metal library ";
 
+/* LLVM IR text without the attribute `convergent` (CC_FLAGS): in the attribute groups (lines
+ * "attributes #N = { ... }"), outside quoted strings, the word becomes NOT_CONVERGENT. NULL when
+ * out of memory. */
+static char *drop_convergent(const char *ir) {
+    static const char word[] = "convergent";
+    const uint64_t k = sizeof word - 1, grow = sizeof NOT_CONVERGENT - sizeof word;
+    uint64_t count = 0;
+    for (const char *c = ir; (c = strstr(c, word)); c += k) count++;
+    char *out = malloc((size_t)(strlen(ir) + count * grow + 1)), *w = out;
+    if (!out) return NULL;
+    for (const char *line = ir; *line;) {
+        const char *end = line + strcspn(line, "\n");
+        end += *end == '\n';
+        int32_t group = !strncmp(line, "attributes #", 12), quoted = 0;
+        for (const char *c = line; c < end;) {
+            if (*c == '"') quoted = !quoted;
+            int32_t here = group && !quoted && c > line && c[-1] == ' ' && !strncmp(c, word, k);
+            if (here && (c[k] == ' ' || c[k] == '}')) {
+                memcpy(w, NOT_CONVERGENT, sizeof NOT_CONVERGENT - 1);
+                w += sizeof NOT_CONVERGENT - 1, c += k;
+            } else {
+                *w++ = *c++;
+            }
+        }
+        line = end;
+    }
+    *w = 0;
+    return out;
+}
+
 /* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
  * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. A failing
  * compiler's whole output goes to file `log` (NULL: nowhere). */
 static int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp,
                      const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
                      uint32_t n_macros, double timeout, fa_status *st) {
-    char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], so[PATH_BYTES], inc[PATH_BYTES],
-        shim_h[PATH_BYTES];
+    char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], ll[PATH_BYTES], seq_ll[PATH_BYTES],
+        so[PATH_BYTES], inc[PATH_BYTES], shim_h[PATH_BYTES];
     safe_name(source_name, base);
     if (join(src, tmp, base, st) || join(pre, tmp, ".preprocessed.ii", st) || join(cpp, tmp, ".kernels.cpp", st) ||
+        join(ll, tmp, ".kernels.ll", st) || join(seq_ll, tmp, ".sequential.ll", st) ||
         join(so, tmp, ".library.so", st) || join(inc, shim, "include", st) || join(shim_h, shim, "msl_shim.h", st))
         return st->code;
 
@@ -995,10 +1039,12 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     free(all);
     if (rc) return rc;
 
-    /* 4. compile and link */
-    char *cc[COUNT(CC_FLAGS) + COUNT(CHECKED_FLAGS) + 12], cwd[PATH_BYTES], prefix_map[PATH_BYTES + 32];
+    /* 4. the front end, to IR */
+    char *cc[COUNT(CC_FLAGS) + COUNT(IR_FLAGS) + COUNT(CHECKED_FLAGS) + 12], cwd[PATH_BYTES],
+        prefix_map[PATH_BYTES + 32];
     uint64_t n = 0;
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) cc[n++] = (char *)CC_FLAGS[i];
+    for (uint64_t i = 0; i < COUNT(IR_FLAGS); i++) cc[n++] = (char *)IR_FLAGS[i];
     if (clash) cc[n++] = (char *)STACK_CLASH_FLAG;
     if (checked) {
         for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) cc[n++] = (char *)CHECKED_FLAGS[i];
@@ -1011,9 +1057,30 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     cc[n++] = shim_h;
     cc[n++] = cpp;
     cc[n++] = "-o";
+    cc[n++] = ll;
+    if ((rc = compiler_step(cxx, cc, n, "compiling", tmp, shim, log, timeout, st))) return rc;
+
+    /* 5. without convergent */
+    fd = open(ll, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+    text = fd >= 0 ? read_fd(fd, UINT64_MAX, NULL) : NULL;
+    if (fd >= 0) close(fd);
+    if (!text) return io_fail(st, "read", ll);
+    char *sequential = drop_convergent(text);
+    free(text);
+    if (!sequential) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    rc = write_file(seq_ll, sequential, strlen(sequential), st);
+    free(sequential);
+    if (rc) return rc;
+
+    /* 6. optimise, generate code and link */
+    n = 0;
+    for (uint64_t i = 0; i < COUNT(CODEGEN_FLAGS); i++) cc[n++] = (char *)CODEGEN_FLAGS[i];
+    if (checked) cc[n++] = (char *)CODEGEN_CHECKED_FLAG;
+    cc[n++] = seq_ll;
+    cc[n++] = "-o";
     cc[n++] = so;
     cc[n++] = "-lm";
-    return compiler_step(cxx, cc, n, "compiling", tmp, shim, log, timeout, st);
+    return compiler_step(cxx, cc, n, "generating code", tmp, shim, log, timeout, st);
 }
 
 /* Whether the compiler takes STACK_CLASH_FLAG (probe each page of a large frame, so a frame larger
@@ -1249,8 +1316,12 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
     sha_field(&s, id);
     for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) sha_field(&s, PRE_FLAGS[i]);
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) sha_field(&s, CC_FLAGS[i]);
+    for (uint64_t i = 0; i < COUNT(IR_FLAGS); i++) sha_field(&s, IR_FLAGS[i]);
+    sha_field(&s, NOT_CONVERGENT); /* drop_convergent */
+    for (uint64_t i = 0; i < COUNT(CODEGEN_FLAGS); i++) sha_field(&s, CODEGEN_FLAGS[i]);
     if (checked)
         for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) sha_field(&s, CHECKED_FLAGS[i]);
+    if (checked) sha_field(&s, CODEGEN_CHECKED_FLAG);
     sha_hex(&s, key);
 
     pthread_mutex_lock(&g_lock);

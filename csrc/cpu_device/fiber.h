@@ -35,7 +35,9 @@ typedef struct mcpu_fiber {
 /* The fiber stacks of one worker: one reserved mapping of `count` slots, each an inaccessible
  * guard below a stack, so an overflow (with the kernels' stack-clash probes: a frame of any size)
  * faults in the guard instead of landing in a neighbour's stack. Only the slots taken are made
- * accessible, and only touched pages take memory. */
+ * accessible, and only touched pages take memory. Slots lie a multiple of the page apart, so
+ * their tops, where every fiber's hot frames are, would all fall into the same few cache sets:
+ * each stack's top is staggered by its slot (fiber.c), above the stack_bytes every one has. */
 typedef struct mcpu_stack_region {
     char *base;
     size_t count, stack_bytes, guard_bytes; /* both multiples of the page size */

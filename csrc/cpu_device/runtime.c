@@ -220,9 +220,9 @@ static void add(text *m, const char *fmt, ...) {
     va_end(ap);
 }
 
-static int same_string(const char *a, const char *b) { return a == b || strcmp(a, b) == 0; }
+static inline int same_string(const char *a, const char *b) { return a == b || strcmp(a, b) == 0; }
 
-static int same_point(const gthread *a, const gthread *b) {
+static inline int same_point(const gthread *a, const gthread *b) {
     return a->line == b->line && a->kind == b->kind && same_string(a->file, b->file) &&
            same_string(a->what, b->what);
 }
@@ -322,7 +322,7 @@ static void release_group(worker *w, const gthread *self) {
 static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self) {
     msl_simd_exchange *x = &w->xchg[sg];
     scope *s = &w->simd[sg];
-    uint32_t parity = 0;
+    uint32_t parity = 0, released = 0;
     const gthread *point = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(active)];
     if (w->checked && point->kind == MSL_SYNC_SIMDGROUP_BARRIER && (point->flags & MSL_MEM_THREADGROUP))
         w->checked->simd_epoch[sg]++;
@@ -330,11 +330,12 @@ static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self)
         uint32_t lane = (uint32_t)__builtin_ctz(lanes);
         gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
         parity |= (g->t.xchg_parity & 1u) << lane;
+        released++;
         if (g != self) make_ready(w, g);
         else g->state = READY;
     }
     x->sync_lanes = active, x->sync_parity = parity, x->generation++;
-    s->arrived -= (uint32_t)__builtin_popcount(active);
+    s->arrived -= released;
     s->mixed = s->arrived > 0; /* the lanes left waiting may still differ */
 }
 
@@ -1084,7 +1085,7 @@ static void report_fault(worker *w) {
     long slot = mcpu_stack_region_guard_slot(&w->stacks, w->fault_address);
     if (slot >= 0)
         add(&m, "stack overflow: the thread's %zu KiB fiber stack is exhausted (deep recursion or large local "
-                "arrays)", w->stacks.stack_bytes / 1024);
+                "arrays)", (size_t)MCPU_FIBER_STACK_BYTES / 1024); /* at least; fiber.c staggers the tops */
     else if (sig == SIGSEGV || sig == SIGBUS)
         add(&m, "invalid memory access (%s) at address %p, e.g. an out-of-bounds index into a buffer",
             sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", w->fault_address);

@@ -166,8 +166,10 @@ MSL_RT_BUILTIN(dispatch_quadgroups_per_threadgroup, v1((group_threads(t) + 3u) /
 
 /* Function constants: the current dispatch's value n, or NULL when it is not set (a binary search
  * of the launch's table, sorted by index). Also safe outside a dispatch (static initialisers at
- * dlopen time): then there is no thread and no value. */
-inline const msl_constant_value *constant_value(msl_thread *t, uint32_t n) {
+ * dlopen time): then there is no thread and no value. A dispatch's table stays put while its
+ * kernel code runs, so, like self(), const and out of line: looked up once per function. */
+[[gnu::const, gnu::noinline]] inline const msl_constant_value *constant_value(uint32_t n) {
+    msl_thread *t = self();
     if (!t) return nullptr;
     const msl_constant_value *c = t->launch->constants;
     for (uint32_t count = t->launch->n_constants; count > 0;) { /* c[0, count) may hold n */
@@ -192,10 +194,9 @@ template <class T, uint32_t N> struct function_constant {
     const char *name, *file;
     uint32_t line;
     operator T() const {
-        msl_thread *t = api ? api->current() : nullptr;
-        const msl_constant_value *c = constant_value(t, N);
+        const msl_constant_value *c = constant_value(N);
         if (!c) {
-            if (t) {
+            if (msl_thread *t = self()) {
                 char m[160];
                 snprintf(m, sizeof m, "function constant '%s' (index %u) is not set", name, N);
                 kernel_fail(t, m, file, line);
@@ -211,7 +212,7 @@ template <class T, uint32_t N> struct function_constant {
 };
 
 template <class T, uint32_t N> bool is_function_constant_defined(const function_constant<T, N> &) {
-    return constant_value(api ? api->current() : nullptr, N) != nullptr;
+    return constant_value(N) != nullptr;
 }
 
 /* `constant T name = <expression using function constants>;` becomes

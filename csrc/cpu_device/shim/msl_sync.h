@@ -27,6 +27,12 @@ inline const msl_runtime_api *api = nullptr;
 
 namespace msl_rt {
 
+/* The GPU thread this code runs as; NULL outside a dispatch (static initialisers at dlopen). A
+ * fiber is one GPU thread for its whole life, so within kernel code the answer never changes:
+ * declared const, and kept out of line where the compiler sees the attribute, it is asked once per
+ * function rather than at every barrier, collective and function-constant read. */
+[[gnu::const, gnu::noinline]] inline msl_thread *self() { return api ? api->current() : nullptr; }
+
 /* One SIMD-group exchange, seen after its sync: the value each participating lane published.
  *
  * One sync per collective is enough with two parities per lane. A lane publishes its collective k
@@ -63,7 +69,7 @@ template <class T>
 gathered<T> exchange(const T &value, const char *what, const char *file, unsigned line) {
     static_assert(sizeof(T) <= MSL_XCHG_BYTES, "value too wide for a SIMD-group exchange");
     static_assert(std::is_trivially_copyable<T>::value, "SIMD-group functions move plain values");
-    msl_thread *t = api->current();
+    msl_thread *t = self();
     msl_simd_exchange *x = t->simd_exchange;
     uint32_t parity = t->xchg_parity, lane = t->thread_index_in_simdgroup;
     std::memcpy(x->slot[parity][lane], &value, sizeof value);
@@ -74,7 +80,7 @@ gathered<T> exchange(const T &value, const char *what, const char *file, unsigne
 
 /* A SIMD-group sync without values; returns the lanes that took part. */
 inline uint32_t simd_sync(int32_t kind, const char *what, const char *file, unsigned line) {
-    msl_thread *t = api->current();
+    msl_thread *t = self();
     api->sync(t, kind, what, file, line);
     return t->simd_exchange->sync_lanes;
 }
@@ -101,15 +107,11 @@ template <class T> using simd_data = std::enable_if_t<simd_element<lane_t<T>>, T
 
 /* A tree over the participating lanes, as a butterfly would: the upper half is combined into the
  * lower half (lane i with lane i + 16, then + 8, ...). Each op is T's own, so half and bfloat round
- * after every addition. The first lane to get here computes it; the others copy its result. */
-template <class T, class Op> T fold(const gathered<T> &g, Op op) {
+ * after every addition. The first lane to get here computes it (out of line); the others, inline,
+ * copy its result. */
+template <class T, class Op> [[gnu::noinline]] T fold_lanes(const gathered<T> &g, Op op) {
     uint32_t p = g.generation & 1u;
-    unsigned char *result = g.x->result[p];
     T v[MSL_SIMD_WIDTH];
-    if (g.x->reduced[p] == g.generation) {
-        std::memcpy(v, result, sizeof v[0]);
-        return v[0];
-    }
     uint32_t n = 0;
     if (g.lanes == 0xFFFFFFFFu)
         for (; n < MSL_SIMD_WIDTH; n++) v[n] = g.get(n);
@@ -118,9 +120,16 @@ template <class T, class Op> T fold(const gathered<T> &g, Op op) {
     for (uint32_t half = MSL_SIMD_WIDTH / 2; half; half /= 2)
         for (uint32_t i = 0, end = n <= half ? 0 : n - half < half ? n - half : half; i < end; i++)
             v[i] = op(v[i], v[i + half]);
-    std::memcpy(result, v, sizeof v[0]);
+    std::memcpy(g.x->result[p], v, sizeof v[0]);
     g.x->reduced[p] = g.generation;
     return v[0];
+}
+template <class T, class Op> T fold(const gathered<T> &g, Op op) {
+    uint32_t p = g.generation & 1u;
+    if (g.x->reduced[p] != g.generation) return fold_lanes(g, op);
+    T v;
+    std::memcpy(&v, g.x->result[p], sizeof v);
+    return v;
 }
 
 /* Sequential over the participating lanes in `mask`, for prefix scans. */
@@ -139,7 +148,7 @@ inline uint32_t frag_lane(uint32_t row, uint32_t col) {
     return row / 4 * 16 + col / 4 * 8 + row % 4 * 2 + col % 4 / 2;
 }
 
-inline uint32_t lane_id() { return api->current()->thread_index_in_simdgroup; }
+inline uint32_t lane_id() { return self()->thread_index_in_simdgroup; }
 
 /* Memory index of this lane's element j (0 or 1) for simdgroup_load/store. */
 inline uint64_t frag_element_index(int j, uint64_t elements_per_row, ulong2 matrix_origin, bool transpose_matrix) {
@@ -161,7 +170,7 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a
 /* One OS thread runs a threadgroup's fibers, so memory needs no fence: only execution syncs. The
  * flags go along for checked mode, where only mem_threadgroup orders threadgroup memory. */
 inline void threadgroup_barrier(mem_flags flags, MSL_CALLER) {
-    msl_thread *t = msl_rt::api->current();
+    msl_thread *t = msl_rt::self();
     msl_rt::api->sync(t, MSL_SYNC_THREADGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "threadgroup_barrier",
                       file, line);
 }
@@ -434,7 +443,7 @@ MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up) MSL_SIMD_BUILTIN_FILL(simd_shuff
 #undef MSL_SIMD_BUILTIN_FILL
 #undef MSL_SIMD_BITS_BUILTIN
 /* the SIMD-group's width and the caller's lane, in the argument's type */
-template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::api->current()->threads_per_simdgroup); }
+template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::self()->threads_per_simdgroup); }
 template <class T> T __metal_get_thread_index_in_simdgroup(T) { return T(msl_rt::lane_id()); }
 
 namespace metal {
@@ -517,7 +526,7 @@ void mma(metal::simdgroup_matrix<TD, 8, 8> &d, const metal::simdgroup_matrix<TA,
               {float(b.elements[0]), float(b.elements[1])}};
     auto g = exchange(mine, what, file, line);
     if (g.lanes != 0xFFFFFFFFu)
-        api->fail(api->current(), "simdgroup_matrix operation without all 32 lanes of the SIMD-group",
+        api->fail(self(), "simdgroup_matrix operation without all 32 lanes of the SIMD-group",
                   file, line);
     uint32_t row = frag_row(g.self), col = frag_col(g.self);
     float acc[2];
