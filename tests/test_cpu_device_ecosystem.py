@@ -158,6 +158,19 @@ def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():
         lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: True})
 
 
+def test_a_misaligned_vector_access_is_named_as_such():
+    # ggml's kernel_mul_mm stores float4s at rows of 4-byte alignment when the row count is not a
+    # multiple of 4: on x86 that is a general protection fault, which carries no address.
+    lib = build("""
+        kernel void k(device float *x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          device float4 *row = (device float4 *)(x + 1 + 4 * i);
+          *row = float4(float(i));
+        }""")
+    x = torch.zeros(64)
+    with pytest.raises(MetalDispatchError, match="misaligned"):
+        lib.dispatch("k", (1,), (4,), [x])
+
+
 def test_a_long_compile_log_stays_whole():
     # 200 distinct errors: far beyond the message's 8 KiB, all kept in the exception's log.
     body = "\n".join(f"  float v{i} = undeclared_{i};" for i in range(200))
