@@ -118,7 +118,8 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
     includes = [a for d in include_dirs for a in ("-I", d)]
     # Only Metal's headers (the shim's stand-ins) are found: no C++ standard library.
     expanded = subprocess.run(
-        [clang, "-x", "c++", "-std=gnu++17", "-E", "-nostdinc", "-nostdinc++", "-D__METAL_VERSION__=310",
+        [clang, "-x", "c++", "-std=gnu++17", "-E", "-nostdinc", "-nostdinc++", "-fms-extensions",
+         "-U_WCHAR_T_DEFINED", "-U_NATIVE_WCHAR_T_DEFINED", "-D__METAL_VERSION__=310",
          "-D__HAVE_BFLOAT__=1", "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
         input=text, capture_output=True, text=True,
     )

@@ -158,6 +158,19 @@ def test_an_unbound_optional_buffer_reads_zeroes_and_cannot_be_written():
         lib.dispatch("k", (1,), (16,), [out], constants={200: False, 201: True})
 
 
+def test_a_misaligned_vector_access_is_named_as_such():
+    # ggml's kernel_mul_mm stores float4s at rows of 4-byte alignment when the row count is not a
+    # multiple of 4: on x86 that is a general protection fault, which carries no address.
+    lib = build("""
+        kernel void k(device float *x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          device float4 *row = (device float4 *)(x + 1 + 4 * i);
+          *row = float4(float(i));
+        }""")
+    x = torch.zeros(64)
+    with pytest.raises(MetalDispatchError, match="misaligned"):
+        lib.dispatch("k", (1,), (4,), [x])
+
+
 def test_a_long_compile_log_stays_whole():
     # 200 distinct errors: far beyond the message's 8 KiB, all kept in the exception's log.
     body = "\n".join(f"  float v{i} = undeclared_{i};" for i in range(200))
@@ -238,6 +251,111 @@ def test_library_pieces_real_kernels_use():
     r = torch.zeros(8, 8)
     lib.dispatch("mm", (1,), (32,), [a, b, r])
     torch.testing.assert_close(r, a @ b + a)
+
+
+def test_the_conditional_operator_meets_half_and_vectors_as_msl_builtin_types():
+    # llama.cpp writes `c ? p[i] : half2(-MAXHALF, -MAXHALF)` with p a `const device half2 *`,
+    # `c ? x->d : x->d / 16.f` (half and float) and `c ? *(device T *)x : 0` (half and int): MSL's
+    # builtin types meet by its arithmetic rules, which C++'s rules for classes do not give.
+    lib = build("""
+        struct block { half d; };
+        METAL_FUNC void bump(thread int &n) { n += 1; }
+        kernel void k(const device half2 *p [[buffer(0)]], const device block *b [[buffer(1)]],
+                      const device half *h [[buffer(2)]], device float *out [[buffer(3)]],
+                      device half2 *out2 [[buffer(4)]], threadgroup half *t [[threadgroup(0)]],
+                      uint i [[thread_position_in_grid]]) {
+          out2[i] = i < 3 ? p[i] : half2(-MAXHALF, -MAXHALF);
+          const float d = i < 2 ? b[i].d : b[i].d / 16.f;         // float
+          t[i] = i % 2 ? h[i] : 0;                                // half
+          auto w = i % 2 ? h[i] : 1.5h;                           // half, not float
+          float a = 1, c = 2;
+          (i % 2 ? a : c) = 5;                                    // builtin lvalues stay lvalues
+          int n = 0;
+          i > 4 ? bump(n) : (void)0;                              // void operands
+          int nested = i > 1 ? i > 2 ? 3 : 2 : 1;
+          constexpr int tile = sizeof(half) > 1 ? 16 : 8;         // constant expressions
+          device float *o = out + 8 * i;
+          o[0] = d; o[1] = t[i]; o[2] = a + 10 * c; o[3] = n; o[4] = nested + tile;
+          o[5] = float(sizeof(w)); o[6] = w;
+        }""")
+    p = torch.arange(16, dtype=torch.float16).view(8, 2)
+    b = torch.arange(1, 9, dtype=torch.float16)
+    h = torch.arange(8, dtype=torch.float16) * 0.5
+    out = torch.zeros(64)
+    out2 = torch.zeros(8, 2, dtype=torch.float16)
+    lib.dispatch("k", (1,), (8,), [p, b, h, out, out2], threadgroup_memory=[16])
+    want2 = torch.where(torch.arange(8).view(8, 1) < 3, p, torch.full_like(p, -65504.0))
+    torch.testing.assert_close(out2, want2, rtol=0, atol=0)
+    o = out.view(8, 8)
+    i = torch.arange(8)
+    odd = i % 2 == 1
+    assert o[:, 0].tolist() == torch.where(i < 2, b.float(), b.float() / 16).tolist()
+    assert o[:, 1].tolist() == torch.where(odd, h.float(), torch.zeros(8)).tolist()
+    assert o[:, 2].tolist() == torch.where(odd, torch.full((8,), 25.0), torch.full((8,), 51.0)).tolist()
+    assert o[:, 3].tolist() == (i > 4).float().tolist()
+    assert o[:, 4].tolist() == (torch.tensor([1, 1, 2, 3, 3, 3, 3, 3]) + 16).float().tolist()
+    assert o[:, 5].tolist() == [2.0] * 8
+    assert o[:, 6].tolist() == torch.where(odd, h.float(), torch.full((8,), 1.5)).tolist()
+    # MSL would assign to the chosen lvalue: assigning to a conditional of class-typed operands
+    # that became a value must not compile (rather than write a temporary)
+    with pytest.raises(MetalCompileError):
+        build("""
+            kernel void k(device half *x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+              half a = 1, c = 2;
+              (i % 2 ? a : c) = x[0];
+              x[i] = a + c;
+            }""")
+
+
+def test_limits_select_and_filled_matrices_as_llama_cpp_uses_them():
+    lib = build("""
+        kernel void k(const device uchar *bits [[buffer(0)]], device float *out [[buffer(1)]],
+                      uint i [[thread_position_in_grid]]) {
+          out[8 * i + 0] = select(1, -1, bits[i] & 4);            // an int condition: converts to bool
+          out[8 * i + 1] = select(2.0f, 3.0f, int(i));
+          simdgroup_float8x8 m = make_filled_simdgroup_matrix<float, 8>(1.5f);   // Rows = Cols
+          threadgroup float tile[64];
+          simdgroup_store(m, tile, 8);
+          simdgroup_barrier(mem_flags::mem_threadgroup);
+          out[8 * i + 2] = tile[i];
+          out[8 * i + 3] = -FLT_MAX < 0 && FLT_MIN > 0 && FLT_EPSILON == 0x1.0p-23f ? FLT_MANT_DIG : 0;
+          out[8 * i + 4] = float(HALF_MAX) + HALF_MANT_DIG + HALF_DIG;
+          out[8 * i + 5] = INT_MAX == 2147483647 && UINT_MAX == 4294967295u && CHAR_BIT == 8 && SHRT_MIN == -32768
+                           && LONG_MAX == 9223372036854775807L ? 1.0f : 0.0f;
+          out[8 * i + 6] = isinf(float(HUGE_VALH)) ? 1.0f : 0.0f;
+          out[8 * i + 7] = FLT_MAX;
+        }""")
+    bits = torch.arange(32, dtype=torch.uint8)
+    out = torch.zeros(256)
+    lib.dispatch("k", (1,), (32,), [bits, out])
+    o = out.view(32, 8)
+    assert o[:, 0].tolist() == [-1.0 if b & 4 else 1.0 for b in range(32)]
+    assert o[:, 1].tolist() == [2.0] + [3.0] * 31
+    assert o[:, 2].tolist() == [1.5] * 32
+    assert o[:, 3].tolist() == [24.0] * 32
+    assert o[:, 4].tolist() == [65504.0 + 11 + 3] * 32
+    assert o[:, 5].tolist() == [1.0] * 32
+    assert o[:, 6].tolist() == [1.0] * 32
+    assert o[:, 7].tolist() == [torch.finfo(torch.float32).max] * 32
+
+
+def test_macros_in_pragmas_are_expanded():
+    # `#pragma unroll (MIN(DK8/2, 4*NSG))` in llama.cpp: the compiler proper expands macros where it
+    # reads the pragma, so the preprocessing step must not leave them for it.
+    lib = build("""
+        #define MIN(x, y) ((x) < (y) ? (x) : (y))
+        #define N 4
+        kernel void k(device float *out [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+          float s = 0;
+        #pragma unroll (MIN(N, 8))
+          for (int j = 0; j < N; j++) s += j;
+        #pragma clang loop unroll_count(MIN(2, N))
+          for (int j = 0; j < N; j++) s += 1;
+          out[i] = s;
+        }""")
+    out = torch.zeros(4)
+    lib.dispatch("k", (1,), (4,), [out])
+    assert out.tolist() == [10.0] * 4
 
 
 def test_half_and_bfloat_overloads_resolve_as_in_msl():

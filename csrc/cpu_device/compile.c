@@ -52,8 +52,11 @@ static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static mcpu_library *g_libs;   /* loaded libraries, guarded by g_lock */
 static char *g_cxx, *g_cxx_id; /* the compiler last asked for and its --version output, ditto */
 
-static const char *const PRE_FLAGS[] = {
-    "-E", "-x", "c++", "-std=gnu++17", "-nostdinc", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1"};
+/* -fms-extensions: -E expands macros in pragmas (`#pragma unroll (MIN(N, 4))`), as the compiler proper
+ * does where the pragma is read; the two macros it predefines are taken back. */
+static const char *const PRE_FLAGS[] = {"-E", "-x", "c++", "-std=gnu++17", "-nostdinc", "-fms-extensions",
+                                        "-U_WCHAR_T_DEFINED", "-U_NATIVE_WCHAR_T_DEFINED",
+                                        "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1"};
 /* -fsycl-is-device gives clang's language address spaces the default one converts from (msl_shim.h);
  * without device code to diagnose, it changes nothing else the kernels see. Kernels view buffers
  * through other types (half* as half4*): no type-based alias analysis. MSL's char is signed, which

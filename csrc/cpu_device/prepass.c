@@ -73,6 +73,7 @@ typedef struct tok {
 typedef struct edit {
     uint64_t a, b;
     char *text;
+    int64_t order; /* of insertions (a == b) at one place: ascending */
 } edit;
 
 typedef struct tmpl {
@@ -100,6 +101,7 @@ typedef struct pp {
     sbuf launchers;
     sbuf violations; /* MSL rules broken, one "file:line:col: error: ... [rule: name]" line each */
     uint64_t cast_end; /* strict: the address-space casts rewritten so far end here */
+    int64_t nconds;    /* conditional operators rewritten so far */
     int32_t failed;
     char err[1024];
 } pp;
@@ -172,7 +174,13 @@ static void add_edit(pp *P, uint64_t a, uint64_t b, char *text_or_null) {
         free(text_or_null);
         return;
     }
-    P->ed[P->ned++] = (edit){a, b, text_or_null};
+    P->ed[P->ned++] = (edit){a, b, text_or_null, 0};
+}
+
+/* Insert text at byte a; of several insertions at one place, lower order first. */
+static void add_insertion(pp *P, uint64_t a, char *text, int64_t order) {
+    add_edit(P, a, a, text);
+    if (!P->failed) P->ed[P->ned - 1].order = order;
 }
 
 static void push_str(pp *P, char ***arr, uint64_t *n, uint64_t *cap, char *s) {
@@ -982,6 +990,126 @@ static void static_local(pp *P, uint64_t i) {
     violation(P, i, "static-local", "static local variable (MSL allows static only for constexpr or constant)");
 }
 
+/* ---- the conditional operator ---- */
+
+/* i at ) ] or }: the index of the matching opener (counting all three kinds), or P->n. */
+static uint64_t group_start(const pp *P, uint64_t i) {
+    uint64_t depth = 0;
+    for (;; i--) {
+        char k = P->t[i].k;
+        if (k == ')' || k == ']' || k == '}') depth++;
+        if ((k == '(' || k == '[' || k == '{') && --depth == 0) return i;
+        if (i == 0) return P->n;
+    }
+}
+
+static int32_t adjacent(const pp *P, uint64_t i, uint64_t j) { return i < P->n && j < P->n && P->t[i].b == P->t[j].a; }
+
+/* '=' at k assigns (=, +=, <<=, ...) rather than compares (==, !=, <=, >=). */
+static int32_t assigns(const pp *P, uint64_t k) {
+    if (is(P, k + 1, '=') && adjacent(P, k, k + 1)) return 0;
+    if (k == 0 || !adjacent(P, k - 1, k)) return 1;
+    char p = P->t[k - 1].k;
+    if (p == '=' || p == '!') return 0;
+    if (p == '<' || p == '>') return k >= 2 && P->t[k - 2].k == p && adjacent(P, k - 2, k - 1);
+    return 1;
+}
+
+/* The first token of the condition of the '?' at q, or P->n when it cannot be delimited; *angle set
+ * when the condition holds a '<' after a name with no '>' to close it: a less-than, or the
+ * conditional is a template argument (f<c ? 1 : 2>, told by the '>' after it). */
+static uint64_t condition_start(const pp *P, uint64_t q, int32_t *angle) {
+    uint64_t k = q, angles = 0;
+    while (k > 0) {
+        uint64_t j = k - 1;
+        char c = P->t[j].k;
+        if (c == ')' || c == ']' || c == '}') {
+            uint64_t o = group_start(P, j);
+            if (o == P->n) return P->n;
+            /* `if (x) c ? a : b;`: the condition starts after the statement's parentheses */
+            if (c == ')' && o > 0 &&
+                (word(P, o - 1, "if") || word(P, o - 1, "while") || word(P, o - 1, "for") || word(P, o - 1, "switch")))
+                break;
+            /* a block ends the expression; a braced initialiser (T{...}, after a name or '>') is in it */
+            if (c == '}' && !(o > 0 && (is(P, o - 1, 'w') || is(P, o - 1, '>')))) break;
+            k = o;
+            continue;
+        }
+        if (c == ';' || c == '{' || c == '(' || c == '[' || c == ',' || c == '?' || c == ':') break;
+        if (c == '=' && assigns(P, j)) break;
+        if (word(P, j, "return") || word(P, j, "case") || word(P, j, "else") || word(P, j, "do")) break;
+        if (c == '>') angles++;
+        if (c == '<') {
+            if (j > 0 && is(P, j - 1, '<') && adjacent(P, j - 1, j)) { /* << */
+                k = j - 1;
+                continue;
+            }
+            if (angles)
+                angles--;
+            else if (j > 0 && is(P, j - 1, 'w') && !(is(P, j + 1, '=') && adjacent(P, j, j + 1)))
+                *angle = 1;
+        }
+        k = j;
+    }
+    return k < q ? k : P->n;
+}
+
+/* From i, the end of a conditional's operand: the ':' matching the '?' for the middle one
+ * (colon set), else the first ',' ';' ')' ']' '}' or unmatched ':' outside groups. P->n if none. */
+static uint64_t operand_stop(const pp *P, uint64_t i, int32_t middle) {
+    uint64_t pending = 0;
+    while (i < P->n) {
+        char c = P->t[i].k;
+        if (c == '(' || c == '[' || c == '{') {
+            i = skip_group(P, i);
+            continue;
+        }
+        if (c == ')' || c == ']' || c == '}' || c == ';') return middle ? P->n : i;
+        if (c == ',' && !middle) return i;
+        if (c == '?') pending++;
+        if (c == ':') {
+            if (!pending) return i;
+            pending--;
+        }
+        /* a template-id's arguments (vec<float, 4>(x), as_type<uint>(y)) */
+        if (!middle && c == '<' && i > 0 && is(P, i - 1, 'w')) {
+            uint64_t g = skip_angles(P, i);
+            if (g < P->n && (is(P, g, '(') || is(P, g, '{') || is(P, g, 'D'))) {
+                i = g;
+                continue;
+            }
+        }
+        i++;
+    }
+    return P->n;
+}
+
+/* Half, bfloat and the vectors are classes in the executed build, so `C ? A : B` with one of them
+ * in device, constant or threadgroup memory (or const) and a value of its type, or a half and a
+ * float or an int, follows C++'s rules for classes (incompatible, ambiguous) instead of MSL's for
+ * builtin types. A conditional in a function body becomes
+ *     ::msl_rt::cond_unwrap(C ? ((A), ::msl_rt::cond_mark()) : ((B), ::msl_rt::cond_mark()))
+ * whose operands meet as in MSL (msl_kernel.h), without a line added. */
+static void conditional(pp *P, uint64_t q) {
+    if (P->strict || is(P, q + 1, ':')) return; /* strict types are clang's own; GNU's a ?: b */
+    int32_t angle = 0;
+    uint64_t c = condition_start(P, q, &angle);
+    if (c == P->n) return;
+    uint64_t colon = operand_stop(P, q + 1, 1);
+    if (colon == P->n || colon == q + 1) return;
+    uint64_t end = operand_stop(P, colon + 1, 0);
+    if (end == P->n || end == colon + 1) return;
+    for (uint64_t k = colon + 1; angle && k < end; k = opens(P, k) ? skip_group(P, k) : k + 1)
+        if (is(P, k, '>') && !adjacent(P, k, k + 1) && !(k > 0 && adjacent(P, k - 1, k) && strchr("->", P->t[k - 1].k)))
+            return; /* a template argument (a lone '>' after it) */
+    int64_t seq = ++P->nconds;
+    add_insertion(P, P->t[c].a, dup_n(P, "::msl_rt::cond_unwrap(", 22), seq);
+    add_insertion(P, P->t[q + 1].a, dup_n(P, "((", 2), seq);
+    add_insertion(P, P->t[colon - 1].b, dup_n(P, "), ::msl_rt::cond_mark())", 25), -seq);
+    add_insertion(P, P->t[colon + 1].a, dup_n(P, "((", 2), seq);
+    add_insertion(P, P->t[end - 1].b, dup_n(P, "), ::msl_rt::cond_mark()))", 26), -seq);
+}
+
 /* A function body from just after its '{'; returns the index after its '}'. */
 static uint64_t walk_body(pp *P, uint64_t i, body *B) {
     B->depth = 1;
@@ -994,6 +1122,7 @@ static uint64_t walk_body(pp *P, uint64_t i, body *B) {
         }
         int32_t stmt = is(P, i - 1, ';') || is(P, i - 1, '{') || is(P, i - 1, '}');
         if (word(P, i, "threadgroup") && stmt) i = threadgroup_decl(P, i, B);
+        if (is(P, i, '?')) conditional(P, i);
         if (P->strict && word(P, i, "static") && stmt) static_local(P, i);
         if (P->strict && B->fn && word(P, i, B->fn) && is(P, i + 1, '(') && !is(P, i - 1, '.') &&
             !is(P, i - 1, 'A') && !is(P, i - 1, 'D') && definitions(P, B->fn) == 1) {
@@ -1298,9 +1427,14 @@ static void strict_rules(pp *P) {
 
 /* ---- output ---- */
 
+/* By place; at one place insertions first (by order), then the longest replacement (the others
+ * start inside it and are dropped). */
 static int cmp_edit(const void *x, const void *y) {
     const edit *a = x, *b = y;
-    return a->a != b->a ? (a->a < b->a ? -1 : 1) : (a->b > b->b ? -1 : a->b < b->b); /* longer first */
+    if (a->a != b->a) return a->a < b->a ? -1 : 1;
+    if ((a->a == a->b) != (b->a == b->b)) return a->a == a->b ? -1 : 1;
+    if (a->order != b->order) return a->order < b->order ? -1 : 1;
+    return a->b > b->b ? -1 : a->b < b->b; /* longer first */
 }
 
 static char *render(pp *P) {

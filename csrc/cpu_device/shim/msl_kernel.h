@@ -266,6 +266,60 @@ template <class To> To address_space_cast(decltype(nullptr));
 } // namespace msl_strict
 #endif
 
+#ifndef MSL_STRICT
+/* The conditional operator. half, bfloat and the vectors are classes here, so C++ would meet `c ? x
+ * : y` with its rules for classes: a const or device/constant/threadgroup half2 and a half2 value
+ * are incompatible, a half and a float or an int ambiguous. The prepass writes each conditional of
+ * a function body as
+ *     ::msl_rt::cond_unwrap(C ? ((A), ::msl_rt::cond_mark()) : ((B), ::msl_rt::cond_mark()))
+ * An operand of a C++ type comes back from the comma as it was (value category kept), so two of
+ * them meet by C++'s rules, MSL's for them. A half, bfloat or vector operand comes as a
+ * cond_value of its plain type (no const, no address space) and meets the other operand by MSL's
+ * usual arithmetic conversions (half and int give half, half and float float, a vector and a
+ * scalar the vector). The result is then a value, const so that assigning to it does not compile
+ * (MSL would assign to the chosen lvalue). A void operand leaves cond_mark itself (void). */
+namespace msl_rt {
+struct cond_mark {};
+template <class T>
+using cond_plain_t = std::remove_cv_t<metal::remove_addrspace_t<std::remove_cv_t<std::remove_reference_t<T>>>>;
+template <class T>
+constexpr bool cond_class_v = std::is_class_v<cond_plain_t<T>> && metal::detail::info<cond_plain_t<T>>::n > 0;
+/* what a class operand of plain type U and an operand of type Y meet in (none: no conversion) */
+template <class U, class Y, class = void> struct cond_meet {};
+template <class U, class Y>
+struct cond_meet<U, Y, std::void_t<typename metal::detail::common<U, metal::detail::value_t<cond_plain_t<Y>>>::type>> {
+    using type = typename metal::detail::common<U, metal::detail::value_t<cond_plain_t<Y>>>::type;
+};
+template <class U, class Y> using cond_meet_t = typename cond_meet<U, Y>::type;
+
+template <class U> struct cond_value {
+    U v;
+    struct from_operand {};
+    constexpr cond_value(from_operand, const U &x) : v(x) {}
+    /* the other operand converts to this one's type where MSL's conversions give it */
+    template <class Y, std::enable_if_t<!cond_class_v<Y> && std::is_same_v<cond_meet_t<U, Y>, U>, int> = 0>
+    constexpr cond_value(Y &&y) : v(static_cast<Y &&>(y)) {}
+    /* or this one to the other's */
+    template <class Y, std::enable_if_t<!cond_class_v<Y> && !std::is_same_v<cond_meet_t<U, Y>, U> &&
+                                            std::is_same_v<cond_meet_t<U, Y>, metal::detail::value_t<Y>>, int> = 0>
+    constexpr operator Y() const { return Y(v); }
+    template <class V, std::enable_if_t<!std::is_same_v<U, V> && std::is_same_v<cond_meet_t<U, V>, V>, int> = 0>
+    constexpr operator cond_value<V>() const { return cond_value<V>(typename cond_value<V>::from_operand{}, V(v)); }
+};
+
+template <class T, std::enable_if_t<!cond_class_v<T>, int> = 0> constexpr T operator,(T &&x, cond_mark) {
+    return static_cast<T &&>(x);
+}
+template <class T, std::enable_if_t<cond_class_v<T>, int> = 0>
+constexpr cond_value<cond_plain_t<T>> operator,(T &&x, cond_mark) {
+    return cond_value<cond_plain_t<T>>(typename cond_value<cond_plain_t<T>>::from_operand{}, x);
+}
+template <class U> constexpr const U cond_unwrap(cond_value<U> x) { return x.v; }
+template <class T> constexpr T cond_unwrap(T &&x) { return static_cast<T &&>(x); }
+constexpr void cond_unwrap(cond_mark) {}
+} // namespace msl_rt
+#endif
+
 namespace metal {
 using ::msl_rt::is_function_constant_defined;
 }

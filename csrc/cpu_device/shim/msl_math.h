@@ -30,10 +30,28 @@
 #define M_2_SQRTPI_F 1.12837916709551257390f
 #define M_SQRT2_F 1.41421356237309504880f
 #define M_SQRT1_2_F 0.707106781186547524401f
+#define FLT_DIG 6
+#define FLT_MANT_DIG 24
+#define FLT_MAX_10_EXP 38
+#define FLT_MAX_EXP 128
+#define FLT_MIN_10_EXP (-37)
+#define FLT_MIN_EXP (-125)
+#define FLT_RADIX 2
+#define FLT_MAX 0x1.fffffep127f
+#define FLT_MIN 0x1.0p-126f
+#define FLT_EPSILON 0x1.0p-23f
+#define HALF_DIG 3
+#define HALF_MANT_DIG 11
+#define HALF_MAX_10_EXP 4
+#define HALF_MAX_EXP 16
+#define HALF_MIN_10_EXP (-4)
+#define HALF_MIN_EXP (-13)
+#define HALF_RADIX 2
 #define HALF_MAX 65504.0h
 #define HALF_MIN 6.103515625e-05h
 #define HALF_EPSILON 9.765625e-04h
 #define MAXHALF HALF_MAX
+#define HUGE_VALH (half(INFINITY))
 
 #ifdef MSL_STRICT
 
@@ -283,9 +301,11 @@ template <class A, std::enable_if_t<is_floating_point_v<A>, int> = 0> A frexp(A 
     return A(std::frexp(float(x), &e));
 }
 
-/* select(a, b, c): c ? b : a, with c a bool or a bool vector of the operands' lanes */
+/* select(a, b, c): c ? b : a, with c a bool vector of the operands' lanes, or for scalar operands
+ * a scalar (select(T a, T b, bool c): an int converts to bool, as in any call) */
 template <class A, class B, class C, class R = detail::common_t<A, B>,
-          std::enable_if_t<std::is_same_v<detail::elem_t<C>, bool>, int> = 0>
+          std::enable_if_t<std::is_same_v<detail::elem_t<C>, bool> ||
+                               (detail::info<C>::n == 1 && detail::info<R>::n == 1), int> = 0>
 constexpr R select(const A &a, const B &b, const C &c) {
     return detail::map<R>([](auto x, auto y, bool s) { return s ? y : x; }, R(a), R(b), detail::value_t<C>(c));
 }

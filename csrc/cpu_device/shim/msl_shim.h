@@ -6,6 +6,7 @@
 #ifndef MSL_SHIM_H
 #define MSL_SHIM_H
 
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

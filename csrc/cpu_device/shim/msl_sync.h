@@ -470,7 +470,7 @@ typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 #endif
 
-template <class T, int Cols, int Rows>
+template <class T, int Cols, int Rows = Cols>
 simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
     simdgroup_matrix<T, Cols, Rows> m;
     m.elements[0] = m.elements[1] = value;
