@@ -483,6 +483,19 @@ def test_address_spaces_stay_distinct():
     assert (o[:, 8] == 5).all()
 
 
+def test_members_whose_bodies_differ_by_the_address_space_of_this_are_refused():
+    # One body serves objects in every address space here, which is faithful only when the set's
+    # bodies agree: a set whose bodies differ must not run with the wrong one.
+    with pytest.raises(MetalCompileError, match="'get' is overloaded on the address space of `this` with bodies"):
+        build("""
+            struct box {
+              float v;
+              float get() const device { return v; }
+              float get() const threadgroup { return 2.0f * v; }
+            };
+            kernel void k(device box *b [[buffer(0)]], device float *out [[buffer(1)]]) { out[0] = b[0].get(); }""")
+
+
 @pytest.mark.parametrize("statement", [
     "threadgroup float *t = out;",                    # device to threadgroup
     "device float *d = (device float *)c;",           # constant to device, even cast

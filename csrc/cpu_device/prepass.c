@@ -1192,7 +1192,9 @@ static void array_params(pp *P, uint64_t p) {
 /* Member functions qualified with the address space of `this` (`f() device`, `S(T x) constant`).
  * C++ outside OpenCL has no such qualifiers, so each overload set keeps one member callable on
  * objects in every address space (which the executed build's default address space reaches): the
- * unqualified (thread) one, else the first qualified one without its qualifier. */
+ * unqualified (thread) one, else the first qualified one without its qualifier. That is faithful
+ * only when the set's bodies agree (up to address-space words): a set whose bodies differ is
+ * refused, rather than one body silently serving every object. */
 
 /* Where the member [s, h) names its address space (after its parameters and cv-qualifiers), or 0;
  * *name: its name token, the one before the parameters. */
@@ -1217,22 +1219,42 @@ static int32_t same_tokens(const pp *P, uint64_t a, uint64_t b, uint64_t n) {
     return 1;
 }
 
-/* Whether the class body opening at `open` ('{') declares, at its own level, a member with the
- * tokens [name, space) that is unqualified (`thread` counts as unqualified) or comes before `name`. */
-static int32_t has_twin(const pp *P, uint64_t open, uint64_t name, uint64_t space) {
+/* Where the class body opening at `open` ('{') declares, at its own level, a member with the
+ * tokens [name, space) that is unqualified (`thread` counts as unqualified) or comes before `name`:
+ * that twin's name token, or 0. */
+static uint64_t find_twin(const pp *P, uint64_t open, uint64_t name, uint64_t space) {
     uint64_t n = space - name, close = skip_group(P, open) - 1;
     for (uint64_t k = open + 1; k + n < close; k = is(P, k, '{') ? skip_group(P, k) : k + 1)
-        if (k != name && same_tokens(P, k, name, n) && (k < name || !address_space_word(P, k + n))) return 1;
+        if (k != name && same_tokens(P, k, name, n) && (k < name || !address_space_word(P, k + n))) return k;
     return 0;
+}
+
+/* Whether the tokens [a, e) (a qualified member's rest: initialisers and body) and those from b on
+ * (its twin's rest) are the same, address-space words and `thread` skipped on both sides. */
+static int32_t same_rest(const pp *P, uint64_t a, uint64_t e, uint64_t b) {
+    for (;;) {
+        while (a < e && (address_space_word(P, a) || word(P, a, "thread"))) a++;
+        while (b < P->n && (address_space_word(P, b) || word(P, b, "thread"))) b++;
+        if (a >= e) return 1;
+        if (b >= P->n || !same_tokens(P, a, b, 1)) return 0;
+        a++, b++;
+    }
 }
 
 /* The member [s, e) of the class whose body opens at `open`, its head ending at h: in strict mode
  * every qualified member goes (calls on such objects are not checked); else a qualified member with
- * a twin goes, one without loses its qualifier. */
+ * a twin goes (refused when their bodies differ), one without loses its qualifier. */
 static void space_member(pp *P, uint64_t open, uint64_t s, uint64_t h, uint64_t e) {
     uint64_t name = 0, space = member_space(P, s, h, &name);
     if (!space) return;
-    if (P->strict || has_twin(P, open, name, space))
+    uint64_t twin = P->strict ? 0 : find_twin(P, open, name, space);
+    if (twin && !same_rest(P, space + 1, e, twin + (space - name)))
+        fail_at(P, name,
+                "member '%.*s' is overloaded on the address space of `this` with bodies that differ: the CPU "
+                "device runs one body for objects in every address space (C++ has no such overloads outside "
+                "OpenCL), so it refuses the set rather than run the wrong body",
+                (int)(P->t[name].b - P->t[name].a), P->src + P->t[name].a);
+    if (P->strict || twin)
         add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
     else
         add_edit(P, P->t[space].a, P->t[space].b, NULL);
