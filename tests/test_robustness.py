@@ -251,8 +251,11 @@ def test_compile_times_out_and_kills_the_compiler(cache, tmp_path, monkeypatch):
     assert sleepers(611) == []
 
 
+# Python's own Ctrl-C handler first: a shell that starts this suite in the background (no job
+# control) passes SIGINT on as ignored, and Python then installs no handler of its own.
 INTERRUPTED = """
-import sys, torch
+import signal, sys, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from flashattn_mps.metal_cpu import compile_library
 {setup}
 print("ready", flush=True)
