@@ -283,10 +283,8 @@ class AttentionOptions(NamedTuple):
 
 
 class PagedKeys(NamedTuple):
-    """A varlen call's paged KV cache: the block table, each sequence's key count and the
-    positions a table row holds."""
+    """A varlen call's paged KV cache: the block table and the positions a table row holds."""
     block_table: torch.Tensor
-    key_lengths: list
     capacity: int
 
 
@@ -343,18 +341,20 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                 raise ValueError(f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} positions "
                                  f"of its block_table row ({block_table.shape[1]} pages of {page_size})")
             check_pages_used(pages, b, keys, page_size, pool, who)
-        paging = PagedKeys(block_table, key_lengths, capacity)
+        paging = PagedKeys(block_table, capacity)
     return _VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
                        AttentionOptions(scale, causal, band, softcap, alibi, sinks), dropout_p, return_attn_probs,
                        paging)
 
 
-def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: bool = False) -> torch.Tensor:
     """The (batch, 6) int32 sequence table of packed sequences (metal/fa_sequence.h), built on the
-    prefix sums' device (no host read)."""
+    prefix sums' device (no host read). paged: every sequence's keys start at position 0 of its
+    pages, not at its prefix sum."""
     zeros = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_q.device)
-    return torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, cu_seqlens_k[:-1],
-                        cu_seqlens_k.diff()], dim=1).contiguous()
+    key_starts = zeros if paged else cu_seqlens_k[:-1]
+    return torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, key_starts, cu_seqlens_k.diff()],
+                       dim=1).contiguous()
 
 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
@@ -446,11 +446,8 @@ def _paged_arguments(call: _VarlenCall):
     """run_forward's (and plan_forward's) arguments for a varlen call over a paged pool (q rows from
     the prefix sums, keys from position 0 of each sequence's pages), and the out they fill."""
     q, k_pool, v_pool = call.q, call.k, call.v
-    block_table, key_lengths, capacity = call.paged
-    zeros = torch.zeros(call.cu_seqlens_q.shape[0] - 1, dtype=torch.int32, device=q.device)
-    key_counts = torch.tensor(key_lengths, dtype=torch.int32).to(q.device)
-    table = torch.stack([zeros, call.cu_seqlens_q[:-1], call.cu_seqlens_q.diff(), zeros, zeros, key_counts],
-                        dim=1).contiguous()
+    block_table, capacity = call.paged
+    table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k, paged=True)
     out = q.new_empty((*q.shape[:2], v_pool.shape[3]))
     views = [packed_view(q), k_pool.transpose(1, 2), v_pool.transpose(1, 2), packed_view(out)]
     sequences = sequence_args(table, call.max_q, min(call.max_k, capacity), block_table)
