@@ -42,7 +42,8 @@ static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st
         macros[i].value = id.macros[i].value;
     }
     mcpu_library *library = NULL;
-    if (mcpu_compile_library_checked(source.text, source.name, macros, id.n_macros, checked, &library, st) !=
+    if (mcpu_compile_library_mode(source.text, source.name, macros, id.n_macros, checked ? MCPU_CHECKED : 0u,
+                                  &library, st) !=
         FA_OK) {
         return NULL;
     }

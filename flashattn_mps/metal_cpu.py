@@ -14,6 +14,13 @@ kernels `set_checked(True)` / FLASHATTN_MPS_CPU_CHECKED=1) runs kernels instrume
 raises MetalDispatchError naming the kernel, both source lines and both threads for a
 threadgroup-memory data race, a read of threadgroup memory never written in the threadgroup, or an
 access outside the bound buffers or the threadgroup memory (README, "Checked mode").
+
+Lockstep (`compile_library(..., lockstep=True)`) runs the lanes of each SIMD-group through their
+threadgroup-memory accesses in step, as an Apple GPU issues each instruction for all active lanes
+at once: for kernels that rely on that without a simdgroup_barrier between one lane's write and
+another lane's read (llama.cpp's do), which otherwise see the other lane's value too early or too
+late. Metal does not promise lockstep: a checked library without it reports such code as a race;
+with both, only races between SIMD-groups are reported (README, "Lockstep").
 """
 from __future__ import annotations
 
@@ -73,10 +80,11 @@ def _buffer(index: int, value) -> tuple:
 class Library:
     """A compiled MSL library (like MTLLibrary). Create with `compile_library`."""
 
-    def __init__(self, handle, source_name: str, checked: bool):
+    def __init__(self, handle, source_name: str, checked: bool, lockstep: bool):
         self._handle = handle
         self.source_name = source_name
         self.checked = checked
+        self.lockstep = lockstep
         self.kernels = tuple(handle.kernels())
 
     def dispatch(
@@ -124,11 +132,14 @@ def compile_library(
     macros: Optional[Mapping[str, object]] = None,
     name: str = "library.metal",
     checked: Optional[bool] = None,
+    lockstep: bool = False,
 ) -> Library:
     """Compile MSL source (like newLibraryWithSource:options: with preprocessorMacros).
 
     checked=True builds the library for checked mode (module docstring), False not; None (the
-    default) follows `checked()`. A checked library is a separate build with its own cache entry.
+    default) follows `checked()`. lockstep=True runs its SIMD-groups in lockstep (module
+    docstring). Either is an instrumented build with its own cache entry (shared by the two), and
+    slower to run than a plain one.
 
     Macro values are converted with str() (None and True define the macro as 1, False as 0). Compiled libraries
     are cached in memory and on disk (see `cache_dir()`). Raises MetalCompileError carrying the
@@ -140,6 +151,8 @@ def compile_library(
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     if checked is not None and not isinstance(checked, bool):
         raise TypeError(f"checked must be True, False or None, got {checked!r}")
+    if not isinstance(lockstep, bool):
+        raise TypeError(f"lockstep must be True or False, got {lockstep!r}")
     pairs = []
     for key, value in (macros or {}).items():
         if not isinstance(key, str) or not key.isidentifier():
@@ -147,7 +160,7 @@ def compile_library(
         pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
     mode = _C.cpu_checked() if checked is None else checked
     try:
-        return Library(_C.compile_library(source, name, pairs, int(mode)), name, mode)
+        return Library(_C.compile_library(source, name, pairs, int(mode), lockstep), name, mode, lockstep)
     except MetalCompileError as error:
         _attach_log(error)
         raise

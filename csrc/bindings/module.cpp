@@ -467,7 +467,8 @@ struct Library {
 
 // checked: 1 or 0, or -1 for the default (mcpu_checked: $FLASHATTN_MPS_CPU_CHECKED, set_cpu_checked)
 Library compile_library(const std::string &source, const std::string &name,
-                        const std::vector<std::pair<std::string, std::string>> &macros, int32_t checked) {
+                        const std::vector<std::pair<std::string, std::string>> &macros, int32_t checked,
+                        bool lockstep) {
     std::vector<mcpu_macro> c_macros;
     for (const auto &m : macros) {
         c_macros.push_back({m.first.c_str(), m.second.c_str()});
@@ -477,10 +478,14 @@ Library compile_library(const std::string &source, const std::string &name,
     int32_t rc;
     {
         py::gil_scoped_release release;
-        rc = checked < 0 ? mcpu_compile_library(source.c_str(), name.c_str(), c_macros.data(),
-                                                static_cast<uint32_t>(c_macros.size()), &lib, &st)
-                         : mcpu_compile_library_checked(source.c_str(), name.c_str(), c_macros.data(),
-                                                        static_cast<uint32_t>(c_macros.size()), checked, &lib, &st);
+        if (checked < 0) {
+            checked = mcpu_checked(&st);
+        }
+        rc = checked < 0 ? st.code
+                         : mcpu_compile_library_mode(source.c_str(), name.c_str(), c_macros.data(),
+                                                     static_cast<uint32_t>(c_macros.size()),
+                                                     (checked ? MCPU_CHECKED : 0u) | (lockstep ? MCPU_LOCKSTEP : 0u),
+                                                     &lib, &st);
     }
     check(rc, st);
     return Library{lib};
@@ -685,7 +690,7 @@ PYBIND11_MODULE(_C, m) {
              py::arg("buffers"), py::arg("threadgroup_lengths"), py::arg("constants"),
              py::arg("buffer_lengths") = std::vector<uint64_t>());
     m.def("compile_library", &compile_library, py::arg("source"), py::arg("name"), py::arg("macros"),
-          py::arg("checked") = -1);
+          py::arg("checked") = -1, py::arg("lockstep") = false);
     m.def("set_cpu_checked", [](int32_t checked) { mcpu_set_checked(checked); }); // 1, 0, -1: the environment's
     m.def("cpu_checked_dispatches", &mcpu_checked_dispatches);
     m.def("cpu_checked", []() {

@@ -44,7 +44,7 @@ struct mcpu_library {
     const char *const *names; /* __msl_kernel_names, inside the loaded object */
     mcpu_kernel_fn *fns;      /* __msl_launch_<names[i]> */
     uint64_t n;
-    int32_t checked; /* built for checked mode (MSL_CHECKED, instrumented) */
+    uint32_t mode; /* MCPU_CHECKED, MCPU_LOCKSTEP: built instrumented (MSL_CHECKED) if any */
     struct mcpu_library *next;
 };
 
@@ -1229,9 +1229,9 @@ static int32_t install(const char *built, const char *dir, const char *key, fa_s
     return write_atomic(dir, name, text, strlen(text), st);
 }
 
-static mcpu_library *find(const char *key) {
+static mcpu_library *find(const char *key, uint32_t mode) {
     mcpu_library *l = g_libs;
-    while (l && strcmp(l->key, key)) l = l->next;
+    while (l && (strcmp(l->key, key) || l->mode != mode)) l = l->next;
     return l;
 }
 
@@ -1291,7 +1291,8 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
 }
 
 static int32_t compile(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
-                       int32_t checked, mcpu_library **out, fa_status *st) {
+                       uint32_t mode, mcpu_library **out, fa_status *st) {
+    const int32_t checked = mode != 0; /* instrumented: checked mode and lockstep share the build */
     char cache[PATH_BYTES], key[33];
     command cxx;
     double timeout;
@@ -1328,7 +1329,7 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
     sha_hex(&s, key);
 
     pthread_mutex_lock(&g_lock);
-    mcpu_library *lib = find(key);
+    mcpu_library *lib = find(key, mode);
     pthread_mutex_unlock(&g_lock);
     int32_t damaged = 0;
     if (!lib && load_cached(cache, key, &lib, &damaged, st) == CACHE_REFUSED) {
@@ -1339,10 +1340,10 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
         lib = build_and_load(cache, &cxx, id, timeout, key, damaged, checked, source, source_name, macros, n_macros, st);
     free(id);
     if (!lib) return st->code;
-    lib->checked = checked;
+    lib->mode = mode;
 
     pthread_mutex_lock(&g_lock);
-    mcpu_library *raced = find(key); /* another thread finished first: same object, keep theirs */
+    mcpu_library *raced = find(key, mode); /* another thread finished first: same object, keep theirs */
     if (!raced) {
         lib->next = g_libs;
         g_libs = lib;
@@ -1363,11 +1364,12 @@ int32_t mcpu_compile_library(const char *source, const char *source_name, const 
     fa_status local;
     int32_t checked = mcpu_checked(st ? st : &local);
     return checked < 0 ? (st ? st : &local)->code
-                       : mcpu_compile_library_checked(source, source_name, macros, n_macros, checked, out, st);
+                       : mcpu_compile_library_mode(source, source_name, macros, n_macros,
+                                                   checked ? MCPU_CHECKED : 0u, out, st);
 }
 
-int32_t mcpu_compile_library_checked(const char *source, const char *source_name, const mcpu_macro *macros,
-                                     uint32_t n_macros, int32_t checked, mcpu_library **out, fa_status *st) {
+int32_t mcpu_compile_library_mode(const char *source, const char *source_name, const mcpu_macro *macros,
+                                  uint32_t n_macros, uint32_t mode, mcpu_library **out, fa_status *st) {
     fa_status local;
     if (!st) st = &local;
     if (out) *out = NULL;
@@ -1377,8 +1379,11 @@ int32_t mcpu_compile_library_checked(const char *source, const char *source_name
         if (!valid_macro(&macros[i]))
             return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: bad macro %u ('%s')", i,
                            macros[i].name ? macros[i].name : "(null)");
+    if (mode & ~(uint32_t)MCPU_MODES)
+        return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: mode %u has unknown bits (MCPU_CHECKED = 1, "
+                       "MCPU_LOCKSTEP = 2)", mode);
     if (!source_name || !*source_name) source_name = "kernel.metal";
-    return compile(source, source_name, macros, n_macros, checked != 0, out, st);
+    return compile(source, source_name, macros, n_macros, mode, out, st);
 }
 
 const char *const *mcpu_library_kernels(const mcpu_library *lib) {
@@ -1386,7 +1391,7 @@ const char *const *mcpu_library_kernels(const mcpu_library *lib) {
     return lib ? lib->names : none;
 }
 
-int32_t mcpu_library_checked(const mcpu_library *lib) { return lib && lib->checked; }
+uint32_t mcpu_library_mode(const mcpu_library *lib) { return lib ? lib->mode : 0u; }
 
 int32_t mcpu_run_tool(char *const argv[], char **out, double timeout) {
     char *err = NULL;

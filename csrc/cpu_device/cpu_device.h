@@ -27,13 +27,19 @@ typedef struct mcpu_macro {
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
                              uint32_t n_macros, mcpu_library **out, fa_status *st);
 
-/* The same, built for checked mode (checked != 0) or not, whatever the default (mcpu_checked).
- * A checked library's dispatches report threadgroup-memory races, reads of threadgroup memory
- * never written in the threadgroup and accesses outside the bound buffers or threadgroup memory
- * (README, "Checked mode"); it is a separate library with its own cache key. */
-int32_t mcpu_compile_library_checked(const char *source, const char *source_name, const mcpu_macro *macros,
-                                     uint32_t n_macros, int32_t checked, mcpu_library **out, fa_status *st);
-int32_t mcpu_library_checked(const mcpu_library *lib);
+/* How a library's kernels run (bits of a mode; 0: plainly, as fast as the device can):
+ * MCPU_CHECKED: dispatches report threadgroup-memory races, reads of threadgroup memory never
+ * written in the threadgroup and accesses outside the bound buffers or threadgroup memory
+ * (README, "Checked mode"). MCPU_LOCKSTEP: the lanes of each SIMD-group take their
+ * threadgroup-memory accesses in step, as kernels that rely on a GPU's lockstep need (README,
+ * "Lockstep"); with MCPU_CHECKED, accesses of one SIMD-group then never race. Either builds the
+ * library instrumented: a separate build with its own cache key, which both share. */
+enum { MCPU_CHECKED = 1u, MCPU_LOCKSTEP = 2u, MCPU_MODES = MCPU_CHECKED | MCPU_LOCKSTEP };
+
+/* mcpu_compile_library for the given mode, whatever the default (mcpu_checked). */
+int32_t mcpu_compile_library_mode(const char *source, const char *source_name, const mcpu_macro *macros,
+                                  uint32_t n_macros, uint32_t mode, mcpu_library **out, fa_status *st);
+uint32_t mcpu_library_mode(const mcpu_library *lib);
 
 /* Whether libraries are built checked unless said otherwise (mcpu_compile_library, the core's
  * kernels): as set (0 or 1), else (never set, or set to -1) what $FLASHATTN_MPS_CPU_CHECKED (0 or
@@ -74,9 +80,9 @@ typedef struct mcpu_dispatch_args {
 
 int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *args, fa_status *st);
 
-/* Runs one prepared launch (used by mcpu_dispatch after validation; defined in runtime.c);
- * checked: the kernel's library is a checked one. */
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, int32_t checked, fa_status *st);
+/* Runs one prepared launch (used by mcpu_dispatch after validation; defined in runtime.c) in
+ * the mode of the kernel's library. */
+int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, fa_status *st);
 
 /* Runs a tool (argv[0] looked up in PATH, no shell) capturing its stdout into *out (malloc'ed or
  * NULL); returns its exit status, or < 0 if it could not run (compile.c). */

@@ -108,6 +108,7 @@ typedef struct checked_state {
      * threadgroup; a mark of an interval before first_epoch is from another threadgroup. */
     uint32_t epoch, first_epoch;
     uint32_t simd_epoch[MAX_SIMDGROUPS]; /* simdgroup_barrier(mem_threadgroup)s per SIMD-group */
+    int32_t lockstep; /* SIMD-groups run in lockstep: their lanes' accesses are ordered */
     /* The interval's first read of bytes not written yet: a race if another thread writes them
      * before the interval ends (the write reports it), else uninitialised (reported then). */
     finding *unwritten_read, pending; /* NULL or &pending */
@@ -128,13 +129,16 @@ typedef struct job {
     uint64_t interrupts;     /* SIGINTs counted when it started */
     double time_limit, started;
     int32_t seen;
-    /* checked mode */
-    int32_t checked;
+    /* checked mode, lockstep (MCPU_CHECKED, MCPU_LOCKSTEP) */
+    int32_t checked, lockstep;
     const guarded *guard;
     finding found; /* written by the failing thread, read once the dispatch has ended */
 } job;
 
 typedef enum { READY, WAITING, DONE } gstate;
+/* gthread.kind of a lane waiting in lockstep (lockstep_step) for lanes behind it at a SIMD-group
+ * sync point: not a sync point itself */
+enum { LOCKSTEP_WAIT = -1 };
 
 /* One GPU thread. */
 typedef struct gthread {
@@ -142,6 +146,8 @@ typedef struct gthread {
     struct worker *w;
     mcpu_fiber fiber;
     gstate state;
+    uint32_t ready_slot; /* its place in the ready queue while READY */
+    const void *lockstep_pc; /* lockstep: the code address of the access or sync point it is at (NULL: none yet) */
     /* where the thread waits, while WAITING, and the barrier's mem_flags */
     int32_t kind;
     uint32_t flags;
@@ -156,6 +162,7 @@ typedef struct scope {
     /* SIMD-group scopes: lanes waiting at a threadgroup barrier, and whether the lanes waiting at
      * SIMD-group syncs may be at different points (divergent control flow) */
     uint32_t at_barrier, mixed;
+    uint32_t lockstep_waiting; /* lanes in LOCKSTEP_WAIT (counted in arrived) */
 } scope;
 
 /* What an OS thread needs to run threadgroups: borrowed from the pool for one dispatch, so fibers,
@@ -260,7 +267,8 @@ static void list_threads(text *m, const worker *w, uint32_t lo, uint32_t hi) {
             if (end > k) add(m, "-%u", end);
             first = 0, k = end;
         }
-        if (key->state == WAITING) add(m, " at %s:%u (%s)", key->file, key->line, key->what);
+        if (key->state == WAITING && key->kind == LOCKSTEP_WAIT) add(m, " waiting in lockstep for lanes behind them");
+        else if (key->state == WAITING) add(m, " at %s:%u (%s)", key->file, key->line, key->what);
         else add(m, key->state == DONE ? " exited" : " not at a sync point");
     }
 }
@@ -297,7 +305,9 @@ _Noreturn static void group_fail(worker *w, int32_t code, int simdgroup, const c
 
 static void make_ready(worker *w, gthread *g) {
     g->state = READY;
-    w->ready[(w->ready_head + w->ready_count++) % MAX_THREADS] = g;
+    g->ready_slot = (w->ready_head + w->ready_count++) % MAX_THREADS;
+    w->ready[g->ready_slot] = g;
+    g->lockstep_pc = NULL; /* a sync point released it: lockstep starts over there */
 }
 
 static gthread *take_ready(worker *w) {
@@ -343,8 +353,15 @@ static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self)
         parity |= (g->t.xchg_parity & 1u) << lane;
         released++;
         if (g != self) make_ready(w, g);
+        else g->state = READY, g->lockstep_pc = NULL;
+    }
+    for (uint32_t lanes = s->lockstep_waiting; lanes; lanes &= lanes - 1) { /* they look again */
+        gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(lanes)];
+        released++;
+        if (g != self) make_ready(w, g);
         else g->state = READY;
     }
+    s->lockstep_waiting = 0;
     x->sync_lanes = active, x->sync_parity = parity, x->generation++;
     s->arrived -= released;
     s->mixed = s->arrived > 0; /* the lanes left waiting may still differ */
@@ -365,14 +382,18 @@ static void settle_simd(worker *w, uint32_t sg, gthread *self) {
     const gthread *lead = NULL;
     for (uint32_t lanes = live; lanes; lanes &= lanes - 1) {
         const gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(lanes)];
-        if (g->state != WAITING || g->kind == MSL_SYNC_THREADGROUP_BARRIER) continue;
+        if (g->state != WAITING || g->kind == MSL_SYNC_THREADGROUP_BARRIER || g->kind == LOCKSTEP_WAIT) continue;
         if (!lead || g->line < lead->line || (g->line == lead->line && strcmp(g->file, lead->file) < 0)) lead = g;
     }
+    if (!lead) /* only lanes in lockstep waits, whose sync went (cannot happen: they wait behind one) */
+        group_fail(w, FA_ERR_RUNTIME, (int)sg, "lockstep: lanes wait for no sync point");
     uint32_t active = 0;
     for (uint32_t lanes = live; lanes; lanes &= lanes - 1) {
         uint32_t lane = (uint32_t)__builtin_ctz(lanes);
         const gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
-        if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && same_point(g, lead)) active |= 1u << lane;
+        if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && g->kind != LOCKSTEP_WAIT &&
+            same_point(g, lead))
+            active |= 1u << lane;
     }
     if (lead->kind == MSL_SYNC_SIMDGROUP_BARRIER && active != live)
         group_fail(w, FA_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
@@ -393,6 +414,7 @@ static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, con
     if (atomic_load_explicit(&w->job->failed, memory_order_relaxed)) abandon(w); /* stopped, or failed elsewhere */
     g->state = WAITING;
     g->kind = kind, g->what = what, g->file = file, g->line = line;
+    g->lockstep_pc = __builtin_return_address(0); /* in kernel code, where the shim's sync inlines */
     g->flags = (uint32_t)kind_and_flags >> MSL_SYNC_FLAGS_SHIFT;
     uint32_t sg = t->simdgroup_index_in_threadgroup;
     if (kind == MSL_SYNC_THREADGROUP_BARRIER) {
@@ -403,7 +425,7 @@ static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, con
         if (w->n_done) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
         if (++s->arrived == s->live) {
             if (g->flags & MSL_MEM_THREADGROUP) check_interval_end(w);
-            g->state = READY;
+            g->state = READY, g->lockstep_pc = NULL;
             release_group(w, g);
         } else {
             w->simd[sg].at_barrier++;
@@ -510,13 +532,15 @@ static const void *rt_unbound_storage(void) {
  * Threadgroup memory keeps marks per byte (checked_state). Ordered before an access are: accesses
  * of an earlier barrier interval (a threadgroup_barrier with mem_flags::mem_threadgroup between),
  * accesses of the same thread, atomic accesses for an atomic one, and within a SIMD-group accesses
- * before a simdgroup_barrier(mem_flags::mem_threadgroup). Anything else is a race if one of the two
+ * before a simdgroup_barrier(mem_flags::mem_threadgroup), or in lockstep every access of the
+ * SIMD-group (lockstep_step runs them in program order). Anything else is a race if one of the two
  * writes: SIMD collectives and simdgroup_matrix operations exchange values, not memory, so they
  * order nothing (as in Metal, where only the barriers' memory flags do). */
 
 static int ordered(const checked_state *c, const mark *m, uint32_t me) {
     uint32_t sg = me / MSL_SIMD_WIDTH;
-    return m->epoch < c->epoch || ((uint32_t)(m->thread - 1) / MSL_SIMD_WIDTH == sg && m->simd_epoch < c->simd_epoch[sg]);
+    return m->epoch < c->epoch ||
+           ((uint32_t)(m->thread - 1) / MSL_SIMD_WIDTH == sg && (c->lockstep || m->simd_epoch < c->simd_epoch[sg]));
 }
 
 static int conflicts(const checked_state *c, const mark *m, const mark *now) {
@@ -658,10 +682,60 @@ static void check_buffer(worker *w, uintptr_t a, uint64_t size, int32_t kind, co
     report_finding(w, &f);
 }
 
+/* ---- lockstep (README, "Lockstep"): a SIMD-group's lanes take their threadgroup-memory
+ * accesses in step, as on a GPU that issues each instruction for all active lanes at once ----
+ *
+ * Before an access at code address pc, the running lane yields to the lane of its SIMD-group
+ * furthest behind: the lowest address (ties: the lowest lane), lanes not at any access yet (just
+ * released by a sync point) first. Code addresses follow the source's order for structured code,
+ * so lanes that skipped an `if` wait after it for the lanes inside, and lanes that left a loop
+ * wait for those still iterating: the reconvergence of the hardware. Lanes waiting at a sync
+ * point or done do not take part. */
+
+static gthread *furthest_behind(worker *w, gthread *g) {
+    uint32_t sg = g->t.simdgroup_index_in_threadgroup;
+    gthread *lanes = &w->threads[sg * MSL_SIMD_WIDTH], *behind = g;
+    uintptr_t at = (uintptr_t)g->lockstep_pc;
+    for (uint32_t live = w->xchg[sg].live_lanes; live; live &= live - 1) {
+        gthread *l = &lanes[__builtin_ctz(live)];
+        uintptr_t pc = (uintptr_t)l->lockstep_pc;
+        int takes_part = l->state == READY || (l->state == WAITING && l->kind != MSL_SYNC_THREADGROUP_BARRIER &&
+                                               l->kind != LOCKSTEP_WAIT);
+        if (takes_part && l != g && (pc < at || (pc == at && l < behind))) behind = l, at = pc;
+    }
+    return behind;
+}
+
+/* A lane behind g that waits at a SIMD-group sync (a divergent one: the lanes there go on
+ * without g) goes first: g waits too, counted as arrived, until that sync completes. */
+static void lockstep_step(worker *w, const void *pc) {
+    gthread *g = w->running;
+    g->lockstep_pc = pc;
+    for (gthread *behind; (behind = furthest_behind(w, g)) != g;) {
+        if (behind->state == READY) { /* it takes g's place in the queue */
+            g->ready_slot = behind->ready_slot;
+            w->ready[g->ready_slot] = g;
+            w->running = behind;
+            mcpu_fiber_switch(&g->fiber, &behind->fiber);
+            continue;
+        }
+        uint32_t sg = g->t.simdgroup_index_in_threadgroup;
+        scope *s = &w->simd[sg];
+        g->state = WAITING, g->kind = LOCKSTEP_WAIT;
+        s->lockstep_waiting |= 1u << g->t.thread_index_in_simdgroup;
+        s->arrived++, s->mixed = 1;
+        settle_simd(w, sg, g);
+        if (g->state == WAITING) run_next(w, g);
+        g->kind = 0, g->lockstep_pc = pc; /* woken by that sync: look again from here */
+    }
+}
+
 static void rt_access(const void *address, uint64_t size, int32_t kind, const void *pc) {
     worker *w = tls_worker;
-    if (!w || !w->in_kernel || !w->checked) return; /* not kernel code of a checked dispatch */
+    if (!w || !w->in_kernel) return; /* not kernel code of a dispatch */
     uintptr_t a = (uintptr_t)address, in_group = a - (uintptr_t)w->tg_memory;
+    if (in_group < MCPU_MAX_THREADGROUP_MEMORY && w->job->lockstep) lockstep_step(w, pc);
+    if (!w->checked) return;
     const guarded *g = w->job->guard;
     if (in_group < MCPU_MAX_THREADGROUP_MEMORY) check_threadgroup(w, in_group, size, kind, pc);
     else if (g && a - (uintptr_t)g->region < g->bytes) check_buffer(w, a, size, kind, pc);
@@ -1169,6 +1243,7 @@ static void run_threadgroup(worker *w, uint64_t index) {
 
 static void work(worker *w, job *j) {
     if (j->checked && !(w->checked = calloc(1, sizeof *w->checked))) return; /* the others do the work */
+    if (w->checked) w->checked->lockstep = j->lockstep;
     if (worker_prepare(w, j) == 0) { /* else no stacks for this worker: the others do the work */
         while (!atomic_load_explicit(&j->failed, memory_order_relaxed)) {
             uint64_t index = atomic_fetch_add_explicit(&j->next_group, 1, memory_order_relaxed);
@@ -1410,8 +1485,9 @@ static void start_threads(void) { /* under pool.mu */
     }
 }
 
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, int32_t checked, fa_status *st) {
+int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, fa_status *st) {
     const uint32_t *g = launch->threadgroups_per_grid;
+    const int32_t checked = (mode & MCPU_CHECKED) != 0;
     guarded guard = {0};
     msl_launch on_copies;
     void *copies[MSL_MAX_BUFFERS];
@@ -1423,7 +1499,7 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, int32_t checked, f
         launch = &on_copies;
     }
     job j = {.fn = fn, .launch = launch, .n_groups = (uint64_t)g[0] * g[1] * g[2], .st = st, .checked = checked,
-             .guard = checked ? &guard : NULL};
+             .lockstep = (mode & MCPU_LOCKSTEP) != 0, .guard = checked ? &guard : NULL};
     atomic_init(&j.next_group, 0);
     atomic_init(&j.failed, 0);
     pthread_once(&pool.once, pool_once);
@@ -1541,5 +1617,5 @@ int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_s
                          a->threadgroup_arg_lengths, a->constants, a->n_constants,
                          {a->grid[0], a->grid[1], a->grid[2]},
                          {a->threadgroup[0], a->threadgroup[1], a->threadgroup[2]}, a->buffer_lengths};
-    return mcpu_run(fn, &launch, mcpu_library_checked(lib), st);
+    return mcpu_run(fn, &launch, mcpu_library_mode(lib), st);
 }
