@@ -3,6 +3,7 @@ threadgroup-memory accesses in step, as kernels need that exchange values throug
 memory between lanes with no simdgroup_barrier, relying on the GPU running a SIMD-group's lanes
 together (llama.cpp's flash-attention kernels do)."""
 import re
+import time
 
 import pytest
 import torch
@@ -38,8 +39,10 @@ kernel void across_simdgroups(device float *out [[buffer(0)]], threadgroup float
     if (tid == 32) cell[0] = 1.0f;  // @across-write
     if (tid == 0) out[0] = cell[0];  // @across-read
 }
-// Lockstep around collectives in divergent flow and threadgroup barriers: each SIMD-group's lane
-// 0 publishes a partial sum its lanes read back in step, then the groups combine after a barrier.
+// Lockstep around collectives in divergent flow and barriers: each SIMD-group's lanes 0 and 16
+// publish their half's reduction, which its lanes read back, then the groups combine after a
+// threadgroup barrier. (A collective in divergent flow releases its lanes before the other
+// branch's reach theirs, so the simdgroup_barrier is needed even in lockstep: README.)
 kernel void reduce(device float *out [[buffer(0)]], device const float *in [[buffer(1)]],
                    threadgroup float *partial [[threadgroup(0)]], uint lane [[thread_index_in_simdgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]], uint tid [[thread_index_in_threadgroup]],
@@ -49,11 +52,19 @@ kernel void reduce(device float *out [[buffer(0)]], device const float *in [[buf
     else x = simd_max(x);
     if (lane == 0) partial[2 * sg] = x;
     if (lane == 16) partial[2 * sg + 1] = x;
+    simdgroup_barrier(mem_flags::mem_threadgroup);
     float low = partial[2 * sg], high = partial[2 * sg + 1];
     threadgroup_barrier(mem_flags::mem_threadgroup);
     float total = 0.0f;
     for (uint g = 0; g < groups; g++) total += partial[2 * g] + partial[2 * g + 1];
     out[tid] = low + 10.0f * high + 100.0f * total;
+}
+kernel void spin(device float *out [[buffer(0)]], threadgroup float *row [[threadgroup(0)]],
+                 device const int *stop [[buffer(1)]], uint lane [[thread_index_in_simdgroup]]) {
+    volatile device const int *flag = stop;
+    row[lane] = 0.0f;
+    while (flag[0] == 0) row[lane] += 1.0f;
+    out[lane] = row[lane];
 }
 """
 
@@ -121,3 +132,17 @@ def test_lockstep_argument_is_checked():
     with pytest.raises(TypeError, match="lockstep must be True or False"):
         mc.compile_library(SOURCE, name="lockstep.metal", lockstep=1)
     assert not mc.compile_library(SOURCE, name="lockstep.metal", checked=False).lockstep
+
+
+def test_watchdog_stops_lanes_in_lockstep():
+    stop = torch.zeros(1, dtype=torch.int32)
+    mc.set_watchdog(0.5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(mc.MetalDispatchError, match="kernel 'spin'"):
+            run("spin", 64, inputs=[stop])
+        assert time.monotonic() - start < 10
+    finally:
+        mc.set_watchdog(0)
+    stop[0] = 1
+    assert torch.equal(run("spin", 64, inputs=[stop]), torch.zeros(64))  # the device still works

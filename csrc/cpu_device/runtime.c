@@ -136,9 +136,6 @@ typedef struct job {
 } job;
 
 typedef enum { READY, WAITING, DONE } gstate;
-/* gthread.kind of a lane waiting in lockstep (lockstep_step) for lanes behind it at a SIMD-group
- * sync point: not a sync point itself */
-enum { LOCKSTEP_WAIT = -1 };
 
 /* One GPU thread. */
 typedef struct gthread {
@@ -146,8 +143,6 @@ typedef struct gthread {
     struct worker *w;
     mcpu_fiber fiber;
     gstate state;
-    uint32_t ready_slot; /* its place in the ready queue while READY */
-    const void *lockstep_pc; /* lockstep: the code address of the access or sync point it is at (NULL: none yet) */
     /* where the thread waits, while WAITING, and the barrier's mem_flags */
     int32_t kind;
     uint32_t flags;
@@ -162,8 +157,17 @@ typedef struct scope {
     /* SIMD-group scopes: lanes waiting at a threadgroup barrier, and whether the lanes waiting at
      * SIMD-group syncs may be at different points (divergent control flow) */
     uint32_t at_barrier, mixed;
-    uint32_t lockstep_waiting; /* lanes in LOCKSTEP_WAIT (counted in arrived) */
+    uint32_t lockstep_round; /* lockstep: the lanes still to make the access of this step */
 } scope;
+
+/* A lockstep dispatch's, per thread (by index in the threadgroup): the code address of the
+ * threadgroup-memory access it is stopped at (NULL: none since a sync point released it), and
+ * while it is READY its place in the ready queue. Apart from gthread, so that dispatches
+ * without lockstep pay for no more than a test of worker.lockstep when they queue a thread. */
+typedef struct lockstep_state {
+    const void *pc[MAX_THREADS];
+    uint16_t slot[MAX_THREADS];
+} lockstep_state;
 
 /* What an OS thread needs to run threadgroups: borrowed from the pool for one dispatch, so fibers,
  * stacks and memory are reused and their number stays bounded however many threads dispatch. */
@@ -197,6 +201,7 @@ typedef struct worker {
     uint32_t n_statics;
     msl_simd_exchange xchg[MAX_SIMDGROUPS];
     checked_state *checked; /* for a checked dispatch */
+    lockstep_state *lockstep; /* for a lockstep dispatch */
     gthread threads[MAX_THREADS];
 } worker;
 
@@ -267,8 +272,7 @@ static void list_threads(text *m, const worker *w, uint32_t lo, uint32_t hi) {
             if (end > k) add(m, "-%u", end);
             first = 0, k = end;
         }
-        if (key->state == WAITING && key->kind == LOCKSTEP_WAIT) add(m, " waiting in lockstep for lanes behind them");
-        else if (key->state == WAITING) add(m, " at %s:%u (%s)", key->file, key->line, key->what);
+        if (key->state == WAITING) add(m, " at %s:%u (%s)", key->file, key->line, key->what);
         else add(m, key->state == DONE ? " exited" : " not at a sync point");
     }
 }
@@ -303,11 +307,17 @@ _Noreturn static void group_fail(worker *w, int32_t code, int simdgroup, const c
 
 /* ---- scheduling ---- */
 
+/* A sync point released g: its lockstep starts over. */
+static void lockstep_released(worker *w, const gthread *g) { w->lockstep->pc[g->t.thread_index_in_threadgroup] = NULL; }
+
 static void make_ready(worker *w, gthread *g) {
     g->state = READY;
-    g->ready_slot = (w->ready_head + w->ready_count++) % MAX_THREADS;
-    w->ready[g->ready_slot] = g;
-    g->lockstep_pc = NULL; /* a sync point released it: lockstep starts over there */
+    uint32_t slot = (w->ready_head + w->ready_count++) % MAX_THREADS;
+    w->ready[slot] = g;
+    if (w->lockstep) {
+        lockstep_released(w, g);
+        w->lockstep->slot[g->t.thread_index_in_threadgroup] = (uint16_t)slot;
+    }
 }
 
 static gthread *take_ready(worker *w) {
@@ -352,16 +362,13 @@ static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self)
         gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
         parity |= (g->t.xchg_parity & 1u) << lane;
         released++;
-        if (g != self) make_ready(w, g);
-        else g->state = READY, g->lockstep_pc = NULL;
+        if (g != self) {
+            make_ready(w, g);
+        } else {
+            g->state = READY;
+            if (w->lockstep) lockstep_released(w, g);
+        }
     }
-    for (uint32_t lanes = s->lockstep_waiting; lanes; lanes &= lanes - 1) { /* they look again */
-        gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(lanes)];
-        released++;
-        if (g != self) make_ready(w, g);
-        else g->state = READY;
-    }
-    s->lockstep_waiting = 0;
     x->sync_lanes = active, x->sync_parity = parity, x->generation++;
     s->arrived -= released;
     s->mixed = s->arrived > 0; /* the lanes left waiting may still differ */
@@ -382,18 +389,14 @@ static void settle_simd(worker *w, uint32_t sg, gthread *self) {
     const gthread *lead = NULL;
     for (uint32_t lanes = live; lanes; lanes &= lanes - 1) {
         const gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(lanes)];
-        if (g->state != WAITING || g->kind == MSL_SYNC_THREADGROUP_BARRIER || g->kind == LOCKSTEP_WAIT) continue;
+        if (g->state != WAITING || g->kind == MSL_SYNC_THREADGROUP_BARRIER) continue;
         if (!lead || g->line < lead->line || (g->line == lead->line && strcmp(g->file, lead->file) < 0)) lead = g;
     }
-    if (!lead) /* only lanes in lockstep waits, whose sync went (cannot happen: they wait behind one) */
-        group_fail(w, FA_ERR_RUNTIME, (int)sg, "lockstep: lanes wait for no sync point");
     uint32_t active = 0;
     for (uint32_t lanes = live; lanes; lanes &= lanes - 1) {
         uint32_t lane = (uint32_t)__builtin_ctz(lanes);
         const gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
-        if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && g->kind != LOCKSTEP_WAIT &&
-            same_point(g, lead))
-            active |= 1u << lane;
+        if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && same_point(g, lead)) active |= 1u << lane;
     }
     if (lead->kind == MSL_SYNC_SIMDGROUP_BARRIER && active != live)
         group_fail(w, FA_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
@@ -414,7 +417,6 @@ static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, con
     if (atomic_load_explicit(&w->job->failed, memory_order_relaxed)) abandon(w); /* stopped, or failed elsewhere */
     g->state = WAITING;
     g->kind = kind, g->what = what, g->file = file, g->line = line;
-    g->lockstep_pc = __builtin_return_address(0); /* in kernel code, where the shim's sync inlines */
     g->flags = (uint32_t)kind_and_flags >> MSL_SYNC_FLAGS_SHIFT;
     uint32_t sg = t->simdgroup_index_in_threadgroup;
     if (kind == MSL_SYNC_THREADGROUP_BARRIER) {
@@ -425,7 +427,8 @@ static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, con
         if (w->n_done) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
         if (++s->arrived == s->live) {
             if (g->flags & MSL_MEM_THREADGROUP) check_interval_end(w);
-            g->state = READY, g->lockstep_pc = NULL;
+            g->state = READY;
+            if (w->lockstep) lockstep_released(w, g);
             release_group(w, g);
         } else {
             w->simd[sg].at_barrier++;
@@ -533,7 +536,7 @@ static const void *rt_unbound_storage(void) {
  * of an earlier barrier interval (a threadgroup_barrier with mem_flags::mem_threadgroup between),
  * accesses of the same thread, atomic accesses for an atomic one, and within a SIMD-group accesses
  * before a simdgroup_barrier(mem_flags::mem_threadgroup), or in lockstep every access of the
- * SIMD-group (lockstep_step runs them in program order). Anything else is a race if one of the two
+ * SIMD-group (lockstep_stop runs them in program order). Anything else is a race if one of the two
  * writes: SIMD collectives and simdgroup_matrix operations exchange values, not memory, so they
  * order nothing (as in Metal, where only the barriers' memory flags do). */
 
@@ -685,48 +688,63 @@ static void check_buffer(worker *w, uintptr_t a, uint64_t size, int32_t kind, co
 /* ---- lockstep (README, "Lockstep"): a SIMD-group's lanes take their threadgroup-memory
  * accesses in step, as on a GPU that issues each instruction for all active lanes at once ----
  *
- * Before an access at code address pc, the running lane yields to the lane of its SIMD-group
- * furthest behind: the lowest address (ties: the lowest lane), lanes not at any access yet (just
- * released by a sync point) first. Code addresses follow the source's order for structured code,
- * so lanes that skipped an `if` wait after it for the lanes inside, and lanes that left a loop
- * wait for those still iterating: the reconvergence of the hardware. Lanes waiting at a sync
- * point or done do not take part. */
+ * Each lane stops before every threadgroup-memory access, at its code address. A step is made by
+ * the lanes at the lowest address among those stopped (lockstep_round): each makes its access,
+ * then runs to its next stop, and the next step starts once all of them have. Lanes a sync point
+ * just released (not stopped yet) first run to their first stop. So lanes in uniform control flow
+ * make every access together, whatever the code's layout; in divergent flow, for structured code,
+ * whose machine code follows the source's order, lanes that skip an `if` wait after it for those
+ * inside, and lanes that leave a loop wait for those still in it: the hardware's reconvergence.
+ * Lanes at a sync point or done take no part (a SIMD-group sync completes as without lockstep). */
 
-static gthread *furthest_behind(worker *w, gthread *g) {
-    uint32_t sg = g->t.simdgroup_index_in_threadgroup;
-    gthread *lanes = &w->threads[sg * MSL_SIMD_WIDTH], *behind = g;
-    uintptr_t at = (uintptr_t)g->lockstep_pc;
-    for (uint32_t live = w->xchg[sg].live_lanes; live; live &= live - 1) {
+/* Another READY lane of g's SIMD-group in `among` (a lane mask), else one not stopped yet, else NULL. */
+static gthread *lockstep_next(worker *w, const gthread *g, uint32_t among) {
+    uint32_t sg = g->t.simdgroup_index_in_threadgroup, me = g->t.thread_index_in_simdgroup;
+    gthread *lanes = &w->threads[sg * MSL_SIMD_WIDTH];
+    for (uint32_t live = w->xchg[sg].live_lanes & ~(1u << me); live; live &= live - 1) {
         gthread *l = &lanes[__builtin_ctz(live)];
-        uintptr_t pc = (uintptr_t)l->lockstep_pc;
-        int takes_part = l->state == READY || (l->state == WAITING && l->kind != MSL_SYNC_THREADGROUP_BARRIER &&
-                                               l->kind != LOCKSTEP_WAIT);
-        if (takes_part && l != g && (pc < at || (pc == at && l < behind))) behind = l, at = pc;
+        if (l->state == READY && ((among >> __builtin_ctz(live) & 1u) || !w->lockstep->pc[l->t.thread_index_in_threadgroup]))
+            return l;
     }
-    return behind;
+    return NULL;
 }
 
-/* A lane behind g that waits at a SIMD-group sync (a divergent one: the lanes there go on
- * without g) goes first: g waits too, counted as arrived, until that sync completes. */
-static void lockstep_step(worker *w, const void *pc) {
+/* The lanes stopped at the lowest address: the next step. */
+static uint32_t lockstep_step_lanes(worker *w, uint32_t sg) {
+    gthread *lanes = &w->threads[sg * MSL_SIMD_WIDTH];
+    uintptr_t lowest = UINTPTR_MAX;
+    uint32_t round = 0;
+    for (uint32_t live = w->xchg[sg].live_lanes; live; live &= live - 1) {
+        uint32_t lane = (uint32_t)__builtin_ctz(live);
+        uintptr_t pc = (uintptr_t)w->lockstep->pc[sg * MSL_SIMD_WIDTH + lane];
+        if (lanes[lane].state != READY || pc > lowest) continue;
+        if (pc < lowest) lowest = pc, round = 0;
+        round |= 1u << lane;
+    }
+    return round;
+}
+
+static void lockstep_stop(worker *w, const void *pc) {
     gthread *g = w->running;
-    g->lockstep_pc = pc;
-    for (gthread *behind; (behind = furthest_behind(w, g)) != g;) {
-        if (behind->state == READY) { /* it takes g's place in the queue */
-            g->ready_slot = behind->ready_slot;
-            w->ready[g->ready_slot] = g;
-            w->running = behind;
-            mcpu_fiber_switch(&g->fiber, &behind->fiber);
+    uint32_t sg = g->t.simdgroup_index_in_threadgroup, me = 1u << g->t.thread_index_in_simdgroup;
+    scope *s = &w->simd[sg];
+    lockstep_state *ls = w->lockstep;
+    ls->pc[g->t.thread_index_in_threadgroup] = pc;
+    for (;;) {
+        if (s->lockstep_round & me) { /* g's turn in this step */
+            s->lockstep_round &= ~me;
+            return;
+        }
+        gthread *next = lockstep_next(w, g, s->lockstep_round);
+        if (!next) {
+            s->lockstep_round = lockstep_step_lanes(w, sg);
             continue;
         }
-        uint32_t sg = g->t.simdgroup_index_in_threadgroup;
-        scope *s = &w->simd[sg];
-        g->state = WAITING, g->kind = LOCKSTEP_WAIT;
-        s->lockstep_waiting |= 1u << g->t.thread_index_in_simdgroup;
-        s->arrived++, s->mixed = 1;
-        settle_simd(w, sg, g);
-        if (g->state == WAITING) run_next(w, g);
-        g->kind = 0, g->lockstep_pc = pc; /* woken by that sync: look again from here */
+        uint16_t slot = ls->slot[next->t.thread_index_in_threadgroup]; /* g takes next's place in the queue */
+        ls->slot[g->t.thread_index_in_threadgroup] = slot;
+        w->ready[slot] = g;
+        w->running = next;
+        mcpu_fiber_switch(&g->fiber, &next->fiber);
     }
 }
 
@@ -734,7 +752,12 @@ static void rt_access(const void *address, uint64_t size, int32_t kind, const vo
     worker *w = tls_worker;
     if (!w || !w->in_kernel) return; /* not kernel code of a dispatch */
     uintptr_t a = (uintptr_t)address, in_group = a - (uintptr_t)w->tg_memory;
-    if (in_group < MCPU_MAX_THREADGROUP_MEMORY && w->job->lockstep) lockstep_step(w, pc);
+    if (in_group < MCPU_MAX_THREADGROUP_MEMORY && w->lockstep) { /* runtime code, as in rt_sync */
+        w->in_kernel = 0;
+        if (atomic_load_explicit(&w->job->failed, memory_order_relaxed)) abandon(w); /* stopped, or failed elsewhere */
+        lockstep_stop(w, pc);
+        w->in_kernel = 1;
+    }
     if (!w->checked) return;
     const guarded *g = w->job->guard;
     if (in_group < MCPU_MAX_THREADGROUP_MEMORY) check_threadgroup(w, in_group, size, kind, pc);
@@ -1244,6 +1267,11 @@ static void run_threadgroup(worker *w, uint64_t index) {
 static void work(worker *w, job *j) {
     if (j->checked && !(w->checked = calloc(1, sizeof *w->checked))) return; /* the others do the work */
     if (w->checked) w->checked->lockstep = j->lockstep;
+    if (j->lockstep && !(w->lockstep = calloc(1, sizeof *w->lockstep))) {
+        free(w->checked);
+        w->checked = NULL;
+        return;
+    }
     if (worker_prepare(w, j) == 0) { /* else no stacks for this worker: the others do the work */
         while (!atomic_load_explicit(&j->failed, memory_order_relaxed)) {
             uint64_t index = atomic_fetch_add_explicit(&j->next_group, 1, memory_order_relaxed);
@@ -1252,7 +1280,9 @@ static void work(worker *w, job *j) {
         }
     }
     free(w->checked);
+    free(w->lockstep);
     w->checked = NULL;
+    w->lockstep = NULL;
 }
 
 /* ---- the pool: workers, helper threads that join dispatches, the watchdog ---- */
