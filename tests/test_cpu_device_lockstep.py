@@ -27,6 +27,15 @@ kernel void read_then_write(device float *out [[buffer(0)]], threadgroup float *
     simdgroup_barrier(mem_flags::mem_threadgroup);
     out[lane] = row[lane];
 }
+kernel void rotate(device float *out [[buffer(0)]], threadgroup float *row [[threadgroup(0)]],
+                   uint lane [[thread_index_in_simdgroup]]) {
+    row[lane] = lane;
+    for (uint k = 0; k < lane / 64 + 9; k++) {  // in step: every lane reads, then every lane writes, 9 times
+        float right = row[(lane + 1) % 32];
+        row[lane] = right;
+    }
+    out[lane] = row[lane];
+}
 kernel void uneven_loops(device float *out [[buffer(0)]], threadgroup float *row [[threadgroup(0)]],
                          uint lane [[thread_index_in_simdgroup]]) {
     row[lane] = 0.0f;
@@ -88,6 +97,7 @@ LANE = torch.arange(32)
 EXPECTED = {
     "last_lane_writes": (64, torch.tensor([42.0] * 32 + [43.0] * 32)),
     "read_then_write": (32, 2.0 * ((LANE + 1) % 32)),
+    "rotate": (32, ((LANE + 9) % 32).float()),
     "uneven_loops": (32, (((LANE + 1) % 32) % 4 + 1).float()),
 }
 
