@@ -1,7 +1,7 @@
 /* Compiles MSL source into a shared object for the CPU Metal device and loads it (ARCHITECTURE.md,
  * "Compilation pipeline"): `c++ -E` against empty <metal_stdlib> stubs, mcpu_preprocess,
- * `c++ -include msl_shim.h` to LLVM IR, drop_convergent, then `c++ -shared` of that IR. Libraries
- * are cached in the process (by key, never unloaded) and on disk as <cache>/<key>.so with its
+ * `c++ -include msl_shim.h` to LLVM IR, drop_convergent, relax_alignment, then `c++ -shared` of that IR.
+ * Libraries are cached in the process (by key, never unloaded) and on disk as <cache>/<key>.so with its
  * manifest <key>.sum, where the key is a SHA-256 of everything that shapes the binary. Several
  * processes may build the same library at once: each builds in its own temporary directory and
  * rename()s the result into place, so nobody ever sees a partial file. What is loaded must be
@@ -956,6 +956,77 @@ static char *drop_convergent(const char *ir) {
     return out;
 }
 
+/* Apple GPUs load and store a vector at any address aligned to its element (ggml's kernel_mul_mm
+ * writes float4s into output rows of any length), but the front end promises every access through a
+ * pointer the alignment of the pointee's type, and x86 faults on a 16-byte access so promised
+ * (movaps). So every ordinary load and store, memory intrinsic, pointer argument and returned
+ * pointer promises alignment 1 here, and the optimiser infers what it can prove (stack slots and
+ * globals, aligned where they are allocated: they and their accesses run at full speed). Kept:
+ * allocations (alloca, globals), atomics (their alignment decides whether they are lock-free), the
+ * ABI's stack slots (byval and kin) and a function's own alignment. */
+static const char ALIGNMENT_RULE[] = "align 1: load, store, call, define, declare"; /* in the cache key */
+
+/* Where the access promises of an IR line end (the line itself when it holds none): an ordinary
+ * load or store, a call, a function's header up to its parameter list's end. */
+static const char *promises_end(const char *line, const char *end) {
+    const char *c = line + strspn(line, " ");
+    int32_t header = c == line && (!strncmp(c, "define ", 7) || !strncmp(c, "declare ", 8));
+    if (header) { /* after the name, the parameters' parentheses (names and types hold none unquoted) */
+        int32_t quoted = 0, depth = 0;
+        for (const char *at = strchr(c, '@'); at && at < end; at++) {
+            if (*at == '"') quoted = !quoted;
+            else if (!quoted && *at == '(') depth++;
+            else if (!quoted && *at == ')' && !--depth) return at;
+        }
+        return line;
+    }
+    if (c == line) return line; /* globals, types, attribute groups, metadata */
+    if (*c == '%') {
+        const char *eq = strstr(c, " = ");
+        if (!eq || eq >= end) return line;
+        c = eq + 3;
+    }
+    static const char *const calls[] = {"call ", "tail call ", "musttail call ", "notail call ", "invoke "};
+    for (uint64_t i = 0; i < COUNT(calls); i++)
+        if (!strncmp(c, calls[i], strlen(calls[i]))) return end;
+    if (!strncmp(c, "load ", 5) || !strncmp(c, "store ", 6)) /* `load atomic`, `store atomic` keep theirs */
+        return strncmp(c + 5 + (*c == 's'), "atomic ", 7) ? end : line;
+    return line;
+}
+
+/* IR text whose access promises say align 1 (ALIGNMENT_RULE). NULL when out of memory. */
+static char *relax_alignment(const char *ir) {
+    static const char *const abi[] = {"byval(", "byref(", "inalloca(", "preallocated("};
+    char *out = malloc(strlen(ir) + 1), *w = out; /* never longer: align N becomes align 1 */
+    if (!out) return NULL;
+    for (const char *line = ir; *line;) {
+        const char *end = line + strcspn(line, "\n");
+        end += *end == '\n';
+        const char *stop = promises_end(line, end), *c = line;
+        for (int32_t quoted = 0; c < stop;) {
+            if (*c == '"') quoted = !quoted;
+            uint64_t k = 0;
+            for (uint64_t i = 0; !quoted && i < COUNT(abi) && !k; i++)
+                if (c[0] == ' ' && !strncmp(c + 1, abi[i], strlen(abi[i]))) k = 1 + strlen(abi[i]);
+            if (k) { /* `byval(T) align N` as it is */
+                for (int32_t depth = 1; c + k < stop && depth; k++) depth += (c[k] == '(') - (c[k] == ')');
+                if (!strncmp(c + k, " align ", 7)) k += 7 + strspn(c + k + 7, "0123456789");
+                memcpy(w, c, k);
+                w += k, c += k;
+            } else if (!quoted && !strncmp(c, " align ", 7) && c[7] >= '0' && c[7] <= '9') {
+                memcpy(w, " align 1", 8);
+                w += 8, c += 7 + strspn(c + 7, "0123456789");
+            } else {
+                *w++ = *c++;
+            }
+        }
+        memcpy(w, c, (size_t)(end - c));
+        w += end - c, line = end;
+    }
+    *w = 0;
+    return out;
+}
+
 /* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
  * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. A failing
  * compiler's whole output goes to file `log` (NULL: nowhere). */
@@ -1063,13 +1134,16 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     cc[n++] = ll;
     if ((rc = compiler_step(cxx, cc, n, "compiling", tmp, shim, log, timeout, st))) return rc;
 
-    /* 5. without convergent */
+    /* 5. without convergent, with the alignment vectors have on Apple GPUs */
     fd = open(ll, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     text = fd >= 0 ? read_fd(fd, UINT64_MAX, NULL) : NULL;
     if (fd >= 0) close(fd);
     if (!text) return io_fail(st, "read", ll);
     char *sequential = drop_convergent(text);
     free(text);
+    char *relaxed = sequential ? relax_alignment(sequential) : NULL;
+    free(sequential);
+    sequential = relaxed;
     if (!sequential) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
     rc = write_file(seq_ll, sequential, strlen(sequential), st);
     free(sequential);
@@ -1322,6 +1396,7 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) sha_field(&s, CC_FLAGS[i]);
     for (uint64_t i = 0; i < COUNT(IR_FLAGS); i++) sha_field(&s, IR_FLAGS[i]);
     sha_field(&s, NOT_CONVERGENT); /* drop_convergent */
+    sha_field(&s, ALIGNMENT_RULE); /* relax_alignment */
     for (uint64_t i = 0; i < COUNT(CODEGEN_FLAGS); i++) sha_field(&s, CODEGEN_FLAGS[i]);
     if (checked)
         for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) sha_field(&s, CHECKED_FLAGS[i]);

@@ -244,8 +244,8 @@ static int same_place(const gthread *a, const gthread *b) {
 }
 
 /* "threads 0-31 at fa.metal:42 (simd_sum); thread 40 exited; ..." for threads [lo, hi). */
-/* x86's general protection fault, which carries no address: a misaligned vector access (movaps), a
- * non-canonical address */
+/* x86's general protection fault, which carries no address: a non-canonical address (no access of
+ * a kernel is promised more alignment than its memory's allocation has: relax_alignment, compile.c) */
 static int general_protection_fault(int sig, int code) {
 #ifdef SI_KERNEL
     return sig == SIGSEGV && code == SI_KERNEL;
@@ -1195,8 +1195,8 @@ static void report_fault(worker *w) {
         add(&m, "stack overflow: the thread's %zu KiB fiber stack is exhausted (deep recursion or large local "
                 "arrays)", (size_t)MCPU_FIBER_STACK_BYTES / 1024); /* at least; fiber.c staggers the tops */
     else if (general_protection_fault(sig, w->fault_code))
-        add(&m, "invalid memory access (SIGSEGV, a general protection fault), e.g. a vector access misaligned "
-                "for its type (a float4 at an address not a multiple of 16) or a wild pointer");
+        add(&m, "invalid memory access (SIGSEGV, a general protection fault), e.g. a wild pointer (an address "
+                "outside the address space)");
     else if (sig == SIGSEGV || sig == SIGBUS)
         add(&m, "invalid memory access (%s) at address %p, e.g. an out-of-bounds index into a buffer",
             sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", w->fault_address);
