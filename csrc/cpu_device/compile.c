@@ -1033,11 +1033,11 @@ static char *relax_alignment(const char *ir) {
 static int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp,
                      const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
                      uint32_t n_macros, double timeout, fa_status *st) {
-    char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], ll[PATH_BYTES], seq_ll[PATH_BYTES],
+    char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], ll[PATH_BYTES], rewritten_ll[PATH_BYTES],
         so[PATH_BYTES], inc[PATH_BYTES], shim_h[PATH_BYTES];
     safe_name(source_name, base);
     if (join(src, tmp, base, st) || join(pre, tmp, ".preprocessed.ii", st) || join(cpp, tmp, ".kernels.cpp", st) ||
-        join(ll, tmp, ".kernels.ll", st) || join(seq_ll, tmp, ".sequential.ll", st) ||
+        join(ll, tmp, ".kernels.ll", st) || join(rewritten_ll, tmp, ".rewritten.ll", st) ||
         join(so, tmp, ".library.so", st) || join(inc, shim, "include", st) || join(shim_h, shim, "msl_shim.h", st))
         return st->code;
 
@@ -1141,19 +1141,18 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     if (!text) return io_fail(st, "read", ll);
     char *sequential = drop_convergent(text);
     free(text);
-    char *relaxed = sequential ? relax_alignment(sequential) : NULL;
+    char *rewritten = sequential ? relax_alignment(sequential) : NULL;
     free(sequential);
-    sequential = relaxed;
-    if (!sequential) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
-    rc = write_file(seq_ll, sequential, strlen(sequential), st);
-    free(sequential);
+    if (!rewritten) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    rc = write_file(rewritten_ll, rewritten, strlen(rewritten), st);
+    free(rewritten);
     if (rc) return rc;
 
     /* 6. optimise, generate code and link */
     n = 0;
     for (uint64_t i = 0; i < COUNT(CODEGEN_FLAGS); i++) cc[n++] = (char *)CODEGEN_FLAGS[i];
     if (checked) cc[n++] = (char *)CODEGEN_CHECKED_FLAG;
-    cc[n++] = seq_ll;
+    cc[n++] = rewritten_ll;
     cc[n++] = "-o";
     cc[n++] = so;
     cc[n++] = "-lm";
@@ -1467,6 +1466,11 @@ const char *const *mcpu_library_kernels(const mcpu_library *lib) {
 }
 
 uint32_t mcpu_library_mode(const mcpu_library *lib) { return lib ? lib->mode : 0u; }
+
+uint32_t mcpu_preprocessor_flags(const char *const **flags) {
+    *flags = PRE_FLAGS;
+    return (uint32_t)COUNT(PRE_FLAGS);
+}
 
 int32_t mcpu_run_tool(char *const argv[], char **out, double timeout) {
     char *err = NULL;

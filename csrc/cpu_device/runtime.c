@@ -108,7 +108,6 @@ typedef struct checked_state {
      * threadgroup; a mark of an interval before first_epoch is from another threadgroup. */
     uint32_t epoch, first_epoch;
     uint32_t simd_epoch[MAX_SIMDGROUPS]; /* simdgroup_barrier(mem_threadgroup)s per SIMD-group */
-    int32_t lockstep; /* SIMD-groups run in lockstep: their lanes' accesses are ordered */
     /* The interval's first read of bytes not written yet: a race if another thread writes them
      * before the interval ends (the write reports it), else uninitialised (reported then). */
     finding *unwritten_read, pending; /* NULL or &pending */
@@ -243,7 +242,6 @@ static int same_place(const gthread *a, const gthread *b) {
     return a->state == b->state && (a->state != WAITING || same_point(a, b));
 }
 
-/* "threads 0-31 at fa.metal:42 (simd_sum); thread 40 exited; ..." for threads [lo, hi). */
 /* x86's general protection fault, which carries no address: a non-canonical address (no access of
  * a kernel is promised more alignment than its memory's allocation has: relax_alignment, compile.c) */
 static int general_protection_fault(int sig, int code) {
@@ -255,6 +253,7 @@ static int general_protection_fault(int sig, int code) {
 #endif
 }
 
+/* "threads 0-31 at fa.metal:42 (simd_sum); thread 40 exited; ..." for threads [lo, hi). */
 static void list_threads(text *m, const worker *w, uint32_t lo, uint32_t hi) {
     uint16_t place[MAX_THREADS] = {0}; /* 1 + index of the first thread at the same place */
     for (uint32_t i = lo; i < hi; i++) {
@@ -353,7 +352,7 @@ static void release_group(worker *w, const gthread *self) {
 static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self) {
     msl_simd_exchange *x = &w->xchg[sg];
     scope *s = &w->simd[sg];
-    uint32_t parity = 0, released = 0;
+    uint32_t parity = 0;
     const gthread *point = &w->threads[sg * MSL_SIMD_WIDTH + (uint32_t)__builtin_ctz(active)];
     if (w->checked && point->kind == MSL_SYNC_SIMDGROUP_BARRIER && (point->flags & MSL_MEM_THREADGROUP))
         w->checked->simd_epoch[sg]++;
@@ -361,7 +360,6 @@ static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self)
         uint32_t lane = (uint32_t)__builtin_ctz(lanes);
         gthread *g = &w->threads[sg * MSL_SIMD_WIDTH + lane];
         parity |= (g->t.xchg_parity & 1u) << lane;
-        released++;
         if (g != self) {
             make_ready(w, g);
         } else {
@@ -370,7 +368,7 @@ static void release_simd(worker *w, uint32_t sg, uint32_t active, gthread *self)
         }
     }
     x->sync_lanes = active, x->sync_parity = parity, x->generation++;
-    s->arrived -= released;
+    s->arrived -= (uint32_t)__builtin_popcount(active);
     s->mixed = s->arrived > 0; /* the lanes left waiting may still differ */
 }
 
@@ -540,14 +538,15 @@ static const void *rt_unbound_storage(void) {
  * writes: SIMD collectives and simdgroup_matrix operations exchange values, not memory, so they
  * order nothing (as in Metal, where only the barriers' memory flags do). */
 
-static int ordered(const checked_state *c, const mark *m, uint32_t me) {
+static int ordered(const worker *w, const mark *m, uint32_t me) {
+    const checked_state *c = w->checked;
     uint32_t sg = me / MSL_SIMD_WIDTH;
     return m->epoch < c->epoch ||
-           ((uint32_t)(m->thread - 1) / MSL_SIMD_WIDTH == sg && (c->lockstep || m->simd_epoch < c->simd_epoch[sg]));
+           ((uint32_t)(m->thread - 1) / MSL_SIMD_WIDTH == sg && (w->lockstep || m->simd_epoch < c->simd_epoch[sg]));
 }
 
-static int conflicts(const checked_state *c, const mark *m, const mark *now) {
-    return m->thread && m->thread != now->thread && !(m->atomic && now->atomic) && !ordered(c, m, now->thread - 1u);
+static int conflicts(const worker *w, const mark *m, const mark *now) {
+    return m->thread && m->thread != now->thread && !(m->atomic && now->atomic) && !ordered(w, m, now->thread - 1u);
 }
 
 static void note_read(const checked_state *c, byte_marks *m, const mark *now) {
@@ -628,12 +627,12 @@ static void check_threadgroup(worker *w, uint64_t offset, uint64_t size, int32_t
             }
             note_read(c, m, &now);
             if (kind & MSL_ACCESS_WRITE) m->write = now;
-        } else if (conflicts(c, &m->write, &now)) {
+        } else if (conflicts(w, &m->write, &now)) {
             other = &m->write;
         } else if (kind & MSL_ACCESS_WRITE) {
             const mark *reads[3] = {&m->read, &m->read_same_simd, &m->read_other_simd};
             for (int r = 0; r < 3 && !other; r++)
-                if (conflicts(c, reads[r], &now)) other = reads[r], other_access = MSL_ACCESS_READ;
+                if (conflicts(w, reads[r], &now)) other = reads[r], other_access = MSL_ACCESS_READ;
             if (!other) {
                 m->write = now;
                 m->read.thread = m->read_same_simd.thread = m->read_other_simd.thread = 0;
@@ -1266,7 +1265,6 @@ static void run_threadgroup(worker *w, uint64_t index) {
 
 static void work(worker *w, job *j) {
     if (j->checked && !(w->checked = calloc(1, sizeof *w->checked))) return; /* the others do the work */
-    if (w->checked) w->checked->lockstep = j->lockstep;
     if (j->lockstep && !(w->lockstep = calloc(1, sizeof *w->lockstep))) {
         free(w->checked);
         w->checked = NULL;
