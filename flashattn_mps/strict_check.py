@@ -116,11 +116,11 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
         text = f'#line 1 "{name}"\n' + text  # name the file in clang's messages
     defines = [f"-D{k}={v}" for k, v in macros]
     includes = [a for d in include_dirs for a in ("-I", d)]
-    # Only Metal's headers (the shim's stand-ins) are found: no C++ standard library.
+    # The CPU device's own preprocessing flags; only Metal's headers (the shim's stand-ins) are
+    # found: no C++ standard library.
     expanded = subprocess.run(
-        [clang, "-x", "c++", "-std=gnu++17", "-E", "-nostdinc", "-nostdinc++", "-fms-extensions",
-         "-U_WCHAR_T_DEFINED", "-U_NATIVE_WCHAR_T_DEFINED", "-D__METAL_VERSION__=310",
-         "-D__HAVE_BFLOAT__=1", "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
+        [clang, *_C.preprocessor_flags(), "-nostdinc++", "-I", os.path.join(shim_dir, "include")] + includes
+        + defines + ["-"],
         input=text, capture_output=True, text=True,
     )
     if expanded.returncode != 0:

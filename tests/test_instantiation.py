@@ -74,8 +74,7 @@ def preprocessed(source: str, macros: dict) -> str:
     clang = strict_check.find_clang()
     defines = [f"-D{k}={v}" for k, v in macros.items()]
     result = subprocess.run(
-        [clang, "-x", "c++", "-std=gnu++17", "-E", "-P", "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1",
-         "-I", f"{_C.shim_dir()}/include", *defines, "-"],
+        [clang, *_C.preprocessor_flags(), "-P", "-I", f"{_C.shim_dir()}/include", *defines, "-"],
         input=_sources.kernel_sources()[source], capture_output=True, text=True, check=True)
     return result.stdout
 

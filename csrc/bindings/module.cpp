@@ -681,6 +681,11 @@ PYBIND11_MODULE(_C, m) {
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
     m.def("cache_dir", &cache_dir);
     m.def("shim_dir", &shim_dir);
+    m.def("preprocessor_flags", []() {
+        const char *const *flags = nullptr;
+        const uint32_t n = mcpu_preprocessor_flags(&flags);
+        return std::vector<std::string>(flags, flags + n);
+    });
 
     add_metal_bindings(m, raise_status);
 

@@ -115,6 +115,11 @@ int32_t mcpu_cache_dir(char *out, size_t out_len, fa_status *st);
  * stubs, written into the cache on first use: what the strict MSL check compiles against. */
 int32_t mcpu_shim_dir(char *out, size_t out_len, fa_status *st);
 
+/* The preprocessing step's flags (`c++ -E` as an MSL compiler sees the source: its language and
+ * predefined macros), which the strict MSL check preprocesses with too: their count, *flags the
+ * array (static). */
+uint32_t mcpu_preprocessor_flags(const char *const **flags);
+
 /* Rewrite MSL source into C++ for the shim (strict = 0) or for the address-space-strict syntax
  * check (strict = 1). Returns a malloc'ed string or NULL with st set. */
 char *mcpu_preprocess(const char *source, const char *source_name, int32_t strict, fa_status *st);
