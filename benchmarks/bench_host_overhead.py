@@ -5,7 +5,7 @@ does all of its host work (validation, plan, pipeline lookup, binding) and skips
 kernels. Per-call microseconds are the median over batches of calls, for a tiny, a decode-sized and
 a prefill-sized call, plain, with requires_grad (the forward and its autograd record), under
 torch.inference_mode and through the SDPA drop-in, beside torch's own SDPA on the tiny shape in the
-same run (its compute is negligible there, so it is torch's host overhead). Goal (issue 12): a plain
+same run (its compute is negligible there, so it is torch's host overhead). Goal: a plain
 call at most 10 us and at most torch's tiny SDPA; the autograd path at most 3x that.
 
     python benchmarks/bench_host_overhead.py [--calls N] [--device cpu|mps]
