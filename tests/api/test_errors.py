@@ -161,7 +161,7 @@ def negated_view(t: torch.Tensor) -> torch.Tensor:
 
 def test_negative_bit_inputs_are_resolved_as_torch_does():
     from flashattn_mps import scaled_dot_product_attention
-    from conftest import assert_matches_sdpa
+    from helpers import assert_matches_sdpa
 
     q, k, v = qkv(lq=6, lk=7)
     for args in [(negated_view(q), k, v), (q, negated_view(k), v), (q, k, negated_view(v))]:

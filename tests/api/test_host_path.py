@@ -13,7 +13,7 @@ import torch
 
 from flashattn_mps import _C, _sources, flash_attention
 from flashattn_mps._api import describe
-from conftest import assert_matches_sdpa, max_error, randn, sdpa
+from helpers import assert_matches_sdpa, max_error, randn, sdpa
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from flashattn_mps import flash_attn_func, flash_attn_with_kvcache
-from conftest import ALL_DTYPES, max_error, randn
-from test_flash_attn import reference, slopes
+from helpers import ALL_DTYPES, max_error, randn, reference, slopes
 
 
 def rotary_reference(x, cos, sin, positions, interleaved):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashattn_mps import explain, patch, scaled_dot_product_attention, unpatch
-from conftest import ALL_DTYPES, max_error, randn
+from helpers import ALL_DTYPES, max_error, randn
 
 
 def golden_and_reference(q, k, v, mask=None, causal=False, scale=None, enable_gqa=False):

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_mps
-from flashattn_mps import _C
 from flashattn_mps import metal_cpu as mc
 
 SOURCE = r"""#include <metal_stdlib>
@@ -224,17 +223,6 @@ def test_switching_modes_switches_the_project_kernels(checked_core):
     mc.set_checked(False)
     flashattn_mps.flash_attention(q, q, q)
     assert checked_core() == count + 1
-
-
-@pytest.fixture
-def checked_core():
-    """The project's kernels built checked; counts the checked dispatches they ran."""
-    mc.set_checked(True)
-    start = _C.cpu_checked_dispatches()
-    try:
-        yield lambda: _C.cpu_checked_dispatches() - start
-    finally:
-        mc.set_checked(None)
 
 
 # (kernel, B, Hq, Hkv, L, S, E, options): a sample of the planner's paths and variants.

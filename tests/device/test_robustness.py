@@ -29,7 +29,7 @@ from flashattn_mps._api import describe
 from flashattn_mps.metal_cpu import MetalCompileError, MetalDispatchError, compile_library
 from flashattn_mps.strict_check import find_clang
 
-from conftest import max_error, sdpa
+from helpers import max_error, sdpa
 
 CLANG = find_clang()  # a clang for the tests that wrap the CPU device's compiler
 

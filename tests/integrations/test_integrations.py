@@ -15,7 +15,7 @@ import transformers
 
 from flashattn_mps.integrations import transformers as fa_transformers
 from flashattn_mps.integrations.diffusers import MPSAttnProcessor, use_in
-from conftest import max_error
+from helpers import max_error
 
 NAME = fa_transformers.register(cpu=True)
 VOCAB = 64

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashattn_mps import flash_attention
-from conftest import ALL_DTYPES, assert_matches_sdpa, randn, sdpa
+from helpers import ALL_DTYPES, assert_matches_sdpa, randn, sdpa
 
 
 def make_qkv(gen, b, hq, hkv, lq, lk, e, ev, dtype):

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashattn_mps import explain_plan, flash_attention
-from conftest import (ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, max_error, peak_memory_growth,
+from helpers import (ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, max_error, peak_memory_growth,
                       product_case_tensors, randn, sample_product, sdpa)
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]

@@ -11,9 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flashattn_mps import _C, explain, explain_plan, flash_attention, scaled_dot_product_attention
-from conftest import ALL_DTYPES, max_error, randn, sample_product
-from test_backward import FUDGE
-from test_flash_attn import reference
+from helpers import ALL_DTYPES, max_error, randn, sample_product, FUDGE, reference
 
 # (E, Ev): both blocked; E streamed alone (576, 64); Ev in column blocks alone (128, 512); dims that
 # are not multiples of 4 (strided loads, ragged last blocks).

@@ -8,9 +8,8 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, explain_plan, flash_attention, flash_attn_func
-from conftest import ALL_DTYPES, max_error, randn, sample_product
-from test_flash_attn import (KERNELS, LENGTHS, VARIANTS, check, flash_inputs, forward_case, reference, sdpa_view,
-                             slopes, variant_scores)
+from helpers import (ALL_DTYPES, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS, check, flash_inputs,
+                     forward_case, reference, sdpa_view, slopes, variant_scores)
 
 
 def sink_logits(gen, h, spread=2.0):
