@@ -267,7 +267,7 @@ def pieces(t, cu, b):
 
 
 def per_sequence_reference(q, k, v, lens_q, lens_k, alibi=None, **options):
-    """Each sequence on its own through test_flash_attn.reference (bottom-right), packed back."""
+    """Each sequence on its own through reference (bottom-right), packed back."""
     cq, ck = prefix_sums(lens_q), prefix_sums(lens_k)
     outs = []
     for b in range(len(lens_q)):

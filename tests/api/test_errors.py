@@ -77,7 +77,7 @@ def test_bad_flags():
 
 def test_requires_grad_is_differentiated_not_ignored():
     q, k, v = qkv()
-    assert flash_attention(q.requires_grad_(), k, v).grad_fn is not None  # gradients: tests/test_backward.py
+    assert flash_attention(q.requires_grad_(), k, v).grad_fn is not None  # gradients: tests/kernels/test_backward.py
     with torch.no_grad():
         assert not flash_attention(q, k, v).requires_grad
     with pytest.raises(ValueError, match="differentiable or compiled calls take kernel='auto'"):

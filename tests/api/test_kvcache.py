@@ -1,5 +1,5 @@
 """flash_attn_with_kvcache: in-place appends (rotary both layouts), cache_seqlens, cache_batch_idx,
-cache_leftpad, against a cache updated and attended by hand in float64 (test_flash_attn.reference
+cache_leftpad, against a cache updated and attended by hand in float64 (helpers.reference
 per batch entry)."""
 from __future__ import annotations
 

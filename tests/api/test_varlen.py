@@ -1,5 +1,5 @@
 """flash_attn_varlen_func: packed sequences in one launch (forward in every kernel, backward),
-against float64 references on the unpacked pieces (test_flash_attn.reference per sequence)."""
+against float64 references on the unpacked pieces (helpers.reference per sequence)."""
 from __future__ import annotations
 
 import pytest
@@ -223,7 +223,7 @@ def test_dropout_drops_as_flash_attn_func_on_a_batch(gen):
     """Dropout in the packed launch keys each element by (sequence, head, row in the sequence,
     key in the sequence): sequences of equal lengths drop exactly what flash_attn_func drops for
     the same batch under the same seed, forward and gradients (flash_attn_func's mask is checked
-    against its exposed probabilities in test_dropout.py); another seed drops differently."""
+    against its exposed probabilities in kernels/test_dropout.py); another seed drops differently."""
     batch, length, keys = 3, 9, 13
     q, k, v = randn(gen, batch, length, 4, 16), randn(gen, batch, keys, 2, 16), randn(gen, batch, keys, 2, 16)
     packed = [t.reshape(-1, *t.shape[2:]).detach().requires_grad_() for t in (q, k, v)]

@@ -1,4 +1,4 @@
-"""Checked mode of the CPU Metal device (README, "Checked mode"): threadgroup-memory races,
+"""Checked mode of the CPU Metal device (docs/cpu-device.md, "Checked mode"): threadgroup-memory races,
 uninitialised threadgroup reads and out-of-bounds accesses, each reported as MetalDispatchError
 with both source lines and threads; and nothing reported on the project's own kernels."""
 import re

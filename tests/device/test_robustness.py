@@ -1,4 +1,4 @@
-"""Never trust, crash or hang (issue 14): the kernel cache under planted, damaged and read-only
+"""Never trust, crash or hang: the kernel cache under planted, damaged and read-only
 files, compiles and dispatches that hang or are interrupted, kernels that fault, many threads,
 malformed descriptors, awkward tools and names, and a bounded fuzz against torch's math SDPA.
 

@@ -147,7 +147,7 @@ def test_greedy_generate_with_kv_cache_matches_sdpa(name, core_calls, caplog):
 
 def test_cached_continuation_of_several_tokens(core_calls):
     """A KV cache continued by 3 tokens needs the bottom-right causal mask, which the registered
-    mask function builds (attention_mask=None here cropped the keys: issue 13, bug 2)."""
+    mask function builds (attention_mask=None here cropped the keys)."""
     ours, reference, golden = models("llama_gqa")
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     logits = []

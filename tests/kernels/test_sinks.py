@@ -1,6 +1,6 @@
 """Attention sinks (GPT-OSS, StreamingLLM): one logit per query head in every row's softmax, with no
 value, in every kernel (prefill, decode with split-K, simple, backward) and with every other option,
-against float64 references on materialised scores (test_flash_attn.reference with a sink column)."""
+against float64 references on materialised scores (helpers.reference with a sink column)."""
 from __future__ import annotations
 
 import pytest
