@@ -217,7 +217,7 @@ def test_paged_decode_example_matches_recomputation(monkeypatch, capsys):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "example_paged_decode.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "example_paged_decode.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--steps", "3"])
     runpy.run_path(str(script), run_name="__main__")
     assert "decodes exactly the recomputed tokens" in capsys.readouterr().out

@@ -2,7 +2,6 @@
 written for the test, after a pattern found in public kernels (MLX, llama.cpp)."""
 from __future__ import annotations
 
-import math
 import platform
 import struct
 import textwrap
