@@ -11,6 +11,9 @@ import torch
 
 from flashattn_mps.metal_cpu import MetalCompileError, MetalDispatchError, compile_library
 
+# slow: patterns of other projects' kernels (MLX, llama.cpp), each compiled for its own test
+pytestmark = pytest.mark.slow
+
 HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
 
 

@@ -101,6 +101,7 @@ def test_cache_is_created_private_and_foreign_or_shared_folders_are_refused(cach
         compile_library(unique(COPY))
 
 
+@pytest.mark.slow
 def test_planted_or_swapped_cache_entries_are_never_loaded(cache):
     source_a, source_b = unique(COPY), unique(COPY.replace("+ 1.0f", "+ 2.0f"))
     check_copy(compile_library(source_a))
@@ -153,6 +154,7 @@ def test_planted_shim_headers_are_replaced(cache):
 
 # --- 2. a damaged library is rebuilt ---------------------------------------------------------
 
+@pytest.mark.slow
 def test_truncated_library_is_rebuilt_not_loaded(cache):
     source = unique(COPY)
     compile_library(source)
@@ -175,6 +177,7 @@ def test_truncated_library_is_rebuilt_not_loaded(cache):
 
 # --- 3. a read-only but complete cache -------------------------------------------------------
 
+@pytest.mark.slow
 def test_read_only_cache_is_usable(cache):
     cached, fresh = unique(COPY), unique(COPY)
     compile_library(cached)
@@ -230,6 +233,7 @@ def sleepers(seconds):
     return found
 
 
+@pytest.mark.slow
 def test_compile_times_out_and_kills_the_compiler(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHATTN_MPS_CXX", hanging_compiler(tmp_path, 611))
     monkeypatch.setenv("FLASHATTN_MPS_COMPILE_TIMEOUT", "1.5")
@@ -289,6 +293,7 @@ def interrupt(cache, setup, call, env=None):
         p.wait()
 
 
+@pytest.mark.slow
 def test_ctrl_c_interrupts_a_compile(cache, tmp_path):
     out, seconds = interrupt(cache, "", f"compile_library({unique(COPY)!r})",
                              env={"FLASHATTN_MPS_CXX": hanging_compiler(tmp_path, 612)})
@@ -298,12 +303,14 @@ def test_ctrl_c_interrupts_a_compile(cache, tmp_path):
 
 
 @pytest.mark.parametrize("kernel,grid", [("spin", 1), ("spin_at_barrier", 4)])
+@pytest.mark.slow
 def test_ctrl_c_interrupts_a_dispatch(cache, kernel, grid):
     setup = f"lib = compile_library({SPIN!r}); flag = torch.zeros(1, dtype=torch.int32)"
     out, seconds = interrupt(cache, setup, f"lib.dispatch({kernel!r}, ({grid},), (64,), [flag])")
     assert "KeyboardInterrupt" in out and seconds < 10, out
 
 
+@pytest.mark.slow
 def test_watchdog_stops_a_dispatch_naming_the_kernel(cache):
     result = run_python(f"""
     import time, torch
@@ -378,6 +385,7 @@ kernel void barrier_sum(device float *out [[buffer(0)]], uint tid [[thread_index
 """
 
 
+@pytest.mark.slow
 def test_kernel_faults_raise_and_the_device_survives(cache):
     result = run_python(f"""
     import struct, torch
@@ -425,6 +433,7 @@ kernel void touch_stack(device float *out [[buffer(0)]], uint tid [[thread_posit
 """
 
 
+@pytest.mark.slow
 def test_many_threads_share_a_bounded_set_of_fiber_stacks(cache):
     result = run_python(f"""
     import json, threading, torch
@@ -451,6 +460,7 @@ def test_many_threads_share_a_bounded_set_of_fiber_stacks(cache):
     assert measured["errors"] == [] and measured["maps"] < 40000, measured
 
 
+@pytest.mark.slow
 def test_touched_stack_pages_are_returned(cache):
     result = run_python(f"""
     import time, torch
@@ -468,6 +478,7 @@ def test_touched_stack_pages_are_returned(cache):
     assert busy - idle > 60, (busy, idle)  # about 96 MiB of stack pages go back
 
 
+@pytest.mark.slow
 def test_threadgroup_size_overflow_is_refused(cache):
     result = run_python(f"""
     import torch

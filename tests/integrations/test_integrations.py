@@ -293,6 +293,7 @@ def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     assert core_calls["forward"] == 1 and core_calls["masked"] == 0 and max_error(out, golden) < 1e-5
 
 
+@pytest.mark.slow
 def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
     torch.manual_seed(0)
     unet = diffusers.UNet2DConditionModel(
@@ -329,6 +330,7 @@ def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
 
 
 
+@pytest.mark.slow
 def test_compiled_model_fullgraph_dynamic(core_calls):
     from torch._dynamo.utils import counters
 

@@ -48,6 +48,7 @@ def case_cost(case):
 
 @pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
     [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 40, 6, case_cost, 8, 1.5e7))
+@pytest.mark.slow
 def test_gradient_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
     dout = layout_tensor(gen, layout, 1, q.shape[1], q.shape[2], v.shape[3], dtype)
@@ -109,6 +110,7 @@ def run(n):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from /proc")
+@pytest.mark.slow
 def test_memory_grows_linearly_with_length():
     small, small_io = peak_memory_growth(RUN_TRAINING_STEP, 1024)
     large, large_io = peak_memory_growth(RUN_TRAINING_STEP, 4096)

@@ -51,6 +51,7 @@ def sampled_cases():
 
 
 @pytest.mark.parametrize("lq,lk,gqa,dtype,causal,layout,e", sampled_cases())
+@pytest.mark.slow
 def test_decode_parity(gen, lq, lk, gqa, dtype, causal, layout, e):
     q, k, v = decode_inputs(gen, 1, 2 if gqa < 8 else 1, gqa, lq, lk, e, e, dtype, layout)
     out = flash_attention(q, k, v, causal=causal, kernel="decode")

@@ -25,6 +25,7 @@ def case_cost(case):
 
 @pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
     [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 70, 4, case_cost, 12, 4e7))
+@pytest.mark.slow
 def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
     out = flash_attention(q, k, v, causal=causal, kernel="forward")
@@ -61,6 +62,7 @@ def test_log_sum_exp_without_keys(gen):
     layout=st.sampled_from(LAYOUTS), scale=st.sampled_from([None, 0.3, -1.0]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_fuzz_against_sdpa(b, hkv, group, lq, lk, e, ev, dtype, causal, layout, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     q = layout_tensor(gen, layout, b, hkv * group, lq, e, dtype)
@@ -79,6 +81,7 @@ def run(n):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from /proc")
+@pytest.mark.slow
 def test_memory_grows_linearly_with_length():
     small, small_io = peak_memory_growth(RUN_FORWARD, 1024)
     large, large_io = peak_memory_growth(RUN_FORWARD, 4096)
@@ -229,6 +232,7 @@ def strided(gen, shape, dtype, layout, offset):
     mask=st.sampled_from([None, "bool", "float", "bool-broadcast", "float-rows"]), causal=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_fuzz_shapes_strides_offsets_dtypes_and_masks(b, hkv, group, lq, lk, e, ev, dtype, layout, offset, mask,
                                                       causal, seed):
     gen = torch.Generator().manual_seed(seed)
