@@ -7,13 +7,20 @@ SOURCES := $(shell find csrc metal tools -type f) setup.py pyproject.toml
 # What the tests need besides torch (both venvs install it).
 TEST_DEPS := numpy pytest hypothesis "transformers==5.24.0" "diffusers==0.42.1" pybind11 "setuptools>=64" wheel
 
-.PHONY: demo test test-torch bench strict-check metal-offline-check doctor clean
+.PHONY: demo test test-fast test-torch bench strict-check metal-offline-check doctor clean
 
 demo: $(VENV)/.built
 	$(PY) -m flashattn_mps.demo
 
+# The whole suite (CI runs this). Tests are by subject under tests/ (kernels, api, integrations,
+# device, mac); pytest tests/device runs the CPU Metal device's own tests alone.
 test: $(VENV)/.built
 	$(PY) -m pytest -q tests
+
+# Everything but the tests marked slow (fuzzing, peak memory, other projects' kernels, the strict
+# check of every specialisation, ...): about 2 minutes on 2 cores, for the edit-test loop.
+test-fast: $(VENV)/.built
+	$(PY) -m pytest -q -m "not slow" tests
 
 # The suite against another torch: make test-torch TORCH=2.14.1. A separate venv (.venv-torch-X)
 # gets that torch and the test dependencies; the extension is the tree's own build, since it uses

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_mps import _C, flash_attention
+from flashattn_mps import _C, _sources, flash_attention
 from flashattn_mps._api import describe
 
 
@@ -77,7 +77,7 @@ def test_bad_flags():
 
 def test_requires_grad_is_differentiated_not_ignored():
     q, k, v = qkv()
-    assert flash_attention(q.requires_grad_(), k, v).grad_fn is not None  # gradients: tests/test_backward.py
+    assert flash_attention(q.requires_grad_(), k, v).grad_fn is not None  # gradients: tests/kernels/test_backward.py
     with torch.no_grad():
         assert not flash_attention(q, k, v).requires_grad
     with pytest.raises(ValueError, match="differentiable or compiled calls take kernel='auto'"):
@@ -161,7 +161,7 @@ def negated_view(t: torch.Tensor) -> torch.Tensor:
 
 def test_negative_bit_inputs_are_resolved_as_torch_does():
     from flashattn_mps import scaled_dot_product_attention
-    from conftest import assert_matches_sdpa
+    from helpers import assert_matches_sdpa
 
     q, k, v = qkv(lq=6, lk=7)
     for args in [(negated_view(q), k, v), (q, negated_view(k), v), (q, k, negated_view(v))]:
@@ -233,3 +233,61 @@ def test_raw_cpu_library_dispatch_names_a_bad_buffer():
     with pytest.raises(TypeError, match=r"buffers\[1\] must be bytes or an int \(a host address\), got str") as raised:
         library.dispatch("k", (1, 1, 1), (32, 1, 1), [0, "x"], [], [])
     assert "C++ type" not in str(raised.value)
+
+
+# ---- the C layer refuses misaligned offsets, aliased outputs and 0-d masks ----
+
+def descriptors(dtype=torch.float32):
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=dtype) for _ in range(3))
+    out = torch.empty(1, 2, 4, 8, dtype=dtype)
+    return [q, k, v, out]
+
+
+def forward_c(descs, lse=None, mask=None):
+    _sources.ensure_registered()
+    _C.forward(_C.DEVICE_CPU, *descs, lse, 0.5, False, _C.KERNEL_AUTO, None, mask)
+
+
+def test_c_layer_rejects_misaligned_offsets_aliases_and_0d_masks():
+    keep = descriptors()
+    descs = [describe(t) for t in keep]
+    forward_c(descs)  # the good call
+    for name, index in (("q", 0), ("out", 3)):
+        bad = list(descs)
+        bad[index] = descs[index][:2] + (2,) + descs[index][3:]
+        with pytest.raises(ValueError, match=f"{name}: byte offset 2 is not a multiple of the float32 element "
+                                             r"size \(4 bytes\)"):
+            forward_c(bad)
+    for victim, name in ((0, "q"), (2, "v")):
+        bad = list(descs)
+        bad[3] = descs[victim]
+        with pytest.raises(ValueError, match=f"out .* overlaps {name} .*must not alias"):
+            forward_c(bad)
+    lse = torch.empty(1, 2, 4)
+    lse_view = describe(keep[3].view(-1)[:8].view(1, 2, 4))  # inside out's bytes
+    with pytest.raises(ValueError, match="out .* overlaps lse"):
+        forward_c(descs, lse=lse_view)
+    forward_c(descs, lse=describe(lse))
+    broadcast_out = describe(torch.empty(8).expand(1, 2, 4, 8))
+    with pytest.raises(ValueError, match="out: an output whose elements overlap"):
+        forward_c(descs[:3] + [broadcast_out])
+    mask = torch.ones(1, dtype=torch.bool)
+    zero_d = (mask.untyped_storage().data_ptr(), 1, 0, _C.DTYPE_BOOL, (), ())
+    with pytest.raises(ValueError, match="mask: expected a 4-D descriptor, got ndim=0"):
+        forward_c(descs, mask=zero_d)
+
+
+def test_c_layer_rejects_backward_outputs_that_alias():
+    q, k, v, out = descriptors()
+    lse = torch.empty(1, 2, 4)
+    forward_c([describe(t) for t in (q, k, v, out)], lse=describe(lse))
+    dout, delta = torch.randn_like(out), torch.empty(1, 2, 4)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    args = [describe(t) for t in (q, k, v, out, lse, dout, delta, dq, dk, dv)]
+    _C.backward(_C.DEVICE_CPU, *args, 0.5, False)
+    for index, clash, message in ((7, 8, "dq .* overlaps dk"), (9, 5, "dv .* overlaps dout"),
+                                  (6, 4, "delta .* overlaps lse")):
+        bad = list(args)
+        bad[index] = args[clash]
+        with pytest.raises(ValueError, match=message):
+            _C.backward(_C.DEVICE_CPU, *bad, 0.5, False)

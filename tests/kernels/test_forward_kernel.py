@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashattn_mps import explain_plan, flash_attention
-from conftest import (ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, max_error, peak_memory_growth,
+from helpers import (ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, max_error, peak_memory_growth,
                       product_case_tensors, randn, sample_product, sdpa)
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
@@ -25,6 +25,7 @@ def case_cost(case):
 
 @pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
     [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 70, 4, case_cost, 12, 4e7))
+@pytest.mark.slow
 def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
     out = flash_attention(q, k, v, causal=causal, kernel="forward")
@@ -61,6 +62,7 @@ def test_log_sum_exp_without_keys(gen):
     layout=st.sampled_from(LAYOUTS), scale=st.sampled_from([None, 0.3, -1.0]),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_fuzz_against_sdpa(b, hkv, group, lq, lk, e, ev, dtype, causal, layout, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     q = layout_tensor(gen, layout, b, hkv * group, lq, e, dtype)
@@ -79,6 +81,7 @@ def run(n):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak RSS from /proc")
+@pytest.mark.slow
 def test_memory_grows_linearly_with_length():
     small, small_io = peak_memory_growth(RUN_FORWARD, 1024)
     large, large_io = peak_memory_growth(RUN_FORWARD, 4096)
@@ -202,3 +205,55 @@ def test_nan_key_under_a_blocked_tile(gen, mask_kind):
         assert out.isnan().all() and mask_golden_and_reference(q, k, v, mask)[0].isnan().all()
     else:
         assert max_error(out, golden) < 1e-5
+
+
+# --- the bounded fuzz against torch's math SDPA in float64 -----------------------------------
+
+def strided(gen, shape, dtype, layout, offset):
+    """A view of the given shape: contiguous, transposed in memory (heads and length swapped) or
+    a slice with gaps; offset elements of storage before it."""
+    b, h, n, d = shape
+    if layout == "transposed":
+        base = torch.randn(offset + b * n * h * d, generator=gen).to(dtype)
+        return base[offset:].view(b, n, h, d).transpose(1, 2)
+    if layout == "gaps":
+        base = torch.randn(offset + b * h * n * (d + 3), generator=gen).to(dtype)
+        return base[offset:].view(b, h, n, d + 3)[..., 1:d + 1]
+    base = torch.randn(offset + b * h * n * d, generator=gen).to(dtype)
+    return base[offset:].view(b, h, n, d)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2]), lq=st.integers(1, 12),
+    lk=st.integers(1, 12), e=st.sampled_from([1, 4, 8, 16, 20]), ev=st.sampled_from([4, 8, 12]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    layout=st.sampled_from(["contiguous", "transposed", "gaps"]), offset=st.integers(0, 5),
+    mask=st.sampled_from([None, "bool", "float", "bool-broadcast", "float-rows"]), causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@pytest.mark.slow
+def test_fuzz_shapes_strides_offsets_dtypes_and_masks(b, hkv, group, lq, lk, e, ev, dtype, layout, offset, mask,
+                                                      causal, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hq = hkv * group
+    q = strided(gen, (b, hq, lq, e), dtype, layout, offset)
+    k = strided(gen, (b, hkv, lk, e), dtype, layout, offset)
+    v = strided(gen, (b, hkv, lk, ev), dtype, layout, offset)
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(b, hq, lq, lk, generator=gen) > 0.3
+    elif mask == "float":
+        attn_mask = torch.randn(b, hq, lq, lk, generator=gen).to(dtype)
+    elif mask == "bool-broadcast":
+        attn_mask = (torch.rand(lq, lk, generator=gen) > 0.5)
+    elif mask == "float-rows":
+        attn_mask = torch.randn(1, 1, lq, 1, generator=gen).expand(b, hq, lq, lk)
+    if attn_mask is not None and causal:
+        causal = False  # SDPA takes one or the other
+    out = flash_attention(q, k, v, causal=causal, attn_mask=attn_mask)
+    golden = sdpa(q.double(), k.double(), v.double(), causal,
+                  attn_mask=attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double())
+    reference = sdpa(q, k, v, causal, attn_mask=attn_mask)
+    tolerance = max(1e-5, 5 * max_error(reference, golden))
+    assert max_error(out, golden) <= tolerance

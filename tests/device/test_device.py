@@ -388,6 +388,7 @@ def test_bad_dispatch_arguments():
         lib.dispatch("k", (1,), (32,), [x, x], threadgroup_memory=[40000])
 
 
+@pytest.mark.slow
 def test_concurrent_compilation_from_two_processes(tmp_path):
     source = HEADER + f"// {uuid.uuid4()}\n" + textwrap.dedent("""
         kernel void k(device float *x [[buffer(0)]], uint i [[thread_position_in_grid]]) { x[i] = float(i); }""")

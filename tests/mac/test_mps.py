@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_mps
-from conftest import ALL_DTYPES, max_error, randn
+from helpers import ALL_DTYPES, max_error, randn
 
 pytestmark = pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs an Apple GPU (torch MPS)")
 

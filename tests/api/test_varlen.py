@@ -1,5 +1,5 @@
 """flash_attn_varlen_func: packed sequences in one launch (forward in every kernel, backward),
-against float64 references on the unpacked pieces (test_flash_attn.reference per sequence)."""
+against float64 references on the unpacked pieces (helpers.reference per sequence)."""
 from __future__ import annotations
 
 import pytest
@@ -7,42 +7,8 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
-from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn
-from test_flash_attn import reference, slopes
-
-
-def prefix_sums(lengths):
-    return torch.tensor([0] + torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int32)
-
-
-def packed_inputs(gen, lens_q, lens_k, hq, hkv, e, ev, dtype):
-    return (randn(gen, sum(lens_q), hq, e, dtype=dtype), randn(gen, sum(lens_k), hkv, e, dtype=dtype),
-            randn(gen, sum(lens_k), hkv, ev, dtype=dtype))
-
-
-def pieces(t, cu, b):
-    """Sequence b of a packed (total, H, D) tensor as a (1, H, L_b, D) SDPA view."""
-    return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
-
-
-def per_sequence_reference(q, k, v, lens_q, lens_k, alibi=None, **options):
-    """Each sequence on its own through test_flash_attn.reference (bottom-right), packed back."""
-    cq, ck = prefix_sums(lens_q), prefix_sums(lens_k)
-    outs = []
-    for b in range(len(lens_q)):
-        slope = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
-        out = reference(pieces(q, cq, b), pieces(k, ck, b), pieces(v, ck, b), bottom_right=True, alibi=slope,
-                        **options)
-        outs.append(out[0].transpose(0, 1))
-    return torch.cat(outs) if outs else q.new_empty(0, q.shape[1], v.shape[2])
-
-
-def check_packed(actual, inputs, lens_q, lens_k, factor=5.0, **options):
-    golden = per_sequence_reference(*[t.double() for t in inputs], lens_q, lens_k, **options)
-    same_dtype = per_sequence_reference(*inputs, lens_q, lens_k, **options)
-    assert actual.shape == golden.shape and actual.dtype == inputs[0].dtype
-    error, reference_error = max_error(actual, golden), max_error(same_dtype, golden)
-    assert error <= max(1e-5, factor * reference_error), (error, reference_error)
+from helpers import (ALL_DTYPES, assert_gradients_match, max_error, randn, slopes, check_packed,
+                     packed_inputs, per_sequence_reference, prefix_sums)
 
 
 # Length mixes: empty and length-1 sequences, queries longer and shorter than keys, one long
@@ -257,7 +223,7 @@ def test_dropout_drops_as_flash_attn_func_on_a_batch(gen):
     """Dropout in the packed launch keys each element by (sequence, head, row in the sequence,
     key in the sequence): sequences of equal lengths drop exactly what flash_attn_func drops for
     the same batch under the same seed, forward and gradients (flash_attn_func's mask is checked
-    against its exposed probabilities in test_dropout.py); another seed drops differently."""
+    against its exposed probabilities in kernels/test_dropout.py); another seed drops differently."""
     batch, length, keys = 3, 9, 13
     q, k, v = randn(gen, batch, length, 4, 16), randn(gen, batch, keys, 2, 16), randn(gen, batch, keys, 2, 16)
     packed = [t.reshape(-1, *t.shape[2:]).detach().requires_grad_() for t in (q, k, v)]

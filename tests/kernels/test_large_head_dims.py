@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from flashattn_mps import _C, explain, explain_plan, flash_attention, scaled_dot_product_attention
-from conftest import ALL_DTYPES, max_error, randn, sample_product
-from test_backward import FUDGE
-from test_flash_attn import reference
+from helpers import ALL_DTYPES, max_error, randn, sample_product, FUDGE, reference
+
+# slow: every kernel at head dims 320 to 576, each case a few seconds
+pytestmark = pytest.mark.slow
 
 # (E, Ev): both blocked; E streamed alone (576, 64); Ev in column blocks alone (128, 512); dims that
 # are not multiples of 4 (strided loads, ragged last blocks).

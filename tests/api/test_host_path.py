@@ -1,4 +1,4 @@
-"""The lean host path (issue 12): cached plans still check every call's storage, new kernel text is
+"""The lean host path: cached plans still check every call's storage, new kernel text is
 never run through an old pipeline, FLASHATTN_MPS_SKIP_EXECUTION skips only the kernels, and the two
 autograd routes (an autograd.Function eagerly, the torch.library ops when traced) agree."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from flashattn_mps import _C, _sources, flash_attention
 from flashattn_mps._api import describe
-from conftest import assert_matches_sdpa, max_error, randn, sdpa
+from helpers import assert_matches_sdpa, max_error, randn, sdpa
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Attention sinks (GPT-OSS, StreamingLLM): one logit per query head in every row's softmax, with no
 value, in every kernel (prefill, decode with split-K, simple, backward) and with every other option,
-against float64 references on materialised scores (test_flash_attn.reference with a sink column)."""
+against float64 references on materialised scores (helpers.reference with a sink column)."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +8,8 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, explain_plan, flash_attention, flash_attn_func
-from conftest import ALL_DTYPES, max_error, randn, sample_product
-from test_flash_attn import (KERNELS, LENGTHS, VARIANTS, check, flash_inputs, forward_case, reference, sdpa_view,
-                             slopes, variant_scores)
+from helpers import (ALL_DTYPES, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS, check, flash_inputs,
+                     forward_case, reference, sdpa_view, slopes, variant_scores)
 
 
 def sink_logits(gen, h, spread=2.0):

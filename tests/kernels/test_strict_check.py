@@ -172,6 +172,7 @@ def test_command_line_checks_given_files_under_macros(tmp_path, capsys):
     assert f"{source}:4:" in err and "[rule: double]" in err
 
 
+@pytest.mark.slow
 def test_every_planner_specialisation_passes():
     results = strict_check.run()
     assert len(results) == len(_C.specialisations())  # no source needed an unspecialised extra run

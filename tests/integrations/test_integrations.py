@@ -15,7 +15,7 @@ import transformers
 
 from flashattn_mps.integrations import transformers as fa_transformers
 from flashattn_mps.integrations.diffusers import MPSAttnProcessor, use_in
-from conftest import max_error
+from helpers import max_error
 
 NAME = fa_transformers.register(cpu=True)
 VOCAB = 64
@@ -147,7 +147,7 @@ def test_greedy_generate_with_kv_cache_matches_sdpa(name, core_calls, caplog):
 
 def test_cached_continuation_of_several_tokens(core_calls):
     """A KV cache continued by 3 tokens needs the bottom-right causal mask, which the registered
-    mask function builds (attention_mask=None here cropped the keys: issue 13, bug 2)."""
+    mask function builds (attention_mask=None here cropped the keys)."""
     ours, reference, golden = models("llama_gqa")
     ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(2))
     logits = []
@@ -293,6 +293,7 @@ def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     assert core_calls["forward"] == 1 and core_calls["masked"] == 0 and max_error(out, golden) < 1e-5
 
 
+@pytest.mark.slow
 def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
     torch.manual_seed(0)
     unet = diffusers.UNet2DConditionModel(
@@ -329,6 +330,7 @@ def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
 
 
 
+@pytest.mark.slow
 def test_compiled_model_fullgraph_dynamic(core_calls):
     from torch._dynamo.utils import counters
 

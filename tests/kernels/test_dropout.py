@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import flashattn_mps
 from flashattn_mps import _C, _api, _sources, explain_plan, flash_attention, flash_attn_func, metal_cpu
-from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product
-from test_flash_attn import reference as flash_reference, visible
+from helpers import (ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product,
+                     reference as flash_reference, visible)
 
 
 def keep_mask(q, k, v, rng_state, dropout_p):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashattn_mps import explain, patch, scaled_dot_product_attention, unpatch
-from conftest import ALL_DTYPES, max_error, randn
+from helpers import ALL_DTYPES, max_error, randn
 
 
 def golden_and_reference(q, k, v, mask=None, causal=False, scale=None, enable_gqa=False):
@@ -229,7 +229,7 @@ def test_multihead_attention_and_encoder_layer_with_patch(gen, caplog):
 
 
 # torch's own argument parser decides what each scalar argument accepts: the drop-in must accept
-# and refuse exactly the same (issue 14 item 8).
+# and refuse exactly the same.
 class _HasFloat:
     def __float__(self):
         return 0.5
@@ -255,7 +255,7 @@ def test_argument_types_are_torchs(gen, argument, core_calls):
                 scaled_dot_product_attention(q, k, v, **{argument: value})
             continue
         if argument == "dropout_p" and value not in (0, False):
-            continue  # accepted, and random: the kernels' dropout (tests/test_dropout.py)
+            continue  # accepted, and random: the kernels' dropout (tests/kernels/test_dropout.py)
         before = core_calls["forward"]
         out = scaled_dot_product_attention(q, k, v, **{argument: value})
         assert core_calls["forward"] == before + 1, f"{argument}={name} did not reach the kernels"

@@ -1,4 +1,4 @@
-"""Lockstep on the CPU Metal device (README, "Lockstep"): the lanes of a SIMD-group take their
+"""Lockstep on the CPU Metal device (docs/cpu-device.md, "Lockstep"): the lanes of a SIMD-group take their
 threadgroup-memory accesses in step, as kernels need that exchange values through threadgroup
 memory between lanes with no simdgroup_barrier, relying on the GPU running a SIMD-group's lanes
 together (llama.cpp's flash-attention kernels do)."""

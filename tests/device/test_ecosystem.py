@@ -1,8 +1,7 @@
-"""The CPU Metal device on what real-world Metal kernels use (issue 18): each test's small kernel is
+"""The CPU Metal device on what real-world Metal kernels use: each test's small kernel is
 written for the test, after a pattern found in public kernels (MLX, llama.cpp)."""
 from __future__ import annotations
 
-import math
 import platform
 import struct
 import textwrap
@@ -11,6 +10,9 @@ import pytest
 import torch
 
 from flashattn_mps.metal_cpu import MetalCompileError, MetalDispatchError, compile_library
+
+# slow: patterns of other projects' kernels (MLX, llama.cpp), each compiled for its own test
+pytestmark = pytest.mark.slow
 
 HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
 

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import types
 
+import pytest
 import torch
 
 from flashattn_mps import _C, _metal_mode, doctor
 
 
+@pytest.mark.slow
 def test_doctor_json_here_runs_every_parity_check_on_the_cpu_device():
     result = subprocess.run([sys.executable, "-m", "flashattn_mps.doctor", "--json"], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

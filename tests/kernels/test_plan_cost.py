@@ -10,7 +10,7 @@ import torch
 
 from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_plan, explain_varlen_plan, flash_attn_varlen_func,
                           flash_attn_with_kvcache)
-from test_instantiation import DEFINITION, preprocessed
+from helpers import DEFINITION, preprocessed
 
 
 def inputs(b, hq, hkv, lq, lk, e, ev, dtype):

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
-from conftest import assert_gradients_match, max_error, randn
-from test_flash_attn import reference, slopes, variant_scores
-from test_varlen import packed_inputs, pieces, prefix_sums
+from helpers import (assert_gradients_match, max_error, randn, reference, slopes, variant_scores, packed_inputs,
+                     pieces, prefix_sums)
 
 # (lens_q, lens_k, dtype, (Hq, Hkv), causal, window, softcap, ALiBi kind, sinks, dropout_p, extra):
 # empty and length-1 sequences, queries longer and shorter than keys, a sequence without keys;

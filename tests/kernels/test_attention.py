@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashattn_mps import flash_attention
-from conftest import ALL_DTYPES, assert_matches_sdpa, randn, sdpa
+from helpers import ALL_DTYPES, assert_matches_sdpa, randn, sdpa
 
 
 def make_qkv(gen, b, hq, hkv, lq, lk, e, ev, dtype):
@@ -39,6 +39,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("lengths,dims,gqa,dtype,causal", CASES)
+@pytest.mark.slow
 def test_sampled_product(gen, lengths, dims, gqa, dtype, causal):
     (lq, lk), (e, ev), (hq, hkv) = lengths, dims, gqa
     q, k, v = make_qkv(gen, 1, hq, hkv, lq, lk, e, ev, dtype)

@@ -4,12 +4,12 @@ check's enumeration of specialisations equal to what the planner can emit."""
 from __future__ import annotations
 
 import re
-import subprocess
 
 import pytest
 import torch
 
-from flashattn_mps import _C, _sources, explain_plan, metal_cpu, strict_check
+from flashattn_mps import _C, _sources, explain_plan, metal_cpu
+from helpers import DEFINITION, preprocessed
 
 KERNEL_TYPES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 PADDED_HEAD_DIMS = [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
@@ -70,19 +70,8 @@ def test_a_library_holds_only_the_planned_dtypes_kernels(dtype, kwargs):
         assert set(threads) <= expected
 
 
-def preprocessed(source: str, macros: dict) -> str:
-    clang = strict_check.find_clang()
-    defines = [f"-D{k}={v}" for k, v in macros.items()]
-    result = subprocess.run(
-        [clang, *_C.preprocessor_flags(), "-P", "-I", f"{_C.shim_dir()}/include", *defines, "-"],
-        input=_sources.kernel_sources()[source], capture_output=True, text=True, check=True)
-    return result.stdout
-
-
 INSTANTIATION = re.compile(r'template\s*\[\[host_name\(((?:\s*"[^"]*")+)\s*\)\]\]\s*\[\[kernel\]\]\s*'
                            r'decltype\((\w+)<([^>]*)>\)')
-DEFINITION = re.compile(r'template\s*<([^>]*)>\s*\[\[kernel,\s*max_total_threads_per_threadgroup\(([^)]*)\)\]\]'
-                        r'\s*void\s+(\w+)\s*\(')
 
 
 def declared_threads(text: str) -> dict:

@@ -1,5 +1,5 @@
 """flash_attn_with_kvcache: in-place appends (rotary both layouts), cache_seqlens, cache_batch_idx,
-cache_leftpad, against a cache updated and attended by hand in float64 (test_flash_attn.reference
+cache_leftpad, against a cache updated and attended by hand in float64 (helpers.reference
 per batch entry)."""
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from flashattn_mps import flash_attn_func, flash_attn_with_kvcache
-from conftest import ALL_DTYPES, max_error, randn
-from test_flash_attn import reference, slopes
+from helpers import ALL_DTYPES, max_error, randn, reference, slopes
 
 
 def rotary_reference(x, cos, sin, positions, interleaved):
@@ -218,7 +217,7 @@ def test_paged_decode_example_matches_recomputation(monkeypatch, capsys):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "example_paged_decode.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "example_paged_decode.py"
     monkeypatch.setattr(sys, "argv", [str(script), "--device", "cpu", "--steps", "3"])
     runpy.run_path(str(script), run_name="__main__")
     assert "decodes exactly the recomputed tokens" in capsys.readouterr().out

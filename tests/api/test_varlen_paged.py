@@ -9,10 +9,7 @@ import torch
 from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_varlen_plan, flash_attn_varlen_func,
                            flash_attn_with_kvcache)
 from flashattn_mps import metal_cpu as mc
-from conftest import ALL_DTYPES, randn
-from test_cpu_device_checked import checked_core  # noqa: F401 (a fixture)
-from test_flash_attn import slopes
-from test_varlen import check_packed, packed_inputs, prefix_sums
+from helpers import ALL_DTYPES, randn, slopes, check_packed, packed_inputs, prefix_sums
 
 
 def paged_pool(gen, keys, values, lens_k, page_size, extra_columns=1, spare=3):

@@ -8,115 +8,12 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import explain_plan, flash_attention, flash_attn_func
-from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product
-
-
-def visible(l, s, causal, bottom_right, window, device="cpu"):
-    """(L, S) bool: which keys each query sees (flash-attn's rule; the diagonal of row i is i + S - L
-    when bottom_right, else i)."""
-    i = torch.arange(l, device=device)[:, None]
-    j = torch.arange(s, device=device)[None, :]
-    diagonal = i + (s - l if bottom_right else 0)
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    keep = torch.ones(l, s, dtype=torch.bool, device=device)
-    if left >= 0:
-        keep &= j >= diagonal - left
-    if right >= 0:
-        keep &= j <= diagonal + right
-    return keep
-
-
-def variant_scores(q, k, causal=False, bottom_right=False, window=None, scale=None, softcap=0.0, alibi=None):
-    """The scores (scaled, capped, ALiBi-biased, in q's dtype; SDPA layout, GQA by repeating k) and
-    which keys each row sees under causal and the window."""
-    hq, hkv = q.shape[1], k.shape[1]
-    k = k.repeat_interleave(hq // hkv, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi is not None:
-        l, s = q.shape[2], k.shape[2]
-        distance = (torch.arange(l)[:, None] + (s - l if bottom_right else 0) - torch.arange(s)[None, :]).abs()
-        slopes = alibi.to(scores.dtype).expand(q.shape[0], hq)[:, :, None, None]
-        scores = scores - slopes * distance.to(scores.dtype)
-    return scores, visible(q.shape[2], k.shape[2], causal, bottom_right, window)
-
-
-def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
-              alibi=None, sinks=None, dropout_mask=None, dropout_p=0.0):
-    """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
-    flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
-    give zeros. sinks (H,): one more logit per row, of no value, in the softmax (GPT-OSS's eager).
-    dropout_mask (B, H, L, S) bool: the probabilities outside it are dropped, the others scaled by
-    1 / (1 - dropout_p), as flash-attn's test reference does."""
-    hq, hkv = q.shape[1], k.shape[1]
-    v = v.repeat_interleave(hq // hkv, 1)
-    scores, keep = variant_scores(q, k, causal, bottom_right, window, scale, softcap, alibi)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        keep = keep & attn_mask
-    elif attn_mask is not None:
-        scores = scores + attn_mask
-    scores = scores.masked_fill(~keep, float("-inf"))
-    if sinks is not None:
-        column = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
-        scores = torch.cat([scores, column], -1)
-    probs = torch.softmax(scores.float() if scores.dtype != torch.float64 else scores, -1).to(q.dtype)
-    if sinks is not None:
-        probs = probs[..., :-1]  # a row with no key has all its weight on the sink: zeros
-    else:
-        probs = probs.masked_fill(~keep.any(-1, keepdim=True), 0.0)  # no key: zeros
-    if dropout_mask is not None:
-        probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
-    return probs @ v
-
-
-def check(actual, inputs, factor=5.0, **options):
-    """PyTorch's rule against the float64 reference: error <= max(1e-5, factor x the same-dtype
-    reference's error)."""
-    golden = reference(*[t.double() for t in inputs], **options)
-    same_dtype = reference(*inputs, **options)
-    assert actual.shape == golden.shape and actual.dtype == inputs[0].dtype
-    error, reference_error = max_error(actual, golden), max_error(same_dtype, golden)
-    assert error <= max(1e-5, factor * reference_error), (error, reference_error)
-
-
-def flash_inputs(gen, b, l, s, hq, hkv, e, ev, dtype):
-    return randn(gen, b, l, hq, e, dtype=dtype), randn(gen, b, s, hkv, e, dtype=dtype), randn(gen, b, s, hkv, ev, dtype=dtype)
-
-
-def sdpa_view(*tensors):
-    return tuple(t.transpose(1, 2) for t in tensors)
-
-
-# (causal, window, softcap, ALiBi slopes' shape): flash-attn's options, alone and together.
-VARIANTS = [(True, (-1, -1), 0.0, None), (False, (5, 3), 0.0, None), (True, (7, -1), 0.0, None),
-            (False, (-1, 0), 0.0, None), (False, (0, 0), 0.0, None), (False, (2, -1), 0.0, None),
-            (True, (0, 4), 0.0, None), (False, (40, 40), 0.0, None), (False, (-1, -1), 0.7, None),
-            (True, (-1, -1), 2.0, None), (False, (6, 1), 0.5, None), (True, (3, -1), 1.5, None),
-            (False, (-1, -1), 0.0, "h"), (True, (-1, -1), 0.0, "bh"), (True, (9, -1), 1.0, "h"),
-            (False, (4, 4), 0.0, "bh")]
-LENGTHS = [(37, 53), (53, 37), (1, 40), (3, 70), (24, 24), (70, 9)]
-KERNELS = ["auto", "forward", "decode", "simple"]
-
-def slopes(gen, kind, b, h):
-    """ALiBi slopes of the given shape kind, or None."""
-    if kind is None:
-        return None
-    return torch.rand(*((h,) if kind == "h" else (b, h)), generator=gen) * 0.5
+from helpers import (ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS,
+                     check, flash_inputs, forward_case, reference, sdpa_view, slopes)
 
 
 FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=40, seed=16,
                                cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
-
-
-def forward_case(gen, lengths, variant, dtype):
-    """q, k, v (B = 2, Hq = 4, Hkv = 2, E = 40, Ev = 24) and ALiBi slopes of one sampled forward case."""
-    (l, s), alibi_kind = lengths, variant[3]
-    q, k, v = flash_inputs(gen, 2, l, s, 4, 2, 40, 24, dtype)
-    return q * 4, k, v, slopes(gen, alibi_kind, 2, 4)  # scores of several units, so the softcap bends them
 
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)

@@ -11,7 +11,7 @@ import torch
 
 from flashattn_mps import _C, _sources, explain_plan, flash_attention
 from flashattn_mps._api import describe
-from conftest import ALL_DTYPES, assert_matches_sdpa, max_error, randn, sdpa
+from helpers import ALL_DTYPES, assert_matches_sdpa, max_error, randn, sdpa
 
 QUERY_LENS = [1, 2, 5, 8]
 KV_LENS = [1, 7, 9, 32, 63, 67, 129, 400, 2000, 8192]
@@ -51,6 +51,7 @@ def sampled_cases():
 
 
 @pytest.mark.parametrize("lq,lk,gqa,dtype,causal,layout,e", sampled_cases())
+@pytest.mark.slow
 def test_decode_parity(gen, lq, lk, gqa, dtype, causal, layout, e):
     q, k, v = decode_inputs(gen, 1, 2 if gqa < 8 else 1, gqa, lq, lk, e, e, dtype, layout)
     out = flash_attention(q, k, v, causal=causal, kernel="decode")
