@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_mps
-from flashattn_mps import _C
+from flashattn_mps import _metal_cpu
 from flashattn_mps import metal_cpu as mc
 
 SOURCE = r"""#include <metal_stdlib>
@@ -230,9 +230,9 @@ def test_switching_modes_switches_the_project_kernels(checked_core):
 def checked_core():
     """The project's kernels built checked; counts the checked dispatches they ran."""
     mc.set_checked(True)
-    start = _C.cpu_checked_dispatches()
+    start = _metal_cpu.checked_dispatches()
     try:
-        yield lambda: _C.cpu_checked_dispatches() - start
+        yield lambda: _metal_cpu.checked_dispatches() - start
     finally:
         mc.set_checked(None)
 

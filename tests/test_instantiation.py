@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from flashattn_mps import _C, _sources, explain_plan, metal_cpu, strict_check
+from flashattn_mps import _C, _metal_cpu, _sources, explain_plan, metal_cpu, strict_check
 
 KERNEL_TYPES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 PADDED_HEAD_DIMS = [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
@@ -74,7 +74,7 @@ def preprocessed(source: str, macros: dict) -> str:
     clang = strict_check.find_clang()
     defines = [f"-D{k}={v}" for k, v in macros.items()]
     result = subprocess.run(
-        [clang, *_C.preprocessor_flags(), "-P", "-I", f"{_C.shim_dir()}/include", *defines, "-"],
+        [clang, *_metal_cpu.preprocessor_flags(), "-P", "-I", f"{_metal_cpu.shim_dir()}/include", *defines, "-"],
         input=_sources.kernel_sources()[source], capture_output=True, text=True, check=True)
     return result.stdout
 

@@ -8,7 +8,7 @@
  * vouched for (README, "Security and robustness"): private entries only, never through a link,
  * matching the manifest, reporting its key. */
 #define _POSIX_C_SOURCE 200809L
-#include "cpu_device.h"
+#include "metal_cpu.h"
 #include "shim_files.h"
 
 #include <dirent.h>
@@ -183,17 +183,17 @@ static void shim_hash(char out[33]) {
 
 /* ---- files and processes ---- */
 
-static int32_t io_fail(fa_status *st, const char *what, const char *path) {
+static int32_t io_fail(mcpu_status *st, const char *what, const char *path) {
     int32_t e = errno;
-    return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: cannot %s %s: %s%s", what, path, strerror(e),
+    return mcpu_fail(st, MCPU_ERR_RUNTIME, "CPU Metal device: cannot %s %s: %s%s", what, path, strerror(e),
                    e == ENOSPC || e == EDQUOT ? " (the disk is full)" : "");
 }
 
-static int32_t join(char *out, const char *a, const char *b, fa_status *st) {
+static int32_t join(char *out, const char *a, const char *b, mcpu_status *st) {
     int n = snprintf(out, PATH_BYTES, "%s/%s", a, b);
     if (n < 0 || n >= PATH_BYTES)
-        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: path too long: %s/%s", a, b);
-    return FA_OK;
+        return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: path too long: %s/%s", a, b);
+    return MCPU_OK;
 }
 
 static int32_t write_fd(int fd, const char *data, uint64_t n) {
@@ -207,7 +207,7 @@ static int32_t write_fd(int fd, const char *data, uint64_t n) {
 }
 
 /* A new private file (inside a temporary directory). */
-static int32_t write_file(const char *path, const char *data, uint64_t n, fa_status *st) {
+static int32_t write_file(const char *path, const char *data, uint64_t n, mcpu_status *st) {
     int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) return io_fail(st, "create", path);
     if (write_fd(fd, data, n)) {
@@ -215,7 +215,7 @@ static int32_t write_file(const char *path, const char *data, uint64_t n, fa_sta
         close(fd);
         return st->code;
     }
-    return close(fd) ? io_fail(st, "write", path) : FA_OK;
+    return close(fd) ? io_fail(st, "write", path) : MCPU_OK;
 }
 
 static void sync_dir(const char *dir) {
@@ -228,12 +228,12 @@ static void sync_dir(const char *dir) {
 
 /* dir/name replaced atomically and durably by data: a private temporary file, fsync, rename,
  * fsync of the directory. A crash leaves the old file or the new one, never a torn one. */
-static int32_t write_atomic(const char *dir, const char *name, const char *data, uint64_t n, fa_status *st) {
+static int32_t write_atomic(const char *dir, const char *name, const char *data, uint64_t n, mcpu_status *st) {
     char tmp[PATH_BYTES], path[PATH_BYTES];
     if (join(tmp, dir, "tmp-XXXXXX", st) || join(path, dir, name, st)) return st->code;
     int fd = mkstemp(tmp);
     if (fd < 0) return io_fail(st, "create a file in", dir);
-    int32_t rc = write_fd(fd, data, n) || fsync(fd) ? io_fail(st, "write", tmp) : FA_OK;
+    int32_t rc = write_fd(fd, data, n) || fsync(fd) ? io_fail(st, "write", tmp) : MCPU_OK;
     if (close(fd) && !rc) rc = io_fail(st, "write", tmp);
     if (!rc && rename(tmp, path)) rc = io_fail(st, "create", path);
     if (rc) unlink(tmp);
@@ -288,7 +288,7 @@ static void rm_tree(const char *path) {
     rmdir(path);
 }
 
-static int32_t mkdir_p(const char *path, fa_status *st) {
+static int32_t mkdir_p(const char *path, mcpu_status *st) {
     char p[PATH_BYTES];
     snprintf(p, sizeof p, "%s", path);
     for (char *c = p + 1;; c++) {
@@ -298,7 +298,7 @@ static int32_t mkdir_p(const char *path, fa_status *st) {
         if (mkdir(p, 0700) && errno != EEXIST) return io_fail(st, "create directory", p);
         if (!(*c = end)) break;
     }
-    return FA_OK;
+    return MCPU_OK;
 }
 
 /* ---- what the cache trusts ---- */
@@ -320,8 +320,8 @@ static const char *untrusted(const struct stat *sb, char why[160]) {
     return NULL;
 }
 
-static int32_t refuse(fa_status *st, const char *path, const char *why) {
-    return fa_fail(st, FA_ERR_COMPILE,
+static int32_t refuse(mcpu_status *st, const char *path, const char *why) {
+    return mcpu_fail(st, MCPU_ERR_COMPILE,
                    "CPU Metal device: refusing to use %s from the kernel cache: %s; the cache trusts only "
                    "entries that are not symbolic links, are owned by the current user and are writable by "
                    "nobody else (fix or remove it, or set FLASHATTN_MPS_CACHE to a private directory)",
@@ -330,17 +330,17 @@ static int32_t refuse(fa_status *st, const char *path, const char *why) {
 
 /* A directory the cache may use: refused if it is a symbolic link, not a directory, someone
  * else's or writable by others. */
-static int32_t trusted_dir(const char *path, fa_status *st) {
+static int32_t trusted_dir(const char *path, mcpu_status *st) {
     struct stat sb;
     char why[160];
     if (lstat(path, &sb)) return io_fail(st, "use directory", path);
     const char *bad = S_ISLNK(sb.st_mode) ? "it is a symbolic link" : !S_ISDIR(sb.st_mode) ? "it is not a directory"
                                                                                           : untrusted(&sb, why);
-    return bad ? refuse(st, path, bad) : FA_OK;
+    return bad ? refuse(st, path, bad) : MCPU_OK;
 }
 
 /* The cache directory, created private (0700) if absent, then checked as trusted_dir. */
-static int32_t private_dir(const char *path, fa_status *st) {
+static int32_t private_dir(const char *path, mcpu_status *st) {
     struct stat sb;
     if (lstat(path, &sb) && errno == ENOENT && mkdir_p(path, st)) return st->code;
     return trusted_dir(path, st);
@@ -348,7 +348,7 @@ static int32_t private_dir(const char *path, fa_status *st) {
 
 /* Opens a cache file for reading without following a symbolic link. Returns the descriptor, -1
  * (errno ENOENT) when the file is absent, or -2 with st set when it is refused or unreadable. */
-static int open_trusted(const char *path, fa_status *st) {
+static int open_trusted(const char *path, mcpu_status *st) {
     int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK); /* O_NONBLOCK: a planted FIFO */
     if (fd < 0) {
         if (errno == ENOENT) return -1;
@@ -504,17 +504,17 @@ static int32_t run(char *const argv[], char **out, char **err, double timeout) {
 }
 
 /* Seconds a compiler run may take: $FLASHATTN_MPS_COMPILE_TIMEOUT, else 600. */
-static int32_t compile_timeout(double *seconds, fa_status *st) {
+static int32_t compile_timeout(double *seconds, mcpu_status *st) {
     const char *env = getenv("FLASHATTN_MPS_COMPILE_TIMEOUT");
     *seconds = DEFAULT_COMPILE_TIMEOUT;
-    if (!env || !*env) return FA_OK;
+    if (!env || !*env) return MCPU_OK;
     char *end;
     double v = strtod(env, &end);
     if (*end || !(v > 0))
-        return fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_COMPILE_TIMEOUT='%s': expected a number of seconds > 0",
+        return mcpu_fail(st, MCPU_ERR_VALUE, "FLASHATTN_MPS_COMPILE_TIMEOUT='%s': expected a number of seconds > 0",
                        env);
     *seconds = v;
-    return FA_OK;
+    return MCPU_OK;
 }
 
 /* Why a compiler run failed to produce a status: for messages. */
@@ -527,22 +527,21 @@ static const char *run_failure(int32_t status, double timeout, char buf[96]) {
 
 /* The compiler command: $FLASHATTN_MPS_CXX, split into words at blanks, with '...' and "..."
  * quoting as in a shell (no expansions), so that "ccache clang++" works; else the first of
- * CLANG_NAMES on PATH. It must be clang 16 or newer (checked on its identity, compiler_identity):
- * kernels keep Metal's address spaces apart through clang's (msl_shim.h), which g++ lacks. */
-static const char *const CLANG_NAMES[] = {"clang++",    "clang++-20", "clang++-19", "clang++-18",
-                                          "clang++-17", "clang++-16"};
+ * compilers.txt's names (mcpu_compiler_names) on PATH. It must be clang 16 or newer (checked on its
+ * identity, compiler_identity): kernels keep Metal's address spaces apart through clang's
+ * (msl_shim.h), which g++ lacks. */
 #define CLANG_ADVICE "install clang (Debian/Ubuntu: apt-get install clang-16) or set FLASHATTN_MPS_CXX"
 
-/* The first of CLANG_NAMES that PATH holds as an executable, or NULL. */
+/* The first of mcpu_compiler_names that PATH holds as an executable, or NULL. */
 static const char *clang_on_path(void) {
     const char *path = getenv("PATH");
-    for (uint64_t i = 0; path && i < COUNT(CLANG_NAMES); i++)
+    for (uint64_t i = 0; path && i < mcpu_compiler_name_count; i++)
         for (const char *d = path; *d;) {
             uint64_t n = strcspn(d, ":");
             char file[PATH_BYTES];
-            if (n + strlen(CLANG_NAMES[i]) + 3 < sizeof file) { /* an empty entry is the current directory */
-                snprintf(file, sizeof file, "%.*s/%s", n ? (int)n : 1, n ? d : ".", CLANG_NAMES[i]);
-                if (access(file, X_OK) == 0) return CLANG_NAMES[i];
+            if (n + strlen(mcpu_compiler_names[i]) + 3 < sizeof file) { /* an empty entry is the current directory */
+                snprintf(file, sizeof file, "%.*s/%s", n ? (int)n : 1, n ? d : ".", mcpu_compiler_names[i]);
+                if (access(file, X_OK) == 0) return mcpu_compiler_names[i];
             }
             d += n + (d[n] == ':');
         }
@@ -556,16 +555,20 @@ typedef struct command {
     const char *source; /* the variable it came from, for messages */
 } command;
 
-static int32_t compiler(command *c, fa_status *st) {
+static int32_t compiler(command *c, mcpu_status *st) {
     const char *env = getenv("FLASHATTN_MPS_CXX");
     c->source = "FLASHATTN_MPS_CXX";
     if (!env || !*env) env = clang_on_path(), c->source = "PATH";
-    if (!env)
-        return fa_fail(st, FA_ERR_COMPILE,
-                       "CPU Metal device: kernels compile with clang++ 16 or newer, and PATH holds none of "
-                       "clang++, clang++-20 ... clang++-16; " CLANG_ADVICE);
+    if (!env) {
+        char names[512] = "";
+        for (uint32_t i = 0; i < mcpu_compiler_name_count; i++)
+            snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "", mcpu_compiler_names[i]);
+        return mcpu_fail(st, MCPU_ERR_COMPILE,
+                         "CPU Metal device: kernels compile with clang++ 16 or newer, and PATH holds none of %s; "
+                         CLANG_ADVICE, names);
+    }
     if (strlen(env) >= sizeof c->text)
-        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command (%s) is longer than %zu bytes",
+        return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command (%s) is longer than %zu bytes",
                        c->source, sizeof c->text - 1);
     char *w = c->text, quote = 0;
     const char *r = env;
@@ -574,7 +577,7 @@ static int32_t compiler(command *c, fa_status *st) {
         while (!quote && (*r == ' ' || *r == '\t')) r++;
         if (!*r) break;
         if (c->argc == MAX_WORDS)
-            return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has more than %d words",
+            return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has more than %d words",
                            env, c->source, MAX_WORDS);
         c->argv[c->argc++] = w;
         for (; *r && (quote || (*r != ' ' && *r != '\t')); r++) {
@@ -583,14 +586,14 @@ static int32_t compiler(command *c, fa_status *st) {
             else *w++ = *r;
         }
         if (quote)
-            return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has an unterminated %c",
+            return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has an unterminated %c",
                            env, c->source, quote);
         *w++ = 0;
     }
     if (c->argc == 0)
-        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: the compiler command (%s) is blank", c->source);
+        return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command (%s) is blank", c->source);
     c->argv[c->argc] = NULL;
-    return FA_OK;
+    return MCPU_OK;
 }
 
 /* argv: the command's words, then `extra` (NULL-terminated). */
@@ -604,10 +607,10 @@ static char **with_args(const command *c, char *const extra[], uint64_t n_extra)
 
 /* ---- cache directory, compiler identity, shim directory ---- */
 
-int32_t mcpu_cache_dir(char *out, size_t out_len, fa_status *st) {
-    fa_status local;
+int32_t mcpu_cache_dir(char *out, size_t out_len, mcpu_status *st) {
+    mcpu_status local;
     if (!st) st = &local;
-    if (!out || out_len == 0) return fa_fail(st, FA_ERR_VALUE, "mcpu_cache_dir: no output buffer");
+    if (!out || out_len == 0) return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_cache_dir: no output buffer");
     const char *env = getenv("FLASHATTN_MPS_CACHE"), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     char pwbuf[4096];
     struct passwd pw, *found = NULL;
@@ -621,16 +624,16 @@ int32_t mcpu_cache_dir(char *out, size_t out_len, fa_status *st) {
     else if (home && *home)
         n = snprintf(out, out_len, "%s/.cache/flashattn_mps", home);
     else
-        return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: no cache directory (set FLASHATTN_MPS_CACHE)");
+        return mcpu_fail(st, MCPU_ERR_RUNTIME, "CPU Metal device: no cache directory (set FLASHATTN_MPS_CACHE)");
     if (n < 0 || (uint64_t)n >= out_len || n >= PATH_BYTES - 128)
-        return fa_fail(st, FA_ERR_VALUE, "CPU Metal device: cache directory path too long: %s", out);
+        return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: cache directory path too long: %s", out);
     while (n > 1 && out[n - 1] == '/') out[--n] = 0; /* lstat("link/") would follow the link */
     return private_dir(out, st);
 }
 
 /* `<cxx> --version`, run once per process (again only if the compiler asked for changes). Returns
  * a malloc'ed copy. */
-static char *compiler_identity(const command *cxx, double timeout, fa_status *st) {
+static char *compiler_identity(const command *cxx, double timeout, mcpu_status *st) {
     char *id = NULL;
     pthread_mutex_lock(&g_lock);
     if (g_cxx && !strcmp(g_cxx, cxx->text)) id = strdup(g_cxx_id);
@@ -643,7 +646,7 @@ static char *compiler_identity(const command *cxx, double timeout, fa_status *st
     free(argv);
     if (rc || !id || !*id) {
         errno = saved;
-        fa_fail(st, FA_ERR_UNSUPPORTED,
+        mcpu_fail(st, MCPU_ERR_UNSUPPORTED,
                 "CPU Metal device: cannot run the C++ compiler '%s' (from %s): %s%s%s; " CLANG_ADVICE,
                 cxx->text, cxx->source,
                 rc < 0 ? run_failure(rc, timeout, why) : rc ? "`--version` failed" : "no `--version` output",
@@ -657,7 +660,7 @@ static char *compiler_identity(const command *cxx, double timeout, fa_status *st
     const char *clang = strstr(id, "clang version ");
     int32_t apple = clang && clang - id >= 6 && !strncmp(clang - 6, "Apple ", 6);
     if (!clang || atoi(clang + strlen("clang version ")) < (apple ? 15 : 16)) {
-        fa_fail(st, FA_ERR_COMPILE,
+        mcpu_fail(st, MCPU_ERR_COMPILE,
                 "CPU Metal device: the C++ compiler '%s' (from %s) is not clang 16 or newer (it says: %.*s); "
                 "kernels compile with clang's address spaces; " CLANG_ADVICE,
                 cxx->text, cxx->source, (int)strcspn(id, "\n"), id);
@@ -682,7 +685,7 @@ static char *compiler_identity(const command *cxx, double timeout, fa_status *st
 /* Whether dir/name holds exactly `text` and the cache may trust it. */
 static int32_t holds(const char *dir, const char *name, const char *text) {
     char path[PATH_BYTES];
-    fa_status ignored;
+    mcpu_status ignored;
     if (join(path, dir, name, &ignored)) return 0;
     int fd = open_trusted(path, &ignored);
     if (fd < 0) return 0;
@@ -708,7 +711,7 @@ static int64_t entries(const char *dir) {
  * compiled library includes these headers: a planted or edited one must never be used. */
 static int32_t shim_intact(const char *dir) {
     char inc[PATH_BYTES];
-    fa_status ignored;
+    mcpu_status ignored;
     if (trusted_dir(dir, &ignored) || join(inc, dir, "include", &ignored) || trusted_dir(inc, &ignored)) return 0;
     if (entries(dir) != (int64_t)mcpu_shim_file_count + 1 || entries(inc) != (int64_t)COUNT(STUBS)) return 0;
     for (uint32_t i = 0; i < mcpu_shim_file_count; i++)
@@ -721,7 +724,7 @@ static int32_t shim_intact(const char *dir) {
 /* <base>/shim-<hash>/ with the shim headers and include/ with empty <metal_*> stubs. Built in a
  * temporary directory and renamed into place; an existing one is used only if it holds exactly
  * these files with exactly this text, otherwise it is replaced (or refused if it is not ours). */
-static int32_t shim_dir(const char *base, char *dir, fa_status *st) {
+static int32_t shim_dir(const char *base, char *dir, mcpu_status *st) {
     char hash[33], name[64], tmp[PATH_BYTES], path[PATH_BYTES], inc[PATH_BYTES];
     struct stat sb;
     shim_hash(hash);
@@ -729,7 +732,7 @@ static int32_t shim_dir(const char *base, char *dir, fa_status *st) {
     if (join(dir, base, name, st)) return st->code;
     for (int attempt = 0; attempt < 2; attempt++) {
         if (!lstat(dir, &sb)) {
-            if (shim_intact(dir)) return FA_OK;
+            if (shim_intact(dir)) return MCPU_OK;
             char why[160];
             const char *bad = untrusted(&sb, why);
             if (bad) return refuse(st, dir, bad);
@@ -748,17 +751,17 @@ static int32_t shim_dir(const char *base, char *dir, fa_status *st) {
         rm_tree(tmp); /* nothing left if the rename happened; another process's copy won otherwise */
         if (rc) return rc;
     }
-    if (shim_intact(dir)) return FA_OK;
-    return fa_fail(st, FA_ERR_RUNTIME, "CPU Metal device: %s keeps changing while it is written", dir);
+    if (shim_intact(dir)) return MCPU_OK;
+    return mcpu_fail(st, MCPU_ERR_RUNTIME, "CPU Metal device: %s keeps changing while it is written", dir);
 }
 
-int32_t mcpu_shim_dir(char *out, size_t out_len, fa_status *st) {
+int32_t mcpu_shim_dir(char *out, size_t out_len, mcpu_status *st) {
     char cache[PATH_BYTES], dir[PATH_BYTES];
-    if (out == NULL || out_len == 0) return fa_fail(st, FA_ERR_VALUE, "mcpu_shim_dir: no output buffer");
+    if (out == NULL || out_len == 0) return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_shim_dir: no output buffer");
     if (mcpu_cache_dir(cache, sizeof cache, st) || shim_dir(cache, dir, st)) return st->code;
-    if (strlen(dir) >= out_len) return fa_fail(st, FA_ERR_VALUE, "mcpu_shim_dir: path longer than %zu bytes", out_len);
+    if (strlen(dir) >= out_len) return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_shim_dir: path longer than %zu bytes", out_len);
     snprintf(out, out_len, "%s", dir);
-    return FA_OK;
+    return MCPU_OK;
 }
 
 /* ---- building ---- */
@@ -792,7 +795,7 @@ static int32_t boundary(const char *line) { return mentions(line, "error:") || m
  * in `note`; note is "" when log is NULL (a read-only cache) or cannot be written. */
 static void keep_log(const char *out, uint64_t n, const char *tmp, const char *log, char note[PATH_BYTES + 96]) {
     char path[PATH_BYTES];
-    fa_status ignored;
+    mcpu_status ignored;
     uint64_t errors = 0;
     note[0] = 0;
     if (!log || join(path, tmp, ".compiler-output.log", &ignored) || write_file(path, out, n, &ignored) ||
@@ -803,7 +806,7 @@ static void keep_log(const char *out, uint64_t n, const char *tmp, const char *l
              (unsigned long long)errors, (unsigned long long)n, log);
 }
 
-/* FA_ERR_COMPILE with the compiler's output, temporary-directory prefixes removed: first the first
+/* MCPU_ERR_COMPILE with the compiler's output, temporary-directory prefixes removed: first the first
  * error as .metal file:line:col (line markers give those; an error inside the shim is reported at
  * the first .metal location the compiler names for it), then where the whole output is kept (log),
  * then as much of it as the message holds. */
@@ -811,11 +814,11 @@ static int32_t ident_char(char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
 }
 
-static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *out, const char *tmp,
+static int32_t compile_error(mcpu_status *st, const char *what, int32_t rc, char *out, const char *tmp,
                              const char *shim, const char *log) {
     if (!out || !*out) {
         free(out);
-        return fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d) without a message", what, rc);
+        return mcpu_fail(st, MCPU_ERR_COMPILE, "%s failed (status %d) without a message", what, rc);
     }
     /* without the temporary directory's prefix, and with clang's names of the address spaces
      * (msl_shim.h) spelled as in MSL; a name grows by at most 11/7 */
@@ -824,7 +827,7 @@ static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *
     char prefix[PATH_BYTES], *text = malloc(strlen(out) * 2 + 1);
     if (!text) {
         free(out);
-        return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+        return mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     }
     uint64_t pn = (uint64_t)snprintf(prefix, sizeof prefix, "%s/", tmp), w = 0, sn = strlen(shim);
     for (uint64_t r = 0; out[r];) {
@@ -859,15 +862,15 @@ static int32_t compile_error(fa_status *st, const char *what, int32_t rc, char *
     }
     if (from) {
         const char *msg = strstr(first, "error:");
-        fa_fail(st, FA_ERR_COMPILE, "%.*s: %.*s\n%s%s", (int)location(from), from, (int)strcspn(msg, "\n"), msg,
+        mcpu_fail(st, MCPU_ERR_COMPILE, "%.*s: %.*s\n%s%s", (int)location(from), from, (int)strcspn(msg, "\n"), msg,
                 note, out);
     } else if (first) {
-        fa_fail(st, FA_ERR_COMPILE, "%.*s\n%s%s", (int)strcspn(first, "\n"), first, note, out);
+        mcpu_fail(st, MCPU_ERR_COMPILE, "%.*s\n%s%s", (int)strcspn(first, "\n"), first, note, out);
     } else {
-        fa_fail(st, FA_ERR_COMPILE, "%s failed (status %d)\n%s%s", what, rc, note, out);
+        mcpu_fail(st, MCPU_ERR_COMPILE, "%s failed (status %d)\n%s%s", what, rc, note, out);
     }
     free(out);
-    return FA_ERR_COMPILE;
+    return MCPU_ERR_COMPILE;
 }
 
 /* A file name for the source inside the temporary directory: source_name without path separators
@@ -889,21 +892,21 @@ static void disk_note(const char *dir, char note[PATH_BYTES + 96]) {
                  (unsigned long long)free_bytes);
 }
 
-/* One compiler run of the build; FA_OK or the failure in st. */
+/* One compiler run of the build; MCPU_OK or the failure in st. */
 static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_args, const char *what,
-                             const char *tmp, const char *shim, const char *log, double timeout, fa_status *st) {
+                             const char *tmp, const char *shim, const char *log, double timeout, mcpu_status *st) {
     char **argv = with_args(cxx, args, n_args), *err = NULL, why[96];
-    if (!argv) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    if (!argv) return mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     int32_t status = run(argv, NULL, &err, timeout);
     int32_t saved = errno;
     free(argv);
     if (status == 0) {
         free(err);
-        return FA_OK;
+        return MCPU_OK;
     }
     if (status < 0) {
         errno = saved;
-        fa_fail(st, status == -1 ? FA_ERR_UNSUPPORTED : FA_ERR_COMPILE,
+        mcpu_fail(st, status == -1 ? MCPU_ERR_UNSUPPORTED : MCPU_ERR_COMPILE,
                 "CPU Metal device: %s with '%s' (from %s) failed: %s", what, cxx->text, cxx->source,
                 run_failure(status, timeout, why));
         free(err);
@@ -1032,7 +1035,7 @@ static char *relax_alignment(const char *ir) {
  * compiler's whole output goes to file `log` (NULL: nowhere). */
 static int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp,
                      const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
-                     uint32_t n_macros, double timeout, fa_status *st) {
+                     uint32_t n_macros, double timeout, mcpu_status *st) {
     char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], ll[PATH_BYTES], rewritten_ll[PATH_BYTES],
         so[PATH_BYTES], inc[PATH_BYTES], shim_h[PATH_BYTES];
     safe_name(source_name, base);
@@ -1064,14 +1067,14 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     /* 2. c++ -E with the macros */
     uint64_t argc = 0, cap = COUNT(PRE_FLAGS) + n_macros + 8;
     char **argv = calloc((size_t)cap, sizeof *argv), **defs = calloc((size_t)n_macros + 1, sizeof *defs);
-    int32_t rc = argv && defs ? FA_OK : fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    int32_t rc = argv && defs ? MCPU_OK : mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     if (!rc) {
         for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) argv[argc++] = (char *)PRE_FLAGS[i];
         for (uint32_t i = 0; i < n_macros && !rc; i++) {
             const char *v = macros[i].value && *macros[i].value ? macros[i].value : "1";
             uint64_t n = strlen(macros[i].name) + strlen(v) + 4;
             if (!(defs[i] = malloc((size_t)n))) {
-                rc = fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+                rc = mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
             } else {
                 snprintf(defs[i], (size_t)n, "-D%s=%s", macros[i].name, v);
                 argv[argc++] = defs[i];
@@ -1106,7 +1109,7 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     char *all = realloc(out, (size_t)(n_out + (uint64_t)n_mark + 1));
     if (!all) {
         free(out);
-        return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+        return mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     }
     memcpy(all + n_out, mark, (size_t)n_mark + 1);
     rc = write_file(cpp, all, n_out + (uint64_t)n_mark, st);
@@ -1143,7 +1146,7 @@ static int32_t build(const command *cxx, int32_t clash, int32_t checked, const c
     free(text);
     char *rewritten = sequential ? relax_alignment(sequential) : NULL;
     free(sequential);
-    if (!rewritten) return fa_fail(st, FA_ERR_RUNTIME, "out of memory");
+    if (!rewritten) return mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     rc = write_file(rewritten_ll, rewritten, strlen(rewritten), st);
     free(rewritten);
     if (rc) return rc;
@@ -1185,10 +1188,10 @@ static int32_t stack_clash_supported(const command *cxx, double timeout) {
 }
 
 /* dlopens a library built for key (its __msl_library_key must say so) and binds it. */
-static mcpu_library *load(const char *path, const char *key, fa_status *st) {
+static mcpu_library *load(const char *path, const char *key, mcpu_status *st) {
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-        fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: cannot load %s: %s", path, dlerror());
+        mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: cannot load %s: %s", path, dlerror());
         return NULL;
     }
     void (*bind)(const msl_runtime_api *);
@@ -1201,12 +1204,12 @@ static mcpu_library *load(const char *path, const char *key, fa_status *st) {
     while (names && names[n]) n++;
     if (lib) lib->fns = calloc((size_t)n + 1, sizeof *lib->fns);
     if (!bind || !names || !api || api->abi_version != MSL_ABI_VERSION || !lib || !lib->fns) {
-        fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: %s is not a kernel library for runtime ABI %u", path,
+        mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: %s is not a kernel library for runtime ABI %u", path,
                 MSL_ABI_VERSION);
         goto fail;
     }
     if (!built_for || strncmp(built_for, KEY_MARK, sizeof KEY_MARK - 1) || strcmp(built_for + sizeof KEY_MARK - 1, key)) {
-        fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: %s was built for another key than %s", path, key);
+        mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: %s was built for another key than %s", path, key);
         goto fail;
     }
     for (uint64_t i = 0; i < n; i++) {
@@ -1214,7 +1217,7 @@ static mcpu_library *load(const char *path, const char *key, fa_status *st) {
         snprintf(sym, sizeof sym, "__msl_launch_%s", names[i]);
         *(void **)&lib->fns[i] = dlsym(h, sym);
         if (!lib->fns[i]) {
-            fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: %s lacks %s", path, sym);
+            mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: %s lacks %s", path, sym);
             goto fail;
         }
     }
@@ -1247,7 +1250,7 @@ enum { CACHE_MISS = 0, CACHE_HIT = 1, CACHE_REFUSED = -1 };
  * only the current user can write (else CACHE_REFUSED, st says why), and the library's size and
  * digest match the manifest, which names key (else CACHE_MISS with *damaged = 1: a truncated or
  * swapped library is rebuilt, never loaded: dlopen of a truncated file dies of SIGBUS). */
-static int32_t load_cached(const char *dir, const char *key, mcpu_library **lib, int32_t *damaged, fa_status *st) {
+static int32_t load_cached(const char *dir, const char *key, mcpu_library **lib, int32_t *damaged, mcpu_status *st) {
     char so[PATH_BYTES], sum[PATH_BYTES], name[64], want[256];
     *lib = NULL;
     *damaged = 0;
@@ -1276,7 +1279,7 @@ static int32_t load_cached(const char *dir, const char *key, mcpu_library **lib,
     free(data);
     free(got);
     if (*damaged) return CACHE_MISS;
-    fa_status ignored;
+    mcpu_status ignored;
     *lib = load(so, key, &ignored);
     *damaged = !*lib;
     return *lib ? CACHE_HIT : CACHE_MISS;
@@ -1284,14 +1287,14 @@ static int32_t load_cached(const char *dir, const char *key, mcpu_library **lib,
 
 /* Moves the built library into the cache as <key>.so (private, fsync'ed, renamed, directory
  * fsync'ed), then writes its manifest <key>.sum the same way. */
-static int32_t install(const char *built, const char *dir, const char *key, fa_status *st) {
+static int32_t install(const char *built, const char *dir, const char *key, mcpu_status *st) {
     char so[PATH_BYTES], name[64], text[256];
     snprintf(name, sizeof name, "%s.so", key);
     if (join(so, dir, name, st)) return st->code;
     int fd = open(built, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
     uint64_t n = 0;
     char *data = fd >= 0 ? read_fd(fd, UINT64_MAX, &n) : NULL;
-    int32_t rc = !data || fchmod(fd, 0700) || fsync(fd) ? io_fail(st, "read", built) : FA_OK;
+    int32_t rc = !data || fchmod(fd, 0700) || fsync(fd) ? io_fail(st, "read", built) : MCPU_OK;
     if (fd >= 0) close(fd);
     if (!rc) manifest(text, key, data, n);
     free(data);
@@ -1320,7 +1323,7 @@ static int32_t valid_macro(const mcpu_macro *m) {
  * temporary directory it is loaded from (and not kept). */
 static mcpu_library *build_and_load(const char *cache, const command *cxx, const char *id, double timeout,
                                     const char *key, int32_t damaged, int32_t checked, const char *source, const char *source_name,
-                                    const mcpu_macro *macros, uint32_t n_macros, fa_status *st) {
+                                    const mcpu_macro *macros, uint32_t n_macros, mcpu_status *st) {
     char base[PATH_BYTES], shim[PATH_BYTES], tmp[PATH_BYTES], built[PATH_BYTES], name[64], log[PATH_BYTES];
     mcpu_signals_ensure(); /* Ctrl-C stops the compiler */
     int32_t writable = access(cache, W_OK) == 0;
@@ -1343,7 +1346,7 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
     snprintf(name, sizeof name, "%s.log", key); /* a failed build's compiler output, in a writable cache */
     int32_t rc = shim_dir(base, shim, st) || join(tmp, base, "tmp-XXXXXX", st) || join(log, cache, name, st)
                      ? st->code
-                     : FA_OK;
+                     : MCPU_OK;
     if (!rc && !mkdtemp(tmp)) rc = io_fail(st, "create directory in", base);
     if (!rc) {
         rc = build(cxx, stack_clash_supported(cxx, timeout), checked, shim, tmp,
@@ -1352,7 +1355,7 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
         if (!rc && writable && !(rc = install(built, cache, key, st))) {
             int32_t again;
             if (load_cached(cache, key, &lib, &again, st) == CACHE_MISS)
-                fa_fail(st, FA_ERR_COMPILE, "CPU Metal device: the library just built for %s does not load from %s",
+                mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: the library just built for %s does not load from %s",
                         key, cache);
         } else if (!rc) {
             lib = load(built, key, st);
@@ -1364,7 +1367,7 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
 }
 
 static int32_t compile(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
-                       uint32_t mode, mcpu_library **out, fa_status *st) {
+                       uint32_t mode, mcpu_library **out, mcpu_status *st) {
     const int32_t checked = mode != 0; /* instrumented: checked mode and lockstep share the build */
     char cache[PATH_BYTES], key[33];
     command cxx;
@@ -1430,31 +1433,22 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
         lib = raced;
     }
     *out = lib;
-    return FA_OK;
+    return MCPU_OK;
 }
 
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
-                             uint32_t n_macros, mcpu_library **out, fa_status *st) {
-    fa_status local;
-    int32_t checked = mcpu_checked(st ? st : &local);
-    return checked < 0 ? (st ? st : &local)->code
-                       : mcpu_compile_library_mode(source, source_name, macros, n_macros,
-                                                   checked ? MCPU_CHECKED : 0u, out, st);
-}
-
-int32_t mcpu_compile_library_mode(const char *source, const char *source_name, const mcpu_macro *macros,
-                                  uint32_t n_macros, uint32_t mode, mcpu_library **out, fa_status *st) {
-    fa_status local;
+                             uint32_t n_macros, uint32_t mode, mcpu_library **out, mcpu_status *st) {
+    mcpu_status local;
     if (!st) st = &local;
     if (out) *out = NULL;
     if (!source || !out || (n_macros && !macros))
-        return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: source, out and macros must not be NULL");
+        return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_compile_library: source, out and macros must not be NULL");
     for (uint32_t i = 0; i < n_macros; i++)
         if (!valid_macro(&macros[i]))
-            return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: bad macro %u ('%s')", i,
+            return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_compile_library: bad macro %u ('%s')", i,
                            macros[i].name ? macros[i].name : "(null)");
     if (mode & ~(uint32_t)MCPU_MODES)
-        return fa_fail(st, FA_ERR_VALUE, "mcpu_compile_library: mode %u has unknown bits (MCPU_CHECKED = 1, "
+        return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_compile_library: mode %u has unknown bits (MCPU_CHECKED = 1, "
                        "MCPU_LOCKSTEP = 2)", mode);
     if (!source_name || !*source_name) source_name = "kernel.metal";
     return compile(source, source_name, macros, n_macros, mode, out, st);

@@ -17,7 +17,7 @@
 #if !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* posix_memalign, sysconf(_SC_NPROCESSORS_ONLN), REG_RIP, dladdr under -std=c11 */
 #endif
-#include "cpu_device.h"
+#include "metal_cpu.h"
 #include "fiber.h"
 #include "shim_files.h"
 
@@ -120,7 +120,7 @@ typedef struct job {
     uint64_t n_groups;
     _Atomic uint64_t next_group;
     atomic_int failed; /* the first failure writes st; everyone then stops taking threadgroups */
-    fa_status *st;
+    mcpu_status *st;
     uint32_t helpers_wanted, helpers_joined, helpers_active; /* under pool.mu */
     struct job *next;                                        /* pool.jobs list */
     /* the watchdog's, under pool.mu */
@@ -211,11 +211,11 @@ static void check_interval_end(worker *w); /* checked mode */
 /* ---- failures ---- */
 
 static void job_fail(job *j, int32_t code, const char *message) {
-    if (atomic_exchange(&j->failed, 1) == 0) fa_fail(j->st, code, "%s", message);
+    if (atomic_exchange(&j->failed, 1) == 0) mcpu_fail(j->st, code, "%s", message);
 }
 
 typedef struct text {
-    char buf[FA_STATUS_MESSAGE_BYTES];
+    char buf[MCPU_STATUS_MESSAGE_BYTES];
     size_t len;
 } text;
 
@@ -331,7 +331,7 @@ static void run_next(worker *w, gthread *g) {
     if (w->ready_count == 0) {
         /* Nothing can run. Every stall is reported or settled where it arises (settle_simd), so
          * this is a runtime bug: fail the dispatch rather than hang. */
-        group_fail(w, FA_ERR_RUNTIME, -1, "deadlock: no thread can run");
+        group_fail(w, MCPU_ERR_RUNTIME, -1, "deadlock: no thread can run");
     }
     gthread *next = take_ready(w);
     w->running = next;
@@ -397,7 +397,7 @@ static void settle_simd(worker *w, uint32_t sg, gthread *self) {
         if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && same_point(g, lead)) active |= 1u << lane;
     }
     if (lead->kind == MSL_SYNC_SIMDGROUP_BARRIER && active != live)
-        group_fail(w, FA_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
+        group_fail(w, MCPU_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
     release_simd(w, sg, active, self);
 }
 
@@ -421,8 +421,8 @@ static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, con
         scope *s = &w->group;
         if (s->arrived == 0) s->first = g;
         else if (!same_point(s->first, g))
-            group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
-        if (w->n_done) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
+            group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
+        if (w->n_done) group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
         if (++s->arrived == s->live) {
             if (g->flags & MSL_MEM_THREADGROUP) check_interval_end(w);
             g->state = READY;
@@ -457,7 +457,7 @@ static void thread_main(void *arg) {
     s->live--;
     w->xchg[sg].live_lanes &= ~(1u << g->t.thread_index_in_simdgroup);
     if (w->group.arrived)
-        group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
+        group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
     settle_simd(w, sg, g); /* the exited lane may have been the last one running */
     if (w->n_done == w->n_threads) check_interval_end(w);
     if (w->n_done == w->n_threads) mcpu_fiber_switch(&g->fiber, &w->home);
@@ -477,12 +477,12 @@ static void *rt_threadgroup_static(msl_thread *t, const void *key, uint64_t size
     for (uint32_t i = 0; i < w->n_statics; i++)
         if (w->statics[i].key == key) return w->statics[i].ptr;
     if (w->n_statics == MAX_STATIC_SITES)
-        group_fail(w, FA_ERR_RUNTIME, -2, "more than %d kernel-scope threadgroup arrays",
+        group_fail(w, MCPU_ERR_RUNTIME, -2, "more than %d kernel-scope threadgroup arrays",
                    MAX_STATIC_SITES);
     uintptr_t base = (uintptr_t)w->tg_memory, a = align > 1 ? (uintptr_t)align : 1;
     uint64_t offset = ((base + w->tg_used + a - 1) & ~(a - 1)) - base;
     if (offset + size > MCPU_MAX_THREADGROUP_MEMORY)
-        group_fail(w, FA_ERR_VALUE, -2,
+        group_fail(w, MCPU_ERR_VALUE, -2,
                    "threadgroup memory exceeds %d bytes: %llu bytes of [[threadgroup(n)]] arguments"
                    " plus %llu bytes of kernel-scope threadgroup arrays (with alignment)",
                    MCPU_MAX_THREADGROUP_MEMORY, (unsigned long long)w->tg_args_bytes,
@@ -508,13 +508,13 @@ static const char *own_words(const worker *w, const char *message) {
 
 static void rt_fail(msl_thread *t, const char *message, const char *file, uint32_t line) {
     worker *w = ((gthread *)t)->w;
-    group_fail(w, FA_ERR_RUNTIME, -2, "%s (%s:%u, thread %u)", own_words(w, message), file, line,
+    group_fail(w, MCPU_ERR_RUNTIME, -2, "%s (%s:%u, thread %u)", own_words(w, message), file, line,
                t->thread_index_in_threadgroup);
 }
 
 static void rt_fail_argument(msl_thread *t, const char *message, const char *file, uint32_t line) {
     worker *w = ((gthread *)t)->w;
-    group_fail(w, FA_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
+    group_fail(w, MCPU_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
 }
 
 static const void *unbound_region;
@@ -578,7 +578,7 @@ _Noreturn static void report_finding(worker *w, const finding *f) {
     job *j = w->job;
     if (atomic_exchange(&j->failed, 1) == 0) {
         j->found = *f;
-        fa_fail(j->st, FA_ERR_RUNTIME, "kernel '%s': checked mode found an error", j->launch->kernel_name);
+        mcpu_fail(j->st, MCPU_ERR_RUNTIME, "kernel '%s': checked mode found an error", j->launch->kernel_name);
     }
     abandon(w);
 }
@@ -767,7 +767,7 @@ static void rt_access(const void *address, uint64_t size, int32_t kind, const vo
  * its own pages (at its original offset in the page, keeping alignment) between guard pages.
  * copies[i] is what binds [[buffer(i)]]. */
 enum { GUARD_BYTES = 256u << 20 };
-static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_status *st) {
+static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, mcpu_status *st) {
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     uint32_t order[MSL_MAX_BUFFERS], n = 0, group_of[MSL_MAX_BUFFERS];
     uintptr_t lo[MSL_MAX_BUFFERS], hi[MSL_MAX_BUFFERS];
@@ -778,7 +778,7 @@ static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_
         uint64_t len = l->buffer_lengths ? l->buffer_lengths[i] : UINT64_MAX;
         if (!l->buffers[i] || len == UINT64_MAX) continue;
         if (len > UINTPTR_MAX - (uintptr_t)l->buffers[i])
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': buffer %u of %llu bytes wraps around the address space",
+            return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': buffer %u of %llu bytes wraps around the address space",
                            l->kernel_name, i, (unsigned long long)len);
         uint32_t k = n++; /* insertion by address */
         for (; k > 0 && (uintptr_t)l->buffers[order[k - 1]] > (uintptr_t)l->buffers[i]; k--) order[k] = order[k - 1];
@@ -801,13 +801,13 @@ static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_
         span[k] = bytes == 0 ? page : (bytes + page - 1) / page * page;
         at[k] = total;
         if (span[k] > SIZE_MAX / 2 - total - GUARD_BYTES)
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': buffers too large for checked mode", l->kernel_name);
+            return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': buffers too large for checked mode", l->kernel_name);
         total += span[k] + GUARD_BYTES;
     }
-    if (n == 0) return FA_OK;
+    if (n == 0) return MCPU_OK;
     void *region = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (region == MAP_FAILED)
-        return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': no address space for checked mode's guarded buffers",
+        return mcpu_fail(st, MCPU_ERR_RUNTIME, "kernel '%s': no address space for checked mode's guarded buffers",
                        l->kernel_name);
     g->region = region, g->bytes = total;
     for (uint32_t k = 0; k < g->n_groups; k++) {
@@ -815,7 +815,7 @@ static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_
         if (mprotect(g->region + at[k], span[k], PROT_READ | PROT_WRITE)) {
             munmap(g->region, g->bytes);
             g->region = NULL;
-            return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': no memory for checked mode's copy of %llu bytes",
+            return mcpu_fail(st, MCPU_ERR_RUNTIME, "kernel '%s': no memory for checked mode's copy of %llu bytes",
                            l->kernel_name, (unsigned long long)(hi[k] - lo[k]));
         }
         memcpy(copy, (const void *)lo[k], (size_t)(hi[k] - lo[k]));
@@ -830,7 +830,7 @@ static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_
         g->index[k] = i, g->start[k] = (uintptr_t)copy, g->length[k] = l->buffer_lengths[i];
     }
     g->n = n;
-    return FA_OK;
+    return MCPU_OK;
 }
 
 /* Writes what the kernel changed back to the buffers, and frees the region. */
@@ -890,7 +890,7 @@ static const char *access_words(int32_t kind, int32_t past) {
 }
 
 /* The dispatch's error message for its finding, with source lines (after the dispatch). */
-static void describe_finding(const job *j, fa_status *st) {
+static void describe_finding(const job *j, mcpu_status *st) {
     const finding *f = &j->found;
     char here[512], there[512], where[96];
     source_place(f->pc, here, sizeof here);
@@ -925,7 +925,7 @@ static void describe_finding(const job *j, fa_status *st) {
             (long long)f->offset, where, (unsigned long long)f->bytes,
             f->space == IN_THREADGROUP_MEMORY && f->index < 0 ? " allocated" : "", here);
     }
-    fa_fail(st, FA_ERR_RUNTIME, "%s", m.buf);
+    mcpu_fail(st, MCPU_ERR_RUNTIME, "%s", m.buf);
 }
 
 static _Atomic uint64_t checked_dispatches;
@@ -937,7 +937,7 @@ enum { CHECKED_UNREAD = -1, CHECKED_BAD = -2 };
 static atomic_int checked_default = CHECKED_UNREAD;
 static char checked_env[64];
 
-int32_t mcpu_checked(fa_status *st) {
+int32_t mcpu_checked(mcpu_status *st) {
     int v = atomic_load(&checked_default);
     if (v == CHECKED_UNREAD) {
         const char *env = getenv("FLASHATTN_MPS_CPU_CHECKED");
@@ -946,7 +946,7 @@ int32_t mcpu_checked(fa_status *st) {
         atomic_store(&checked_default, v);
     }
     if (v == CHECKED_BAD) {
-        fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", checked_env);
+        mcpu_fail(st, MCPU_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", checked_env);
         return -1;
     }
     return v;
@@ -1215,7 +1215,7 @@ static void report_fault(worker *w) {
     }
     if (g->file) add(&m, ", after its sync point at %s:%u (%s)", g->file, g->line, g->what);
     else add(&m, ", before any sync point");
-    job_fail(w->job, FA_ERR_RUNTIME, m.buf);
+    job_fail(w->job, MCPU_ERR_RUNTIME, m.buf);
 }
 
 static void run_threadgroup(worker *w, uint64_t index) {
@@ -1317,14 +1317,14 @@ static void time_limit_from_environment(void) {
     else atomic_store(&time_limit, v);
 }
 
-int32_t mcpu_set_watchdog(double seconds, fa_status *st) {
+int32_t mcpu_set_watchdog(double seconds, mcpu_status *st) {
     pthread_once(&time_limit_once, time_limit_from_environment);
     if (!(seconds >= 0) || seconds > 1e9)
-        return fa_fail(st, FA_ERR_VALUE, "watchdog: seconds must be a number in 0..1e9 (0 turns it off), got %g",
+        return mcpu_fail(st, MCPU_ERR_VALUE, "watchdog: seconds must be a number in 0..1e9 (0 turns it off), got %g",
                        seconds);
     atomic_store(&time_limit, seconds);
     time_limit_error = NULL;
-    return FA_OK;
+    return MCPU_OK;
 }
 
 double mcpu_watchdog(void) {
@@ -1453,7 +1453,7 @@ static void *watchdog_main(void *unused) {
             if (seen_interrupts != j->interrupts) {
                 text m = {.len = 0};
                 add(&m, "kernel '%s': interrupted (SIGINT) after %.3g s", name, now - j->started);
-                job_fail(j, FA_ERR_RUNTIME, m.buf);
+                job_fail(j, MCPU_ERR_RUNTIME, m.buf);
             } else if (j->time_limit > 0 && now - j->started > j->time_limit) {
                 text m = {.len = 0};
                 add(&m,
@@ -1461,7 +1461,7 @@ static void *watchdog_main(void *unused) {
                     "set it with flashattn_mps.metal_cpu.set_watchdog(seconds) or FLASHATTN_MPS_CPU_WATCHDOG, "
                     "0 for none)",
                     name, now - j->started, j->time_limit);
-                job_fail(j, FA_ERR_RUNTIME, m.buf);
+                job_fail(j, MCPU_ERR_RUNTIME, m.buf);
             }
             if (atomic_load(&j->failed)) stop_job(j);
         }
@@ -1513,7 +1513,7 @@ static void start_threads(void) { /* under pool.mu */
     }
 }
 
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, fa_status *st) {
+int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, mcpu_status *st) {
     const uint32_t *g = launch->threadgroups_per_grid;
     const int32_t checked = (mode & MCPU_CHECKED) != 0;
     guarded guard = {0};
@@ -1533,14 +1533,14 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, fa_
     pthread_once(&pool.once, pool_once);
     j.time_limit = mcpu_watchdog();
     if (time_limit_error)
-        return fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_WATCHDOG='%s': expected seconds >= 0 (0: no limit)",
+        return mcpu_fail(st, MCPU_ERR_VALUE, "FLASHATTN_MPS_CPU_WATCHDOG='%s': expected seconds >= 0 (0: no limit)",
                        time_limit_error);
     signal_stack_for_this_thread();
     pthread_mutex_lock(&pool.mu);
     worker *w = acquire_worker(1);
     if (!w) {
         pthread_mutex_unlock(&pool.mu);
-        return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': out of memory for a worker", launch->kernel_name);
+        return mcpu_fail(st, MCPU_ERR_RUNTIME, "kernel '%s': out of memory for a worker", launch->kernel_name);
     }
     j.interrupts = atomic_load(&interrupts);
     j.next_active = pool.active;
@@ -1570,71 +1570,71 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, fa_
     release_worker(w);
     pthread_mutex_unlock(&pool.mu);
     if (atomic_load(&j.next_group) < j.n_groups) /* nobody could take them */
-        job_fail(&j, FA_ERR_RUNTIME, "cannot map fiber stacks (out of memory or vm.max_map_count)");
+        job_fail(&j, MCPU_ERR_RUNTIME, "cannot map fiber stacks (out of memory or vm.max_map_count)");
     if (checked) {
         unguard_buffers(&guard);
         if (j.found.what) describe_finding(&j, st);
     }
-    return atomic_load(&j.failed) ? st->code : FA_OK;
+    return atomic_load(&j.failed) ? st->code : MCPU_OK;
 }
 
 /* ---- validation ---- */
 
-int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_status *st) {
+int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, mcpu_status *st) {
     if (!lib || !a || !a->kernel)
-        return fa_fail(st, FA_ERR_VALUE, "mcpu_dispatch: library, arguments and kernel name are required");
+        return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_dispatch: library, arguments and kernel name are required");
     mcpu_kernel_fn fn = mcpu_library_kernel(lib, a->kernel);
     if (!fn) {
         text m = {.len = 0};
         add(&m, "kernel '%s' is not in the library; it has:", a->kernel);
         for (const char *const *k = mcpu_library_kernels(lib); k && *k; k++) add(&m, " %s", *k);
-        return fa_fail(st, FA_ERR_VALUE, "%s", m.buf);
+        return mcpu_fail(st, MCPU_ERR_VALUE, "%s", m.buf);
     }
     static const char axis[3] = {'x', 'y', 'z'};
     uint64_t threads = 1, groups = 1;
     for (int d = 0; d < 3; d++) {
         if (a->grid[d] == 0 || a->threadgroup[d] == 0)
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': %s.%c is 0; every dimension must be >= 1",
+            return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': %s.%c is 0; every dimension must be >= 1",
                            a->kernel, a->grid[d] == 0 ? "grid" : "threadgroup", axis[d]);
         if ((uint64_t)a->grid[d] * a->threadgroup[d] > UINT32_MAX)
-            return fa_fail(st, FA_ERR_VALUE,
+            return mcpu_fail(st, MCPU_ERR_VALUE,
                            "kernel '%s': grid.%c * threadgroup.%c = %u * %u threads do not fit a uint",
                            a->kernel, axis[d], axis[d], a->grid[d], a->threadgroup[d]);
         if (__builtin_mul_overflow(threads, a->threadgroup[d], &threads))
-            return fa_fail(st, FA_ERR_VALUE,
+            return mcpu_fail(st, MCPU_ERR_VALUE,
                            "kernel '%s': threadgroup %u x %u x %u overflows 64 bits; at most %u threads are allowed",
                            a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
                            MSL_MAX_THREADS_PER_THREADGROUP);
         if (__builtin_mul_overflow(groups, a->grid[d], &groups))
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': grid %u x %u x %u has too many threadgroups",
+            return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': grid %u x %u x %u has too many threadgroups",
                            a->kernel, a->grid[0], a->grid[1], a->grid[2]);
     }
     if (threads > MSL_MAX_THREADS_PER_THREADGROUP)
-        return fa_fail(st, FA_ERR_VALUE,
+        return mcpu_fail(st, MCPU_ERR_VALUE,
                        "kernel '%s': threadgroup %u x %u x %u = %llu threads, more than the %u allowed",
                        a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
                        (unsigned long long)threads, MSL_MAX_THREADS_PER_THREADGROUP);
     if (a->n_buffers > MSL_MAX_BUFFERS || (a->n_buffers && !a->buffers))
-        return fa_fail(st, FA_ERR_VALUE, "kernel '%s': n_buffers = %u (at most %u, with buffers set)",
+        return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': n_buffers = %u (at most %u, with buffers set)",
                        a->kernel, a->n_buffers, MSL_MAX_BUFFERS);
     if (a->n_threadgroup_args > MSL_MAX_THREADGROUP_ARGS || (a->n_threadgroup_args && !a->threadgroup_arg_lengths))
-        return fa_fail(st, FA_ERR_VALUE,
+        return mcpu_fail(st, MCPU_ERR_VALUE,
                        "kernel '%s': n_threadgroup_args = %u (at most %u, with threadgroup_arg_lengths set)",
                        a->kernel, a->n_threadgroup_args, MSL_MAX_THREADGROUP_ARGS);
     if (a->n_constants > MSL_FUNCTION_CONSTANT_INDICES || (a->n_constants && !a->constants))
-        return fa_fail(st, FA_ERR_VALUE, "kernel '%s': n_constants = %u (at most %u, with constants set)",
+        return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': n_constants = %u (at most %u, with constants set)",
                        a->kernel, a->n_constants, MSL_FUNCTION_CONSTANT_INDICES);
     for (uint32_t i = 0; i < a->n_constants; i++)
         if (a->constants[i].index >= MSL_FUNCTION_CONSTANT_INDICES ||
             (i && a->constants[i].index <= a->constants[i - 1].index))
-            return fa_fail(st, FA_ERR_VALUE,
+            return mcpu_fail(st, MCPU_ERR_VALUE,
                            "kernel '%s': constants[%u] has index %u; indices must be 0..%u, increasing",
                            a->kernel, i, a->constants[i].index, MSL_FUNCTION_CONSTANT_INDICES - 1);
     uint64_t tg_bytes = 0; /* a multiple of 16, as each length is rounded up to 16 */
     for (uint32_t i = 0; i < a->n_threadgroup_args; i++) {
         uint64_t len = a->threadgroup_arg_lengths[i];
         if (len > MCPU_MAX_THREADGROUP_MEMORY - tg_bytes)
-            return fa_fail(st, FA_ERR_VALUE,
+            return mcpu_fail(st, MCPU_ERR_VALUE,
                            "kernel '%s': threadgroup_arg_lengths[%u] = %llu takes threadgroup memory past "
                            "%d bytes (%llu bytes before it, lengths rounded up to 16)",
                            a->kernel, i, (unsigned long long)len, MCPU_MAX_THREADGROUP_MEMORY,
