@@ -103,29 +103,11 @@ typedef struct mcpu_dispatch_args {
 
 int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *args, mcpu_status *st);
 
-/* Runs one prepared launch (used by mcpu_dispatch after validation; defined in runtime.c) in
- * the mode of the kernel's library. */
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, mcpu_status *st);
-
-/* Runs a tool (argv[0] looked up in PATH, no shell) capturing its stdout into *out (malloc'ed or
- * NULL); returns its exit status, or < 0 if it could not run (compile.c). */
-int32_t mcpu_run_tool(char *const argv[], char **out, double timeout);
-
-/* The runtime's function table that compiled libraries bind to (runtime.c). */
-const msl_runtime_api *mcpu_runtime_api(void);
-
 /* The dispatch time limit (README, "Security and robustness"): a dispatch running longer than
  * `seconds` fails with MCPU_ERR_RUNTIME naming the kernel; 0 (the default) means no limit.
  * Initially $FLASHATTN_MPS_CPU_WATCHDOG. Applies to dispatches started afterwards. */
 int32_t mcpu_set_watchdog(double seconds, mcpu_status *st);
 double mcpu_watchdog(void);
-
-/* SIGINT (Ctrl-C) while the device works: a dispatch fails with MCPU_ERR_RUNTIME ("interrupted"),
- * a compile kills the compiler; the signal still reaches the handler installed before (Python's,
- * which raises KeyboardInterrupt once the call returns). mcpu_signals_ensure installs the
- * runtime's handlers (also for faults of kernel code) once; mcpu_interrupts counts SIGINTs. */
-void mcpu_signals_ensure(void);
-uint64_t mcpu_interrupts(void);
 
 /* Threadgroup memory a threadgroup may use, as on Apple7-9 GPUs. */
 enum { MCPU_MAX_THREADGROUP_MEMORY = 32768 };

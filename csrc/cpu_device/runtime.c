@@ -17,7 +17,7 @@
 #if !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* posix_memalign, sysconf(_SC_NPROCESSORS_ONLN), REG_RIP, dladdr under -std=c11 */
 #endif
-#include "metal_cpu.h"
+#include "device.h"
 #include "fiber.h"
 #include "shim_files.h"
 
@@ -962,32 +962,7 @@ const msl_runtime_api *mcpu_runtime_api(void) {
     return &api;
 }
 
-/* ---- signals: faults of kernel code, Ctrl-C, preemption ---- */
-
-static const int handled_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGINT, SIGURG};
-enum { N_HANDLED = sizeof handled_signals / sizeof handled_signals[0] };
-static struct sigaction previous[N_HANDLED]; /* what each handler passes other signals on to */
-static _Atomic uint64_t interrupts;           /* SIGINTs seen */
-
-static int handled_index(int sig) {
-    for (int i = 0; i < N_HANDLED; i++)
-        if (handled_signals[i] == sig) return i;
-    return 0;
-}
-
-/* The handler that was installed before ours, as the OS would have run it. */
-static void pass_on(int sig, siginfo_t *info, void *context) {
-    const struct sigaction *old = &previous[handled_index(sig)];
-    if (old->sa_flags & SA_SIGINFO) {
-        if (old->sa_sigaction) old->sa_sigaction(sig, info, context);
-    } else if (old->sa_handler == SIG_DFL) {
-        if (sig == SIGURG) return; /* ignored by default */
-        signal(sig, SIG_DFL);      /* a fault recurs on return and kills as it would have */
-        if (sig == SIGINT || info->si_code <= 0) raise(sig);
-    } else if (old->sa_handler != SIG_IGN) {
-        old->sa_handler(sig);
-    }
-}
+/* ---- faults of kernel code and preemption (signals.c installs the handlers) ---- */
 
 static void *context_pc(void *context) {
     ucontext_t *uc = context;
@@ -1051,59 +1026,27 @@ static int complete_division(void *context) { /* aarch64 divides by zero without
 }
 #endif
 
-static void on_signal(int sig, siginfo_t *info, void *context) {
-    int saved_errno = errno;
+/* The signals.c hook: a fault of kernel code, or the watchdog's preemption, on this thread's
+ * running fiber jumps back to its worker; everything else is passed on. */
+static int kernel_signal(int sig, siginfo_t *info, void *context) {
     worker *w = tls_worker;
-    if (sig == SIGINT) {
-        atomic_fetch_add(&interrupts, 1);
-    } else if (w && w->in_kernel) {
-        if (sig == SIGURG && atomic_load(&w->job->failed)) { /* the watchdog stops this dispatch */
-            w->in_kernel = 0;
-            w->fault_signal = 0;
-            siglongjmp(w->escape, 1);
-        }
-        if (sig != SIGURG && info->si_code > 0) { /* raised by the kernel's own instruction */
-            if (sig == SIGFPE && complete_division(context)) {
-                errno = saved_errno;
-                return;
-            }
-            w->in_kernel = 0;
-            w->fault_signal = sig;
-            w->fault_code = info->si_code;
-            w->fault_address = info->si_addr;
-            w->fault_pc = context_pc(context);
-            siglongjmp(w->escape, 1);
-        }
+    if (!w || !w->in_kernel) return 0;
+    if (sig == SIGURG && atomic_load(&w->job->failed)) { /* the watchdog stops this dispatch */
+        w->in_kernel = 0;
+        w->fault_signal = 0;
+        siglongjmp(w->escape, 1);
     }
-    pass_on(sig, info, context);
-    errno = saved_errno;
-}
-
-/* Installs on_signal where it is not (again, if someone replaced it), passing on to what was
- * there. An ignored SIGINT stays ignored. Under pool.mu or from pthread_once. */
-static void ensure_handlers(void) {
-    for (int i = 0; i < N_HANDLED; i++) {
-        struct sigaction cur, sa;
-        if (sigaction(handled_signals[i], NULL, &cur)) continue;
-        if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_signal) continue;
-        if (handled_signals[i] == SIGINT && !(cur.sa_flags & SA_SIGINFO) && cur.sa_handler == SIG_IGN) continue;
-        previous[i] = cur;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_sigaction = on_signal;
-        sigemptyset(&sa.sa_mask);
-        /* SA_NODEFER: siglongjmp leaves no signal blocked. SIGINT keeps the previous handler's
-         * SA_RESTART choice (Python relies on interrupted system calls). */
-        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER |
-                      (handled_signals[i] == SIGINT ? cur.sa_flags & SA_RESTART : SA_RESTART);
-        sigaction(handled_signals[i], &sa, NULL);
+    if (sig != SIGURG && info->si_code > 0) { /* raised by the kernel's own instruction */
+        if (sig == SIGFPE && complete_division(context)) return 1;
+        w->in_kernel = 0;
+        w->fault_signal = sig;
+        w->fault_code = info->si_code;
+        w->fault_address = info->si_addr;
+        w->fault_pc = context_pc(context);
+        siglongjmp(w->escape, 1);
     }
+    return 0;
 }
-
-static pthread_once_t signals_once = PTHREAD_ONCE_INIT;
-
-void mcpu_signals_ensure(void) { pthread_once(&signals_once, ensure_handlers); }
-
-uint64_t mcpu_interrupts(void) { return atomic_load(&interrupts); }
 
 enum { SIGNAL_STACK_BYTES = 64 * 1024 };
 static pthread_key_t pool_key(void);
@@ -1370,6 +1313,7 @@ static void pool_once(void) {
     pool.max_workers = n < budget ? n : budget;
     pthread_key_create(&pool.key, signal_stack_free);
     pthread_atfork(NULL, NULL, pool_after_fork_in_child);
+    mcpu_signals_set_hook(kernel_signal);
     mcpu_signals_ensure();
 }
 
@@ -1443,8 +1387,8 @@ static void *watchdog_main(void *unused) {
         t.tv_nsec += 50000000;
         if (t.tv_nsec >= 1000000000) t.tv_sec++, t.tv_nsec -= 1000000000;
         pthread_cond_timedwait(&pool.watch, &pool.mu, &t);
-        ensure_handlers(); /* someone may have replaced ours since */
-        uint64_t seen_interrupts = atomic_load(&interrupts);
+        mcpu_signals_reinstall(); /* someone may have replaced ours since */
+        uint64_t seen_interrupts = mcpu_interrupts();
         double now = now_seconds();
         idle_since = now;
         for (job *j = pool.active; j; j = j->next_active) {
@@ -1542,7 +1486,7 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, mcp
         pthread_mutex_unlock(&pool.mu);
         return mcpu_fail(st, MCPU_ERR_RUNTIME, "kernel '%s': out of memory for a worker", launch->kernel_name);
     }
-    j.interrupts = atomic_load(&interrupts);
+    j.interrupts = mcpu_interrupts();
     j.next_active = pool.active;
     pool.active = &j;
     if (pool.watchdog_waiting) pthread_cond_signal(&pool.watch), pool.watchdog_waiting = 0;
@@ -1576,74 +1520,4 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, mcp
         if (j.found.what) describe_finding(&j, st);
     }
     return atomic_load(&j.failed) ? st->code : MCPU_OK;
-}
-
-/* ---- validation ---- */
-
-int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, mcpu_status *st) {
-    if (!lib || !a || !a->kernel)
-        return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_dispatch: library, arguments and kernel name are required");
-    mcpu_kernel_fn fn = mcpu_library_kernel(lib, a->kernel);
-    if (!fn) {
-        text m = {.len = 0};
-        add(&m, "kernel '%s' is not in the library; it has:", a->kernel);
-        for (const char *const *k = mcpu_library_kernels(lib); k && *k; k++) add(&m, " %s", *k);
-        return mcpu_fail(st, MCPU_ERR_VALUE, "%s", m.buf);
-    }
-    static const char axis[3] = {'x', 'y', 'z'};
-    uint64_t threads = 1, groups = 1;
-    for (int d = 0; d < 3; d++) {
-        if (a->grid[d] == 0 || a->threadgroup[d] == 0)
-            return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': %s.%c is 0; every dimension must be >= 1",
-                           a->kernel, a->grid[d] == 0 ? "grid" : "threadgroup", axis[d]);
-        if ((uint64_t)a->grid[d] * a->threadgroup[d] > UINT32_MAX)
-            return mcpu_fail(st, MCPU_ERR_VALUE,
-                           "kernel '%s': grid.%c * threadgroup.%c = %u * %u threads do not fit a uint",
-                           a->kernel, axis[d], axis[d], a->grid[d], a->threadgroup[d]);
-        if (__builtin_mul_overflow(threads, a->threadgroup[d], &threads))
-            return mcpu_fail(st, MCPU_ERR_VALUE,
-                           "kernel '%s': threadgroup %u x %u x %u overflows 64 bits; at most %u threads are allowed",
-                           a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
-                           MSL_MAX_THREADS_PER_THREADGROUP);
-        if (__builtin_mul_overflow(groups, a->grid[d], &groups))
-            return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': grid %u x %u x %u has too many threadgroups",
-                           a->kernel, a->grid[0], a->grid[1], a->grid[2]);
-    }
-    if (threads > MSL_MAX_THREADS_PER_THREADGROUP)
-        return mcpu_fail(st, MCPU_ERR_VALUE,
-                       "kernel '%s': threadgroup %u x %u x %u = %llu threads, more than the %u allowed",
-                       a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
-                       (unsigned long long)threads, MSL_MAX_THREADS_PER_THREADGROUP);
-    if (a->n_buffers > MSL_MAX_BUFFERS || (a->n_buffers && !a->buffers))
-        return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': n_buffers = %u (at most %u, with buffers set)",
-                       a->kernel, a->n_buffers, MSL_MAX_BUFFERS);
-    if (a->n_threadgroup_args > MSL_MAX_THREADGROUP_ARGS || (a->n_threadgroup_args && !a->threadgroup_arg_lengths))
-        return mcpu_fail(st, MCPU_ERR_VALUE,
-                       "kernel '%s': n_threadgroup_args = %u (at most %u, with threadgroup_arg_lengths set)",
-                       a->kernel, a->n_threadgroup_args, MSL_MAX_THREADGROUP_ARGS);
-    if (a->n_constants > MSL_FUNCTION_CONSTANT_INDICES || (a->n_constants && !a->constants))
-        return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': n_constants = %u (at most %u, with constants set)",
-                       a->kernel, a->n_constants, MSL_FUNCTION_CONSTANT_INDICES);
-    for (uint32_t i = 0; i < a->n_constants; i++)
-        if (a->constants[i].index >= MSL_FUNCTION_CONSTANT_INDICES ||
-            (i && a->constants[i].index <= a->constants[i - 1].index))
-            return mcpu_fail(st, MCPU_ERR_VALUE,
-                           "kernel '%s': constants[%u] has index %u; indices must be 0..%u, increasing",
-                           a->kernel, i, a->constants[i].index, MSL_FUNCTION_CONSTANT_INDICES - 1);
-    uint64_t tg_bytes = 0; /* a multiple of 16, as each length is rounded up to 16 */
-    for (uint32_t i = 0; i < a->n_threadgroup_args; i++) {
-        uint64_t len = a->threadgroup_arg_lengths[i];
-        if (len > MCPU_MAX_THREADGROUP_MEMORY - tg_bytes)
-            return mcpu_fail(st, MCPU_ERR_VALUE,
-                           "kernel '%s': threadgroup_arg_lengths[%u] = %llu takes threadgroup memory past "
-                           "%d bytes (%llu bytes before it, lengths rounded up to 16)",
-                           a->kernel, i, (unsigned long long)len, MCPU_MAX_THREADGROUP_MEMORY,
-                           (unsigned long long)tg_bytes);
-        tg_bytes += (len + 15) & ~(uint64_t)15;
-    }
-    msl_launch launch = {a->kernel, a->buffers, a->n_buffers, a->n_threadgroup_args,
-                         a->threadgroup_arg_lengths, a->constants, a->n_constants,
-                         {a->grid[0], a->grid[1], a->grid[2]},
-                         {a->threadgroup[0], a->threadgroup[1], a->threadgroup[2]}, a->buffer_lengths};
-    return mcpu_run(fn, &launch, mcpu_library_mode(lib), st);
 }
