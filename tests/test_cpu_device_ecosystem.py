@@ -1,4 +1,4 @@
-"""The CPU Metal device on what real-world Metal kernels use (issue 18): each test's small kernel is
+"""The CPU Metal device on what real-world Metal kernels use: each test's small kernel is
 written for the test, after a pattern found in public kernels (MLX, llama.cpp)."""
 from __future__ import annotations
 

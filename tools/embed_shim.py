@@ -4,7 +4,7 @@
 
 Writes `const mcpu_shim_file mcpu_shim_files[]` ({name, text}, one entry per regular file of
 csrc/cpu_device/shim/, sorted by name) and `const uint32_t mcpu_shim_file_count`, the layout
-csrc/cpu_device/shim_files.h declares. compile.c writes these files next to the compiled kernels
+csrc/cpu_device/shim_files.h declares. cache.c writes these files next to the compiled kernels
 and hashes them into the cache key. The text is byte-exact: every byte outside printable ASCII,
 and the characters that need it, are escaped, one string literal per source line, long lines split
 well under compilers' limits on one literal. Also writes `const char *const mcpu_compiler_names[]`

@@ -243,7 +243,7 @@ static int same_place(const gthread *a, const gthread *b) {
 }
 
 /* x86's general protection fault, which carries no address: a non-canonical address (no access of
- * a kernel is promised more alignment than its memory's allocation has: relax_alignment, compile.c) */
+ * a kernel is promised more alignment than its memory's allocation has: relax_alignment, build.c) */
 static int general_protection_fault(int sig, int code) {
 #ifdef SI_KERNEL
     return sig == SIGSEGV && code == SI_KERNEL;
