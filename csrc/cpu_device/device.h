@@ -2,16 +2,18 @@
  *
  * Who calls whom (never both ways; status.c's mcpu_fail everywhere):
  *   python_module.cpp -> api.c, dispatch.c, library.c, runtime.c, cache.c, prepass.c
- *   api.c        (the capsule's table)         -> dispatch.c, library.c, runtime.c
+ *   api.c        (the capsule's table)         -> dispatch.c, library.c, modes.c
  *   dispatch.c   (validation, mcpu_dispatch)   -> library.c, runtime.c
  *   library.c    (loading, the caches)         -> build.c, cache.c, compiler.c, subprocess.c, files.c,
  *                                                 trust.c, sha256.c, runtime.c (its table), signals.c
  *   build.c      (compiler runs, IR rewrites)  -> compiler.c, prepass.c, subprocess.c, files.c, sha256.c
  *   cache.c      (cache and shim directories)  -> files.c, trust.c, sha256.c
  *   compiler.c   (which compiler, identity)    -> subprocess.c, signals.c
- *   runtime.c    (running a launch)            -> fiber.c, subprocess.c (addr2line), signals.c
+ *   runtime.c    (running a launch)            -> fiber.c, signals.c, faults.c, source_place.c
+ *   source_place.c (addr2line)                 -> subprocess.c
  *   subprocess.c (running tools)               -> signals.c
- *   trust.c -> files.c; files.c, sha256.c, signals.c, fiber.c, prepass.c: nothing of the device. */
+ *   trust.c -> files.c; files.c, sha256.c, signals.c, faults.c, fiber.c, modes.c, prepass.c: nothing
+ *   of the device. */
 #ifndef MCPU_DEVICE_INTERNAL_H
 #define MCPU_DEVICE_INTERNAL_H
 
@@ -114,6 +116,18 @@ int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *sh
 /* The cache key: a hash of everything that shapes the binary. */
 void build_key(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
                const command *cxx, const char *id, int32_t checked, char key[33]);
+
+/* ---- source_place.c ---- */
+
+/* "file:line" of a kernel's code address (the innermost inlined frame in the kernel's own source),
+ * else the symbol and offset, into out. */
+void mcpu_source_place(const void *pc, char *out, size_t n);
+
+/* ---- faults.c (from a signal handler's context) ---- */
+
+void *mcpu_context_pc(void *context); /* the faulting instruction, or NULL where unknown */
+/* Completes a faulting x86-64 DIV/IDIV as a GPU does; 0 where it cannot (aarch64 never traps). */
+int mcpu_complete_division(void *context);
 
 /* ---- runtime.c ---- */
 

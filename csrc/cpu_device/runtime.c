@@ -19,7 +19,6 @@
 #endif
 #include "device.h"
 #include "fiber.h"
-#include "shim_files.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -843,46 +842,6 @@ static void unguard_buffers(guarded *g) {
     g->region = NULL;
 }
 
-static int is_shim_file(const char *path) {
-    const char *base = strrchr(path, '/');
-    base = base ? base + 1 : path;
-    for (uint32_t i = 0; i < mcpu_shim_file_count; i++)
-        if (!strcmp(base, mcpu_shim_files[i].name)) return 1;
-    return 0;
-}
-
-/* "file:line" of a kernel's code address: the innermost inlined frame in the kernel's own source
- * (a shim function such as simdgroup_load names its caller), from the library's line tables, read
- * by addr2line (binutils, installed with the linker that built the library). */
-static void source_place(const void *pc, char *out, size_t n) {
-    Dl_info info;
-    if (!pc || !dladdr(pc, &info) || !info.dli_fname) {
-        snprintf(out, n, "%p", pc);
-        return;
-    }
-    char address[32], *text = NULL;
-    snprintf(address, sizeof address, "0x%llx",
-             (unsigned long long)((uintptr_t)pc - 1 - (uintptr_t)info.dli_fbase)); /* the call itself */
-    char *argv[] = {"addr2line", "-i", "-e", (char *)info.dli_fname, address, NULL};
-    int found = 0;
-    if (mcpu_run_tool(argv, &text, 30.0) == 0 && text) {
-        char *rest = NULL;
-        for (char *line = strtok_r(text, "\n", &rest); line && !found; line = strtok_r(NULL, "\n", &rest)) {
-            char *extra = strstr(line, " (discriminator");
-            if (extra) *extra = 0;
-            if (!strncmp(line, "./", 2)) line += 2;
-            char *colon = strrchr(line, ':');
-            if (line[0] == '?' || !colon || colon[1] == '?' || !strcmp(colon, ":0") || is_shim_file(line)) continue;
-            snprintf(out, n, "%s", line);
-            found = 1;
-        }
-    }
-    free(text);
-    if (!found)
-        snprintf(out, n, "%s+0x%lx (no line: addr2line could not tell)", info.dli_sname ? info.dli_sname : "?",
-                 (unsigned long)((uintptr_t)pc - (uintptr_t)(info.dli_sname ? info.dli_saddr : info.dli_fbase)));
-}
-
 static const char *access_words(int32_t kind, int32_t past) {
     static const char *const words[2][4] = {{"reads", "writes", "atomically reads", "atomically writes"},
                                             {"read", "wrote", "atomically read", "atomically wrote"}};
@@ -893,7 +852,7 @@ static const char *access_words(int32_t kind, int32_t past) {
 static void describe_finding(const job *j, mcpu_status *st) {
     const finding *f = &j->found;
     char here[512], there[512], where[96];
-    source_place(f->pc, here, sizeof here);
+    mcpu_source_place(f->pc, here, sizeof here);
     if (f->space == IN_BUFFER) snprintf(where, sizeof where, "[[buffer(%d)]]", f->index);
     else if (f->index < 0) snprintf(where, sizeof where, "threadgroup memory");
     else if (f->is_static) snprintf(where, sizeof where, "kernel-scope threadgroup array #%d", f->index + 1);
@@ -902,7 +861,7 @@ static void describe_finding(const job *j, mcpu_status *st) {
     text m = {.len = 0};
     add(&m, "kernel '%s': ", j->launch->kernel_name);
     if (f->what == FOUND_RACE) {
-        source_place(f->other_pc, there, sizeof there);
+        mcpu_source_place(f->other_pc, there, sizeof there);
         int same_simd = f->thread / MSL_SIMD_WIDTH == f->other / MSL_SIMD_WIDTH;
         add(&m,
             "threadgroup memory data race in threadgroup (%u,%u,%u): thread %u (%u,%u,%u) %s %llu bytes at byte %lld "
@@ -931,31 +890,6 @@ static void describe_finding(const job *j, mcpu_status *st) {
 static _Atomic uint64_t checked_dispatches;
 uint64_t mcpu_checked_dispatches(void) { return atomic_load(&checked_dispatches); }
 
-/* Whether libraries are built checked by default: 0 or 1; UNREAD: the environment says, at the
- * next use; BAD: it said checked_env (one atomic load per call otherwise: the plan cache asks). */
-enum { CHECKED_UNREAD = -1, CHECKED_BAD = -2 };
-static atomic_int checked_default = CHECKED_UNREAD;
-static char checked_env[64];
-
-int32_t mcpu_checked(mcpu_status *st) {
-    int v = atomic_load(&checked_default);
-    if (v == CHECKED_UNREAD) {
-        const char *env = getenv("FLASHATTN_MPS_CPU_CHECKED");
-        v = !env || !*env || !strcmp(env, "0") ? 0 : !strcmp(env, "1") ? 1 : CHECKED_BAD;
-        if (v == CHECKED_BAD) snprintf(checked_env, sizeof checked_env, "%s", env);
-        atomic_store(&checked_default, v);
-    }
-    if (v == CHECKED_BAD) {
-        mcpu_fail(st, MCPU_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", checked_env);
-        return -1;
-    }
-    return v;
-}
-
-void mcpu_set_checked(int32_t checked) {
-    atomic_store(&checked_default, checked < 0 ? CHECKED_UNREAD : checked != 0);
-}
-
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
                                         rt_fail, rt_fail_argument, rt_unbound_storage, rt_access};
@@ -963,68 +897,6 @@ const msl_runtime_api *mcpu_runtime_api(void) {
 }
 
 /* ---- faults of kernel code and preemption (signals.c installs the handlers) ---- */
-
-static void *context_pc(void *context) {
-    ucontext_t *uc = context;
-#if defined(__linux__) && defined(__x86_64__)
-    return (void *)uc->uc_mcontext.gregs[REG_RIP];
-#elif defined(__linux__) && defined(__aarch64__)
-    return (void *)uc->uc_mcontext.pc;
-#elif defined(__APPLE__) && defined(__x86_64__)
-    return (void *)uc->uc_mcontext->__ss.__rip;
-#elif defined(__APPLE__) && defined(__aarch64__)
-    return (void *)uc->uc_mcontext->__ss.__pc;
-#else
-    (void)uc;
-    return NULL;
-#endif
-}
-
-#if defined(__x86_64__) && (defined(__linux__) || defined(__APPLE__))
-#if defined(__linux__)
-#define REG_OF(uc, r) ((uc)->uc_mcontext.gregs[REG_##r])
-#define CTX_RIP(uc) REG_OF(uc, RIP)
-#define CTX_RAX(uc) REG_OF(uc, RAX)
-#define CTX_RDX(uc) REG_OF(uc, RDX)
-#else
-#define CTX_RIP(uc) ((uc)->uc_mcontext->__ss.__rip)
-#define CTX_RAX(uc) ((uc)->uc_mcontext->__ss.__rax)
-#define CTX_RDX(uc) ((uc)->uc_mcontext->__ss.__rdx)
-#endif
-/* Completes a faulting x86-64 DIV/IDIV (division by zero, INT_MIN / -1) as a GPU does, without a
- * trap: the quotient is the dividend (INT_MIN / -1 wraps to INT_MIN, x / 0 is unspecified in MSL),
- * the remainder 0. Returns 0 if the instruction at the fault is not one it understands. */
-static int complete_division(void *context) {
-    ucontext_t *uc = context;
-    const uint8_t *p = (const uint8_t *)CTX_RIP(uc);
-    int bytes = 4;
-    if (*p == 0x66) bytes = 2, p++;
-    if ((*p & 0xF0) == 0x40) bytes = (*p & 8) ? 8 : bytes, p++; /* REX */
-    uint8_t op = *p++;
-    if (op == 0xF6) bytes = 1;
-    else if (op != 0xF7) return 0;
-    uint8_t modrm = *p++, mod = modrm >> 6, reg = (modrm >> 3) & 7, rm = modrm & 7;
-    if (reg != 6 && reg != 7) return 0; /* DIV, IDIV */
-    if (mod != 3) {
-        if (rm == 4 && mod == 0 && (*p & 7) == 5) p += 4; /* SIB without base: disp32 */
-        if (rm == 4) p++;                                 /* the SIB byte */
-        if (mod == 0 && rm == 5) p += 4;                  /* RIP-relative */
-        p += mod == 1 ? 1 : mod == 2 ? 4 : 0;
-    }
-    uint64_t rax = (uint64_t)CTX_RAX(uc);
-    if (bytes == 1) CTX_RAX(uc) = (long long)(rax & ~(uint64_t)0xFF00); /* AL = low byte of AX, AH = 0 */
-    else if (bytes == 2) CTX_RDX(uc) = (long long)((uint64_t)CTX_RDX(uc) & ~(uint64_t)0xFFFF);
-    else if (bytes == 4) CTX_RAX(uc) = (long long)(uint32_t)rax, CTX_RDX(uc) = 0;
-    else CTX_RDX(uc) = 0;
-    CTX_RIP(uc) = (long long)(uintptr_t)p;
-    return 1;
-}
-#else
-static int complete_division(void *context) { /* aarch64 divides by zero without a trap */
-    (void)context;
-    return 0;
-}
-#endif
 
 /* The signals.c hook: a fault of kernel code, or the watchdog's preemption, on this thread's
  * running fiber jumps back to its worker; everything else is passed on. */
@@ -1037,12 +909,12 @@ static int kernel_signal(int sig, siginfo_t *info, void *context) {
         siglongjmp(w->escape, 1);
     }
     if (sig != SIGURG && info->si_code > 0) { /* raised by the kernel's own instruction */
-        if (sig == SIGFPE && complete_division(context)) return 1;
+        if (sig == SIGFPE && mcpu_complete_division(context)) return 1;
         w->in_kernel = 0;
         w->fault_signal = sig;
         w->fault_code = info->si_code;
         w->fault_address = info->si_addr;
-        w->fault_pc = context_pc(context);
+        w->fault_pc = mcpu_context_pc(context);
         siglongjmp(w->escape, 1);
     }
     return 0;
@@ -1153,7 +1025,7 @@ static void report_fault(worker *w) {
         add(&m, ", in %s+0x%lx", info.dli_sname, (unsigned long)((char *)w->fault_pc - (char *)info.dli_saddr));
     if (w->job->checked) { /* its line tables name the faulting line */
         char place[512];
-        source_place((const char *)w->fault_pc + 1, place, sizeof place);
+        mcpu_source_place((const char *)w->fault_pc + 1, place, sizeof place);
         add(&m, " at %s", place);
     }
     if (g->file) add(&m, ", after its sync point at %s:%u (%s)", g->file, g->line, g->what);
