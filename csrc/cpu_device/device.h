@@ -1,19 +1,21 @@
 /* The CPU Metal device's internal declarations, shared by its files (metal_cpu.h is its API).
  *
  * Who calls whom (never both ways; status.c's mcpu_fail everywhere):
- *   python_module.cpp -> api.c, dispatch.c, library.c, runtime.c, cache.c, prepass.c
+ *   python_module.cpp -> api.c, dispatch.c, library.c, modes.c, pool.c, cache.c, build.c, prepass.c
  *   api.c        (the capsule's table)         -> dispatch.c, library.c, modes.c
- *   dispatch.c   (validation, mcpu_dispatch)   -> library.c, runtime.c
+ *   dispatch.c   (validation, mcpu_dispatch)   -> library.c, pool.c
  *   library.c    (loading, the caches)         -> build.c, cache.c, compiler.c, subprocess.c, files.c,
  *                                                 trust.c, sha256.c, runtime.c (its table), signals.c
  *   build.c      (compiler runs, IR rewrites)  -> compiler.c, prepass.c, subprocess.c, files.c, sha256.c
  *   cache.c      (cache and shim directories)  -> files.c, trust.c, sha256.c
  *   compiler.c   (which compiler, identity)    -> subprocess.c, signals.c
- *   runtime.c    (running a launch)            -> fiber.c, signals.c, faults.c, source_place.c
+ *   pool.c       (workers, watchdog, mcpu_run) -> runtime.c, checked.c, failures.c, fiber.c, signals.c
+ *   runtime.c    (running threadgroups)        -> failures.c, faults.c, fiber.c, source_place.c
+ *   checked.c    (guarded buffers, findings)   -> failures.c, source_place.c
  *   source_place.c (addr2line)                 -> subprocess.c
  *   subprocess.c (running tools)               -> signals.c
- *   trust.c -> files.c; files.c, sha256.c, signals.c, faults.c, fiber.c, modes.c, prepass.c: nothing
- *   of the device. */
+ *   trust.c -> files.c; files.c, sha256.c, signals.c, faults.c, fiber.c, modes.c, prepass.c,
+ *   failures.c: nothing of the device. runtime.h holds what the runtime's files share. */
 #ifndef MCPU_DEVICE_INTERNAL_H
 #define MCPU_DEVICE_INTERNAL_H
 
@@ -129,11 +131,12 @@ void *mcpu_context_pc(void *context); /* the faulting instruction, or NULL where
 /* Completes a faulting x86-64 DIV/IDIV as a GPU does; 0 where it cannot (aarch64 never traps). */
 int mcpu_complete_division(void *context);
 
-/* ---- runtime.c ---- */
+/* ---- runtime.c, pool.c ---- */
 
-/* The runtime's function table that compiled libraries bind to. */
+/* The runtime's function table that compiled libraries bind to (runtime.c). */
 const msl_runtime_api *mcpu_runtime_api(void);
-/* Runs one prepared launch (after dispatch.c's validation) in the mode of the kernel's library. */
+/* Runs one prepared launch (after dispatch.c's validation) in the mode of the kernel's library
+ * (pool.c). */
 int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, mcpu_status *st);
 
 #endif
