@@ -1,4 +1,4 @@
-/* mcpu_dispatch: a dispatch's arguments checked against Metal's limits, then run (runtime.c). */
+/* mcpu_dispatch: a dispatch's arguments checked against Metal's limits, then run (pool.c). */
 #include "device.h"
 
 #include <stdio.h>
