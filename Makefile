@@ -51,7 +51,8 @@ doctor: $(VENV)/.built
 
 # Off macOS the CPU Metal device compiles kernels with clang >= 16: installed from Debian/Ubuntu's
 # packages when none is on PATH (as root), else the message says what to install.
-CLANGS := clang++ clang++-20 clang++-19 clang++-18 clang++-17 clang++-16
+# The list is the device's (csrc/cpu_device/compilers.txt).
+CLANGS := $(shell sed -e 's/\#.*//' csrc/cpu_device/compilers.txt)
 
 $(VENV)/.deps:
 	@if [ "$$(uname)" != Darwin ] && ! for c in $(CLANGS); do command -v $$c; done | grep -q .; then \

@@ -1,5 +1,8 @@
-"""Builds flashattn_mps._C: the C core, the CPU Metal device, the pybind11 layer and, on macOS, the
-Metal backend. No torch headers or libraries are used, so one build serves every supported torch."""
+"""Builds two extension modules: flashattn_mps._metal_cpu, the CPU Metal device (csrc/cpu_device/: its
+runtime and its Python API), and flashattn_mps._C, the attention library (the C core, its pybind11
+layer and, on macOS, the Metal backend), which reaches the device only through the table
+_metal_cpu exports as a capsule. No torch headers or libraries are used, so one build serves every
+supported torch."""
 import os
 import subprocess
 import sys
@@ -22,11 +25,11 @@ C_SOURCES = [
     "csrc/fa_sequence.c",
     "csrc/fa_cache.c",
     "csrc/cpu_backend.c",
-    "csrc/cpu_device/compile.c",
-    "csrc/cpu_device/prepass.c",
-    "csrc/cpu_device/runtime.c",
-    "csrc/cpu_device/fiber.c",
     "csrc/metal_backend/torch_symbols.c",
+]
+# The CPU Metal device: every C file of csrc/cpu_device/ and its pybind11 module.
+DEVICE_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cpu_device").glob("*.c")) + [
+    "csrc/cpu_device/python_module.cpp"
 ]
 BACKEND_SOURCES = ["csrc/metal_backend/metal_backend.m"] if IS_MACOS else ["csrc/metal_backend/unavailable.c"]
 
@@ -39,15 +42,17 @@ LANGUAGE_FLAGS = {
 
 
 class BuildExt(build_ext):
-    """Embeds the shim headers into the C core (the CPU device writes them next to its compiled
-    kernels) and compiles each source with its own language's flags."""
+    """Embeds the shim headers and the compiler list (csrc/cpu_device/compilers.txt) into the
+    device (it writes the headers next to its compiled kernels) and compiles each source with its
+    own language's flags."""
 
     def build_extension(self, ext):
-        generated = Path(self.build_temp) / "shim_files.c"
-        generated.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.check_call([sys.executable, str(ROOT / "tools" / "embed_shim.py"), str(generated)])
-        if str(generated) not in ext.sources:
-            ext.sources.append(str(generated))
+        if ext.name == DEVICE_MODULE:
+            generated = Path(self.build_temp) / "shim_files.c"
+            generated.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.check_call([sys.executable, str(ROOT / "tools" / "embed_shim.py"), str(generated)])
+            if str(generated) not in ext.sources:
+                ext.sources.append(str(generated))
 
         original_compile = self.compiler._compile
 
@@ -64,7 +69,18 @@ class BuildExt(build_ext):
 # (Apple's documentation of that function); it is the backend's last resort for a device.
 MACOS_FRAMEWORKS = ["-framework", "Metal", "-framework", "Foundation", "-framework", "CoreGraphics"]
 
-extension = Pybind11Extension(
+DEVICE_MODULE = "flashattn_mps._metal_cpu"
+
+device = Pybind11Extension(
+    DEVICE_MODULE,
+    sources=DEVICE_SOURCES,
+    include_dirs=["csrc/cpu_device"],
+    extra_compile_args=["-O2"],
+    extra_link_args=["-ldl", "-lpthread"],
+    cxx_std=17,
+)
+
+library = Pybind11Extension(
     "flashattn_mps._C",
     sources=["csrc/bindings/module.cpp", "csrc/bindings/metal_bindings.cpp"] + C_SOURCES + BACKEND_SOURCES,
     include_dirs=["csrc", "metal"],
@@ -74,7 +90,7 @@ extension = Pybind11Extension(
 )
 
 setup(
-    ext_modules=[extension],
+    ext_modules=[device, library],
     cmdclass={"build_ext": BuildExt},
     packages=["flashattn_mps", "flashattn_mps._metal"],
     package_dir={"flashattn_mps": "flashattn_mps", "flashattn_mps._metal": "metal"},

@@ -1,12 +1,47 @@
 /* The fa_backend of the CPU Metal device: pipelines are (library, kernel, function constants).
- * Both are cached here by plain values (fa_cache.h), in front of mcpu_compile_library, whose own
- * cache hashes the whole source and checks the disk: that runs once per library and process. */
+ * Both are cached here by plain values (fa_cache.h), in front of the device's compile_library,
+ * whose own cache hashes the whole source and checks the disk: that runs once per library and
+ * process. The device is reached only through its table (cpu_device/metal_cpu.h, mcpu_api), which
+ * flashattn_mps._C attaches when it is imported. */
 #include "fa_backend.h"
 #include "fa_cache.h"
-#include "cpu_device/cpu_device.h"
+#include "cpu_device/metal_cpu.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+
+static _Atomic(const mcpu_api *) device; /* NULL until fa_cpu_backend_attach */
+
+int32_t fa_cpu_backend_attach(const void *api, fa_status *st) {
+    const mcpu_api *table = api;
+    if (table == NULL || table->abi_version != MCPU_API_VERSION) {
+        return fa_fail(st, FA_ERR_UNSUPPORTED,
+                       "the CPU Metal device (flashattn_mps._metal_cpu) has table version %u; this build "
+                       "of flashattn_mps._C needs %u (rebuild both)",
+                       table != NULL ? table->abi_version : 0u, (unsigned)MCPU_API_VERSION);
+    }
+    atomic_store(&device, table);
+    return FA_OK;
+}
+
+static const mcpu_api *attached(fa_status *st) {
+    const mcpu_api *api = atomic_load_explicit(&device, memory_order_acquire);
+    if (api == NULL) {
+        fa_fail(st, FA_ERR_UNSUPPORTED,
+                "CPU tensors need the CPU Metal device (flashattn_mps._metal_cpu), which is not attached");
+    }
+    return api;
+}
+
+/* The device's status as the library's (the codes agree; see metal_cpu.h). */
+static int32_t device_failed(const mcpu_status *ms, fa_status *st) {
+    const int32_t code = ms->code == MCPU_ERR_VALUE     ? FA_ERR_VALUE
+                         : ms->code == MCPU_ERR_COMPILE ? FA_ERR_COMPILE
+                         : ms->code == MCPU_ERR_UNSUPPORTED ? FA_ERR_UNSUPPORTED
+                                                            : FA_ERR_RUNTIME;
+    return fa_fail(st, code, "%s", ms->message);
+}
 
 struct fa_pipeline {
     const mcpu_library *library;
@@ -15,11 +50,11 @@ struct fa_pipeline {
     uint32_t n_constants;
 };
 
-/* fa_library_identity -> mcpu_library, unchecked and checked (mcpu_checked) */
+/* fa_library_identity -> mcpu_library, unchecked and checked (the device's default_mode) */
 static fa_cache libraries[2] = {FA_CACHE_INITIALIZER, FA_CACHE_INITIALIZER};
 static fa_cache pipelines = FA_CACHE_INITIALIZER; /* fa_pipeline_identity -> struct fa_pipeline */
 
-static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st) {
+static const mcpu_library *get_library(const mcpu_api *api, const fa_pipeline_key *key, fa_status *st) {
     fa_source source;
     if (key == NULL || !fa_find_source(key->source_name, &source)) {
         fa_fail(st, FA_ERR_VALUE, "no kernel source named '%s' is registered",
@@ -28,10 +63,16 @@ static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st
     }
     fa_library_identity id;
     const size_t len = fa_library_identity_of(key, source.id, &id, st);
-    const int32_t checked = len == 0 ? -1 : mcpu_checked(st);
-    if (checked < 0) {
+    if (len == 0) {
         return NULL;
     }
+    mcpu_status ms;
+    const int32_t mode = api->default_mode(&ms);
+    if (mode < 0) {
+        device_failed(&ms, st);
+        return NULL;
+    }
+    const int32_t checked = mode == MCPU_CHECKED;
     const mcpu_library *found = fa_cache_get(&libraries[checked], &id, len);
     if (found != NULL) {
         return found;
@@ -42,9 +83,9 @@ static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st
         macros[i].value = id.macros[i].value;
     }
     mcpu_library *library = NULL;
-    if (mcpu_compile_library_mode(source.text, source.name, macros, id.n_macros, checked ? MCPU_CHECKED : 0u,
-                                  &library, st) !=
-        FA_OK) {
+    if (api->compile_library(source.text, source.name, macros, id.n_macros, (uint32_t)mode, &library, &ms) !=
+        MCPU_OK) {
+        device_failed(&ms, st);
         return NULL;
     }
     /* Libraries live for the process, so storing one twice (a race) is harmless. */
@@ -55,7 +96,8 @@ static const mcpu_library *get_library(const fa_pipeline_key *key, fa_status *st
 }
 
 static fa_pipeline *cpu_get_pipeline(const fa_pipeline_key *key, fa_status *st) {
-    const mcpu_library *library = get_library(key, st);
+    const mcpu_api *api = attached(st);
+    const mcpu_library *library = api != NULL ? get_library(api, key, st) : NULL;
     if (library == NULL) {
         return NULL;
     }
@@ -68,7 +110,7 @@ static fa_pipeline *cpu_get_pipeline(const fa_pipeline_key *key, fa_status *st) 
     if (found != NULL) {
         return found;
     }
-    if (mcpu_library_kernel(library, id.function) == NULL) {
+    if (api->find_kernel(library, id.function) == NULL) {
         fa_fail(st, FA_ERR_VALUE, "%s has no kernel named '%s'", key->source_name, id.function);
         return NULL;
     }
@@ -136,14 +178,19 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
     if (fa_skip_execution()) {
         return FA_OK;
     }
-    return mcpu_dispatch(pipeline->library, &args, st);
+    const mcpu_api *api = attached(st);
+    mcpu_status ms;
+    if (api == NULL) {
+        return st->code;
+    }
+    return api->dispatch(pipeline->library, &args, &ms) == MCPU_OK ? FA_OK : device_failed(&ms, st);
 }
 
 static const fa_backend cpu_backend = {"cpu", cpu_get_pipeline, cpu_dispatch};
 
 const fa_backend *fa_cpu_backend(void) { return &cpu_backend; }
 
-int32_t fa_cpu_backend_checked(void) {
-    fa_status ignored; /* a bad $FLASHATTN_MPS_CPU_CHECKED is reported by get_library */
-    return mcpu_checked(&ignored) == 1;
+uint32_t fa_cpu_backend_generation(void) {
+    const mcpu_api *api = atomic_load_explicit(&device, memory_order_acquire);
+    return api != NULL ? api->generation() : 0u;
 }

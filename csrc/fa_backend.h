@@ -102,9 +102,13 @@ int32_t fa_skip_execution(void);
 
 /* The CPU Metal device (always present). */
 const fa_backend *fa_cpu_backend(void);
-/* Whether the CPU backend builds its libraries for checked mode now (mcpu_checked), which the
- * plan cache keys plans by. */
-int32_t fa_cpu_backend_checked(void);
+/* Hands the CPU backend the device's table (a const mcpu_api *, cpu_device/metal_cpu.h, from
+ * flashattn_mps._metal_cpu's capsule); fails with FA_ERR_UNSUPPORTED on another table version.
+ * Until then CPU tensors fail with FA_ERR_UNSUPPORTED. */
+int32_t fa_cpu_backend_attach(const void *api, fa_status *st);
+/* The device's generation (0 before attach): differs whenever its default build mode does, so
+ * the plan cache keys plans by it and never mixes pipelines of two modes. */
+uint32_t fa_cpu_backend_generation(void);
 /* Metal (macOS builds only); returns NULL with st set elsewhere. */
 const fa_backend *fa_metal_backend(fa_status *st);
 

@@ -117,7 +117,8 @@ static void shape_of_optional(const fa_tensor *t, int32_t device, shape_key *s) 
 /* A plan's key part `sources`: the kernel text's generation, and for the CPU device whether its
  * libraries are built checked, so a plan never runs old text or a pipeline of the other mode. */
 static int32_t plan_generation(int32_t device) {
-    return fa_sources_generation() * 2 + (device == FA_DEVICE_CPU && fa_cpu_backend_checked());
+    /* The device's generation is below 4 (cpu_device/metal_cpu.h). */
+    return fa_sources_generation() * 4 + (device == FA_DEVICE_CPU ? (int32_t)fa_cpu_backend_generation() : 0);
 }
 
 static const fa_backend *backend_of(int32_t device, fa_status *st) {

@@ -29,12 +29,12 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
-from . import _C
+from . import _metal_cpu as _device
 
-MetalCompileError = _C.MetalCompileError
-MetalDispatchError = _C.MetalDispatchError
+MetalCompileError = _device.MetalCompileError
+MetalDispatchError = _device.MetalDispatchError
 MAX_THREADS_PER_THREADGROUP = 1024
-MAX_THREADGROUP_MEMORY = _C.MAX_THREADGROUP_MEMORY
+MAX_THREADGROUP_MEMORY = _device.MAX_THREADGROUP_MEMORY
 
 
 def _size3(name: str, value) -> tuple:
@@ -51,11 +51,11 @@ def _constant(index, value) -> tuple:
     if not isinstance(index, int) or isinstance(index, bool) or index < 0:
         raise TypeError(f"constants: keys are function-constant indices (ints >= 0), got {index!r}")
     if isinstance(value, bool):
-        return (index, _C.CONSTANT_BOOL, int(value), 0.0)
+        return (index, _device.CONSTANT_BOOL, int(value), 0.0)
     if isinstance(value, int):
-        return (index, _C.CONSTANT_INT, value, 0.0)
+        return (index, _device.CONSTANT_INT, value, 0.0)
     if isinstance(value, float):
-        return (index, _C.CONSTANT_FLOAT, 0, value)
+        return (index, _device.CONSTANT_FLOAT, 0, value)
     raise TypeError(f"constants[{index}] must be a bool, int or float, got {type(value).__name__}")
 
 
@@ -158,9 +158,9 @@ def compile_library(
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"macros: {key!r} is not a valid macro name")
         pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
-    mode = _C.cpu_checked() if checked is None else checked
+    mode = _device.checked() if checked is None else checked
     try:
-        return Library(_C.compile_library(source, name, pairs, int(mode), lockstep), name, mode, lockstep)
+        return Library(_device.compile_library(source, name, pairs, int(mode), lockstep), name, mode, lockstep)
     except MetalCompileError as error:
         _attach_log(error)
         raise
@@ -187,7 +187,7 @@ def cache_dir() -> str:
     """Where compiled libraries are cached ($FLASHATTN_MPS_CACHE overrides). Created private (0700);
     refused (MetalCompileError naming the path and the reason) if it, or an entry in it, is a
     symbolic link, someone else's, or group- or world-writable."""
-    return _C.cache_dir()
+    return _device.cache_dir()
 
 
 def set_watchdog(seconds: float) -> None:
@@ -197,12 +197,12 @@ def set_watchdog(seconds: float) -> None:
     way (KeyboardInterrupt)."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
         raise TypeError(f"seconds must be a number (0 for no limit), got {type(seconds).__name__}")
-    _C.set_cpu_watchdog(float(seconds))
+    _device.set_watchdog(float(seconds))
 
 
 def watchdog() -> float:
     """The CPU-device dispatch time limit in seconds (0: none); see `set_watchdog`."""
-    return _C.cpu_watchdog()
+    return _device.watchdog()
 
 
 def set_checked(checked: Optional[bool]) -> None:
@@ -212,10 +212,10 @@ def set_checked(checked: Optional[bool]) -> None:
     $FLASHATTN_MPS_CPU_CHECKED (0 or 1, unset: 0), read when next needed."""
     if checked is not None and not isinstance(checked, bool):
         raise TypeError(f"checked must be True, False or None, got {checked!r}")
-    _C.set_cpu_checked(-1 if checked is None else int(checked))
+    _device.set_checked(-1 if checked is None else int(checked))
 
 
 def checked() -> bool:
     """Whether libraries are built for checked mode unless said otherwise; see `set_checked`.
     Raises ValueError when $FLASHATTN_MPS_CPU_CHECKED is neither 0 nor 1."""
-    return _C.cpu_checked()
+    return _device.checked()

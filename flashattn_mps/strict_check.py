@@ -38,9 +38,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import _C, _sources
+from . import _C, _metal_cpu, _sources
 
-CLANG_CANDIDATES = ["clang++-19", "clang++-18", "clang++-17", "clang++-16", "clang++-15", "clang++"]
+# The CPU Metal device's compiler list (csrc/cpu_device/compilers.txt): clang 16 or newer.
+CLANG_CANDIDATES = list(_metal_cpu.COMPILERS)
 
 # clang's diagnostics (in the strict shim) that break an MSL rule, by a pattern of their text.
 CLANG_RULES = [
@@ -71,13 +72,14 @@ class Result:
 
 
 def find_clang(explicit: str | None = None) -> str:
-    """clang++ to use: --clang, $FLASHATTN_MPS_CLANG, or the newest clang++ on PATH (>= 15 for
-    _Float16 on x86-64)."""
+    """clang++ to use: --clang, $FLASHATTN_MPS_CLANG, or the first of the CPU Metal device's
+    compilers on PATH (CLANG_CANDIDATES: clang 16 or newer, as the device needs)."""
     for candidate in [explicit, os.environ.get("FLASHATTN_MPS_CLANG")] + CLANG_CANDIDATES:
         if candidate and shutil.which(candidate):
             return shutil.which(candidate)
     raise FileNotFoundError(
-        "the strict MSL check needs clang++ >= 15 (Debian: apt-get install clang-16); "
+        "the strict MSL check needs clang++ >= 16, and PATH holds none of " + ", ".join(CLANG_CANDIDATES) +
+        " (Debian/Ubuntu: apt-get install clang-16); "
         "set FLASHATTN_MPS_CLANG to its path"
     )
 
@@ -119,7 +121,7 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
     # The CPU device's own preprocessing flags; only Metal's headers (the shim's stand-ins) are
     # found: no C++ standard library.
     expanded = subprocess.run(
-        [clang, *_C.preprocessor_flags(), "-nostdinc++", "-I", os.path.join(shim_dir, "include")] + includes
+        [clang, *_metal_cpu.preprocessor_flags(), "-nostdinc++", "-I", os.path.join(shim_dir, "include")] + includes
         + defines + ["-"],
         input=text, capture_output=True, text=True,
     )
@@ -127,7 +129,7 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
         found = violations_of(expanded.stderr, shim_dir)
         return Result(name, macros, False, "\n".join(found + [expanded.stderr]), found)
     try:
-        return _C.preprocess(expanded.stdout, name, True)
+        return _metal_cpu.preprocess(expanded.stdout, name, True)
     except Exception as exc:  # the prepass's violations (or a source it cannot parse)
         found = [line for line in str(exc).splitlines() if ": error: " in line]
         return Result(name, macros, False, str(exc), found)
@@ -182,7 +184,7 @@ def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> l
     """Check every (source, macros) the planner can emit; returns one Result each."""
     compiler = find_clang(clang)
     sources = _sources.kernel_sources()
-    shim_dir = _C.shim_dir()
+    shim_dir = _metal_cpu.shim_dir()
     work = [(name, sources[name], tuple(macros)) for name, _function, macros in _C.specialisations()]
     missing = sorted(set(sources) - {w[0] for w in work})
     # A .metal file the planner never emits would go unchecked: check it unspecialised too.
@@ -196,7 +198,7 @@ def run_files(paths: list[str], macros: tuple = (), clang: str | None = None, jo
               include_dirs: tuple = ()) -> list[Result]:
     """Check the given MSL sources under the given macros."""
     compiler = find_clang(clang)
-    shim_dir = _C.shim_dir()
+    shim_dir = _metal_cpu.shim_dir()
 
     def one(path: str) -> Result:
         with open(path, encoding="utf-8") as f:

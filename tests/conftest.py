@@ -13,13 +13,13 @@ def gen():
 @pytest.fixture
 def checked_core():
     """The project's kernels built checked; counts the checked dispatches they ran."""
-    from flashattn_mps import _C
+    from flashattn_mps import _metal_cpu
     from flashattn_mps import metal_cpu as mc
 
     mc.set_checked(True)
-    start = _C.cpu_checked_dispatches()
+    start = _metal_cpu.checked_dispatches()
     try:
-        yield lambda: _C.cpu_checked_dispatches() - start
+        yield lambda: _metal_cpu.checked_dispatches() - start
     finally:
         mc.set_checked(None)
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashattn_mps import _C, _sources, strict_check
+from flashattn_mps import _metal_cpu, _sources, strict_check
 
 
 def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
@@ -291,7 +291,7 @@ def preprocessed(source: str, macros: dict) -> str:
     clang = strict_check.find_clang()
     defines = [f"-D{k}={v}" for k, v in macros.items()]
     result = subprocess.run(
-        [clang, *_C.preprocessor_flags(), "-P", "-I", f"{_C.shim_dir()}/include", *defines, "-"],
+        [clang, *_metal_cpu.preprocessor_flags(), "-P", "-I", f"{_metal_cpu.shim_dir()}/include", *defines, "-"],
         input=_sources.kernel_sources()[source], capture_output=True, text=True, check=True)
     return result.stdout
 

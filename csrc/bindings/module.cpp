@@ -9,7 +9,8 @@
 #include <vector>
 
 extern "C" {
-#include "../cpu_device/cpu_device.h"
+#include "../cpu_device/metal_cpu.h" // MCPU_API_CAPSULE only: the device is reached through its table
+#include "../fa_backend.h"
 #include "../fa_plan.h"
 #include "../fa_plan_cache.h"
 }
@@ -460,113 +461,6 @@ void register_source(const std::string &name, const std::string &text) {
     check(fa_register_source(name.c_str(), text.c_str(), &st), st);
 }
 
-// A compiled CPU-device library; the C side keeps it for the life of the process.
-struct Library {
-    const mcpu_library *lib;
-};
-
-// checked: 1 or 0, or -1 for the default (mcpu_checked: $FLASHATTN_MPS_CPU_CHECKED, set_cpu_checked)
-Library compile_library(const std::string &source, const std::string &name,
-                        const std::vector<std::pair<std::string, std::string>> &macros, int32_t checked,
-                        bool lockstep) {
-    std::vector<mcpu_macro> c_macros;
-    for (const auto &m : macros) {
-        c_macros.push_back({m.first.c_str(), m.second.c_str()});
-    }
-    mcpu_library *lib = nullptr;
-    fa_status st;
-    int32_t rc;
-    {
-        py::gil_scoped_release release;
-        if (checked < 0) {
-            checked = mcpu_checked(&st);
-        }
-        rc = checked < 0 ? st.code
-                         : mcpu_compile_library_mode(source.c_str(), name.c_str(), c_macros.data(),
-                                                     static_cast<uint32_t>(c_macros.size()),
-                                                     (checked ? MCPU_CHECKED : 0u) | (lockstep ? MCPU_LOCKSTEP : 0u),
-                                                     &lib, &st);
-    }
-    check(rc, st);
-    return Library{lib};
-}
-
-std::vector<std::string> library_kernels(const Library &l) {
-    std::vector<std::string> names;
-    for (const char *const *n = mcpu_library_kernels(l.lib); n != nullptr && *n != nullptr; ++n) {
-        names.emplace_back(*n);
-    }
-    return names;
-}
-
-// buffers: host addresses (storage offset applied) or bytes objects (setBytes); the Python layer
-// (flashattn_mps.metal_cpu) validates tensors before their addresses get here.
-void library_dispatch(const Library &l, const std::string &kernel, std::array<uint32_t, 3> grid,
-                      std::array<uint32_t, 3> threadgroup, const py::list &buffers,
-                      const std::vector<uint64_t> &threadgroup_lengths,
-                      const std::vector<std::tuple<uint32_t, int32_t, int64_t, double>> &constants,
-                      std::vector<uint64_t> buffer_lengths) {
-    std::vector<void *> addresses;
-    std::vector<std::string> byte_copies; // keeps setBytes data alive without the GIL
-    byte_copies.reserve(buffers.size());
-    // lengths of the buffers (bytes objects: their own), UINT64_MAX where unknown, for checked mode
-    buffer_lengths.resize(buffers.size(), UINT64_MAX);
-    for (const auto &b : buffers) {
-        if (py::isinstance<py::bytes>(b)) {
-            byte_copies.push_back(py::cast<std::string>(b));
-            buffer_lengths[addresses.size()] = byte_copies.back().size();
-            addresses.push_back(byte_copies.back().data());
-        } else {
-            const std::string name = "buffers[" + std::to_string(addresses.size()) + "]";
-            if (!PyLong_Check(b.ptr())) {
-                throw py::type_error(name + " must be bytes or an int (a host address), got " + type_name(b.ptr()));
-            }
-            addresses.push_back(as_address(b.ptr(), "dispatch", name.c_str()));
-        }
-    }
-    std::vector<msl_constant_value> values; // by increasing index, as mcpu_dispatch takes them
-    for (const auto &c : constants) {
-        const uint32_t index = std::get<0>(c);
-        if (index >= MSL_FUNCTION_CONSTANT_INDICES) {
-            throw py::value_error("constants: index " + std::to_string(index) + " is out of range 0.." +
-                                  std::to_string(MSL_FUNCTION_CONSTANT_INDICES - 1));
-        }
-        values.push_back(msl_constant_value{std::get<1>(c), index, std::get<2>(c), std::get<3>(c)});
-    }
-    std::sort(values.begin(), values.end(),
-              [](const msl_constant_value &a, const msl_constant_value &b) { return a.index < b.index; });
-    mcpu_dispatch_args args;
-    std::memset(&args, 0, sizeof args);
-    args.kernel = kernel.c_str();
-    std::memcpy(args.grid, grid.data(), sizeof args.grid);
-    std::memcpy(args.threadgroup, threadgroup.data(), sizeof args.threadgroup);
-    args.buffers = addresses.data();
-    args.n_buffers = static_cast<uint32_t>(addresses.size());
-    args.threadgroup_arg_lengths = threadgroup_lengths.data();
-    args.n_threadgroup_args = static_cast<uint32_t>(threadgroup_lengths.size());
-    args.constants = values.data();
-    args.n_constants = static_cast<uint32_t>(values.size());
-    args.buffer_lengths = buffer_lengths.data();
-    fa_status st;
-    int32_t rc;
-    {
-        py::gil_scoped_release release;
-        rc = mcpu_dispatch(l.lib, &args, &st);
-    }
-    check(rc, st);
-}
-
-std::string preprocess(const std::string &source, const std::string &name, bool strict) {
-    fa_status st;
-    char *text = mcpu_preprocess(source.c_str(), name.c_str(), strict ? 1 : 0, &st);
-    if (text == nullptr) {
-        raise_status(st);
-    }
-    std::string result(text);
-    free(text);
-    return result;
-}
-
 py::list specialisations() {
     py::list out;
     fa_plan_each_specialisation(
@@ -582,26 +476,23 @@ py::list specialisations() {
     return out;
 }
 
-std::string cache_dir() {
-    char path[4096];
-    fa_status st;
-    check(mcpu_cache_dir(path, sizeof path, &st), st);
-    return path;
-}
-
-std::string shim_dir() {
-    char path[4096];
-    fa_status st;
-    check(mcpu_shim_dir(path, sizeof path, &st), st);
-    return path;
-}
-
 } // namespace
 
 PYBIND11_MODULE(_C, m) {
     m.doc() = "flashattn-mps C core (internal; use flashattn_mps)";
-    compile_error_type = PyErr_NewException("flashattn_mps.MetalCompileError", PyExc_RuntimeError, nullptr);
-    dispatch_error_type = PyErr_NewException("flashattn_mps.MetalDispatchError", PyExc_RuntimeError, nullptr);
+    // The CPU Metal device: its exception types (raised by both modules) and its table for CPU
+    // tensors (cpu_backend.c).
+    py::module_ device = py::module_::import("flashattn_mps._metal_cpu");
+    compile_error_type = py::object(device.attr("MetalCompileError")).release().ptr();
+    dispatch_error_type = py::object(device.attr("MetalDispatchError")).release().ptr();
+    {
+        fa_status st;
+        void *api = PyCapsule_Import(MCPU_API_CAPSULE, 0);
+        if (api == nullptr) {
+            throw py::error_already_set();
+        }
+        check(fa_cpu_backend_attach(api, &st), st);
+    }
     m.attr("MetalCompileError") = py::handle(compile_error_type);
     m.attr("MetalDispatchError") = py::handle(dispatch_error_type);
 
@@ -626,7 +517,6 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DROPOUT_NONE") = static_cast<int>(FA_DROPOUT_NONE);
     m.attr("DROPOUT_APPLY") = static_cast<int>(FA_DROPOUT_APPLY);
     m.attr("DROPOUT_PROBS") = static_cast<int>(FA_DROPOUT_PROBS);
-    m.attr("MAX_THREADGROUP_MEMORY") = static_cast<int>(MCPU_MAX_THREADGROUP_MEMORY);
 #if defined(__APPLE__)
     m.attr("HAS_METAL_BACKEND") = true;
 #else
@@ -678,35 +568,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none(), py::arg("sequences") = py::none());
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
-    m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
-    m.def("cache_dir", &cache_dir);
-    m.def("shim_dir", &shim_dir);
-    m.def("preprocessor_flags", []() {
-        const char *const *flags = nullptr;
-        const uint32_t n = mcpu_preprocessor_flags(&flags);
-        return std::vector<std::string>(flags, flags + n);
-    });
 
     add_metal_bindings(m, raise_status);
 
-    py::class_<Library>(m, "CpuLibrary")
-        .def("kernels", &library_kernels)
-        .def("dispatch", &library_dispatch, py::arg("kernel"), py::arg("grid"), py::arg("threadgroup"),
-             py::arg("buffers"), py::arg("threadgroup_lengths"), py::arg("constants"),
-             py::arg("buffer_lengths") = std::vector<uint64_t>());
-    m.def("compile_library", &compile_library, py::arg("source"), py::arg("name"), py::arg("macros"),
-          py::arg("checked") = -1, py::arg("lockstep") = false);
-    m.def("set_cpu_checked", [](int32_t checked) { mcpu_set_checked(checked); }); // 1, 0, -1: the environment's
-    m.def("cpu_checked_dispatches", &mcpu_checked_dispatches);
-    m.def("cpu_checked", []() {
-        fa_status st;
-        const int32_t checked = mcpu_checked(&st);
-        if (checked < 0) raise_status(st);
-        return checked != 0;
-    });
-    m.def("set_cpu_watchdog", [](double seconds) {
-        fa_status st;
-        check(mcpu_set_watchdog(seconds, &st), st);
-    });
-    m.def("cpu_watchdog", &mcpu_watchdog);
 }

@@ -213,11 +213,6 @@ void mcpu_stack_region_trim(mcpu_stack_region *r) {
 #endif
 }
 
-void mcpu_stack_region_release(mcpu_stack_region *r) {
-    if (r->base) munmap(r->base, r->count * (r->stack_bytes + r->guard_bytes));
-    r->base = NULL;
-}
-
 long mcpu_stack_region_guard_slot(const mcpu_stack_region *r, const void *addr) {
     uintptr_t a = (uintptr_t)addr, base = (uintptr_t)r->base, slot = r->stack_bytes + r->guard_bytes;
     if (!r->base || a < base || a >= base + r->count * slot || (a - base) % slot >= r->guard_bytes) return -1;

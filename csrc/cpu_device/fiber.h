@@ -49,7 +49,6 @@ int mcpu_stack_region_reserve(mcpu_stack_region *r, size_t count, size_t stack_b
 int mcpu_stack_region_take(mcpu_stack_region *r, size_t i, mcpu_fiber *f);
 /* Returns every page of the region to the OS (stacks keep their addresses; contents are lost). */
 void mcpu_stack_region_trim(mcpu_stack_region *r);
-void mcpu_stack_region_release(mcpu_stack_region *r);
 /* The slot whose guard holds addr, or -1. */
 long mcpu_stack_region_guard_slot(const mcpu_stack_region *r, const void *addr);
 

@@ -5,7 +5,7 @@
  * them without adding or removing a line, so compiler diagnostics keep the .metal line numbers.
  * Launchers are appended at the end, each after a #line naming its kernel's line. The generated
  * shapes are documented in shim/msl_kernel.h, which defines what they use. */
-#include "cpu_device.h"
+#include "metal_cpu.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -1496,9 +1496,9 @@ static void free_strs(char **a, uint64_t n) {
     free(a);
 }
 
-char *mcpu_preprocess(const char *source, const char *source_name, int32_t strict, fa_status *st) {
+char *mcpu_preprocess(const char *source, const char *source_name, int32_t strict, mcpu_status *st) {
     if (!source) {
-        fa_fail(st, FA_ERR_VALUE, "mcpu_preprocess: source is NULL");
+        mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_preprocess: source is NULL");
         return NULL;
     }
     pp P = {0};
@@ -1520,10 +1520,10 @@ char *mcpu_preprocess(const char *source, const char *source_name, int32_t stric
     if (P.violations.oom) oom(&P);
     if (!P.failed && P.violations.n) {
         P.violations.p[--P.violations.n] = 0; /* the last newline */
-        fa_fail(st, FA_ERR_COMPILE, "%s", P.violations.p);
+        mcpu_fail(st, MCPU_ERR_COMPILE, "%s", P.violations.p);
     }
     char *out = P.failed || P.violations.n ? NULL : render(&P);
-    if (P.failed) fa_fail(st, FA_ERR_COMPILE, "%s", P.err);
+    if (P.failed) mcpu_fail(st, MCPU_ERR_COMPILE, "%s", P.err);
     free(P.t);
     for (uint64_t i = 0; i < P.ned; i++) free(P.ed[i].text);
     free(P.ed);

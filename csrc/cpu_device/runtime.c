@@ -17,9 +17,7 @@
 #if !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* posix_memalign, sysconf(_SC_NPROCESSORS_ONLN), REG_RIP, dladdr under -std=c11 */
 #endif
-#include "cpu_device.h"
-#include "fiber.h"
-#include "shim_files.h"
+#include "runtime.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -38,198 +36,14 @@
 #include <sys/ucontext.h> /* ucontext_t; macOS has it from <signal.h> */
 #endif
 
-#if defined(__GNUC__) && !defined(__APPLE__)
-#define TLS_SIGNAL_SAFE __attribute__((tls_model("initial-exec"))) /* read in signal handlers */
-#else
-#define TLS_SIGNAL_SAFE
-#endif
-
-enum {
-    MAX_THREADS = MSL_MAX_THREADS_PER_THREADGROUP,
-    MAX_SIMDGROUPS = MSL_MAX_THREADS_PER_THREADGROUP / MSL_SIMD_WIDTH,
-    MAX_STATIC_SITES = 64,
-    GARBAGE = 0xFF /* uninitialised threadgroup memory reads as NaN (float, half) or -1 */
-};
-
-/* ---- checked mode's state (README, "Checked mode") ---- */
-
-/* One access to one byte of threadgroup memory: by thread (1 + its index; 0: none), in barrier
- * interval `epoch`, after `simd_epoch` simdgroup_barriers of its SIMD-group, at pc. */
-typedef struct mark {
-    uint32_t epoch, simd_epoch;
-    uint16_t thread, atomic;
-    const void *pc;
-} mark;
-
-/* Per byte: the last write and enough of the current interval's reads to find any read a write
- * races with: the last read, the last by another thread of its SIMD-group, and the last of
- * another SIMD-group (once two SIMD-groups read, every write races with one of them). */
-typedef struct byte_marks {
-    mark write, read, read_same_simd, read_other_simd;
-} byte_marks;
-
-enum { OWNER_STATIC = 32 }; /* owner: 1 + [[threadgroup(n)]], OWNER_STATIC + kernel-scope array, 0: none */
-
-/* A dispatch's buffers of known length, copied into one region of guard pages (PROT_NONE, so an
- * access far off faults) around each group of overlapping bindings. */
-typedef struct guarded {
-    unsigned char *region;
-    size_t bytes;
-    uint32_t n, n_groups;
-    uint32_t index[MSL_MAX_BUFFERS]; /* [[buffer(index)]] is at start, length bytes */
-    uintptr_t start[MSL_MAX_BUFFERS];
-    uint64_t length[MSL_MAX_BUFFERS];
-    struct {
-        unsigned char *original, *copy;
-        uint64_t bytes;
-    } group[MSL_MAX_BUFFERS];
-} guarded;
-
-typedef enum { FOUND_NOTHING, FOUND_RACE, FOUND_UNINITIALISED, FOUND_OUT_OF_BOUNDS } found_kind;
-enum { NO_THREAD = UINT32_MAX, IN_THREADGROUP_MEMORY = 0, IN_BUFFER = 1 };
-
-/* The first error a checked dispatch found, described (with source lines) once it has ended. */
-typedef struct finding {
-    int32_t what;                 /* found_kind */
-    int32_t access, other_access; /* msl_access_kind */
-    uint32_t group[3], thread, other, position[3], other_position[3];
-    const void *pc, *other_pc;
-    uint64_t size, bytes; /* of the access; of the allocation or buffer it hit */
-    int64_t offset;       /* into that allocation or buffer */
-    int32_t space;        /* IN_THREADGROUP_MEMORY, IN_BUFFER */
-    int32_t index;        /* [[threadgroup(n)]] or [[buffer(n)]]; -1: no allocation */
-    int32_t is_static;    /* index counts kernel-scope threadgroup arrays */
-} finding;
-
-typedef struct checked_state {
-    byte_marks marks[MCPU_MAX_THREADGROUP_MEMORY];
-    uint8_t owner[MCPU_MAX_THREADGROUP_MEMORY];
-    /* Barrier intervals: a threadgroup_barrier(mem_threadgroup) starts one, so does each
-     * threadgroup; a mark of an interval before first_epoch is from another threadgroup. */
-    uint32_t epoch, first_epoch;
-    uint32_t simd_epoch[MAX_SIMDGROUPS]; /* simdgroup_barrier(mem_threadgroup)s per SIMD-group */
-    /* The interval's first read of bytes not written yet: a race if another thread writes them
-     * before the interval ends (the write reports it), else uninitialised (reported then). */
-    finding *unwritten_read, pending; /* NULL or &pending */
-} checked_state;
-
-/* One dispatch. */
-typedef struct job {
-    mcpu_kernel_fn fn;
-    const msl_launch *launch;
-    uint64_t n_groups;
-    _Atomic uint64_t next_group;
-    atomic_int failed; /* the first failure writes st; everyone then stops taking threadgroups */
-    fa_status *st;
-    uint32_t helpers_wanted, helpers_joined, helpers_active; /* under pool.mu */
-    struct job *next;                                        /* pool.jobs list */
-    /* the watchdog's, under pool.mu */
-    struct job *next_active; /* pool.active list */
-    uint64_t interrupts;     /* SIGINTs counted when it started */
-    double time_limit, started;
-    int32_t seen;
-    /* checked mode, lockstep (MCPU_CHECKED, MCPU_LOCKSTEP) */
-    int32_t checked, lockstep;
-    const guarded *guard;
-    finding found; /* written by the failing thread, read once the dispatch has ended */
-} job;
-
-typedef enum { READY, WAITING, DONE } gstate;
-
-/* One GPU thread. */
-typedef struct gthread {
-    msl_thread t; /* first member: the api hands kernels &t */
-    struct worker *w;
-    mcpu_fiber fiber;
-    gstate state;
-    /* where the thread waits, while WAITING, and the barrier's mem_flags */
-    int32_t kind;
-    uint32_t flags;
-    uint32_t line;
-    const char *what, *file;
-} gthread;
-
-/* A SIMD-group or the threadgroup, as a barrier scope. */
-typedef struct scope {
-    uint32_t arrived, live;
-    const gthread *first; /* the first arrival: a threadgroup barrier's others must wait at the same point */
-    /* SIMD-group scopes: lanes waiting at a threadgroup barrier, and whether the lanes waiting at
-     * SIMD-group syncs may be at different points (divergent control flow) */
-    uint32_t at_barrier, mixed;
-    uint32_t lockstep_round; /* lockstep: the lanes still to make the access of this step */
-} scope;
-
-/* A lockstep dispatch's, per thread (by index in the threadgroup): the code address of the
- * threadgroup-memory access it is stopped at (NULL: none since a sync point released it), and
- * while it is READY its place in the ready queue. Apart from gthread, so that dispatches
- * without lockstep pay for no more than a test of worker.lockstep when they queue a thread. */
-typedef struct lockstep_state {
-    const void *pc[MAX_THREADS];
-    uint16_t slot[MAX_THREADS];
-} lockstep_state;
-
-/* What an OS thread needs to run threadgroups: borrowed from the pool for one dispatch, so fibers,
- * stacks and memory are reused and their number stays bounded however many threads dispatch. */
-typedef struct worker {
-    mcpu_fiber home; /* the OS thread's own stack: threadgroups start and end here */
-    job *job;
-    volatile sig_atomic_t in_kernel; /* a fiber runs kernel code: its faults are the kernel's */
-    sigjmp_buf escape;               /* in run_threadgroup: where a fault or a stop lands */
-    volatile int fault_signal, fault_code; /* 0: stopped (SIGINT, watchdog) */
-    void *volatile fault_address;
-    void *volatile fault_pc;
-    mcpu_stack_region stacks;
-    uint32_t n_stacks;    /* slots taken */
-    pthread_t thread;     /* the thread using it, while in_use */
-    int32_t in_use, trimmed; /* under pool.mu */
-    struct worker *next;  /* pool.workers list */
-    gthread *running;
-    uint32_t n_threads, n_simdgroups, n_done;
-    scope group, simd[MAX_SIMDGROUPS];
-    gthread *ready[MAX_THREADS]; /* ring buffer: each thread is queued at most once */
-    uint32_t ready_head, ready_count;
-    msl_group tg;
-    void *tg_args[MSL_MAX_THREADGROUP_ARGS];
-    unsigned char *tg_memory; /* MCPU_MAX_THREADGROUP_MEMORY bytes: arguments, then static arrays */
-    uint64_t tg_args_bytes, tg_used;
-    struct {
-        const void *key;
-        void *ptr;
-        uint64_t size;
-    } statics[MAX_STATIC_SITES];
-    uint32_t n_statics;
-    msl_simd_exchange xchg[MAX_SIMDGROUPS];
-    checked_state *checked; /* for a checked dispatch */
-    lockstep_state *lockstep; /* for a lockstep dispatch */
-    gthread threads[MAX_THREADS];
-} worker;
 
 static _Thread_local worker *tls_worker TLS_SIGNAL_SAFE; /* the worker this thread uses, if any */
+
+void set_thread_worker(worker *w) { tls_worker = w; }
 
 static void check_interval_end(worker *w); /* checked mode */
 
 /* ---- failures ---- */
-
-static void job_fail(job *j, int32_t code, const char *message) {
-    if (atomic_exchange(&j->failed, 1) == 0) fa_fail(j->st, code, "%s", message);
-}
-
-typedef struct text {
-    char buf[FA_STATUS_MESSAGE_BYTES];
-    size_t len;
-} text;
-
-static void vadd(text *m, const char *fmt, va_list ap) {
-    int k = vsnprintf(m->buf + m->len, sizeof m->buf - m->len, fmt, ap);
-    if (k > 0) m->len = m->len + (size_t)k < sizeof m->buf ? m->len + (size_t)k : sizeof m->buf - 1;
-}
-
-static void add(text *m, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vadd(m, fmt, ap);
-    va_end(ap);
-}
 
 static inline int same_string(const char *a, const char *b) { return a == b || strcmp(a, b) == 0; }
 
@@ -243,7 +57,7 @@ static int same_place(const gthread *a, const gthread *b) {
 }
 
 /* x86's general protection fault, which carries no address: a non-canonical address (no access of
- * a kernel is promised more alignment than its memory's allocation has: relax_alignment, compile.c) */
+ * a kernel is promised more alignment than its memory's allocation has: relax_alignment, build.c) */
 static int general_protection_fault(int sig, int code) {
 #ifdef SI_KERNEL
     return sig == SIGSEGV && code == SI_KERNEL;
@@ -331,7 +145,7 @@ static void run_next(worker *w, gthread *g) {
     if (w->ready_count == 0) {
         /* Nothing can run. Every stall is reported or settled where it arises (settle_simd), so
          * this is a runtime bug: fail the dispatch rather than hang. */
-        group_fail(w, FA_ERR_RUNTIME, -1, "deadlock: no thread can run");
+        group_fail(w, MCPU_ERR_RUNTIME, -1, "deadlock: no thread can run");
     }
     gthread *next = take_ready(w);
     w->running = next;
@@ -397,7 +211,7 @@ static void settle_simd(worker *w, uint32_t sg, gthread *self) {
         if (g->state == WAITING && g->kind != MSL_SYNC_THREADGROUP_BARRIER && same_point(g, lead)) active |= 1u << lane;
     }
     if (lead->kind == MSL_SYNC_SIMDGROUP_BARRIER && active != live)
-        group_fail(w, FA_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
+        group_fail(w, MCPU_ERR_RUNTIME, (int)sg, "simdgroup_barrier in divergent control flow");
     release_simd(w, sg, active, self);
 }
 
@@ -421,8 +235,8 @@ static void rt_sync(msl_thread *t, int32_t kind_and_flags, const char *what, con
         scope *s = &w->group;
         if (s->arrived == 0) s->first = g;
         else if (!same_point(s->first, g))
-            group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
-        if (w->n_done) group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
+            group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier in divergent control flow");
+        if (w->n_done) group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
         if (++s->arrived == s->live) {
             if (g->flags & MSL_MEM_THREADGROUP) check_interval_end(w);
             g->state = READY;
@@ -457,7 +271,7 @@ static void thread_main(void *arg) {
     s->live--;
     w->xchg[sg].live_lanes &= ~(1u << g->t.thread_index_in_simdgroup);
     if (w->group.arrived)
-        group_fail(w, FA_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
+        group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
     settle_simd(w, sg, g); /* the exited lane may have been the last one running */
     if (w->n_done == w->n_threads) check_interval_end(w);
     if (w->n_done == w->n_threads) mcpu_fiber_switch(&g->fiber, &w->home);
@@ -477,12 +291,12 @@ static void *rt_threadgroup_static(msl_thread *t, const void *key, uint64_t size
     for (uint32_t i = 0; i < w->n_statics; i++)
         if (w->statics[i].key == key) return w->statics[i].ptr;
     if (w->n_statics == MAX_STATIC_SITES)
-        group_fail(w, FA_ERR_RUNTIME, -2, "more than %d kernel-scope threadgroup arrays",
+        group_fail(w, MCPU_ERR_RUNTIME, -2, "more than %d kernel-scope threadgroup arrays",
                    MAX_STATIC_SITES);
     uintptr_t base = (uintptr_t)w->tg_memory, a = align > 1 ? (uintptr_t)align : 1;
     uint64_t offset = ((base + w->tg_used + a - 1) & ~(a - 1)) - base;
     if (offset + size > MCPU_MAX_THREADGROUP_MEMORY)
-        group_fail(w, FA_ERR_VALUE, -2,
+        group_fail(w, MCPU_ERR_VALUE, -2,
                    "threadgroup memory exceeds %d bytes: %llu bytes of [[threadgroup(n)]] arguments"
                    " plus %llu bytes of kernel-scope threadgroup arrays (with alignment)",
                    MCPU_MAX_THREADGROUP_MEMORY, (unsigned long long)w->tg_args_bytes,
@@ -508,13 +322,13 @@ static const char *own_words(const worker *w, const char *message) {
 
 static void rt_fail(msl_thread *t, const char *message, const char *file, uint32_t line) {
     worker *w = ((gthread *)t)->w;
-    group_fail(w, FA_ERR_RUNTIME, -2, "%s (%s:%u, thread %u)", own_words(w, message), file, line,
+    group_fail(w, MCPU_ERR_RUNTIME, -2, "%s (%s:%u, thread %u)", own_words(w, message), file, line,
                t->thread_index_in_threadgroup);
 }
 
 static void rt_fail_argument(msl_thread *t, const char *message, const char *file, uint32_t line) {
     worker *w = ((gthread *)t)->w;
-    group_fail(w, FA_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
+    group_fail(w, MCPU_ERR_VALUE, -2, "%s (%s:%u)", own_words(w, message), file, line);
 }
 
 static const void *unbound_region;
@@ -578,7 +392,7 @@ _Noreturn static void report_finding(worker *w, const finding *f) {
     job *j = w->job;
     if (atomic_exchange(&j->failed, 1) == 0) {
         j->found = *f;
-        fa_fail(j->st, FA_ERR_RUNTIME, "kernel '%s': checked mode found an error", j->launch->kernel_name);
+        mcpu_fail(j->st, MCPU_ERR_RUNTIME, "kernel '%s': checked mode found an error", j->launch->kernel_name);
     }
     abandon(w);
 }
@@ -763,375 +577,39 @@ static void rt_access(const void *address, uint64_t size, int32_t kind, const vo
     else if (g && a - (uintptr_t)g->region < g->bytes) check_buffer(w, a, size, kind, pc);
 }
 
-/* Copies the buffers of known length into a fresh region: each group of overlapping bindings on
- * its own pages (at its original offset in the page, keeping alignment) between guard pages.
- * copies[i] is what binds [[buffer(i)]]. */
-enum { GUARD_BYTES = 256u << 20 };
-static int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, fa_status *st) {
-    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    uint32_t order[MSL_MAX_BUFFERS], n = 0, group_of[MSL_MAX_BUFFERS];
-    uintptr_t lo[MSL_MAX_BUFFERS], hi[MSL_MAX_BUFFERS];
-    size_t at[MSL_MAX_BUFFERS], span[MSL_MAX_BUFFERS];
-    memset(g, 0, sizeof *g);
-    for (uint32_t i = 0; i < l->n_buffers; i++) {
-        copies[i] = l->buffers[i];
-        uint64_t len = l->buffer_lengths ? l->buffer_lengths[i] : UINT64_MAX;
-        if (!l->buffers[i] || len == UINT64_MAX) continue;
-        if (len > UINTPTR_MAX - (uintptr_t)l->buffers[i])
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': buffer %u of %llu bytes wraps around the address space",
-                           l->kernel_name, i, (unsigned long long)len);
-        uint32_t k = n++; /* insertion by address */
-        for (; k > 0 && (uintptr_t)l->buffers[order[k - 1]] > (uintptr_t)l->buffers[i]; k--) order[k] = order[k - 1];
-        order[k] = i;
-    }
-    size_t total = GUARD_BYTES;
-    for (uint32_t k = 0; k < n; k++) {
-        uint32_t i = order[k];
-        uintptr_t a = (uintptr_t)l->buffers[i], e = a + l->buffer_lengths[i];
-        if (g->n_groups && a < hi[g->n_groups - 1]) {
-            hi[g->n_groups - 1] = e > hi[g->n_groups - 1] ? e : hi[g->n_groups - 1];
-        } else {
-            lo[g->n_groups] = a, hi[g->n_groups] = e;
-            g->n_groups++;
-        }
-        group_of[k] = g->n_groups - 1;
-    }
-    for (uint32_t k = 0; k < g->n_groups; k++) {
-        size_t bytes = (size_t)(hi[k] - lo[k]) + lo[k] % page;
-        span[k] = bytes == 0 ? page : (bytes + page - 1) / page * page;
-        at[k] = total;
-        if (span[k] > SIZE_MAX / 2 - total - GUARD_BYTES)
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': buffers too large for checked mode", l->kernel_name);
-        total += span[k] + GUARD_BYTES;
-    }
-    if (n == 0) return FA_OK;
-    void *region = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (region == MAP_FAILED)
-        return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': no address space for checked mode's guarded buffers",
-                       l->kernel_name);
-    g->region = region, g->bytes = total;
-    for (uint32_t k = 0; k < g->n_groups; k++) {
-        unsigned char *copy = g->region + at[k] + lo[k] % page;
-        if (mprotect(g->region + at[k], span[k], PROT_READ | PROT_WRITE)) {
-            munmap(g->region, g->bytes);
-            g->region = NULL;
-            return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': no memory for checked mode's copy of %llu bytes",
-                           l->kernel_name, (unsigned long long)(hi[k] - lo[k]));
-        }
-        memcpy(copy, (const void *)lo[k], (size_t)(hi[k] - lo[k]));
-        g->group[k].original = (unsigned char *)lo[k];
-        g->group[k].copy = copy;
-        g->group[k].bytes = hi[k] - lo[k];
-    }
-    for (uint32_t k = 0; k < n; k++) {
-        uint32_t i = order[k];
-        unsigned char *copy = g->group[group_of[k]].copy + ((uintptr_t)l->buffers[i] - lo[group_of[k]]);
-        copies[i] = copy;
-        g->index[k] = i, g->start[k] = (uintptr_t)copy, g->length[k] = l->buffer_lengths[i];
-    }
-    g->n = n;
-    return FA_OK;
-}
-
-/* Writes what the kernel changed back to the buffers, and frees the region. */
-static void unguard_buffers(guarded *g) {
-    if (!g->region) return;
-    for (uint32_t k = 0; k < g->n_groups; k++)
-        if (memcmp(g->group[k].original, g->group[k].copy, (size_t)g->group[k].bytes))
-            memcpy(g->group[k].original, g->group[k].copy, (size_t)g->group[k].bytes);
-    munmap(g->region, g->bytes);
-    g->region = NULL;
-}
-
-static int is_shim_file(const char *path) {
-    const char *base = strrchr(path, '/');
-    base = base ? base + 1 : path;
-    for (uint32_t i = 0; i < mcpu_shim_file_count; i++)
-        if (!strcmp(base, mcpu_shim_files[i].name)) return 1;
-    return 0;
-}
-
-/* "file:line" of a kernel's code address: the innermost inlined frame in the kernel's own source
- * (a shim function such as simdgroup_load names its caller), from the library's line tables, read
- * by addr2line (binutils, installed with the linker that built the library). */
-static void source_place(const void *pc, char *out, size_t n) {
-    Dl_info info;
-    if (!pc || !dladdr(pc, &info) || !info.dli_fname) {
-        snprintf(out, n, "%p", pc);
-        return;
-    }
-    char address[32], *text = NULL;
-    snprintf(address, sizeof address, "0x%llx",
-             (unsigned long long)((uintptr_t)pc - 1 - (uintptr_t)info.dli_fbase)); /* the call itself */
-    char *argv[] = {"addr2line", "-i", "-e", (char *)info.dli_fname, address, NULL};
-    int found = 0;
-    if (mcpu_run_tool(argv, &text, 30.0) == 0 && text) {
-        char *rest = NULL;
-        for (char *line = strtok_r(text, "\n", &rest); line && !found; line = strtok_r(NULL, "\n", &rest)) {
-            char *extra = strstr(line, " (discriminator");
-            if (extra) *extra = 0;
-            if (!strncmp(line, "./", 2)) line += 2;
-            char *colon = strrchr(line, ':');
-            if (line[0] == '?' || !colon || colon[1] == '?' || !strcmp(colon, ":0") || is_shim_file(line)) continue;
-            snprintf(out, n, "%s", line);
-            found = 1;
-        }
-    }
-    free(text);
-    if (!found)
-        snprintf(out, n, "%s+0x%lx (no line: addr2line could not tell)", info.dli_sname ? info.dli_sname : "?",
-                 (unsigned long)((uintptr_t)pc - (uintptr_t)(info.dli_sname ? info.dli_saddr : info.dli_fbase)));
-}
-
-static const char *access_words(int32_t kind, int32_t past) {
-    static const char *const words[2][4] = {{"reads", "writes", "atomically reads", "atomically writes"},
-                                            {"read", "wrote", "atomically read", "atomically wrote"}};
-    return words[past][((kind & MSL_ACCESS_WRITE) ? 1 : 0) + ((kind & MSL_ACCESS_ATOMIC) ? 2 : 0)];
-}
-
-/* The dispatch's error message for its finding, with source lines (after the dispatch). */
-static void describe_finding(const job *j, fa_status *st) {
-    const finding *f = &j->found;
-    char here[512], there[512], where[96];
-    source_place(f->pc, here, sizeof here);
-    if (f->space == IN_BUFFER) snprintf(where, sizeof where, "[[buffer(%d)]]", f->index);
-    else if (f->index < 0) snprintf(where, sizeof where, "threadgroup memory");
-    else if (f->is_static) snprintf(where, sizeof where, "kernel-scope threadgroup array #%d", f->index + 1);
-    else snprintf(where, sizeof where, "[[threadgroup(%d)]]", f->index);
-    const uint32_t *g = f->group, *p = f->position, *q = f->other_position;
-    text m = {.len = 0};
-    add(&m, "kernel '%s': ", j->launch->kernel_name);
-    if (f->what == FOUND_RACE) {
-        source_place(f->other_pc, there, sizeof there);
-        int same_simd = f->thread / MSL_SIMD_WIDTH == f->other / MSL_SIMD_WIDTH;
-        add(&m,
-            "threadgroup memory data race in threadgroup (%u,%u,%u): thread %u (%u,%u,%u) %s %llu bytes at byte %lld "
-            "of %s at %s; thread %u (%u,%u,%u) %s them at %s, with no threadgroup_barrier(mem_flags::mem_threadgroup)%s "
-            "between",
-            g[0], g[1], g[2], f->thread, p[0], p[1], p[2], access_words(f->access, 0), (unsigned long long)f->size,
-            (long long)f->offset, where, here, f->other, q[0], q[1], q[2], access_words(f->other_access, 1), there,
-            same_simd ? " or simdgroup_barrier(mem_flags::mem_threadgroup) (same SIMD-group)" : "");
-    } else if (f->what == FOUND_UNINITIALISED) {
-        add(&m,
-            "read of threadgroup memory never written in this threadgroup: thread %u (%u,%u,%u) of threadgroup "
-            "(%u,%u,%u) %s %llu bytes at byte %lld of %s (%llu bytes) at %s",
-            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access, 0), (unsigned long long)f->size,
-            (long long)f->offset, where, (unsigned long long)f->bytes, here);
-    } else {
-        add(&m,
-            "out-of-bounds access: thread %u (%u,%u,%u) of threadgroup (%u,%u,%u) %s %llu bytes at byte offset %lld "
-            "of %s, which has %llu bytes%s, at %s",
-            f->thread, p[0], p[1], p[2], g[0], g[1], g[2], access_words(f->access, 0), (unsigned long long)f->size,
-            (long long)f->offset, where, (unsigned long long)f->bytes,
-            f->space == IN_THREADGROUP_MEMORY && f->index < 0 ? " allocated" : "", here);
-    }
-    fa_fail(st, FA_ERR_RUNTIME, "%s", m.buf);
-}
-
-static _Atomic uint64_t checked_dispatches;
-uint64_t mcpu_checked_dispatches(void) { return atomic_load(&checked_dispatches); }
-
-/* Whether libraries are built checked by default: 0 or 1; UNREAD: the environment says, at the
- * next use; BAD: it said checked_env (one atomic load per call otherwise: the plan cache asks). */
-enum { CHECKED_UNREAD = -1, CHECKED_BAD = -2 };
-static atomic_int checked_default = CHECKED_UNREAD;
-static char checked_env[64];
-
-int32_t mcpu_checked(fa_status *st) {
-    int v = atomic_load(&checked_default);
-    if (v == CHECKED_UNREAD) {
-        const char *env = getenv("FLASHATTN_MPS_CPU_CHECKED");
-        v = !env || !*env || !strcmp(env, "0") ? 0 : !strcmp(env, "1") ? 1 : CHECKED_BAD;
-        if (v == CHECKED_BAD) snprintf(checked_env, sizeof checked_env, "%s", env);
-        atomic_store(&checked_default, v);
-    }
-    if (v == CHECKED_BAD) {
-        fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_CHECKED='%s': expected 0 or 1", checked_env);
-        return -1;
-    }
-    return v;
-}
-
-void mcpu_set_checked(int32_t checked) {
-    atomic_store(&checked_default, checked < 0 ? CHECKED_UNREAD : checked != 0);
-}
-
 const msl_runtime_api *mcpu_runtime_api(void) {
     static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
                                         rt_fail, rt_fail_argument, rt_unbound_storage, rt_access};
     return &api;
 }
 
-/* ---- signals: faults of kernel code, Ctrl-C, preemption ---- */
+/* ---- faults of kernel code and preemption (signals.c installs the handlers) ---- */
 
-static const int handled_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGINT, SIGURG};
-enum { N_HANDLED = sizeof handled_signals / sizeof handled_signals[0] };
-static struct sigaction previous[N_HANDLED]; /* what each handler passes other signals on to */
-static _Atomic uint64_t interrupts;           /* SIGINTs seen */
-
-static int handled_index(int sig) {
-    for (int i = 0; i < N_HANDLED; i++)
-        if (handled_signals[i] == sig) return i;
-    return 0;
-}
-
-/* The handler that was installed before ours, as the OS would have run it. */
-static void pass_on(int sig, siginfo_t *info, void *context) {
-    const struct sigaction *old = &previous[handled_index(sig)];
-    if (old->sa_flags & SA_SIGINFO) {
-        if (old->sa_sigaction) old->sa_sigaction(sig, info, context);
-    } else if (old->sa_handler == SIG_DFL) {
-        if (sig == SIGURG) return; /* ignored by default */
-        signal(sig, SIG_DFL);      /* a fault recurs on return and kills as it would have */
-        if (sig == SIGINT || info->si_code <= 0) raise(sig);
-    } else if (old->sa_handler != SIG_IGN) {
-        old->sa_handler(sig);
-    }
-}
-
-static void *context_pc(void *context) {
-    ucontext_t *uc = context;
-#if defined(__linux__) && defined(__x86_64__)
-    return (void *)uc->uc_mcontext.gregs[REG_RIP];
-#elif defined(__linux__) && defined(__aarch64__)
-    return (void *)uc->uc_mcontext.pc;
-#elif defined(__APPLE__) && defined(__x86_64__)
-    return (void *)uc->uc_mcontext->__ss.__rip;
-#elif defined(__APPLE__) && defined(__aarch64__)
-    return (void *)uc->uc_mcontext->__ss.__pc;
-#else
-    (void)uc;
-    return NULL;
-#endif
-}
-
-#if defined(__x86_64__) && (defined(__linux__) || defined(__APPLE__))
-#if defined(__linux__)
-#define REG_OF(uc, r) ((uc)->uc_mcontext.gregs[REG_##r])
-#define CTX_RIP(uc) REG_OF(uc, RIP)
-#define CTX_RAX(uc) REG_OF(uc, RAX)
-#define CTX_RDX(uc) REG_OF(uc, RDX)
-#else
-#define CTX_RIP(uc) ((uc)->uc_mcontext->__ss.__rip)
-#define CTX_RAX(uc) ((uc)->uc_mcontext->__ss.__rax)
-#define CTX_RDX(uc) ((uc)->uc_mcontext->__ss.__rdx)
-#endif
-/* Completes a faulting x86-64 DIV/IDIV (division by zero, INT_MIN / -1) as a GPU does, without a
- * trap: the quotient is the dividend (INT_MIN / -1 wraps to INT_MIN, x / 0 is unspecified in MSL),
- * the remainder 0. Returns 0 if the instruction at the fault is not one it understands. */
-static int complete_division(void *context) {
-    ucontext_t *uc = context;
-    const uint8_t *p = (const uint8_t *)CTX_RIP(uc);
-    int bytes = 4;
-    if (*p == 0x66) bytes = 2, p++;
-    if ((*p & 0xF0) == 0x40) bytes = (*p & 8) ? 8 : bytes, p++; /* REX */
-    uint8_t op = *p++;
-    if (op == 0xF6) bytes = 1;
-    else if (op != 0xF7) return 0;
-    uint8_t modrm = *p++, mod = modrm >> 6, reg = (modrm >> 3) & 7, rm = modrm & 7;
-    if (reg != 6 && reg != 7) return 0; /* DIV, IDIV */
-    if (mod != 3) {
-        if (rm == 4 && mod == 0 && (*p & 7) == 5) p += 4; /* SIB without base: disp32 */
-        if (rm == 4) p++;                                 /* the SIB byte */
-        if (mod == 0 && rm == 5) p += 4;                  /* RIP-relative */
-        p += mod == 1 ? 1 : mod == 2 ? 4 : 0;
-    }
-    uint64_t rax = (uint64_t)CTX_RAX(uc);
-    if (bytes == 1) CTX_RAX(uc) = (long long)(rax & ~(uint64_t)0xFF00); /* AL = low byte of AX, AH = 0 */
-    else if (bytes == 2) CTX_RDX(uc) = (long long)((uint64_t)CTX_RDX(uc) & ~(uint64_t)0xFFFF);
-    else if (bytes == 4) CTX_RAX(uc) = (long long)(uint32_t)rax, CTX_RDX(uc) = 0;
-    else CTX_RDX(uc) = 0;
-    CTX_RIP(uc) = (long long)(uintptr_t)p;
-    return 1;
-}
-#else
-static int complete_division(void *context) { /* aarch64 divides by zero without a trap */
-    (void)context;
-    return 0;
-}
-#endif
-
-static void on_signal(int sig, siginfo_t *info, void *context) {
-    int saved_errno = errno;
+/* The signals.c hook: a fault of kernel code, or the watchdog's preemption, on this thread's
+ * running fiber jumps back to its worker; everything else is passed on. */
+int kernel_signal(int sig, siginfo_t *info, void *context) {
     worker *w = tls_worker;
-    if (sig == SIGINT) {
-        atomic_fetch_add(&interrupts, 1);
-    } else if (w && w->in_kernel) {
-        if (sig == SIGURG && atomic_load(&w->job->failed)) { /* the watchdog stops this dispatch */
-            w->in_kernel = 0;
-            w->fault_signal = 0;
-            siglongjmp(w->escape, 1);
-        }
-        if (sig != SIGURG && info->si_code > 0) { /* raised by the kernel's own instruction */
-            if (sig == SIGFPE && complete_division(context)) {
-                errno = saved_errno;
-                return;
-            }
-            w->in_kernel = 0;
-            w->fault_signal = sig;
-            w->fault_code = info->si_code;
-            w->fault_address = info->si_addr;
-            w->fault_pc = context_pc(context);
-            siglongjmp(w->escape, 1);
-        }
+    if (!w || !w->in_kernel) return 0;
+    if (sig == SIGURG && atomic_load(&w->job->failed)) { /* the watchdog stops this dispatch */
+        w->in_kernel = 0;
+        w->fault_signal = 0;
+        siglongjmp(w->escape, 1);
     }
-    pass_on(sig, info, context);
-    errno = saved_errno;
-}
-
-/* Installs on_signal where it is not (again, if someone replaced it), passing on to what was
- * there. An ignored SIGINT stays ignored. Under pool.mu or from pthread_once. */
-static void ensure_handlers(void) {
-    for (int i = 0; i < N_HANDLED; i++) {
-        struct sigaction cur, sa;
-        if (sigaction(handled_signals[i], NULL, &cur)) continue;
-        if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_signal) continue;
-        if (handled_signals[i] == SIGINT && !(cur.sa_flags & SA_SIGINFO) && cur.sa_handler == SIG_IGN) continue;
-        previous[i] = cur;
-        memset(&sa, 0, sizeof sa);
-        sa.sa_sigaction = on_signal;
-        sigemptyset(&sa.sa_mask);
-        /* SA_NODEFER: siglongjmp leaves no signal blocked. SIGINT keeps the previous handler's
-         * SA_RESTART choice (Python relies on interrupted system calls). */
-        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER |
-                      (handled_signals[i] == SIGINT ? cur.sa_flags & SA_RESTART : SA_RESTART);
-        sigaction(handled_signals[i], &sa, NULL);
+    if (sig != SIGURG && info->si_code > 0) { /* raised by the kernel's own instruction */
+        if (sig == SIGFPE && mcpu_complete_division(context)) return 1;
+        w->in_kernel = 0;
+        w->fault_signal = sig;
+        w->fault_code = info->si_code;
+        w->fault_address = info->si_addr;
+        w->fault_pc = mcpu_context_pc(context);
+        siglongjmp(w->escape, 1);
     }
-}
-
-static pthread_once_t signals_once = PTHREAD_ONCE_INIT;
-
-void mcpu_signals_ensure(void) { pthread_once(&signals_once, ensure_handlers); }
-
-uint64_t mcpu_interrupts(void) { return atomic_load(&interrupts); }
-
-enum { SIGNAL_STACK_BYTES = 64 * 1024 };
-static pthread_key_t pool_key(void);
-static _Thread_local int32_t tls_signal_stack TLS_SIGNAL_SAFE;
-
-/* An alternate signal stack for this thread (unless it has one, e.g. faulthandler's), so that a
- * fiber's stack overflow can be handled. Freed when the thread exits (pool.key). */
-static void signal_stack_for_this_thread(void) {
-    if (tls_signal_stack) return;
-    tls_signal_stack = 1;
-    stack_t cur;
-    if (sigaltstack(NULL, &cur) || !(cur.ss_flags & SS_DISABLE)) return;
-    void *p = mmap(NULL, SIGNAL_STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) return;
-    stack_t ss = {.ss_sp = p, .ss_flags = 0, .ss_size = SIGNAL_STACK_BYTES};
-    if (sigaltstack(&ss, NULL)) munmap(p, SIGNAL_STACK_BYTES);
-    else pthread_setspecific(pool_key(), p);
-}
-
-static void signal_stack_free(void *stack) {
-    stack_t cur, off = {.ss_sp = NULL, .ss_flags = SS_DISABLE, .ss_size = 0};
-    if (!sigaltstack(NULL, &cur) && cur.ss_sp == stack && !(cur.ss_flags & SS_ONSTACK) && !sigaltstack(&off, NULL))
-        munmap(stack, SIGNAL_STACK_BYTES);
+    return 0;
 }
 
 /* ---- running threadgroups ---- */
 
-static worker *worker_new(void) {
+worker *worker_new(void) {
     worker *w = NULL;
     if (posix_memalign((void **)&w, 64, sizeof *w) != 0) return NULL;
     memset(w, 0, sizeof *w);
@@ -1210,12 +688,12 @@ static void report_fault(worker *w) {
         add(&m, ", in %s+0x%lx", info.dli_sname, (unsigned long)((char *)w->fault_pc - (char *)info.dli_saddr));
     if (w->job->checked) { /* its line tables name the faulting line */
         char place[512];
-        source_place((const char *)w->fault_pc + 1, place, sizeof place);
+        mcpu_source_place((const char *)w->fault_pc + 1, place, sizeof place);
         add(&m, " at %s", place);
     }
     if (g->file) add(&m, ", after its sync point at %s:%u (%s)", g->file, g->line, g->what);
     else add(&m, ", before any sync point");
-    job_fail(w->job, FA_ERR_RUNTIME, m.buf);
+    job_fail(w->job, MCPU_ERR_RUNTIME, m.buf);
 }
 
 static void run_threadgroup(worker *w, uint64_t index) {
@@ -1263,7 +741,7 @@ static void run_threadgroup(worker *w, uint64_t index) {
     w->running = NULL;
 }
 
-static void work(worker *w, job *j) {
+void work(worker *w, job *j) {
     if (j->checked && !(w->checked = calloc(1, sizeof *w->checked))) return; /* the others do the work */
     if (j->lockstep && !(w->lockstep = calloc(1, sizeof *w->lockstep))) {
         free(w->checked);
@@ -1283,367 +761,3 @@ static void work(worker *w, job *j) {
     w->lockstep = NULL;
 }
 
-/* ---- the pool: workers, helper threads that join dispatches, the watchdog ---- */
-
-/* Workers: twice the cores, at least MIN_WORKERS, but their fiber stacks (two mappings each: guard
- * and stack) may take at most half of vm.max_map_count (a default of 16 where it is not known). */
-enum { TRIM_AFTER_IDLE_SECONDS = 1, MIN_WORKERS = 4, DEFAULT_MAX_WORKERS = 16 };
-
-static struct {
-    pthread_once_t once;
-    pthread_key_t key; /* a thread's signal stack, freed when the thread exits */
-    pthread_mutex_t mu;
-    pthread_cond_t work, idle; /* a job wants helpers; a job's last helper left */
-    pthread_cond_t worker_free, watch; /* a worker was returned; the watchdog has a job to watch */
-    job *jobs;                 /* dispatches open to helpers */
-    job *active;               /* every running dispatch */
-    worker *workers;           /* every worker */
-    uint32_t n_workers, max_workers;
-    uint32_t n_helpers;        /* helper threads started (0 again after fork) */
-    int32_t watchdog_started, watchdog_waiting;
-} pool = {PTHREAD_ONCE_INIT, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, NULL, 0, 0, 0, 0, 0};
-
-/* The dispatch time limit in seconds (0: none): $FLASHATTN_MPS_CPU_WATCHDOG until set. */
-static _Atomic double time_limit;
-static const char *time_limit_error; /* a bad $FLASHATTN_MPS_CPU_WATCHDOG, reported by every dispatch */
-static pthread_once_t time_limit_once = PTHREAD_ONCE_INIT;
-
-static void time_limit_from_environment(void) {
-    const char *env = getenv("FLASHATTN_MPS_CPU_WATCHDOG");
-    char *end;
-    double v = env && *env ? strtod(env, &end) : 0;
-    if (env && *env && (*end || !(v >= 0) || v > 1e9)) time_limit_error = env;
-    else atomic_store(&time_limit, v);
-}
-
-int32_t mcpu_set_watchdog(double seconds, fa_status *st) {
-    pthread_once(&time_limit_once, time_limit_from_environment);
-    if (!(seconds >= 0) || seconds > 1e9)
-        return fa_fail(st, FA_ERR_VALUE, "watchdog: seconds must be a number in 0..1e9 (0 turns it off), got %g",
-                       seconds);
-    atomic_store(&time_limit, seconds);
-    time_limit_error = NULL;
-    return FA_OK;
-}
-
-double mcpu_watchdog(void) {
-    pthread_once(&time_limit_once, time_limit_from_environment);
-    return atomic_load(&time_limit);
-}
-
-static double now_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static void pool_after_fork_in_child(void) { /* only the forking thread exists in the child */
-    pthread_mutex_init(&pool.mu, NULL);
-    pthread_cond_init(&pool.work, NULL);
-    pthread_cond_init(&pool.idle, NULL);
-    pthread_cond_init(&pool.worker_free, NULL);
-    pthread_cond_init(&pool.watch, NULL);
-    pool.jobs = pool.active = NULL;
-    for (worker *w = pool.workers; w; w = w->next) w->in_use = 0;
-    pool.n_helpers = 0;
-    pool.watchdog_started = pool.watchdog_waiting = 0;
-}
-
-static pthread_key_t pool_key(void) { return pool.key; }
-
-static uint32_t worker_budget(void) {
-    long maps = 0;
-    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
-    if (f) {
-        if (fscanf(f, "%ld", &maps) != 1) maps = 0;
-        fclose(f);
-    }
-    long n = maps / 2 / (2 * MAX_THREADS);
-    return maps <= 0 ? DEFAULT_MAX_WORKERS : n < 1 ? 1 : (uint32_t)n;
-}
-
-static void pool_once(void) {
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    uint32_t n = cpus > 0 ? 2 * (uint32_t)cpus : MIN_WORKERS, budget = worker_budget();
-    n = n < MIN_WORKERS ? MIN_WORKERS : n;
-    pool.max_workers = n < budget ? n : budget;
-    pthread_key_create(&pool.key, signal_stack_free);
-    pthread_atfork(NULL, NULL, pool_after_fork_in_child);
-    mcpu_signals_ensure();
-}
-
-/* A free worker for this thread (under pool.mu): an idle one, a new one while fewer than
- * max_workers exist, else (wait) the next one returned, or NULL. */
-static worker *acquire_worker(int32_t wait) {
-    for (;;) {
-        for (worker *w = pool.workers; w; w = w->next)
-            if (!w->in_use) {
-                w->in_use = 1;
-                w->thread = pthread_self();
-                return w;
-            }
-        if (pool.n_workers < pool.max_workers) {
-            worker *w = worker_new();
-            if (!w) return NULL;
-            w->next = pool.workers;
-            pool.workers = w;
-            pool.n_workers++;
-            continue;
-        }
-        if (!wait) return NULL;
-        pthread_cond_wait(&pool.worker_free, &pool.mu);
-    }
-}
-
-static void release_worker(worker *w) { /* under pool.mu */
-    w->in_use = 0;
-    w->trimmed = 0;
-    pthread_cond_signal(&pool.worker_free);
-}
-
-/* Stops job j (under pool.mu) and preempts its kernel code. */
-static void stop_job(job *j) {
-    for (worker *w = pool.workers; w; w = w->next)
-        if (w->in_use && w->job == j && w->in_kernel) pthread_kill(w->thread, SIGURG);
-}
-
-/* Watches running dispatches every 50 ms: SIGINT or the time limit stops them. Trims the stacks
- * of workers idle for a second. Sleeps while nothing runs. */
-static void *watchdog_main(void *unused) {
-    sigset_t all;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the threads they concern */
-    pthread_mutex_lock(&pool.mu);
-    double idle_since = now_seconds();
-    for (;;) {
-        if (!pool.active) {
-            int32_t untrimmed = 0;
-            for (worker *w = pool.workers; w; w = w->next) untrimmed |= !w->in_use && !w->trimmed;
-            double idle = now_seconds() - idle_since;
-            if (untrimmed && idle >= TRIM_AFTER_IDLE_SECONDS) { /* give touched stack pages back */
-                for (worker *w = pool.workers; w; w = w->next)
-                    if (!w->in_use && !w->trimmed) mcpu_stack_region_trim(&w->stacks), w->trimmed = 1;
-                continue;
-            }
-            if (untrimmed) { /* dispatches starting meanwhile are seen within the second */
-                struct timespec t;
-                clock_gettime(CLOCK_REALTIME, &t);
-                t.tv_sec += TRIM_AFTER_IDLE_SECONDS;
-                pthread_cond_timedwait(&pool.watch, &pool.mu, &t);
-            } else {
-                pool.watchdog_waiting = 1; /* the next dispatch wakes it */
-                pthread_cond_wait(&pool.watch, &pool.mu);
-                pool.watchdog_waiting = 0;
-            }
-            continue;
-        }
-        struct timespec t;
-        clock_gettime(CLOCK_REALTIME, &t);
-        t.tv_nsec += 50000000;
-        if (t.tv_nsec >= 1000000000) t.tv_sec++, t.tv_nsec -= 1000000000;
-        pthread_cond_timedwait(&pool.watch, &pool.mu, &t);
-        ensure_handlers(); /* someone may have replaced ours since */
-        uint64_t seen_interrupts = atomic_load(&interrupts);
-        double now = now_seconds();
-        idle_since = now;
-        for (job *j = pool.active; j; j = j->next_active) {
-            if (!j->seen) j->seen = 1, j->started = now;
-            const char *name = j->launch->kernel_name;
-            if (seen_interrupts != j->interrupts) {
-                text m = {.len = 0};
-                add(&m, "kernel '%s': interrupted (SIGINT) after %.3g s", name, now - j->started);
-                job_fail(j, FA_ERR_RUNTIME, m.buf);
-            } else if (j->time_limit > 0 && now - j->started > j->time_limit) {
-                text m = {.len = 0};
-                add(&m,
-                    "kernel '%s': stopped by the CPU Metal device's watchdog after %.3g s (the limit is %g s; "
-                    "set it with flashattn_mps.metal_cpu.set_watchdog(seconds) or FLASHATTN_MPS_CPU_WATCHDOG, "
-                    "0 for none)",
-                    name, now - j->started, j->time_limit);
-                job_fail(j, FA_ERR_RUNTIME, m.buf);
-            }
-            if (atomic_load(&j->failed)) stop_job(j);
-        }
-    }
-    return NULL;
-}
-
-static job *open_job(void) {
-    for (job *j = pool.jobs; j; j = j->next)
-        if (j->helpers_joined < j->helpers_wanted && !atomic_load(&j->failed) &&
-            atomic_load(&j->next_group) < j->n_groups)
-            return j;
-    return NULL;
-}
-
-static void *helper_main(void *unused) {
-    signal_stack_for_this_thread();
-    pthread_mutex_lock(&pool.mu);
-    for (;;) {
-        job *j;
-        while (!(j = open_job())) pthread_cond_wait(&pool.work, &pool.mu);
-        j->helpers_joined++;
-        worker *w = acquire_worker(0);
-        if (!w) continue; /* every worker is busy: the job's other threads do its work */
-        j->helpers_active++;
-        pthread_mutex_unlock(&pool.mu);
-        tls_worker = w;
-        work(w, j);
-        tls_worker = NULL;
-        pthread_mutex_lock(&pool.mu);
-        release_worker(w);
-        if (--j->helpers_active == 0) pthread_cond_broadcast(&pool.idle);
-    }
-    return NULL;
-}
-
-static void start_threads(void) { /* under pool.mu */
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    for (long i = pool.n_helpers; i + 1 < cpus; i++) { /* the calling thread is the last worker */
-        pthread_t th;
-        if (pthread_create(&th, NULL, helper_main, NULL) != 0) break;
-        pthread_detach(th);
-        pool.n_helpers++;
-    }
-    pthread_t th;
-    if (!pool.watchdog_started && pthread_create(&th, NULL, watchdog_main, NULL) == 0) {
-        pthread_detach(th);
-        pool.watchdog_started = 1;
-    }
-}
-
-int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, fa_status *st) {
-    const uint32_t *g = launch->threadgroups_per_grid;
-    const int32_t checked = (mode & MCPU_CHECKED) != 0;
-    guarded guard = {0};
-    msl_launch on_copies;
-    void *copies[MSL_MAX_BUFFERS];
-    if (checked) { /* the kernel runs on guarded copies of the buffers */
-        atomic_fetch_add(&checked_dispatches, 1);
-        if (guard_buffers(launch, &guard, copies, st)) return st->code;
-        on_copies = *launch;
-        on_copies.buffers = copies;
-        launch = &on_copies;
-    }
-    job j = {.fn = fn, .launch = launch, .n_groups = (uint64_t)g[0] * g[1] * g[2], .st = st, .checked = checked,
-             .lockstep = (mode & MCPU_LOCKSTEP) != 0, .guard = checked ? &guard : NULL};
-    atomic_init(&j.next_group, 0);
-    atomic_init(&j.failed, 0);
-    pthread_once(&pool.once, pool_once);
-    j.time_limit = mcpu_watchdog();
-    if (time_limit_error)
-        return fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_WATCHDOG='%s': expected seconds >= 0 (0: no limit)",
-                       time_limit_error);
-    signal_stack_for_this_thread();
-    pthread_mutex_lock(&pool.mu);
-    worker *w = acquire_worker(1);
-    if (!w) {
-        pthread_mutex_unlock(&pool.mu);
-        return fa_fail(st, FA_ERR_RUNTIME, "kernel '%s': out of memory for a worker", launch->kernel_name);
-    }
-    j.interrupts = atomic_load(&interrupts);
-    j.next_active = pool.active;
-    pool.active = &j;
-    if (pool.watchdog_waiting) pthread_cond_signal(&pool.watch), pool.watchdog_waiting = 0;
-    if (!pool.watchdog_started || (j.n_groups > 1 && pool.n_helpers == 0)) start_threads();
-    if (j.n_groups > 1) {
-        j.helpers_wanted = j.n_groups - 1 < pool.n_helpers ? (uint32_t)j.n_groups - 1 : pool.n_helpers;
-        j.next = pool.jobs;
-        pool.jobs = &j;
-        pthread_cond_broadcast(&pool.work);
-    }
-    pthread_mutex_unlock(&pool.mu);
-    tls_worker = w;
-    work(w, &j);
-    tls_worker = NULL;
-    pthread_mutex_lock(&pool.mu);
-    if (j.n_groups > 1) {
-        job **p = &pool.jobs;
-        while (*p != &j) p = &(*p)->next;
-        *p = j.next;
-        while (j.helpers_active) pthread_cond_wait(&pool.idle, &pool.mu);
-    }
-    job **a = &pool.active;
-    while (*a != &j) a = &(*a)->next_active;
-    *a = j.next_active;
-    release_worker(w);
-    pthread_mutex_unlock(&pool.mu);
-    if (atomic_load(&j.next_group) < j.n_groups) /* nobody could take them */
-        job_fail(&j, FA_ERR_RUNTIME, "cannot map fiber stacks (out of memory or vm.max_map_count)");
-    if (checked) {
-        unguard_buffers(&guard);
-        if (j.found.what) describe_finding(&j, st);
-    }
-    return atomic_load(&j.failed) ? st->code : FA_OK;
-}
-
-/* ---- validation ---- */
-
-int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *a, fa_status *st) {
-    if (!lib || !a || !a->kernel)
-        return fa_fail(st, FA_ERR_VALUE, "mcpu_dispatch: library, arguments and kernel name are required");
-    mcpu_kernel_fn fn = mcpu_library_kernel(lib, a->kernel);
-    if (!fn) {
-        text m = {.len = 0};
-        add(&m, "kernel '%s' is not in the library; it has:", a->kernel);
-        for (const char *const *k = mcpu_library_kernels(lib); k && *k; k++) add(&m, " %s", *k);
-        return fa_fail(st, FA_ERR_VALUE, "%s", m.buf);
-    }
-    static const char axis[3] = {'x', 'y', 'z'};
-    uint64_t threads = 1, groups = 1;
-    for (int d = 0; d < 3; d++) {
-        if (a->grid[d] == 0 || a->threadgroup[d] == 0)
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': %s.%c is 0; every dimension must be >= 1",
-                           a->kernel, a->grid[d] == 0 ? "grid" : "threadgroup", axis[d]);
-        if ((uint64_t)a->grid[d] * a->threadgroup[d] > UINT32_MAX)
-            return fa_fail(st, FA_ERR_VALUE,
-                           "kernel '%s': grid.%c * threadgroup.%c = %u * %u threads do not fit a uint",
-                           a->kernel, axis[d], axis[d], a->grid[d], a->threadgroup[d]);
-        if (__builtin_mul_overflow(threads, a->threadgroup[d], &threads))
-            return fa_fail(st, FA_ERR_VALUE,
-                           "kernel '%s': threadgroup %u x %u x %u overflows 64 bits; at most %u threads are allowed",
-                           a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
-                           MSL_MAX_THREADS_PER_THREADGROUP);
-        if (__builtin_mul_overflow(groups, a->grid[d], &groups))
-            return fa_fail(st, FA_ERR_VALUE, "kernel '%s': grid %u x %u x %u has too many threadgroups",
-                           a->kernel, a->grid[0], a->grid[1], a->grid[2]);
-    }
-    if (threads > MSL_MAX_THREADS_PER_THREADGROUP)
-        return fa_fail(st, FA_ERR_VALUE,
-                       "kernel '%s': threadgroup %u x %u x %u = %llu threads, more than the %u allowed",
-                       a->kernel, a->threadgroup[0], a->threadgroup[1], a->threadgroup[2],
-                       (unsigned long long)threads, MSL_MAX_THREADS_PER_THREADGROUP);
-    if (a->n_buffers > MSL_MAX_BUFFERS || (a->n_buffers && !a->buffers))
-        return fa_fail(st, FA_ERR_VALUE, "kernel '%s': n_buffers = %u (at most %u, with buffers set)",
-                       a->kernel, a->n_buffers, MSL_MAX_BUFFERS);
-    if (a->n_threadgroup_args > MSL_MAX_THREADGROUP_ARGS || (a->n_threadgroup_args && !a->threadgroup_arg_lengths))
-        return fa_fail(st, FA_ERR_VALUE,
-                       "kernel '%s': n_threadgroup_args = %u (at most %u, with threadgroup_arg_lengths set)",
-                       a->kernel, a->n_threadgroup_args, MSL_MAX_THREADGROUP_ARGS);
-    if (a->n_constants > MSL_FUNCTION_CONSTANT_INDICES || (a->n_constants && !a->constants))
-        return fa_fail(st, FA_ERR_VALUE, "kernel '%s': n_constants = %u (at most %u, with constants set)",
-                       a->kernel, a->n_constants, MSL_FUNCTION_CONSTANT_INDICES);
-    for (uint32_t i = 0; i < a->n_constants; i++)
-        if (a->constants[i].index >= MSL_FUNCTION_CONSTANT_INDICES ||
-            (i && a->constants[i].index <= a->constants[i - 1].index))
-            return fa_fail(st, FA_ERR_VALUE,
-                           "kernel '%s': constants[%u] has index %u; indices must be 0..%u, increasing",
-                           a->kernel, i, a->constants[i].index, MSL_FUNCTION_CONSTANT_INDICES - 1);
-    uint64_t tg_bytes = 0; /* a multiple of 16, as each length is rounded up to 16 */
-    for (uint32_t i = 0; i < a->n_threadgroup_args; i++) {
-        uint64_t len = a->threadgroup_arg_lengths[i];
-        if (len > MCPU_MAX_THREADGROUP_MEMORY - tg_bytes)
-            return fa_fail(st, FA_ERR_VALUE,
-                           "kernel '%s': threadgroup_arg_lengths[%u] = %llu takes threadgroup memory past "
-                           "%d bytes (%llu bytes before it, lengths rounded up to 16)",
-                           a->kernel, i, (unsigned long long)len, MCPU_MAX_THREADGROUP_MEMORY,
-                           (unsigned long long)tg_bytes);
-        tg_bytes += (len + 15) & ~(uint64_t)15;
-    }
-    msl_launch launch = {a->kernel, a->buffers, a->n_buffers, a->n_threadgroup_args,
-                         a->threadgroup_arg_lengths, a->constants, a->n_constants,
-                         {a->grid[0], a->grid[1], a->grid[2]},
-                         {a->threadgroup[0], a->threadgroup[1], a->threadgroup[2]}, a->buffer_lengths};
-    return mcpu_run(fn, &launch, mcpu_library_mode(lib), st);
-}

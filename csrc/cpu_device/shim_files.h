@@ -1,5 +1,6 @@
-/* The files of csrc/cpu_device/shim/ as text, embedded at build time by
- * tools/embed_shim.py, which writes the same struct definition into the generated C file. */
+/* The files of csrc/cpu_device/shim/ as text and the compiler names of compilers.txt, embedded at
+ * build time by tools/embed_shim.py, which writes the same struct definition into the generated C
+ * file. */
 #ifndef MCPU_SHIM_FILES_H
 #define MCPU_SHIM_FILES_H
 
@@ -12,5 +13,9 @@ typedef struct mcpu_shim_file {
 
 extern const mcpu_shim_file mcpu_shim_files[];
 extern const uint32_t mcpu_shim_file_count;
+
+/* The compilers looked for on PATH, in order (compilers.txt). */
+extern const char *const mcpu_compiler_names[];
+extern const uint32_t mcpu_compiler_name_count;
 
 #endif

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_mps import _C, _sources, flash_attention
+from flashattn_mps import _C, _metal_cpu, _sources, flash_attention
 from flashattn_mps._api import describe
 
 
@@ -229,7 +229,7 @@ def test_c_layer_tensor_arguments_are_checked():
 
 def test_raw_cpu_library_dispatch_names_a_bad_buffer():
     source = "#include <metal_stdlib>\nusing namespace metal;\nkernel void k(device float *x [[buffer(0)]]) {}\n"
-    library = _C.compile_library(source, "raw.metal", [])
+    library = _metal_cpu.compile_library(source, "raw.metal", [])
     with pytest.raises(TypeError, match=r"buffers\[1\] must be bytes or an int \(a host address\), got str") as raised:
         library.dispatch("k", (1, 1, 1), (32, 1, 1), [0, "x"], [], [])
     assert "C++ type" not in str(raised.value)

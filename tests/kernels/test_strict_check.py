@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from flashattn_mps import _C, _sources, strict_check
+from flashattn_mps import _C, _metal_cpu, _sources, strict_check
 from flashattn_mps.metal_cpu import MetalCompileError, compile_library
 
 PRELUDE = "#include <metal_stdlib>\nusing namespace metal;\n"
@@ -116,7 +116,7 @@ def probe_source(pieces: list[str]) -> tuple[str, list[range]]:
 
 
 def check(name: str, text: str) -> strict_check.Result:
-    return strict_check.check_one(strict_check.find_clang(), _C.shim_dir(), name, text)
+    return strict_check.check_one(strict_check.find_clang(), _metal_cpu.shim_dir(), name, text)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 /* The ABI between a kernel library compiled for the CPU Metal device and the runtime that runs it.
  *
- * A compiled library (a shared object built from MSL source by compile.c) exports:
+ * A compiled library (a shared object built from MSL source by build.c) exports:
  *   void __msl_bind_runtime(const msl_runtime_api *api);   called once, right after dlopen
  *   void __msl_launch_<host_name>(void);                    one per kernel: runs the kernel body for
  *                                                          the GPU thread api->current() describes
@@ -141,7 +141,7 @@ typedef struct msl_runtime_api {
     /* Fail the dispatch with a message (e.g. a shim precondition); does not return. */
     void (*fail)(msl_thread *t, const char *message, const char *file, uint32_t line);
     /* Like fail, for a dispatch whose arguments do not fit the kernel (an unbound [[buffer(n)]]):
-     * reported as a bad argument (FA_ERR_VALUE), not a kernel failure. */
+     * reported as a bad argument (MCPU_ERR_VALUE), not a kernel failure. */
     void (*fail_argument)(msl_thread *t, const char *message, const char *file, uint32_t line);
     /* MSL_UNBOUND_BYTES of zeroes, read-only (a write faults, failing the dispatch): what an
      * optional [[buffer(n), function_constant(c)]] argument left unbound refers to. */

@@ -29,7 +29,7 @@
 #define MSL_THREADGROUP __attribute__((address_space(3)))
 #define constant MSL_CONSTANT
 #else
-/* The executed build (clang with -fsycl-is-device, compile.c): three distinct language address
+/* The executed build (clang with -fsycl-is-device, build.c): three distinct language address
  * spaces, so overloads and partial specialisations on them stay apart and conversions between them
  * are refused as in Metal, while each converts implicitly to the default (thread) one: the shim's
  * own member functions and copies reach objects in any address space. constant memory is const. */

@@ -578,7 +578,7 @@ MSL_MATRIX_TYPES(half)
 #undef MSL_MATRIX_TYPES
 
 /* MSL's half literals, 1.0h and 1h: a suffix without '_' is reserved in C++, hence the pragma
- * (the shim is compiled by clang only, compile.c). */
+ * (the shim is compiled by clang only, build.c). */
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wuser-defined-literals"
 constexpr half operator""h(long double x) { return half(x); }
