@@ -86,6 +86,7 @@ SKIP_EXECUTION = """
 
 
 @pytest.mark.parametrize("skip", ["1", "0"])
+@pytest.mark.slow
 def test_skip_execution_skips_only_the_kernels(skip):
     printed = run_python(SKIP_EXECUTION, FLASHATTN_MPS_SKIP_EXECUTION=skip).split()
     assert printed == ["refused", "True", "ran", "False" if skip == "1" else "True"]
@@ -108,6 +109,7 @@ RE_REGISTER = """
 """
 
 
+@pytest.mark.slow
 def test_new_source_text_is_never_run_through_an_old_pipeline():
     assert run_python(RE_REGISTER).split() == ["True", "True", "False"]
 
