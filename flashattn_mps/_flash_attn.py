@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import (_check_bool, _check_dropout, _check_softcap, _check_window, _given, _scale_value, attend,
-                   dropout_rng_state)
+from ._api import attend
+from ._autograd import attention_probabilities
+from ._core import dropout_rng_state
+from ._options import _check_bool, _check_dropout, _check_softcap, _check_window, _given, _scale_value
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -74,6 +76,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     out, lse = result
     scale = _scale_value(q.shape[-1], softmax_scale)
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    probs = torch.ops.flashattn_mps.attention_probs(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal,
-                                                    scale, list(band), softcap, alibi_slopes, dropout_p, rng_state)
+    probs = attention_probabilities(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal, scale, band,
+                                    softcap, alibi_slopes, dropout_p, rng_state)
     return out.transpose(1, 2), lse, probs.to(q.dtype)
