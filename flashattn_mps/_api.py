@@ -4,7 +4,7 @@ only when something is wrong.
 The hot path checks only what the C core cannot see (Python types, devices, torch's lazy negation,
 autograd and tracing), allocates the outputs and hands the tensors themselves to `_C.forward`, which
 reads their storage and runs the cached plan (csrc/fa_plan_cache.c). When the core refuses a call,
-`_validate` runs to name the problem in Python's terms before the core's message is passed on.
+`check_call` runs to name the problem in Python's terms before the core's message is passed on.
 Calls that need autograd or are traced go through flashattn_mps._autograd."""
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from . import _C
 from ._autograd import attention_through_torch as _attention_through_torch
 from ._core import (_rng_words, backward_core, describe, dropout_rng_state, explained, forward_core,  # noqa: F401
                     plan_backward, plan_forward, probs_core)
-from ._options import (_DEVICE_CODES, _KERNELS, _band_of, _check_causal_and_scale, _check_dropout,  # noqa: F401
-                       _check_options, _check_softcap, _given, _scale_value, _validate, _validate_alibi,
-                       _validate_mask, _validate_sinks, core_options, supported_mask_dtype)
+from ._options import (_DEVICE_CODES, _KERNELS, band_of, check_alibi, check_call, check_causal_and_scale,
+                       check_dropout, check_kernel, check_mask, check_sinks, check_softcap, core_options, given,
+                       scale_value, supported_mask_dtype)  # noqa: F401 (re-exported)
+
+_scale_value, _validate_sinks = scale_value, check_sinks  # the names flashattn_mps.integrations imports
 
 
 def _sinks_need_grad(sinks) -> bool:
@@ -124,16 +126,16 @@ def flash_attention(
             and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0 \
             and sinks is None and window_align is None:
         return attend(q, k, v, attn_mask, causal, scale)
-    causal, band = _band_of(causal, window_size, window_align)
-    return attend(q, k, v, attn_mask, causal, scale, _check_options(kernel, return_lse), return_lse, band, False,
-                  _check_softcap(softcap, "flash_attention"), alibi_slopes,
-                  _check_dropout(dropout_p, "flash_attention"), None, sinks)
+    causal, band = band_of(causal, window_size, window_align)
+    return attend(q, k, v, attn_mask, causal, scale, check_kernel(kernel, return_lse), return_lse, band, False,
+                  check_softcap(softcap, "flash_attention"), alibi_slopes,
+                  check_dropout(dropout_p, "flash_attention"), None, sinks)
 
 
 def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
            band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
-    bool, band None or (bottom_right, left, right) ints as _band_of gives): the lean entry the SDPA
+    bool, band None or (bottom_right, left, right) ints as band_of gives): the lean entry the SDPA
     drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
     bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
     out is allocated the same way (flash_attn_func's layout); the flash-attn API it serves has its
@@ -142,9 +144,9 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
     dropout_p: a checked float, with rng_state the call's generator state (drawn here when None and
     dropout_p > 0)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
-        scale = _check_causal_and_scale(causal, scale)
+        scale = check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        _validate(q, k, v, causal, scale, attn_mask)
+        check_call(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if dropout_p > 0.0 and rng_state is None:
@@ -159,9 +161,9 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
         result = _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
                                           alibi_slopes, dropout_p, rng_state, sinks)
         return (result[0], _flash_attn_lse(result[1])) if return_lse and seq_major else result
-    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
-    alibi = None if alibi_slopes is None else _validate_alibi(alibi_slopes, q)
-    sinks = None if sinks is None else _validate_sinks(sinks, q)
+    mask = None if attn_mask is None else check_mask(attn_mask, q, k)
+    alibi = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
+    sinks = None if sinks is None else check_sinks(sinks, q)
     out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi,
                             dropout_p, rng_state, sinks)
     if not return_lse:
@@ -201,28 +203,28 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
 
     Calls of flash_attn_varlen_func and flash_attn_with_kvcache are explained by
     explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments."""
-    causal, band = _band_of(causal, window_size, window_align)
-    _validate(q, k, v, causal, scale, attn_mask)
-    code = _check_options(kernel, False)
-    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+    causal, band = band_of(causal, window_size, window_align)
+    check_call(q, k, v, causal, scale, attn_mask)
+    code = check_kernel(kernel, False)
+    mask = None if attn_mask is None else check_mask(attn_mask, q, k)
     if q.dim() == 3:  # views, not copies
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    device, scale = _DEVICE_CODES[q.device.type], _scale_value(q.shape[-1], scale)
+    device, scale = _DEVICE_CODES[q.device.type], scale_value(q.shape[-1], scale)
     tensors = {"q": q, "k": k, "v": v, "out": out, "mask": mask,
-               "alibi_slopes": None if alibi_slopes is None else _validate_alibi(alibi_slopes, q),
+               "alibi_slopes": None if alibi_slopes is None else check_alibi(alibi_slopes, q),
                "rng_state": _rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)),
-               "sinks": None if sinks is None else _validate_sinks(sinks, q)}
-    options = core_options(scale, causal, band, _check_softcap(softcap, "explain_plan"),
-                           _check_dropout(dropout_p, "explain_plan"), code)
+               "sinks": None if sinks is None else check_sinks(sinks, q)}
+    options = core_options(scale, causal, band, check_softcap(softcap, "explain_plan"),
+                           check_dropout(dropout_p, "explain_plan"), code)
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
         tensors.update(lse=rows, dout=out, delta=rows.clone(), dq=torch.empty_like(q), dk=torch.empty_like(k),
                        dv=torch.empty_like(v), sink_grad=None if sinks is None else rows)
         return {"dispatches": plan_backward(device, tensors, options)}
     if backward is not False:
-        raise TypeError(f"explain_plan: backward must be a bool, got {_given(backward)}")
+        raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
     return explained(plan_forward(device, tensors, options), q.device)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from . import _C
 from ._core import backward_core, forward_core, probs_core, sequence_args
-from ._options import _alibi_view, _scale_value, _validate, _validate_alibi, _validate_mask, _validate_sinks
+from ._options import alibi_view, check_alibi, check_call, check_mask, check_sinks, scale_value
 
 
 class Sequences(NamedTuple):
@@ -115,24 +115,25 @@ def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[fl
     fake tensors): traced calls record the attention_forward op, eager ones run _Attention.
     alibi_slopes: the user's (Hq,) or (B, Hq) slopes; sinks: the user's (Hq,) logits (both
     checked here); sequences: a packed or cached call's (q, k, v then (B, H, L, D) views)."""
-    scale_value = _scale_value(q.shape[-1], scale)
+    scale = scale_value(q.shape[-1], scale)
     if _is_traced():
         if sequences is None:
-            _validate(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
+            check_call(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
         table, max_q, max_kv, block_table = (None, 0, 0, None) if sequences is None else sequences
         out, lse = torch.ops.flashattn_mps.attention_forward(
-            q, k, v, attn_mask, causal, scale_value, None if band is None else list(band), seq_major, softcap,
+            q, k, v, attn_mask, causal, scale, None if band is None else list(band), seq_major, softcap,
             alibi_slopes, dropout_p, rng_state,
             sinks if sinks is None or sinks.dtype == torch.float32 else sinks.float(),  # the op checks
             table, max_q, max_kv, block_table, num_splits,
         )
     else:
-        mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+        mask = None if attn_mask is None else check_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
-        alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, None if sequences is None else sequences.table)
-        sinks = None if sinks is None else _validate_sinks(sinks, q)
-        out, lse = _Attention.apply(q, k, v, mask, causal, scale_value, band, seq_major, softcap, alibi, dropout_p,
+        table = None if sequences is None else sequences.table
+        alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table)
+        sinks = None if sinks is None else check_sinks(sinks, q)
+        out, lse = _Attention.apply(q, k, v, mask, causal, scale, band, seq_major, softcap, alibi, dropout_p,
                                     rng_state, sinks, sequences)
     return (out, lse) if return_lse else out
 
@@ -154,8 +155,8 @@ def attention_probabilities(q, k, v, out, lse, causal: bool, scale: float, band=
 def _op_alibi(slopes, q, table):
     """The (B, Hq) ALiBi view of a call: B is q's batch, or the sequences' number."""
     if table is None:
-        return _validate_alibi(slopes, q)
-    return _alibi_view(slopes, table.shape[0], q.shape[1], q.device, "flash_attention")
+        return check_alibi(slopes, q)
+    return alibi_view(slopes, table.shape[0], q.shape[1], q.device, "flash_attention")
 
 
 def _band_tuple(band: Optional[list[int]]):
@@ -183,9 +184,9 @@ def attention_forward(
     block_table: Optional[torch.Tensor] = None,
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+    mask = None if attn_mask is None else check_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, sequences)
-    sinks = None if sinks is None else _validate_sinks(sinks, q)
+    sinks = None if sinks is None else check_sinks(sinks, q)
     return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap,
                         alibi, dropout_p, rng_state, sinks,
                         _core_sequences(sequences, max_q_len, max_kv_len, block_table), num_splits)
@@ -223,10 +224,10 @@ def attention_backward(
     max_q_len: int = 0,
     max_kv_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    mask = None if attn_mask is None else _validate_mask(attn_mask, q, k)
+    mask = None if attn_mask is None else check_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, sequences)
     grads = backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi, dropout_p,
-                          rng_state, None if sinks is None else _validate_sinks(sinks, q),
+                          rng_state, None if sinks is None else check_sinks(sinks, q),
                           _core_sequences(sequences, max_q_len, max_kv_len))
     return (*grads, _no_sink_gradient(q)) if sinks is None else grads
 

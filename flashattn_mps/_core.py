@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _metal_mode, _sources
-from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, _scale_value, _validate, core_options
+from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, check_call, core_options, scale_value
 
 _CONTIGUOUS = torch.contiguous_format
 
@@ -209,16 +209,16 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
         device = _C.DEVICE_MPS
         _prepare_mps()
     else:
-        _validate(q, k, v, causal, scale, mask)
-        raise ValueError(f"flash_attention: q is on device '{q.device}'")  # _validate raises first
+        check_call(q, k, v, causal, scale, mask)
+        raise ValueError(f"flash_attention: q is on device '{q.device}'")  # check_call raises first
     dims = q.dim()
     if not (q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims):
-        _validate(q, k, v, causal, scale, mask)
+        check_call(q, k, v, causal, scale, mask)
     if q.is_neg() or k.is_neg() or v.is_neg():
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     shape = q.shape
     if scale is None:
-        scale = _scale_value(shape[-1], None)
+        scale = scale_value(shape[-1], None)
     rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
     value_dim = v.shape[-1]
     if seq_major:  # (B, L, H, Ev) in memory, seen as (B, H, L, Ev)
@@ -239,7 +239,7 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
         forward(device, tensors, core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, False,
                                               max_q, max_kv, dims == 3), _WORKSPACES[device])
     except (TypeError, ValueError):
-        _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
+        check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 

@@ -26,8 +26,8 @@ import torch
 from ._api import _flash_attn_lse
 from ._autograd import Sequences, _is_traced, attention_through_torch
 from ._core import plan_run, run_forward, sequence_args
-from ._options import (AttentionOptions, _alibi_view, _check_bool, _check_int, _given, _validate_sinks, check_common,
-                       check_lengths_tensor, check_scale)
+from ._options import (AttentionOptions, alibi_view, check_bool, check_common, check_int, check_lengths_tensor,
+                       check_scale, check_sinks, given)
 from ._varlen import block_table_rows, check_block_table, check_pages_used
 
 
@@ -149,14 +149,14 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     """flash_attn_with_kvcache's checks (explain_kvcache_plan's too), every one before the cache is
     written; the host reads of the small length and block tables are the function's own."""
     band, softcap = check_common(who, causal, window_size, softcap, False)
-    _check_bool(return_softmax_lse, "return_softmax_lse", who)
-    _check_bool(rotary_interleaved, "rotary_interleaved", who)
-    _check_int(num_splits, "num_splits", who)
+    check_bool(return_softmax_lse, "return_softmax_lse", who)
+    check_bool(rotary_interleaved, "rotary_interleaved", who)
+    check_int(num_splits, "num_splits", who)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is None and name in ("k", "v"):
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if t.dim() != 4:
             raise ValueError(f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}")
         if t.device != q.device or t.dtype != q.dtype:
@@ -233,8 +233,8 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     table = torch.stack([torch.arange(batch, dtype=torch.int32, device=device), zeros, zeros + seqlen_q,
                          zeros if paged else rows.int(), leftpad.int(), keys.int()], dim=1).contiguous()
     scale = check_scale(softmax_scale, q.shape[-1], who)
-    alibi = _alibi_view(alibi_slopes, batch, q.shape[2], device, who)
-    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(1, 2), who).detach()
+    alibi = alibi_view(alibi_slopes, batch, q.shape[2], device, who)
+    sinks = None if sinks is None else check_sinks(sinks, q.transpose(1, 2), who).detach()
     return _CacheCall(q, k_cache, v_cache, k, v, rotary, starts, rows, page_size if paged else 0, block_table,
                       table, max_keys, AttentionOptions(scale, causal, band, softcap, alibi, sinks, 0.0,
                                                         num_splits=num_splits), return_softmax_lse)

@@ -41,23 +41,23 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def _type_name(value) -> str:
+def type_name(value) -> str:
     """"str", "numpy.bool", "list": the type as a user would write it."""
     kind = type(value)
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _given(value) -> str:
+def given(value) -> str:
     """"numpy.bool True", "str '0.5'", "list []": what a caller passed, for messages."""
     shown = repr(value) if isinstance(value, str) else str(value)
-    return f"{_type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
+    return f"{type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
+def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
     """Raises the first problem of a call, in Python's terms; returns when it finds none."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {_type_name(t)}")
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type_name(t)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type not in _DEVICE_CODES:
             raise ValueError(
@@ -95,49 +95,50 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, s
     for name, t in (("q", q), ("v", v)):
         if t.shape[-1] > _C.MAX_HEAD_DIM:
             raise ValueError(
-                f"flash_attention: head dims up to {_C.MAX_HEAD_DIM} are supported, {name} has {t.shape[-1]}: {shapes()}"
+                f"flash_attention: head dims up to {_C.MAX_HEAD_DIM} are supported, {name} has {t.shape[-1]}: "
+                f"{shapes()}"
             )
-    _check_causal_and_scale(causal, scale)
+    check_causal_and_scale(causal, scale)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
 
 
-def _check_causal_and_scale(causal, scale) -> float:
+def check_causal_and_scale(causal, scale) -> float:
     """Raises for a causal that is not a bool or a scale that is not a number; returns the scale as
     a float (None stays None)."""
     if causal is not True and causal is not False:
-        raise TypeError(f"flash_attention: causal must be a bool (True or False), got {_given(causal)}")
+        raise TypeError(f"flash_attention: causal must be a bool (True or False), got {given(causal)}")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(
-            f"flash_attention: scale must be a float or None (an int is taken as a float), got {_given(scale)}"
+            f"flash_attention: scale must be a float or None (an int is taken as a float), got {given(scale)}"
         )
     return None if scale is None else float(scale)
 
 
-def _check_window(window_size, who: str) -> tuple:
+def check_window(window_size, who: str) -> tuple:
     """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
-        raise TypeError(f"{who}: window_size must be a pair of ints (left, right), got {_given(window_size)}")
+        raise TypeError(f"{who}: window_size must be a pair of ints (left, right), got {given(window_size)}")
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"{who}: window_size sides must be -1 (unbounded) or >= 0, got ({left}, {right})")
     return int(left), int(right)
 
 
-def _validate_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
-    """ALiBi slopes of flash_attention's q (B, Hq, L, E) or (Hq, L, E), as _alibi_view gives them."""
+def check_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
+    """ALiBi slopes of flash_attention's q (B, Hq, L, E) or (Hq, L, E), as alibi_view gives them."""
     batch, heads = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
-    return _alibi_view(slopes, batch, heads, q.device, "flash_attention")
+    return alibi_view(slopes, batch, heads, q.device, "flash_attention")
 
 
-def _alibi_view(slopes, batch: int, heads: int, device, who: str):
+def alibi_view(slopes, batch: int, heads: int, device, who: str):
     """ALiBi slopes (None, or float32 (Hq,) or (B, Hq) on `device`) as the (B, Hq) view the core
     reads (a batch stride of 0 for (Hq,) slopes), or None."""
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {_type_name(slopes)}")
+        raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {type_name(slopes)}")
     if slopes.dtype != torch.float32 or slopes.device != device:
         raise TypeError(
             f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on {slopes.device}"
@@ -148,21 +149,30 @@ def _alibi_view(slopes, batch: int, heads: int, device, who: str):
             f"{tuple(slopes.shape)}"
         )
     slopes = slopes.detach()
-    return (slopes.resolve_neg() if slopes.is_neg() else slopes).expand(batch, heads)
+    return _resolved(slopes).expand(batch, heads)
 
 
-def _check_bool(value, name: str, who: str) -> bool:
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """t with torch's lazy negation resolved (a copy only when t is negated). torch.compile cannot
+    trace the test, so traced calls leave it to the ops, which run these checks again."""
+    return t if _is_compiling() or not t.is_neg() else t.resolve_neg()
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def check_bool(value, name: str, who: str) -> bool:
     if value is not True and value is not False:
-        raise TypeError(f"{who}: {name} must be a bool, got {_given(value)}")
+        raise TypeError(f"{who}: {name} must be a bool, got {given(value)}")
     return value
 
 
-def _validate_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.Tensor:
+def check_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.Tensor:
     """Attention sinks as the (Hq,) float32 tensor the core reads: float32 as given, or q's dtype
     converted to float32 (a copy of Hq numbers, differentiable, so gradients reach the given tensor).
     q is seen with heads third from last, as (..., Hq, L, E)."""
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"{who}: sinks must be a torch.Tensor or None, got {_type_name(sinks)}")
+        raise TypeError(f"{who}: sinks must be a torch.Tensor or None, got {type_name(sinks)}")
     if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
         raise TypeError(
             f"{who}: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
@@ -175,37 +185,37 @@ def _validate_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> tor
             f"for q {_shape(q)}"
         )
     sinks = sinks.float()
-    return sinks.resolve_neg() if sinks.is_neg() else sinks
+    return _resolved(sinks)
 
 
-def _check_softcap(softcap, who: str) -> float:
+def check_softcap(softcap, who: str) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"{who}: softcap must be a float, got {_given(softcap)}")
+        raise TypeError(f"{who}: softcap must be a float, got {given(softcap)}")
     if not (0.0 <= softcap < math.inf):
         raise ValueError(f"{who}: softcap must be 0.0 (none) or positive and finite, got {softcap}")
     return float(softcap)
 
 
-def _check_dropout(dropout_p, who: str) -> float:
+def check_dropout(dropout_p, who: str) -> float:
     """dropout_p as a float in [0, 1]."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"{who}: dropout_p must be a float, got {_given(dropout_p)}")
+        raise TypeError(f"{who}: dropout_p must be a float, got {given(dropout_p)}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{who}: dropout_p must be in [0, 1], got {dropout_p}")
     return float(dropout_p)
 
 
-def _band_of(causal, window_size, window_align=None):
+def band_of(causal, window_size, window_align=None):
     """flash_attention's causal (False, True, "bottom_right"), window_size and window_align (None,
     "top_left", "bottom_right") as the core's causal flag and band: None (SDPA's top-left causal, no
     window) or (bottom_right, left, right)."""
     bottom_right = isinstance(causal, str) and causal == "bottom_right"
     if isinstance(causal, str) and not bottom_right:
-        raise ValueError(f"flash_attention: causal must be True, False or 'bottom_right', got {_given(causal)}")
+        raise ValueError(f"flash_attention: causal must be True, False or 'bottom_right', got {given(causal)}")
     if window_align is not None:
         if window_align not in ("top_left", "bottom_right"):
             raise ValueError(
-                f"flash_attention: window_align must be None, 'top_left' or 'bottom_right', got {_given(window_align)}"
+                f"flash_attention: window_align must be None, 'top_left' or 'bottom_right', got {given(window_align)}"
             )
         if causal is not False and (window_align == "bottom_right") != bottom_right:
             raise ValueError(
@@ -213,7 +223,7 @@ def _band_of(causal, window_size, window_align=None):
                 "window itself (True: top-left, 'bottom_right': bottom-right); window_align is for causal=False"
             )
         bottom_right = window_align == "bottom_right"
-    left, right = (-1, -1) if window_size is None else _check_window(window_size, "flash_attention")
+    left, right = (-1, -1) if window_size is None else check_window(window_size, "flash_attention")
     if window_size is None and not bottom_right:
         return causal, None
     return (causal is not False), (int(bottom_right), left, right)
@@ -224,10 +234,10 @@ def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> b
     return mask_dtype in (torch.bool, torch.float32, query_dtype)
 
 
-def _validate_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
+def check_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
     """The mask as a (B, Hq, L, S) view (broadcast dims get stride 0; nothing is expanded in memory)."""
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"flash_attention: attn_mask must be a torch.Tensor or None, got {_type_name(attn_mask)}")
+        raise TypeError(f"flash_attention: attn_mask must be a torch.Tensor or None, got {type_name(attn_mask)}")
     if attn_mask.device != q.device:
         raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device}, q on {q.device}")
     if not supported_mask_dtype(attn_mask.dtype, q.dtype):
@@ -249,18 +259,18 @@ def _validate_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
     return view.resolve_neg() if view.is_neg() else view
 
 
-def _check_options(kernel, return_lse) -> int:
+def check_kernel(kernel, return_lse) -> int:
     """The kernel's code; raises for an unknown kernel or a return_lse that is not a bool."""
     if return_lse is not True and return_lse is not False:
-        raise TypeError(f"flash_attention: return_lse must be a bool (True or False), got {_given(return_lse)}")
+        raise TypeError(f"flash_attention: return_lse must be a bool (True or False), got {given(return_lse)}")
     if not isinstance(kernel, str):
-        raise TypeError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {_given(kernel)}")
+        raise TypeError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {given(kernel)}")
     if kernel not in _KERNELS:
-        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {_given(kernel)}")
+        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {given(kernel)}")
     return _KERNELS[kernel]
 
 
-def _scale_value(head_dim: int, scale) -> float:
+def scale_value(head_dim: int, scale) -> float:
     """SDPA's default 1/sqrt(E); with E == 0 every score is 0 and the core ignores the scale."""
     if scale is not None:
         return float(scale)
@@ -268,9 +278,9 @@ def _scale_value(head_dim: int, scale) -> float:
 
 
 
-def _check_int(value, name: str, who: str) -> int:
+def check_int(value, name: str, who: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{who}: {name} must be an int, got {_given(value)}")
+        raise TypeError(f"{who}: {name} must be an int, got {given(value)}")
     if value < 0 or value >= 2**31:
         raise ValueError(f"{who}: {name} must be in [0, 2^31), got {value}")
     return value
@@ -279,7 +289,7 @@ def _check_int(value, name: str, who: str) -> int:
 def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
     """A 1-D int32 tensor on `device` (of `length` entries when given), as flash-attn requires."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {_given(t)}")
+        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {given(t)}")
     if t.dtype != torch.int32:
         raise TypeError(f"{who}: {name} must be int32, got {t.dtype}")
     if t.dim() != 1 or (length is not None and t.shape[0] != length):
@@ -292,16 +302,16 @@ def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
 def check_scale(softmax_scale, head_dim: int, who: str) -> float:
     """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
-    return _scale_value(head_dim, softmax_scale)
+        raise TypeError(f"{who}: softmax_scale must be a float or None, got {given(softmax_scale)}")
+    return scale_value(head_dim, softmax_scale)
 
 
 def check_common(who: str, causal, window_size, softcap, deterministic):
     """The options flash_attn_varlen_func and flash_attn_with_kvcache share with flash_attn_func."""
-    _check_bool(causal, "causal", who)
-    _check_bool(deterministic, "deterministic", who)
-    left, right = _check_window(window_size, who)
-    return (1, left, right), _check_softcap(softcap, who)
+    check_bool(causal, "causal", who)
+    check_bool(deterministic, "deterministic", who)
+    left, right = check_window(window_size, who)
+    return (1, left, right), check_softcap(softcap, who)
 
 
 class AttentionOptions(NamedTuple):
@@ -309,9 +319,9 @@ class AttentionOptions(NamedTuple):
     above, and what the forward, the backward, the autograd Function and the custom ops carry.
 
     scale: a float (the default already resolved); causal: a bool; band: None (no window, SDPA's
-    top-left causal diagonal) or (bottom_right, left, right), as _band_of and check_common give;
+    top-left causal diagonal) or (bottom_right, left, right), as band_of and check_common give;
     softcap: a float, 0.0 for none; alibi: None or the (B, Hq) float32 slopes view
-    (_alibi_view); sinks: None or the (Hq,) float32 logits (_validate_sinks); dropout_p: a float in
+    (alibi_view); sinks: None or the (Hq,) float32 logits (check_sinks); dropout_p: a float in
     [0, 1]; kernel: a _C.KERNEL_* code; num_splits: the decode kernel's split-K, 0 for the
     planner's choice."""
     scale: float

@@ -31,8 +31,8 @@ from ._api import _flash_attn_lse, _routes_through_torch, _sinks_need_grad
 from ._autograd import Sequences, _is_traced, attention_probabilities, attention_through_torch
 from ._core import (_rng_words, dropout_rng_state, explained, plan_backward, plan_forward,
                     plan_run, planning_rng_state, probs_arguments, probs_pass_runs, run_forward, sequence_args)
-from ._options import (AttentionOptions, _alibi_view, _check_bool, _check_dropout, _check_int, _given,
-                       _validate_sinks, check_common, check_lengths_tensor, check_scale)
+from ._options import (AttentionOptions, alibi_view, check_bool, check_common, check_dropout, check_int,
+                       check_lengths_tensor, check_scale, check_sinks, given)
 
 _NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
 
@@ -62,7 +62,7 @@ def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: tor
     max_num_blocks) int32 tensor on `device`. Returns the pool's pages and the page size (no host
     read: block_table_rows reads the table)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
+        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
     if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
             or block_table.device != device:
         raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
@@ -172,20 +172,20 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     """flash_attn_varlen_func's checks (explain_varlen_plan's too), raising as flash-attn does. The
     checks of the tables' contents read them on the host, so traced calls skip them."""
     band, softcap = check_common(who, causal, window_size, softcap, deterministic)
-    dropout_p = _check_dropout(dropout_p, who)
-    _check_bool(return_attn_probs, "return_attn_probs", who)
+    dropout_p = check_dropout(dropout_p, who)
+    check_bool(return_attn_probs, "return_attn_probs", who)
     if return_attn_probs and block_table is not None:  # the probability pass reads keys in place
         raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True with a block_table", "both"))
     paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if not paged and t.dim() != 3:
             raise ValueError(f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}")
     if paged:
         _check_paged_views(q, k, v, who)
-    max_q = _check_int(max_seqlen_q, "max_seqlen_q", who)
-    max_k = _check_int(max_seqlen_k, "max_seqlen_k", who)
+    max_q = check_int(max_seqlen_q, "max_seqlen_q", who)
+    max_k = check_int(max_seqlen_k, "max_seqlen_k", who)
     check_lengths_tensor(cu_seqlens_q, "cu_seqlens_q", who, q.device)
     check_lengths_tensor(cu_seqlens_k, "cu_seqlens_k", who, q.device, cu_seqlens_q.shape[0])
     if cu_seqlens_q.shape[0] < 1:
@@ -196,8 +196,8 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         key_lengths = _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k,
                                          "max_seqlen_k", who)
     scale = check_scale(softmax_scale, q.shape[-1], who)
-    alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
-    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1), who)
+    alibi = alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
+    sinks = None if sinks is None else check_sinks(sinks, q.transpose(0, 1), who)
     paging = None
     if paged:  # the pages each sequence's keys use: inside the pool, within its table row
         pool, page_size = check_block_table(block_table, cu_seqlens_q.shape[0] - 1, k, v, q.device, who)
@@ -231,11 +231,12 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
     caller; the kernels clamp the table whatever it holds): no host read of the tensors. alibi: the
     (batch, H) view or None; sinks: a checked (H,) float32 tensor or None."""
     table = packed_table(cu_seqlens_q, cu_seqlens_k)
-    if q.is_neg() or k.is_neg() or v.is_neg():
-        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    through_torch = _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks))
+    if not through_torch and (q.is_neg() or k.is_neg() or v.is_neg()):  # (attention_through_torch resolves them)
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     views = [packed_view(t) for t in (q, k, v)]
-    if _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks)):
+    if through_torch:
         out4, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, dropout_p,
                                             rng_state, sinks, Sequences(table, max_q, max_k))
         out = out4.squeeze(0).transpose(0, 1)  # (total_q, H, Dv), as allocated
@@ -274,7 +275,7 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     call = _check_varlen("explain_varlen_plan", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                          return_attn_probs, block_table, sinks)
-    _check_bool(backward, "backward", "explain_varlen_plan")
+    check_bool(backward, "backward", "explain_varlen_plan")
     rng_state = planning_rng_state(q.device)
     if call.paged is not None:
         if backward:
@@ -348,9 +349,9 @@ def _paged_attention(call: _VarlenCall, who: str):
                                        for t in (call.q, call.k, call.v, call.options.sinks)):
         raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
                            "sinks must not require grad (use torch.no_grad() or detach them)")
-    if call.q.is_neg() or call.k.is_neg() or call.v.is_neg():
-        call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
     rng_state = dropout_rng_state(call.q.device) if call.options.dropout_p > 0.0 else None
+    if not _is_traced() and (call.q.is_neg() or call.k.is_neg() or call.v.is_neg()):
+        call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
     if _is_traced():  # the attention op, with the same table
         block_table, capacity = call.paged
         scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
