@@ -46,6 +46,12 @@ def _keywords(tensors: dict, options: tuple, forward: bool) -> dict:
 
 def forward(device: int, tensors: dict, options: tuple, workspace=None) -> None:
     get = tensors.get
+    if get("sequences") is None:  # all positional: keywords cost pybind11 microseconds on the hot path
+        band = None if not options[2] and options[3] == -1 and options[4] == -1 else _band(options)
+        _C.forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1], options[7],
+                   workspace, get("mask"), options[12], band, options[5], get("alibi_slopes"), options[6],
+                   get("rng_state"), options[9], get("sinks"), None, options[8])
+        return
     words = _keywords(tensors, options, True)
     if options[12]:
         words["unbatched"] = True
@@ -231,13 +237,17 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if not _sources.registered:
         _sources.ensure_registered()
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
-               "rng_state": None if rng_state is None else rng_state.view(torch.float32), "sinks": sinks}
+               "rng_state": None if rng_state is None else _rng_words(rng_state), "sinks": sinks}
     max_q = max_kv = 0
     if sequences is not None:
         max_q, max_kv = _sequence_slots(tensors, sequences)
+    if band is None:  # (core_options, inline: this is every plain call's path)
+        options = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3)
+    else:
+        options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
+                               dims == 3)
     try:
-        forward(device, tensors, core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, False,
-                                              max_q, max_kv, dims == 3), _WORKSPACES[device])
+        forward(device, tensors, options, _WORKSPACES[device])
     except (TypeError, ValueError):
         check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
