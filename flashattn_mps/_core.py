@@ -242,7 +242,8 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if sequences is not None:
         max_q, max_kv = _sequence_slots(tensors, sequences)
     if band is None:  # (core_options, inline: this is every plain call's path)
-        options = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3)
+        options = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
+                   dims == 3)
     else:
         options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
                                dims == 3)
