@@ -13,8 +13,10 @@ band is None or the ints (bottom_right, left, right) of _options._band_of; seq_m
 as flash-attn's (B, L, H, Ev). sequences is None or the (B, 6) int32 sequence table of a packed or
 cached call over (B, H, L, D) views (metal/fa_sequence.h), with the grid's max_q_len and max_kv_len
 (max_kv_len < 0: the table's longest key range, read from the table when the op runs) and a paged
-cache's block_table (forward only). All have fake implementations, so torch.compile traces them
-without graph breaks (dynamic shapes too), and register_autograd joins them.
+cache's block_table (forward only); attention_forward checks the table's contents on the host
+(check_sequences) before it runs, since traced entry points cannot. All have fake implementations,
+so torch.compile traces them without graph breaks (dynamic shapes too), and register_autograd
+joins them.
 
 A custom op's eager dispatch costs tens of microseconds in PyTorch, so eager calls that need
 gradients take `_Attention`, an autograd.Function over the same cores (`_core.forward_core`,
@@ -41,6 +43,31 @@ class Sequences(NamedTuple):
     max_q_len: int
     max_kv_len: int
     block_table: Optional[torch.Tensor] = None
+
+
+def check_sequences(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, max_q_len: int, max_kv_len: int,
+                    block_table=None) -> None:
+    """The sequence table's contents against the (B, H, L, D) views and the grid's lengths, read on
+    the host: what the entry points check on their own arguments before tracing, checked again when
+    an op runs (a compiled call's only check). max_kv_len < 0: not bounded."""
+    who = "flashattn_mps::attention_forward"
+    rows = table.tolist()
+    pages = None if block_table is None else block_table.tolist()
+    page_size = k.shape[2]
+    for b, (_, q_start, q_len, k_batch, k_start, k_len) in enumerate(rows):
+        if q_len < 0 or k_len < 0 or q_start < 0 or k_start < 0 or q_start + q_len > q.shape[2]:
+            raise ValueError(f"{who}: sequence {b} ({rows[b]}) is outside q's {q.shape[2]} rows or has a negative "
+                             "length")
+        if q_len > max_q_len or 0 <= max_kv_len < k_len:
+            raise ValueError(f"{who}: sequence {b} has {q_len} query rows and {k_len} keys, past max_q_len = "
+                             f"{max_q_len} or max_kv_len = {max_kv_len}")
+        if pages is None and (not 0 <= k_batch < k.shape[0] or k_start + k_len > k.shape[2]):
+            raise ValueError(f"{who}: sequence {b}'s keys ({rows[b]}) are outside k's {tuple(k.shape)} view")
+        if pages is not None:
+            used = pages[b][:-(-(k_start + k_len) // page_size)] if k_start + k_len else []
+            if k_start + k_len > page_size * len(pages[b]) or any(not 0 <= p < k.shape[0] for p in used):
+                raise ValueError(f"{who}: sequence {b}'s {k_start + k_len} key positions are past its block_table "
+                                 f"row or name a page outside the pool of {k.shape[0]}")
 
 
 def _core_sequences(table, max_q_len: int, max_kv_len: int, block_table=None):
@@ -187,6 +214,8 @@ def attention_forward(
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
     alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, sequences)
     sinks = None if sinks is None else check_sinks(sinks, q)
+    if sequences is not None:
+        check_sequences(sequences, q, k, max_q_len, max_kv_len, block_table)
     return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap,
                         alibi, dropout_p, rng_state, sinks,
                         _core_sequences(sequences, max_q_len, max_kv_len, block_table), num_splits)

@@ -1,7 +1,8 @@
 """flash_attn_varlen_func and flash_attn_with_kvcache (appending, and paged with a block table)
 under torch.compile(fullgraph=True, dynamic=True): no graph break, and the results (outputs,
 gradients, the cache's contents) of the compiled call are the eager call's. Each compile takes tens
-of seconds on a small machine, so these are few and marked slow."""
+of seconds on a small machine, so these are few and marked slow. Traced entry points cannot read the
+tables on the host, so the attention op checks them when it runs."""
 from __future__ import annotations
 
 import pytest
@@ -9,13 +10,13 @@ import torch
 
 from flashattn_mps import flash_attn_varlen_func, flash_attn_with_kvcache
 
-pytestmark = pytest.mark.slow
 
 
 def _prefix_sums(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+@pytest.mark.slow
 def test_varlen_compiles_fullgraph_forward_and_backward():
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
@@ -39,6 +40,7 @@ def test_varlen_compiles_fullgraph_forward_and_backward():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_compiles_fullgraph_appending(paged):
     torch._dynamo.reset()
@@ -66,3 +68,22 @@ def test_kvcache_compiles_fullgraph_appending(paged):
         for a, b in zip((*got, *caches[0]), (*want, *caches[1])):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert not torch.equal(caches[0][0], cache[0])  # appended in place
+
+
+def test_the_op_checks_the_sequence_table():
+    """What a compiled call's entry point cannot check: a sequence longer than the grid's
+    max_q_len, keys past k, and a block table naming a page outside the pool."""
+    q, k = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    table = torch.tensor([[0, 0, 4, 0, 0, 4], [0, 4, 2, 0, 4, 2]], dtype=torch.int32)
+    op = torch.ops.flashattn_mps.attention_forward
+    out, _ = op(q, k, k, None, False, 0.5, None, True, sequences=table, max_q_len=4, max_kv_len=4)
+    assert out.shape == (1, 2, 6, 8)
+    with pytest.raises(ValueError, match="past max_q_len = 3"):
+        op(q, k, k, None, False, 0.5, None, True, sequences=table, max_q_len=3, max_kv_len=4)
+    with pytest.raises(ValueError, match="outside k's"):
+        op(q, k[:, :, :5], k[:, :, :5], None, False, 0.5, None, True, sequences=table, max_q_len=4, max_kv_len=4)
+    pool = torch.randn(3, 2, 4, 8)  # 3 pages of 4 positions, seen as (pages, Hkv, page_size, D)
+    paged = torch.tensor([[0, 0, 2, 0, 0, 6]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the pool of 3"):
+        op(q, pool, pool, None, False, 0.5, None, True, sequences=paged, max_q_len=2, max_kv_len=6,
+           block_table=torch.tensor([[1, 3]], dtype=torch.int32))
