@@ -80,7 +80,7 @@ def _core_sequences(table, max_q_len: int, max_kv_len: int, block_table=None):
 
 
 def _save(ctx, q, k, v, out, lse, mask, alibi, rng_state, sinks, causal, scale, band, softcap, dropout_p,
-          table, max_q_len, max_kv_len, block_table) -> None:
+          table=None, max_q_len=0, max_kv_len=0, block_table=None) -> None:
     """What the gradients need, the same for _Attention and the ops."""
     ctx.save_for_backward(q, k, v, out, lse, mask, alibi, rng_state, sinks, table)
     ctx.options = (causal, scale, band, softcap, dropout_p, max_q_len, max_kv_len)
@@ -118,7 +118,12 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi, dropout_p, rng_state, sinks,
                 sequences):
-        table, max_q, max_kv, block_table = (None, 0, 0, None) if sequences is None else sequences
+        if sequences is None:
+            out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap,
+                                    alibi, dropout_p, rng_state, sinks)
+            _save(ctx, q, k, v, out, lse, mask, alibi, rng_state, sinks, causal, scale, band, softcap, dropout_p)
+            return out, lse
+        table, max_q, max_kv, block_table = sequences
         out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi,
                                 dropout_p, rng_state, sinks, _core_sequences(table, max_q, max_kv, block_table))
         _save(ctx, q, k, v, out, lse, mask, alibi, rng_state, sinks, causal, scale, band, softcap, dropout_p, table,
