@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import (_check_bool, _check_dropout, _check_softcap, _check_window, _given, _scale_value, attend,
-                   dropout_rng_state)
+from ._api import attend
+from ._autograd import attention_probabilities
+from ._core import dropout_rng_state
+from ._options import check_bool, check_common, check_dropout, given, scale_value
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -52,28 +54,25 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     without dropout too. Tensors on "mps" run Metal, on "cpu" the CPU Metal device. float32,
     float16 and bfloat16; D, Dv <= 576.
     """
-    dropout_p = _check_dropout(dropout_p, "flash_attn_func")
-    for name, flag in (("return_attn_probs", return_attn_probs), ("causal", causal), ("deterministic", deterministic)):
-        _check_bool(flag, name, "flash_attn_func")
-    left, right = _check_window(window_size, "flash_attn_func")
-    softcap = _check_softcap(softcap, "flash_attn_func")
+    dropout_p = check_dropout(dropout_p, "flash_attn_func")
+    check_bool(return_attn_probs, "return_attn_probs", "flash_attn_func")
+    band, softcap = check_common("flash_attn_func", causal, window_size, softcap, deterministic)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_attn_func: {name} must be a torch.Tensor, got {_given(t)}")
+            raise TypeError(f"flash_attn_func: {name} must be a torch.Tensor, got {given(t)}")
         if t.dim() != 4:
             raise ValueError(
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    band = (1, left, right)
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     result = attend(qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, return_attn_probs, band, True, softcap,
                     alibi_slopes, dropout_p, rng_state, sinks)
     if not return_attn_probs:
         return result.transpose(1, 2)
     out, lse = result
-    scale = _scale_value(q.shape[-1], softmax_scale)
+    scale = scale_value(q.shape[-1], softmax_scale)
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    probs = torch.ops.flashattn_mps.attention_probs(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal,
-                                                    scale, list(band), softcap, alibi_slopes, dropout_p, rng_state)
+    probs = attention_probabilities(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal, scale, band,
+                                    softcap, alibi_slopes, dropout_p, rng_state)
     return out.transpose(1, 2), lse, probs.to(q.dtype)

@@ -11,17 +11,24 @@ of batch b attend to cache row cache_batch_idx[b], keys cache_leftpad[b] .. cach
 As flash-attn's kernel, positions are cache indices: new key n of batch b goes to (and is rotated
 at) position cache_seqlens[b] + n; q row i is rotated at cache_seqlens[b] + i when causal or
 windowed, else at cache_seqlens[b]. The lengths are validated on the host before any kernel runs
-(one read of the small int32 tensors on MPS), and the table kernel clamps them again."""
+(one read of the small int32 tensors on MPS), and the table kernel clamps them again. Under
+torch.compile (and other tracing) the call compiles without a graph break: the cache is appended to
+with indexed stores torch.compile understands, the sequence table is built with torch ops, the
+attention is the flashattn_mps::attention_forward op (which reads the table's longest key range
+itself), and the checks that would read the lengths, the block table or the rotary positions on the
+host are skipped."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from . import _C
-from ._api import _alibi_view, _check_bool, _flash_attn_lse, _given, _validate_sinks
-from ._varlen import (AttentionOptions, _check_int, check_block_table, check_common, check_lengths_tensor,
-                      check_pages_used, check_scale, plan_forward, run_forward, sequence_args)
+from ._api import _flash_attn_lse
+from ._autograd import Sequences, _is_traced, attention_through_torch
+from ._core import plan_run, run_forward, sequence_args
+from ._options import (AttentionOptions, alibi_view, check_bool, check_common, check_int, check_lengths_tensor,
+                       check_scale, check_sinks, given)
+from ._varlen import block_table_rows, check_block_table, check_pages_used
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool):
@@ -38,13 +45,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
         x1, x2 = rot[..., :half], rot[..., half:]
         rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
     return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
-
-
-def _optional_lengths(t, name, who, device, batch):
-    if t is not None:
-        check_lengths_tensor(t, name, who, device, batch)
-        return t.tolist()
-    return None
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
@@ -89,8 +89,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
                              sinks)
-    args, options, out, lse = _attention_arguments(call, _update_cache(call))
-    run_forward(*args, **options)
+    q = _update_cache(call)
+    if _is_traced():  # the attention op (no gradient, as flash-attn's)
+        scale, causal, band, softcap, alibi, sinks = call.options[:6]
+        views = [t.detach().transpose(1, 2) for t in (q, call.k_cache, call.v_cache)]
+        out, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, 0.0, None,
+                                           sinks, Sequences(call.table, q.shape[1], call.max_keys, call.block_table),
+                                           call.options.num_splits)
+        out = out.transpose(1, 2)
+    else:
+        args, options, out, lse = _attention_arguments(call, q)
+        run_forward(*args, **options)
     return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
 
 
@@ -113,7 +122,7 @@ def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
                              sinks)
     rotated = q if call.rotary is None else torch.empty_like(q, memory_format=torch.contiguous_format)
     args, options, _, _ = _attention_arguments(call, rotated)
-    return plan_forward(*args, **options)
+    return plan_run(*args, **options)
 
 
 class _CacheCall(NamedTuple):
@@ -125,13 +134,12 @@ class _CacheCall(NamedTuple):
     v: Optional[torch.Tensor]
     rotary: Optional[tuple]  # (cos, sin, interleaved, steps of q's rows) or None
     starts: torch.Tensor     # (batch,) int64: each sequence's cache position of its first new key
-    rows: list               # the cache row of each batch entry (unpaged)
+    rows: torch.Tensor       # (batch,) int32: the cache row of each batch entry (unpaged)
     page_size: int           # with a block table, else 0
     block_table: Optional[torch.Tensor]
     table: torch.Tensor      # the (batch, 6) int32 sequence table on q's device
-    max_keys: int
+    max_keys: int            # the longest key range; -1 when traced (the op reads it from the table)
     options: AttentionOptions
-    num_splits: int
     return_softmax_lse: bool
 
 
@@ -141,14 +149,14 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     """flash_attn_with_kvcache's checks (explain_kvcache_plan's too), every one before the cache is
     written; the host reads of the small length and block tables are the function's own."""
     band, softcap = check_common(who, causal, window_size, softcap, False)
-    _check_bool(return_softmax_lse, "return_softmax_lse", who)
-    _check_bool(rotary_interleaved, "rotary_interleaved", who)
-    _check_int(num_splits, "num_splits", who)
+    check_bool(return_softmax_lse, "return_softmax_lse", who)
+    check_bool(rotary_interleaved, "rotary_interleaved", who)
+    check_int(num_splits, "num_splits", who)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is None and name in ("k", "v"):
             continue
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if t.dim() != 4:
             raise ValueError(f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}")
         if t.device != q.device or t.dtype != q.dtype:
@@ -159,39 +167,53 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     batch, seqlen_q = q.shape[0], q.shape[1]
     cache_batch, cache_len = k_cache.shape[0], k_cache.shape[1]
     new = 0 if k is None else k.shape[1]
-    pages = None
-    if block_table is not None:  # paged: k_cache is the pool (pages, page_size, nheads_k, headdim)
+    paged = block_table is not None
+    if paged:  # k_cache is the pool (pages, page_size, nheads_k, headdim)
         if cache_batch_idx is not None:
             raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
-        pages, pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who,
-                                                     ("k_cache", "v_cache"))
+        pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who,
+                                            ("k_cache", "v_cache"))
         cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
     if k is not None and (k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
                           or v.shape[2:] != v_cache.shape[2:]):
         raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, seqlen_new) rows of "
                          f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} for q {tuple(q.shape)}")
 
-    if cache_seqlens is None:
-        lengths = [cache_len] * batch  # a full cache (appending to it is past its end)
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        lengths = [cache_seqlens] * batch
+    # The lengths as (batch,) tensors on q's device: the table and the cache's update are torch ops.
+    device = q.device
+    if cache_seqlens is None or (isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)):
+        length = cache_len if cache_seqlens is None else cache_seqlens  # None: a full cache
+        starts = torch.full((batch,), length, dtype=torch.int64, device=device)
     else:
-        lengths = _optional_lengths(cache_seqlens, "cache_seqlens", who, q.device, batch)
-    rows = _optional_lengths(cache_batch_idx, "cache_batch_idx", who, q.device, batch) or list(range(batch))
-    leftpad = _optional_lengths(cache_leftpad, "cache_leftpad", who, q.device, batch) or [0] * batch
-    for b in range(batch):
-        if pages is not None and 0 <= lengths[b] <= cache_len - new:
-            check_pages_used(pages, b, lengths[b] + new, page_size, pool, who)
-        if not 0 <= rows[b] < cache_batch:
-            raise ValueError(f"{who}: cache_batch_idx[{b}] = {rows[b]} is outside the cache's {cache_batch} rows")
-        if not 0 <= lengths[b] <= cache_len - new:
-            raise ValueError(f"{who}: cache_seqlens[{b}] = {lengths[b]} with {new} new keys is past the cache's "
-                             f"{cache_len} positions")
-        if not 0 <= leftpad[b] <= lengths[b]:
-            raise ValueError(f"{who}: cache_leftpad[{b}] = {leftpad[b]} must be in [0, cache_seqlens[{b}] = "
-                             f"{lengths[b]}]")
+        check_lengths_tensor(cache_seqlens, "cache_seqlens", who, device, batch)
+        starts = cache_seqlens.long()
+    for name, t in (("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad)):
+        if t is not None:
+            check_lengths_tensor(t, name, who, device, batch)
+    rows = torch.arange(batch, dtype=torch.int32, device=device) if cache_batch_idx is None else cache_batch_idx
+    leftpad = torch.zeros(batch, dtype=torch.int32, device=device) if cache_leftpad is None else cache_leftpad
+    keys = starts + new - leftpad  # each sequence's keys, leftpad .. starts + new - 1
+    rotates_rows = causal or band[1:] != (-1, -1)  # q row i at cache_seqlens + i, else all at cache_seqlens
+    lengths = None
+    if _is_traced():  # the host reads below would break the graph: unchecked, the table's longest range read later
+        max_keys = -1
+    else:
+        lengths, row_list, pads = starts.tolist(), rows.tolist(), leftpad.tolist()
+        pages = block_table_rows(block_table) if paged else None
+        for b in range(batch):
+            if pages is not None and 0 <= lengths[b] <= cache_len - new:
+                check_pages_used(pages, b, lengths[b] + new, page_size, pool, who)
+            if not 0 <= row_list[b] < cache_batch:
+                raise ValueError(f"{who}: cache_batch_idx[{b}] = {row_list[b]} is outside the cache's {cache_batch} "
+                                 "rows")
+            if not 0 <= lengths[b] <= cache_len - new:
+                raise ValueError(f"{who}: cache_seqlens[{b}] = {lengths[b]} with {new} new keys is past the cache's "
+                                 f"{cache_len} positions")
+            if not 0 <= pads[b] <= lengths[b]:
+                raise ValueError(f"{who}: cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = "
+                                 f"{lengths[b]}]")
+        max_keys = max([lengths[b] + new - pads[b] for b in range(batch)], default=0)
 
-    starts = torch.tensor(lengths, dtype=torch.int64, device=q.device)
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
         if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)):
@@ -199,23 +221,23 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
         if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape or 2 * rotary_cos.shape[1] > q.shape[3]:
             raise ValueError(f"{who}: rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                              f"<= headdim {q.shape[3]}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        reach = max(lengths) + max(new, seqlen_q if causal or band[1:] != (-1, -1) else 1)
-        if batch and reach > rotary_cos.shape[0]:
+        reach = None if lengths is None else max(lengths, default=0) + max(new, seqlen_q if rotates_rows else 1)
+        if batch and reach is not None and reach > rotary_cos.shape[0]:
             raise ValueError(f"{who}: rotary_cos has {rotary_cos.shape[0]} positions, the rotated rows reach {reach}")
-        steps = torch.arange(seqlen_q, device=q.device) if causal or band[1:] != (-1, -1) else \
-            torch.zeros(seqlen_q, dtype=torch.int64, device=q.device)
+        steps = torch.arange(seqlen_q, device=device) if rotates_rows else \
+            torch.zeros(seqlen_q, dtype=torch.int64, device=device)
         rotary = (rotary_cos, rotary_sin, rotary_interleaved, steps)
 
-    k_batch = [0] * batch if pages is not None else rows
-    table = torch.tensor([[b, 0, seqlen_q, k_batch[b], leftpad[b], lengths[b] + new - leftpad[b]]
-                          for b in range(batch)], dtype=torch.int32).reshape(batch, 6).to(q.device)
+    # One row per sequence (metal/fa_sequence.h): q batch, first q row, q rows, k batch, first key, keys.
+    zeros = torch.zeros(batch, dtype=torch.int32, device=device)
+    table = torch.stack([torch.arange(batch, dtype=torch.int32, device=device), zeros, zeros + seqlen_q,
+                         zeros if paged else rows.int(), leftpad.int(), keys.int()], dim=1).contiguous()
     scale = check_scale(softmax_scale, q.shape[-1], who)
-    alibi = _alibi_view(alibi_slopes, batch, q.shape[2], q.device, who)
-    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(1, 2), who).detach()
-    max_keys = max([lengths[b] + new - leftpad[b] for b in range(batch)], default=0)
-    return _CacheCall(q, k_cache, v_cache, k, v, rotary, starts, rows, 0 if pages is None else page_size, block_table,
-                      table, max_keys, AttentionOptions(scale, causal, band, softcap, alibi, sinks), num_splits,
-                      return_softmax_lse)
+    alibi = alibi_view(alibi_slopes, batch, q.shape[2], device, who)
+    sinks = None if sinks is None else check_sinks(sinks, q.transpose(1, 2), who).detach()
+    return _CacheCall(q, k_cache, v_cache, k, v, rotary, starts, rows, page_size if paged else 0, block_table,
+                      table, max_keys, AttentionOptions(scale, causal, band, softcap, alibi, sinks, 0.0,
+                                                        num_splits=num_splits), return_softmax_lse)
 
 
 def _update_cache(call: _CacheCall) -> torch.Tensor:
@@ -231,7 +253,7 @@ def _update_cache(call: _CacheCall) -> torch.Tensor:
     if k is not None and new > 0 and batch > 0:
         positions = call.starts[:, None] + torch.arange(new, device=q.device)
         if call.block_table is None:
-            index = (torch.tensor(call.rows, device=q.device)[:, None].expand(batch, new), positions)
+            index = (call.rows.long()[:, None].expand(batch, new), positions)
         else:  # the page of each position, and its row in the page
             index = (call.block_table.long().gather(1, positions // call.page_size), positions % call.page_size)
         call.k_cache.index_put_(index, k)  # in place: only these rows of the cache are written
@@ -248,4 +270,4 @@ def _attention_arguments(call: _CacheCall, q: torch.Tensor):
         if call.return_softmax_lse else None
     views = [t.transpose(1, 2) for t in (q, call.k_cache, call.v_cache, out)]
     args = (*views, lse, *call.options[:5], sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
-    return args, dict(sinks=call.options.sinks, num_splits=call.num_splits), out, lse
+    return args, dict(sinks=call.options.sinks, num_splits=call.options.num_splits), out, lse

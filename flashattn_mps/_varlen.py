@@ -10,9 +10,15 @@ over every sequence, no padding, no per-sequence loop. The packed tensors are vi
 (function constant 13; forward only, as flash-attn).
 
 The table's contents are validated on the host before any kernel runs (flash-attn's errors, named
-arguments): on MPS that reads the small int32 prefix sums back, one synchronisation per call. The
-kernels never trust the table anyway: a kernel clamps every entry into the views (csrc/fa_core.h,
-fa_sequence_args), so even unvalidated contents could only cut a sequence short."""
+arguments): on MPS that reads the small int32 prefix sums back, one synchronisation per call. Under
+torch.compile (and other tracing) those host reads are skipped, so that the call compiles without a
+graph break: the prefix sums and the block table's pages are then not checked. The kernels never
+trust the table anyway: a kernel clamps every entry into the views (csrc/fa_core.h,
+fa_sequence_args), so even unvalidated contents could only cut a sequence short.
+
+Eager calls without gradients run the core directly; calls that need gradients or are traced go
+through flashattn_mps._autograd (the attention ops and their autograd, shared with every entry
+point)."""
 from __future__ import annotations
 
 import math
@@ -20,33 +26,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _C, _sources
-from ._api import (_alibi_view, _check_bool, _check_dropout, _check_softcap, _check_window, _flash_attn_lse, _given,
-                   _prepare_mps, _rng_words, _scale_value, _validate_sinks, dropout_rng_state, explained,
-                   probs_arguments, probs_core, probs_pass_runs)
+from . import _C
+from ._api import _flash_attn_lse, _routes_through_torch, _sinks_need_grad
+from ._autograd import Sequences, _is_traced, attention_probabilities, attention_through_torch
+from ._core import (_rng_words, dropout_rng_state, explained, plan_backward, plan_forward,
+                    plan_run, planning_rng_state, probs_arguments, probs_pass_runs, run_forward, sequence_args)
+from ._options import (AttentionOptions, alibi_view, check_bool, check_common, check_dropout, check_int,
+                       check_lengths_tensor, check_scale, check_sinks, given)
 
 _NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
-
-
-def _check_int(value, name: str, who: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{who}: {name} must be an int, got {_given(value)}")
-    if value < 0 or value >= 2**31:
-        raise ValueError(f"{who}: {name} must be in [0, 2^31), got {value}")
-    return value
-
-
-def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
-    """A 1-D int32 tensor on `device` (of `length` entries when given), as flash-attn requires."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {_given(t)}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{who}: {name} must be int32, got {t.dtype}")
-    if t.dim() != 1 or (length is not None and t.shape[0] != length):
-        want = f"({length},)" if length is not None else "1-D"
-        raise ValueError(f"{who}: {name} must be {want}, got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{who}: {name} is on {t.device}, q on {device}")
 
 
 def _check_prefix_sums(cu: torch.Tensor, name: str, total, max_len: int, max_name: str, who: str) -> list:
@@ -71,10 +59,10 @@ def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: tor
                       names=("k", "v")):
     """A paged KV cache as flash-attn takes it: k_pool and v_pool (num_blocks, page_block_size,
     nheads_k, headdim[_v]; the caller's `names`) sharing their pages, block_table a (batch,
-    max_num_blocks) int32 tensor on `device`. Returns the table's rows (one host read), the pool's
-    pages and the page size."""
+    max_num_blocks) int32 tensor on `device`. Returns the pool's pages and the page size (no host
+    read: block_table_rows reads the table)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {_given(block_table)}")
+        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
     if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
             or block_table.device != device:
         raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
@@ -82,7 +70,12 @@ def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: tor
     if v_pool.shape[:2] != k_pool.shape[:2]:
         raise ValueError(f"{who}: the paged {names[0]} {tuple(k_pool.shape)} and {names[1]} {tuple(v_pool.shape)} "
                          "must share their pages (num_blocks, page_block_size)")
-    return block_table.tolist(), k_pool.shape[0], k_pool.shape[1]
+    return k_pool.shape[0], k_pool.shape[1]
+
+
+def block_table_rows(block_table: torch.Tensor) -> list:
+    """The block table's rows, for check_pages_used (one host read)."""
+    return block_table.tolist()
 
 
 def check_pages_used(pages: list, b: int, keys: int, page_size: int, pool: int, who: str) -> None:
@@ -93,128 +86,9 @@ def check_pages_used(pages: list, b: int, keys: int, page_size: int, pool: int, 
         raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
 
 
-def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None) -> tuple:
-    """What _C.forward / _C.backward take as `sequences`: the (B, 6) int32 table, scratch for the
-    per-sequence kernel arguments, the grid's lengths, and the (B, pages) block table of a paged
-    cache or None."""
-    words = (table.shape[0] * _C.SEQUENCE_PARAMS_BYTES + 3) // 4
-    scratch = torch.empty(max(words, 1), dtype=torch.float32, device=table.device)
-    return table, scratch, max_q_len, max_kv_len, block_table
-
-
-def forward_arguments(q4, k4, v4, out4, lse3, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO,
-                      sinks=None, dropout_p=0.0, rng_state=None, num_splits=0):
-    """What _C.forward and _C.plan_forward take for the forward over (B, H, L, D) views with a
-    sequence table (q4 etc. already on one device): positional arguments and options. kernel: a
-    _C.KERNEL_* code (tests run each kernel); sinks a checked (Hq,) float32 tensor or None;
-    dropout_p with its generator state (dropout_rng_state); num_splits the decode kernel's split-K
-    (0: the planner's choice)."""
-    device = _C.DEVICE_CPU if q4.is_cpu else _C.DEVICE_MPS
-    return (device, q4, k4, v4, out4, lse3, scale, causal, kernel), dict(
-        band=band, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p, rng_state=_rng_words(rng_state),
-        sinks=sinks, sequences=sequences, num_splits=num_splits)
-
-
-def run_forward(*call, **options):
-    """Runs the forward forward_arguments(*call, **options) describes."""
-    args, options = forward_arguments(*call, **options)
-    if args[0] == _C.DEVICE_MPS:
-        _prepare_mps()
-    if not _sources.registered:
-        _sources.ensure_registered()
-    workspace = (lambda n: torch.empty((n + 3) // 4, dtype=torch.float32, device=args[1].device))
-    _C.forward(*args, workspace, **options)
-
-
-def plan_forward(*call, **options) -> dict:
-    """What run_forward(*call, **options) would launch, as explain_plan shows it, without running
-    (the planner reads shapes, strides and options, never an element)."""
-    args, options = forward_arguments(*call, **options)
-    return explained(_C.plan_forward(*args, **options), args[1].device)
-
-
-def planning_rng_state(device) -> torch.Tensor:
-    """Generator words for planning a dropout call: zeros, so that explaining draws nothing from
-    torch's generator (the words change no plan)."""
-    return torch.zeros(4, dtype=torch.int32, device=device)
-
-
-def check_scale(softmax_scale, head_dim: int, who: str) -> float:
-    """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"{who}: softmax_scale must be a float or None, got {_given(softmax_scale)}")
-    return _scale_value(head_dim, softmax_scale)
-
-
-def check_common(who: str, causal, window_size, softcap, deterministic):
-    """The options flash_attn_varlen_func and flash_attn_with_kvcache share with flash_attn_func."""
-    _check_bool(causal, "causal", who)
-    _check_bool(deterministic, "deterministic", who)
-    left, right = _check_window(window_size, who)
-    return (1, left, right), _check_softcap(softcap, who)
-
-
 def packed_view(t: torch.Tensor) -> torch.Tensor:
     """A packed (total, H, D) tensor as the kernels' (1, H, total, D) view (a transpose, no copy)."""
     return t.transpose(0, 1).unsqueeze(0)
-
-
-def forward_outputs(q: torch.Tensor, v: torch.Tensor):
-    """The forward's out (total_q, H, Dv) and its (1, H, total_q) float32 lse, unwritten."""
-    out = q.new_empty((*q.shape[:2], v.shape[2]))
-    return out, torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-
-
-def backward_arguments(q, k, v, out, lse, dout, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks,
-                       dropout_p, rng_state):
-    """What _C.backward and _C.plan_backward take for the gradients of a packed forward, and the
-    gradients they fill: (dq, dk, dv, sink_grad or None)."""
-    # Zeros: rows of q, k, v past the last sequence get no gradient from the kernels.
-    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    # Each row's term of the sinks' gradient; rows of q past the last sequence hold none.
-    sink_grad = None if sinks is None else torch.empty_like(lse)
-    views = [packed_view(t) for t in (q, k, v, out, dout, *grads)]
-    device = _C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS
-    args = (device, *views[:4], lse, views[4], torch.empty_like(lse), *views[5:], scale, causal)
-    options = dict(band=band, softcap=softcap, alibi_slopes=alibi, dropout_p=dropout_p,
-                   rng_state=_rng_words(rng_state), sinks=sinks, sink_grad=sink_grad,
-                   sequences=sequence_args(table, max_q, max_k))
-    return args, options, (*grads, sink_grad)
-
-
-class _Varlen(torch.autograd.Function):
-    """(q, k, v packed, table, max lengths, options) -> (out, lse); gradients to q, k, v and the
-    sinks."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p, rng_state):
-        out, lse = forward_outputs(q, v)
-        views = [packed_view(t) for t in (q, k, v, out)]
-        run_forward(*views, lse, scale, causal, band, softcap, alibi, sequence_args(table, max_q, max_k),
-                    sinks=sinks, dropout_p=dropout_p, rng_state=rng_state)
-        ctx.save_for_backward(q, k, v, out, lse, table, alibi, sinks, rng_state)
-        ctx.options = (max_q, max_k, scale, causal, band, softcap, dropout_p)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        if torch.is_grad_enabled():
-            raise RuntimeError("flash_attn_varlen_func: double backward is not supported (create_graph=True)")
-        q, k, v, out, lse, table, alibi, sinks, rng_state = ctx.saved_tensors
-        max_q, max_k, scale, causal, band, softcap, dropout_p = ctx.options
-        dout = dout.resolve_neg() if dout.is_neg() else dout
-        args, options, (dq, dk, dv, sink_grad) = backward_arguments(q, k, v, out, lse, dout, table, max_q, max_k, scale,
-                                                                    causal, band, softcap, alibi, sinks, dropout_p,
-                                                                    rng_state)
-        if args[0] == _C.DEVICE_MPS:
-            _prepare_mps()
-        _C.backward(*args, **options)
-        dsinks = None
-        if sinks is not None:
-            used = torch.arange(q.shape[0], device=q.device) < (table[:, 1] + table[:, 2]).max(dim=0, keepdim=True)[0]
-            dsinks = sink_grad.masked_fill(~used, 0.0).sum(dim=(0, 2))
-        return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks, None, None
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -269,17 +143,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_attn_probs, block_table, sinks)
     if call.paged is not None:
         return _paged_attention(call, "flash_attn_varlen_func")
-    return packed_attention(*call[:7], *call.options, call.dropout_p, call.return_attn_probs)
-
-
-class AttentionOptions(NamedTuple):
-    """The checked options of a packed or cached call, the first five in forward_arguments' order."""
-    scale: float
-    causal: bool
-    band: tuple
-    softcap: float
-    alibi: Optional[torch.Tensor]
-    sinks: Optional[torch.Tensor]
+    return packed_attention(*call[:7], *call.options[:6], call.options.dropout_p, call.return_attn_probs)
 
 
 class PagedKeys(NamedTuple):
@@ -298,7 +162,6 @@ class _VarlenCall(NamedTuple):
     max_q: int
     max_k: int
     options: AttentionOptions
-    dropout_p: float
     return_attn_probs: bool
     paged: Optional[PagedKeys]  # with a block_table: k and v are the pool
 
@@ -306,44 +169,49 @@ class _VarlenCall(NamedTuple):
 def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
                   sinks) -> _VarlenCall:
-    """flash_attn_varlen_func's checks (explain_varlen_plan's too), raising as flash-attn does."""
+    """flash_attn_varlen_func's checks (explain_varlen_plan's too), raising as flash-attn does. The
+    checks of the tables' contents read them on the host, so traced calls skip them."""
     band, softcap = check_common(who, causal, window_size, softcap, deterministic)
-    dropout_p = _check_dropout(dropout_p, who)
-    _check_bool(return_attn_probs, "return_attn_probs", who)
+    dropout_p = check_dropout(dropout_p, who)
+    check_bool(return_attn_probs, "return_attn_probs", who)
     if return_attn_probs and block_table is not None:  # the probability pass reads keys in place
         raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True with a block_table", "both"))
     paged = block_table is not None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {_given(t)}")
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if not paged and t.dim() != 3:
             raise ValueError(f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}")
     if paged:
         _check_paged_views(q, k, v, who)
-    max_q = _check_int(max_seqlen_q, "max_seqlen_q", who)
-    max_k = _check_int(max_seqlen_k, "max_seqlen_k", who)
+    max_q = check_int(max_seqlen_q, "max_seqlen_q", who)
+    max_k = check_int(max_seqlen_k, "max_seqlen_k", who)
     check_lengths_tensor(cu_seqlens_q, "cu_seqlens_q", who, q.device)
     check_lengths_tensor(cu_seqlens_k, "cu_seqlens_k", who, q.device, cu_seqlens_q.shape[0])
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
-    _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
-    key_lengths = _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k,
-                                     "max_seqlen_k", who)
+    traced = _is_traced()
+    if not traced:
+        _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
+        key_lengths = _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k,
+                                         "max_seqlen_k", who)
     scale = check_scale(softmax_scale, q.shape[-1], who)
-    alibi = _alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
-    sinks = None if sinks is None else _validate_sinks(sinks, q.transpose(0, 1), who)
+    alibi = alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
+    sinks = None if sinks is None else check_sinks(sinks, q.transpose(0, 1), who)
     paging = None
     if paged:  # the pages each sequence's keys use: inside the pool, within its table row
-        pages, pool, page_size = check_block_table(block_table, cu_seqlens_q.shape[0] - 1, k, v, q.device, who)
+        pool, page_size = check_block_table(block_table, cu_seqlens_q.shape[0] - 1, k, v, q.device, who)
         capacity = page_size * block_table.shape[1]
-        for b, keys in enumerate(key_lengths):
-            if keys > capacity:
-                raise ValueError(f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} positions "
-                                 f"of its block_table row ({block_table.shape[1]} pages of {page_size})")
-            check_pages_used(pages, b, keys, page_size, pool, who)
+        if not traced:
+            pages = block_table_rows(block_table)
+            for b, keys in enumerate(key_lengths):
+                if keys > capacity:
+                    raise ValueError(f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} "
+                                     f"positions of its block_table row ({block_table.shape[1]} pages of {page_size})")
+                check_pages_used(pages, b, keys, page_size, pool, who)
         paging = PagedKeys(block_table, capacity)
     return _VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                       AttentionOptions(scale, causal, band, softcap, alibi, sinks), dropout_p, return_attn_probs,
+                       AttentionOptions(scale, causal, band, softcap, alibi, sinks, dropout_p), return_attn_probs,
                        paging)
 
 
@@ -360,20 +228,29 @@ def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: 
 def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
                      softcap: float, alibi=None, sinks=None, dropout_p=0.0, return_attn_probs=False):
     """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
-    caller; the kernels clamp the table whatever it holds): no host read of the tensors. sinks: a
-    checked (H,) float32 tensor or None."""
+    caller; the kernels clamp the table whatever it holds): no host read of the tensors. alibi: the
+    (batch, H) view or None; sinks: a checked (H,) float32 tensor or None."""
     table = packed_table(cu_seqlens_q, cu_seqlens_k)
-    if q.is_neg() or k.is_neg() or v.is_neg():
-        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
-    out, lse = _Varlen.apply(q, k, v, table, max_q, max_k, scale, causal, band, softcap, alibi, sinks, dropout_p,
-                             rng_state)
+    through_torch = _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks))
+    if not through_torch and (q.is_neg() or k.is_neg() or v.is_neg()):  # (attention_through_torch resolves them)
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
+    views = [packed_view(t) for t in (q, k, v)]
+    if through_torch:
+        out4, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, dropout_p,
+                                            rng_state, sinks, Sequences(table, max_q, max_k))
+        out = out4.squeeze(0).transpose(0, 1)  # (total_q, H, Dv), as allocated
+    else:
+        out = q.new_empty((*q.shape[:2], v.shape[2]))
+        lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        out4 = packed_view(out)
+        run_forward(*views, out4, lse, scale, causal, band, softcap, alibi, sequence_args(table, max_q, max_k),
+                    sinks=sinks, dropout_p=dropout_p, rng_state=rng_state)
     if not return_attn_probs:
         return out
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    views = [packed_view(t.detach()) for t in (q, k, v, out)]
-    probs = probs_core(*views, lse, None, causal, scale, band, softcap, alibi, dropout_p, rng_state,
-                       sequence_args(table, max_q, max_k))
+    probs = attention_probabilities(*(t.detach() for t in (*views, out4)), lse, causal, scale, band, softcap, alibi,
+                                    dropout_p, rng_state, Sequences(table, max_q, max_k))
     past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
     return out, _flash_attn_lse(lse[0]).masked_fill(past, math.inf), probs.to(q.dtype)
 
@@ -398,31 +275,41 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     call = _check_varlen("explain_varlen_plan", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                          return_attn_probs, block_table, sinks)
-    _check_bool(backward, "backward", "explain_varlen_plan")
+    check_bool(backward, "backward", "explain_varlen_plan")
+    rng_state = planning_rng_state(q.device)
     if call.paged is not None:
         if backward:
             raise ValueError("explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
                              "there is no backward to explain")
         args, options, _ = _paged_arguments(call)
-        return plan_forward(*args, **options, rng_state=planning_rng_state(q.device))
+        return plan_run(*args, **options, rng_state=rng_state)
     table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
-    rng_state = planning_rng_state(q.device)
-    out, lse = forward_outputs(q, v)
-    options = call.options[:5]  # scale, causal, band, softcap, alibi
-    if backward:
-        args, kwargs, _ = backward_arguments(q, k, v, out, lse, out, table, call.max_q, call.max_k, *options,
-                                             call.options.sinks, call.dropout_p, rng_state)
-        return explained({"dispatches": _C.plan_backward(*args, **kwargs)}, q.device)
+    # The forward's out (total_q, H, Dv) and its (1, H, total_q) float32 lse, unwritten.
+    out = q.new_empty((*q.shape[:2], v.shape[2]))
+    lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     views = [packed_view(t) for t in (q, k, v, out)]
     sequences = sequence_args(table, call.max_q, call.max_k)
-    plan = plan_forward(*views, lse, *options, sequences, sinks=call.options.sinks, dropout_p=call.dropout_p,
-                        rng_state=rng_state)
+    scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
+    if backward:  # planning reads no element: the gradients only carry shapes and strides
+        q4, k4, v4, out4 = views
+        tensors = {"q": q4, "k": k4, "v": v4, "out": out4, "lse": lse, "dout": out4, "delta": torch.empty_like(lse),
+                   "dq": torch.empty_like(q4), "dk": torch.empty_like(k4), "dv": torch.empty_like(v4),
+                   "alibi_slopes": alibi, "rng_state": _rng_words(rng_state), "sinks": sinks,
+                   "sink_grad": None if sinks is None else torch.empty_like(lse), "sequences": table,
+                   "sequence_scratch": sequences[1]}
+        options = call.options.core(max_q_len=call.max_q, max_kv_len=call.max_k)
+        return explained({"dispatches": plan_backward(_device(q), tensors, options)}, q.device)
+    plan = plan_run(*views, lse, scale, causal, band, softcap, alibi, sequences, sinks=sinks, dropout_p=dropout_p,
+                    rng_state=rng_state)
     if call.return_attn_probs and probs_pass_runs(lse):
-        scale, causal, band, softcap, alibi = options
-        args, kwargs, _ = probs_arguments(*views, lse, None, causal, scale, band, softcap, alibi, call.dropout_p,
-                                          rng_state, sequences)
-        plan["dispatches"] += _C.plan_forward(*args, **kwargs)["dispatches"]
+        tensors, options, _ = probs_arguments(*views, lse, None, causal, scale, band, softcap, alibi, dropout_p,
+                                              rng_state, sequences)
+        plan["dispatches"] += plan_forward(_device(q), tensors, options)["dispatches"]
     return plan
+
+
+def _device(t: torch.Tensor) -> int:
+    return _C.DEVICE_CPU if t.is_cpu else _C.DEVICE_MPS
 
 
 def _check_paged_views(q, k, v, who: str) -> None:
@@ -443,7 +330,7 @@ def _check_paged_views(q, k, v, who: str) -> None:
 
 
 def _paged_arguments(call: _VarlenCall):
-    """run_forward's (and plan_forward's) arguments for a varlen call over a paged pool (q rows from
+    """run_forward's (and plan_run's) arguments for a varlen call over a paged pool (q rows from
     the prefix sums, keys from position 0 of each sequence's pages), and the out they fill."""
     q, k_pool, v_pool = call.q, call.k, call.v
     block_table, capacity = call.paged
@@ -451,7 +338,8 @@ def _paged_arguments(call: _VarlenCall):
     out = q.new_empty((*q.shape[:2], v_pool.shape[3]))
     views = [packed_view(q), k_pool.transpose(1, 2), v_pool.transpose(1, 2), packed_view(out)]
     sequences = sequence_args(table, call.max_q, min(call.max_k, capacity), block_table)
-    return (*views, None, *call.options[:5], sequences), dict(sinks=call.options.sinks, dropout_p=call.dropout_p), out
+    return ((*views, None, *call.options[:5], sequences), dict(sinks=call.options.sinks,
+                                                                dropout_p=call.options.dropout_p), out)
 
 
 def _paged_attention(call: _VarlenCall, who: str):
@@ -461,9 +349,18 @@ def _paged_attention(call: _VarlenCall, who: str):
                                        for t in (call.q, call.k, call.v, call.options.sinks)):
         raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
                            "sinks must not require grad (use torch.no_grad() or detach them)")
-    if call.q.is_neg() or call.k.is_neg() or call.v.is_neg():
+    rng_state = dropout_rng_state(call.q.device) if call.options.dropout_p > 0.0 else None
+    if not _is_traced() and (call.q.is_neg() or call.k.is_neg() or call.v.is_neg()):
         call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
+    if _is_traced():  # the attention op, with the same table
+        block_table, capacity = call.paged
+        scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
+        table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k, paged=True)
+        views = [packed_view(call.q), call.k.transpose(1, 2), call.v.transpose(1, 2)]
+        out4 = attention_through_torch(*views, None, causal, scale, False, band, True, softcap, alibi, dropout_p,
+                                       rng_state, sinks, Sequences(table, call.max_q, min(call.max_k, capacity),
+                                                                   block_table))
+        return out4.squeeze(0).transpose(0, 1)
     args, options, out = _paged_arguments(call)
-    rng_state = dropout_rng_state(call.q.device) if call.dropout_p > 0.0 else None
     run_forward(*args, **options, rng_state=rng_state)
     return out

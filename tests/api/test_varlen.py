@@ -177,8 +177,11 @@ def test_transformers_padding_free_llama_matches_eager_per_sequence(monkeypatch,
     packed = torch.cat(ids)[None]
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     calls, host_checks = [], []
-    run, check = _varlen.run_forward, _varlen._check_prefix_sums
-    monkeypatch.setattr(_varlen, "run_forward", lambda *a, **k: calls.append(1) or run(*a, **k))
+    from flashattn_mps import _core
+
+    run, check = _core.forward, _varlen._check_prefix_sums
+    monkeypatch.setattr(_core, "forward", lambda device, tensors, *a: tensors.get("sequences") is not None
+                        and calls.append(1) or run(device, tensors, *a))
     monkeypatch.setattr(_varlen, "_check_prefix_sums", lambda *a, **k: host_checks.append(1) or check(*a, **k))
     extra = {}
     if through == "flash_kwargs":

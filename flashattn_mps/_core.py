@@ -1,0 +1,334 @@
+"""The one module that calls the C core's attention entry points, and the tensor-level runs over it.
+
+The binding's contract: `forward(device, tensors, options, workspace)`,
+`forward_workspace_bytes(device, tensors, options)`, `plan_forward(device, tensors, options)`,
+`backward(device, tensors, options)` and `plan_backward(device, tensors, options)`, where
+`tensors` maps slot names (q, k, v, out, lse, mask, alibi_slopes, rng_state, sinks, sequences,
+sequence_scratch, block_table; for the backward also dout, delta, dq, dk, dv, sink_grad) to tensors
+or None, and `options` is the tuple `_options.core_options` builds (scale, causal, bottom_right,
+window_left, window_right, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
+max_kv_len, unbatched). Above them: forward_core, backward_core and probs_core allocate the outputs
+of an attention call whose options are checked and run it; every entry point ends in one of them."""
+from __future__ import annotations
+
+import torch
+
+from . import _C, _metal_mode, _sources
+from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, check_call, core_options, scale_value
+
+_CONTIGUOUS = torch.contiguous_format
+
+
+# --- The binding's calls. Until the new binding lands, they are adapted here to the positional ----
+# --- binding of csrc/bindings/module.cpp; then each becomes `_C.<name>(device, tensors, options...)`.
+
+def _band(options: tuple):
+    """The positional binding's band: None (no window, top-left diagonal) or (bottom_right, left, right)."""
+    if not options[2] and options[3] == -1 and options[4] == -1:
+        return None
+    return int(options[2]), options[3], options[4]
+
+
+def _keywords(tensors: dict, options: tuple, forward: bool) -> dict:
+    """The positional binding's keyword arguments for these slots and options."""
+    get = tensors.get
+    table = get("sequences")
+    words = dict(mask=get("mask"), band=_band(options), softcap=options[5], alibi_slopes=get("alibi_slopes"),
+                 dropout_p=options[6], rng_state=get("rng_state"), sinks=get("sinks"),
+                 sequences=None if table is None else (table, tensors["sequence_scratch"], options[10], options[11],
+                                                       get("block_table")))
+    if forward:
+        words.update(num_splits=options[8], write_probs=options[9])
+    else:
+        words.update(sink_grad=get("sink_grad"))
+    return words
+
+
+def forward(device: int, tensors: dict, options: tuple, workspace=None) -> None:
+    get = tensors.get
+    if get("sequences") is None:  # all positional: keywords cost pybind11 microseconds on the hot path
+        band = None if not options[2] and options[3] == -1 and options[4] == -1 else _band(options)
+        _C.forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1], options[7],
+                   workspace, get("mask"), options[12], band, options[5], get("alibi_slopes"), options[6],
+                   get("rng_state"), options[9], get("sinks"), None, options[8])
+        return
+    words = _keywords(tensors, options, True)
+    if options[12]:
+        words["unbatched"] = True
+    _C.forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1], options[7],
+               workspace, **words)
+
+
+def forward_workspace_bytes(device: int, tensors: dict, options: tuple) -> int:
+    get = tensors.get
+    words = _keywords(tensors, options, True)
+    return _C.forward_workspace_bytes(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0],
+                                      options[1], options[7], mask=words["mask"], band=words["band"],
+                                      softcap=words["softcap"], alibi_slopes=words["alibi_slopes"],
+                                      sinks=words["sinks"])
+
+
+def plan_forward(device: int, tensors: dict, options: tuple) -> dict:
+    get = tensors.get
+    return _C.plan_forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1],
+                           options[7], **_keywords(tensors, options, True))
+
+
+def _backward_positional(device: int, tensors: dict, options: tuple) -> tuple:
+    get = tensors.get
+    return (device, get("q"), get("k"), get("v"), get("out"), get("lse"), get("dout"), get("delta"), get("dq"),
+            get("dk"), get("dv"), options[0], options[1])
+
+
+def backward(device: int, tensors: dict, options: tuple) -> None:
+    words = _keywords(tensors, options, False)
+    if options[12]:
+        words["unbatched"] = True
+    _C.backward(*_backward_positional(device, tensors, options), **words)
+
+
+def plan_backward(device: int, tensors: dict, options: tuple) -> list:
+    return _C.plan_backward(*_backward_positional(device, tensors, options), **_keywords(tensors, options, False))
+
+
+# --- end of the adapter ------------------------------------------------------------------------
+
+
+def _prepare_mps() -> None:
+    """Before a Metal call: the stream mode is chosen on first use (flashattn_mps._metal_mode)."""
+    _metal_mode.prepare()
+
+
+def device_code(t: torch.Tensor) -> int:
+    """The core's device of a call on t's device, made ready (Metal's stream mode, the kernels' sources)."""
+    if t.is_cpu:
+        device = _C.DEVICE_CPU
+    else:
+        device = _C.DEVICE_MPS
+        _prepare_mps()
+    if not _sources.registered:
+        _sources.ensure_registered()
+    return device
+
+
+def _cpu_workspace(nbytes: int) -> torch.Tensor:
+    return torch.empty((nbytes + 3) // 4, dtype=torch.float32)
+
+
+def _mps_workspace(nbytes: int) -> torch.Tensor:
+    return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device="mps")
+
+
+# The core asks for scratch memory (split-K partial results) only when a plan needs it: it
+# allocates nothing itself.
+_WORKSPACES = {_C.DEVICE_CPU: _cpu_workspace, _C.DEVICE_MPS: _mps_workspace}
+
+
+def describe(t: torch.Tensor) -> tuple:
+    """The C core's view of a tensor: (storage, storage bytes, byte offset, dtype, sizes, strides).
+
+    The storage handle is the host address for CPU tensors and the id<MTLBuffer> for MPS tensors
+    (PyTorch's MPS allocator hands out the buffer object as the storage's data pointer). `_C`
+    reads a torch.Tensor argument the same way itself; descriptors are for calling it by hand."""
+    storage = t.untyped_storage()
+    return (
+        storage.data_ptr(),
+        storage.nbytes(),
+        t.storage_offset() * t.element_size(),
+        _DESCRIPTOR_DTYPES[t.dtype],
+        tuple(t.shape),
+        tuple(t.stride()),
+    )
+
+
+def dropout_rng_state(device: torch.device) -> torch.Tensor:
+    """Dropout's generator state for one call: four random int32 words (Philox seed and counter
+    offset, metal/fa_dropout.h) drawn from torch's default generator of `device` (the MPS one on
+    "mps", the CPU one on "cpu"), so torch.manual_seed makes calls reproducible and consecutive calls
+    drop differently. Drawn on the device, so no host synchronisation is needed to use them; the
+    backward takes the same tensor and regenerates the forward's mask."""
+    return torch.randint(-(2**31), 2**31, (4,), dtype=torch.int32, device=device)
+
+
+def planning_rng_state(device) -> torch.Tensor:
+    """Generator words for planning a dropout call: zeros, so that explaining draws nothing from
+    torch's generator (the words change no plan)."""
+    return torch.zeros(4, dtype=torch.int32, device=device)
+
+
+def _rng_words(rng_state):
+    """The core's view of a generator state: the int32 words as a float32 descriptor (bits unchanged)."""
+    return None if rng_state is None else rng_state.view(torch.float32)
+
+
+def sequence_args(table: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None) -> tuple:
+    """A call's sequences: the (B, 6) int32 table (metal/fa_sequence.h), scratch for the
+    per-sequence kernel arguments, the grid's lengths, and the (B, pages) block table of a paged
+    cache or None."""
+    words = (table.shape[0] * _C.SEQUENCE_PARAMS_BYTES + 3) // 4
+    scratch = torch.empty(max(words, 1), dtype=torch.float32, device=table.device)
+    return table, scratch, max_q_len, max_kv_len, block_table
+
+
+def _sequence_slots(tensors: dict, sequences) -> tuple:
+    """Puts sequence_args' tensors into the slots; returns the grid's (max_q_len, max_kv_len)."""
+    if sequences is None:
+        return 0, 0
+    tensors["sequences"], tensors["sequence_scratch"], max_q, max_kv, tensors["block_table"] = sequences
+    return max_q, max_kv
+
+
+def run_forward(q, k, v, out, lse, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO, sinks=None,
+                dropout_p=0.0, rng_state=None, num_splits=0, mask=None, write_probs=False, workspace=None,
+                unbatched=False) -> None:
+    """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
+    checked; sequences: sequence_args' tuple or None."""
+    device = device_code(q)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
+               "rng_state": _rng_words(rng_state), "sinks": sinks}
+    max_q, max_kv = _sequence_slots(tensors, sequences)
+    options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, write_probs, max_q, max_kv,
+                           unbatched)
+    forward(device, tensors, options, _WORKSPACES[device] if workspace is None else workspace)
+
+
+def plan_run(q, k, v, out, lse, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO, sinks=None,
+             dropout_p=0.0, rng_state=None, num_splits=0, mask=None, write_probs=False) -> dict:
+    """What run_forward with these arguments would launch, as explain_plan shows it, without
+    running (the planner reads shapes, strides and options, never an element)."""
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
+               "rng_state": _rng_words(rng_state), "sinks": sinks}
+    max_q, max_kv = _sequence_slots(tensors, sequences)
+    options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, write_probs, max_q, max_kv)
+    return explained(plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options), q.device)
+
+
+def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
+                 softcap=0.0, alibi=None, dropout_p=0.0, rng_state=None, sinks=None, sequences=None, num_splits=0):
+    """Runs the forward on tensors whose options are checked and whose mask (or None) is the
+    (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here.
+    sequences: sequence_args' tuple of a packed or cached call over (B, H, L, D) views, or None.
+    seq_major: out is allocated (B, L, H, Ev) in memory, seen as (B, H, L, Ev)."""
+    if q.is_cpu:  # _C checks that every tensor is on this device
+        device = _C.DEVICE_CPU
+    elif q.is_mps:
+        device = _C.DEVICE_MPS
+        _prepare_mps()
+    else:
+        check_call(q, k, v, causal, scale, mask)
+        raise ValueError(f"flash_attention: q is on device '{q.device}'")  # check_call raises first
+    dims = q.dim()
+    if not (q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims):
+        check_call(q, k, v, causal, scale, mask)
+    if q.is_neg() or k.is_neg() or v.is_neg():
+        q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
+    shape = q.shape
+    if scale is None:
+        scale = scale_value(shape[-1], None)
+    rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
+    value_dim = v.shape[-1]
+    if seq_major:  # (B, L, H, Ev) in memory, seen as (B, H, L, Ev)
+        out = q.new_empty((shape[0], shape[2], shape[1], value_dim)).transpose(1, 2)
+    elif value_dim == shape[-1]:
+        out = torch.empty_like(q, memory_format=_CONTIGUOUS)
+    else:
+        out = q.new_empty((*rows, value_dim))
+    lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
+    if not _sources.registered:
+        _sources.ensure_registered()
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
+               "rng_state": None if rng_state is None else _rng_words(rng_state), "sinks": sinks}
+    max_q = max_kv = 0
+    if sequences is not None:
+        max_q, max_kv = _sequence_slots(tensors, sequences)
+    if band is None:  # (core_options, inline: this is every plain call's path)
+        options = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
+                   dims == 3)
+    else:
+        options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
+                               dims == 3)
+    try:
+        forward(device, tensors, options, _WORKSPACES[device])
+    except (TypeError, ValueError):
+        check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
+        raise
+    return out, lse
+
+
+def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+                  dropout_p=0.0, rng_state=None, sinks=None, sequences=None):
+    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None; dropout_p and
+    rng_state the forward's, so the same probabilities are dropped), and after them dsinks, the
+    (Hq,) float32 gradient of the sinks, when sinks (float32 (Hq,)) is given. With sequences, the
+    rows of q, k and v no sequence holds get zero gradients and no share of dsinks."""
+    device = device_code(q)  # _C checks every tensor's device
+    if dout.is_neg():
+        dout = dout.resolve_neg()
+    if sequences is None:
+        dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    else:  # the kernels write only the rows of some sequence
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
+    # Each row's term of the sinks' gradient (B, Hq, L), summed below over batch and rows, deterministically.
+    sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta, "dq": dq, "dk": dk,
+               "dv": dv, "mask": mask, "alibi_slopes": alibi, "rng_state": _rng_words(rng_state), "sinks": sinks,
+               "sink_grad": sink_grad}
+    max_q, max_kv = _sequence_slots(tensors, sequences)
+    backward(device, tensors, core_options(scale, causal, band, softcap, dropout_p, max_q_len=max_q,
+                                           max_kv_len=max_kv, unbatched=q.dim() == 3))
+    if sinks is None:
+        return dq, dk, dv
+    if sequences is not None:  # rows past the last sequence hold no term
+        table = sequences[0]
+        end = (table[:, 1] + table[:, 2]).max(dim=0, keepdim=True)[0] if table.shape[0] else table.new_zeros(1)
+        sink_grad = sink_grad.masked_fill(torch.arange(q.shape[-2], device=q.device) >= end, 0.0)
+    return dq, dk, dv, sink_grad.sum(dim=-1).reshape(-1, sink_grad.shape[-2]).sum(dim=0)
+
+
+def probs_arguments(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+                    dropout_p=0.0, rng_state=None, sequences=None):
+    """The probability pass's slots and options, as forward and plan_forward take them, and the
+    shape of the probabilities it writes: (B, Hq, L, S), or with sequences (sequence_args) the
+    grid's (sequences, Hq, max_seqlen_q, max_seqlen_k), each sequence in its top-left block."""
+    if rng_state is None:  # no dropout: every probability is kept whatever the words
+        rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
+    shape = (*q.shape[:-1], k.shape[-2]) if sequences is None else \
+        (sequences[0].shape[0], q.shape[-3], sequences[2], sequences[3])
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
+               "rng_state": _rng_words(rng_state)}
+    max_q, max_kv = _sequence_slots(tensors, sequences)
+    options = core_options(scale, causal, band, softcap, dropout_p, _C.KERNEL_SIMPLE, 0, True, max_q, max_kv,
+                           q.dim() == 3)
+    return tensors, options, shape
+
+
+def probs_pass_runs(lse: torch.Tensor) -> bool:
+    """Whether there is a probability pass to run: an empty lse (no query rows) has no storage for
+    the core to read, and every probability is 0."""
+    return lse.numel() > 0
+
+
+def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
+               dropout_p=0.0, rng_state=None, sequences=None) -> torch.Tensor:
+    """The attention probabilities of forward_core's call that returned out and lse, as flash-attn's
+    return_attn_probs shows them: (B, Hq, L, S) float32, exp(s_ij - lse_i) for every key row i sees,
+    negated where dropout dropped it (0 elsewhere). The simple kernel's probability pass computes
+    them from the same scores and generator as the attention kernels (csrc/fa_core.h, write_probs);
+    an L x S array, for tests. sequences: a varlen call's, with its (1, Hq, total, D) views (the
+    layout probs_arguments says)."""
+    tensors, options, shape = probs_arguments(q, k, v, out, lse, mask, causal, scale, band, softcap, alibi, dropout_p,
+                                              rng_state, sequences)
+    probs = torch.zeros(shape, dtype=torch.float32, device=q.device)
+    if not probs_pass_runs(lse):
+        return probs
+    forward(device_code(q), tensors, options, probs.view(-1))
+    return probs
+
+
+def explained(plan: dict, device: torch.device) -> dict:
+    """A plan as the explain functions return it: with "metal_stream" (how dispatches reach the GPU)
+    for MPS tensors."""
+    if device.type == "mps":
+        plan["metal_stream"] = _metal_mode.describe()
+    return plan

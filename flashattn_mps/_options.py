@@ -1,0 +1,355 @@
+"""A call's options as one checked value, and the argument checks that build it.
+
+Every entry point (flash_attention, the SDPA drop-in, flash_attn_func, flash_attn_varlen_func,
+flash_attn_with_kvcache and the explain functions) checks its arguments with these helpers, so a
+wrong argument gets the same message whichever function it was given to (`who` names the
+function). `AttentionOptions` holds the result; `AttentionOptions.core` turns it into the C
+binding's options tuple (flashattn_mps._core)."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _C
+
+_DTYPE_CODES = {
+    torch.float32: _C.DTYPE_FLOAT32,
+    torch.float16: _C.DTYPE_FLOAT16,
+    torch.bfloat16: _C.DTYPE_BFLOAT16,
+}
+
+
+_DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL,  # bool only for masks
+                      torch.int32: _C.DTYPE_INT32}  # int32 only for sequence tables (_varlen.py)
+_C.set_tensor_dtypes(_DESCRIPTOR_DTYPES)
+
+
+_DEVICE_CODES = {"cpu": _C.DEVICE_CPU, "mps": _C.DEVICE_MPS}
+
+
+_KERNELS = {
+    "auto": _C.KERNEL_AUTO,
+    "simple": _C.KERNEL_SIMPLE,
+    "forward": _C.KERNEL_FORWARD,
+    "decode": _C.KERNEL_DECODE,
+}
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def type_name(value) -> str:
+    """"str", "numpy.bool", "list": the type as a user would write it."""
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def given(value) -> str:
+    """"numpy.bool True", "str '0.5'", "list []": what a caller passed, for messages."""
+    shown = repr(value) if isinstance(value, str) else str(value)
+    return f"{type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
+
+
+def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
+    """Raises the first problem of a call, in Python's terms; returns when it finds none."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type_name(t)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type not in _DEVICE_CODES:
+            raise ValueError(
+                f"flash_attention: {name} is on device '{t.device}'; supported devices are mps (Metal) "
+                "and cpu (the CPU Metal device)"
+            )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _DTYPE_CODES:
+            raise TypeError(
+                f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16"
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            "flash_attention: q, k, v must all be 4-D (B, H, L, E) or all 3-D (H, L, E), got "
+            f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+        )
+    def shapes():  # only for messages: torch.compile cannot trace str() of symbolic shapes
+        return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+
+    if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"flash_attention: batch sizes differ: {shapes()}")
+    if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"flash_attention: k and v must have the same heads and sequence length: {shapes()}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"flash_attention: q and k must have the same head dim: {shapes()}")
+    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0:
+        raise ValueError(
+            f"flash_attention: the number of query heads ({q.shape[-3]}) must be a multiple of the number "
+            f"of key/value heads ({k.shape[-3]}): {shapes()}"
+        )
+    for name, t in (("q", q), ("v", v)):
+        if t.shape[-1] > _C.MAX_HEAD_DIM:
+            raise ValueError(
+                f"flash_attention: head dims up to {_C.MAX_HEAD_DIM} are supported, {name} has {t.shape[-1]}: "
+                f"{shapes()}"
+            )
+    check_causal_and_scale(causal, scale)
+    if attn_mask is not None and causal:
+        raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
+
+
+def check_causal_and_scale(causal, scale) -> float:
+    """Raises for a causal that is not a bool or a scale that is not a number; returns the scale as
+    a float (None stays None)."""
+    if causal is not True and causal is not False:
+        raise TypeError(f"flash_attention: causal must be a bool (True or False), got {given(causal)}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(
+            f"flash_attention: scale must be a float or None (an int is taken as a float), got {given(scale)}"
+        )
+    return None if scale is None else float(scale)
+
+
+def check_window(window_size, who: str) -> tuple:
+    """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"{who}: window_size must be a pair of ints (left, right), got {given(window_size)}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"{who}: window_size sides must be -1 (unbounded) or >= 0, got ({left}, {right})")
+    return int(left), int(right)
+
+
+def check_alibi(slopes, q: torch.Tensor) -> torch.Tensor:
+    """ALiBi slopes of flash_attention's q (B, Hq, L, E) or (Hq, L, E), as alibi_view gives them."""
+    batch, heads = (q.shape[0], q.shape[1]) if q.dim() == 4 else (1, q.shape[0])
+    return alibi_view(slopes, batch, heads, q.device, "flash_attention")
+
+
+def alibi_view(slopes, batch: int, heads: int, device, who: str):
+    """ALiBi slopes (None, or float32 (Hq,) or (B, Hq) on `device`) as the (B, Hq) view the core
+    reads (a batch stride of 0 for (Hq,) slopes), or None."""
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {type_name(slopes)}")
+    if slopes.dtype != torch.float32 or slopes.device != device:
+        raise TypeError(
+            f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on {slopes.device}"
+        )
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"{who}: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got "
+            f"{tuple(slopes.shape)}"
+        )
+    slopes = slopes.detach()
+    return _resolved(slopes).expand(batch, heads)
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """t with torch's lazy negation resolved (a copy only when t is negated). torch.compile cannot
+    trace the test, so traced calls leave it to the ops, which run these checks again."""
+    return t if _is_compiling() or not t.is_neg() else t.resolve_neg()
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def check_bool(value, name: str, who: str) -> bool:
+    if value is not True and value is not False:
+        raise TypeError(f"{who}: {name} must be a bool, got {given(value)}")
+    return value
+
+
+def check_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.Tensor:
+    """Attention sinks as the (Hq,) float32 tensor the core reads: float32 as given, or q's dtype
+    converted to float32 (a copy of Hq numbers, differentiable, so gradients reach the given tensor).
+    q is seen with heads third from last, as (..., Hq, L, E)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{who}: sinks must be a torch.Tensor or None, got {type_name(sinks)}")
+    if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
+        raise TypeError(
+            f"{who}: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
+            f"{sinks.dtype} on {sinks.device}"
+        )
+    heads = q.shape[-3]
+    if sinks.shape != (heads,):
+        raise ValueError(
+            f"{who}: sinks must be (Hq,) = ({heads},), one logit per query head, got {tuple(sinks.shape)} "
+            f"for q {_shape(q)}"
+        )
+    sinks = sinks.float()
+    return _resolved(sinks)
+
+
+def check_softcap(softcap, who: str) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{who}: softcap must be a float, got {given(softcap)}")
+    if not (0.0 <= softcap < math.inf):
+        raise ValueError(f"{who}: softcap must be 0.0 (none) or positive and finite, got {softcap}")
+    return float(softcap)
+
+
+def check_dropout(dropout_p, who: str) -> float:
+    """dropout_p as a float in [0, 1]."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"{who}: dropout_p must be a float, got {given(dropout_p)}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{who}: dropout_p must be in [0, 1], got {dropout_p}")
+    return float(dropout_p)
+
+
+def band_of(causal, window_size, window_align=None):
+    """flash_attention's causal (False, True, "bottom_right"), window_size and window_align (None,
+    "top_left", "bottom_right") as the core's causal flag and band: None (SDPA's top-left causal, no
+    window) or (bottom_right, left, right)."""
+    bottom_right = isinstance(causal, str) and causal == "bottom_right"
+    if isinstance(causal, str) and not bottom_right:
+        raise ValueError(f"flash_attention: causal must be True, False or 'bottom_right', got {given(causal)}")
+    if window_align is not None:
+        if window_align not in ("top_left", "bottom_right"):
+            raise ValueError(
+                f"flash_attention: window_align must be None, 'top_left' or 'bottom_right', got {given(window_align)}"
+            )
+        if causal is not False and (window_align == "bottom_right") != bottom_right:
+            raise ValueError(
+                f"flash_attention: window_align={window_align!r} contradicts causal={causal!r}, which anchors the "
+                "window itself (True: top-left, 'bottom_right': bottom-right); window_align is for causal=False"
+            )
+        bottom_right = window_align == "bottom_right"
+    left, right = (-1, -1) if window_size is None else check_window(window_size, "flash_attention")
+    if window_size is None and not bottom_right:
+        return causal, None
+    return (causal is not False), (int(bottom_right), left, right)
+
+
+def supported_mask_dtype(mask_dtype: torch.dtype, query_dtype: torch.dtype) -> bool:
+    """SDPA's rule: bool, float32, or the query's dtype."""
+    return mask_dtype in (torch.bool, torch.float32, query_dtype)
+
+
+def check_mask(attn_mask, q: torch.Tensor, k: torch.Tensor):
+    """The mask as a (B, Hq, L, S) view (broadcast dims get stride 0; nothing is expanded in memory)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"flash_attention: attn_mask must be a torch.Tensor or None, got {type_name(attn_mask)}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"flash_attention: attn_mask is on {attn_mask.device}, q on {q.device}")
+    if not supported_mask_dtype(attn_mask.dtype, q.dtype):
+        raise TypeError(
+            f"flash_attention: attn_mask has dtype {attn_mask.dtype}; masks are bool (True takes part), "
+            f"float32 or the query's dtype ({q.dtype}), added to the scaled scores"
+        )
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        raise ValueError("flash_attention: attn_mask requires grad, but masks are not differentiated")
+    target = (*q.shape[:-1], k.shape[-2])
+    if attn_mask.shape == target:
+        return attn_mask.resolve_neg() if attn_mask.is_neg() else attn_mask
+    try:
+        view = attn_mask.expand(target)
+    except RuntimeError:
+        raise ValueError(
+            f"flash_attention: attn_mask {tuple(attn_mask.shape)} does not broadcast to (B, Hq, L, S) = {target}"
+        ) from None
+    return view.resolve_neg() if view.is_neg() else view
+
+
+def check_kernel(kernel, return_lse) -> int:
+    """The kernel's code; raises for an unknown kernel or a return_lse that is not a bool."""
+    if return_lse is not True and return_lse is not False:
+        raise TypeError(f"flash_attention: return_lse must be a bool (True or False), got {given(return_lse)}")
+    if not isinstance(kernel, str):
+        raise TypeError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {given(kernel)}")
+    if kernel not in _KERNELS:
+        raise ValueError(f"flash_attention: kernel must be one of {sorted(_KERNELS)}, got {given(kernel)}")
+    return _KERNELS[kernel]
+
+
+def scale_value(head_dim: int, scale) -> float:
+    """SDPA's default 1/sqrt(E); with E == 0 every score is 0 and the core ignores the scale."""
+    if scale is not None:
+        return float(scale)
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 0.0
+
+
+
+def check_int(value, name: str, who: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{who}: {name} must be an int, got {given(value)}")
+    if value < 0 or value >= 2**31:
+        raise ValueError(f"{who}: {name} must be in [0, 2^31), got {value}")
+    return value
+
+
+def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
+    """A 1-D int32 tensor on `device` (of `length` entries when given), as flash-attn requires."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {given(t)}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{who}: {name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or (length is not None and t.shape[0] != length):
+        want = f"({length},)" if length is not None else "1-D"
+        raise ValueError(f"{who}: {name} must be {want}, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{who}: {name} is on {t.device}, q on {device}")
+
+
+def check_scale(softmax_scale, head_dim: int, who: str) -> float:
+    """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"{who}: softmax_scale must be a float or None, got {given(softmax_scale)}")
+    return scale_value(head_dim, softmax_scale)
+
+
+def check_common(who: str, causal, window_size, softcap, deterministic):
+    """The options flash_attn_varlen_func and flash_attn_with_kvcache share with flash_attn_func."""
+    check_bool(causal, "causal", who)
+    check_bool(deterministic, "deterministic", who)
+    left, right = check_window(window_size, who)
+    return (1, left, right), check_softcap(softcap, who)
+
+
+class AttentionOptions(NamedTuple):
+    """A call's checked options: what every entry point builds from its arguments with the checks
+    above, and what the forward, the backward, the autograd Function and the custom ops carry.
+
+    scale: a float (the default already resolved); causal: a bool; band: None (no window, SDPA's
+    top-left causal diagonal) or (bottom_right, left, right), as band_of and check_common give;
+    softcap: a float, 0.0 for none; alibi: None or the (B, Hq) float32 slopes view
+    (alibi_view); sinks: None or the (Hq,) float32 logits (check_sinks); dropout_p: a float in
+    [0, 1]; kernel: a _C.KERNEL_* code; num_splits: the decode kernel's split-K, 0 for the
+    planner's choice."""
+    scale: float
+    causal: bool
+    band: Optional[tuple] = None
+    softcap: float = 0.0
+    alibi: Optional[torch.Tensor] = None
+    sinks: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    kernel: int = _C.KERNEL_AUTO
+    num_splits: int = 0
+
+    def core(self, write_probs: bool = False, max_q_len: int = 0, max_kv_len: int = 0,
+             unbatched: bool = False) -> tuple:
+        """The C binding's options tuple (_C.OPTION_FIELDS' order, flashattn_mps._core)."""
+        return core_options(self.scale, self.causal, self.band, self.softcap, self.dropout_p, self.kernel,
+                            self.num_splits, write_probs, max_q_len, max_kv_len, unbatched)
+
+
+def core_options(scale: float, causal: bool, band=None, softcap: float = 0.0, dropout_p: float = 0.0,
+                 kernel: int = _C.KERNEL_AUTO, num_splits: int = 0, write_probs: bool = False, max_q_len: int = 0,
+                 max_kv_len: int = 0, unbatched: bool = False) -> tuple:
+    """The C binding's options tuple: scale, causal, bottom_right, window_left, window_right,
+    softcap, dropout_p, kernel, num_splits, write_probs, max_q_len, max_kv_len, unbatched. A band of
+    None is no window on SDPA's top-left diagonal (bottom_right False, both sides -1)."""
+    if band is None:
+        return (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
+                max_kv_len, unbatched)
+    return (scale, causal, bool(band[0]), band[1], band[2], softcap, dropout_p, kernel, num_splits, write_probs,
+            max_q_len, max_kv_len, unbatched)
+
