@@ -183,11 +183,7 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
 }
 
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
-    const fa_tensor *views[] = {&a->dq,  &a->dk,   &a->dv,  &a->delta, &a->sink_grad, &a->q,    &a->k,
-                                &a->v,   &a->out,  &a->dout, &a->lse,  &a->mask,      &a->sinks, &a->rng_state};
-    const char *const names[] = {"dq", "dk", "dv", "delta", "sink_grad", "q", "k", "v", "out", "dout", "lse", "mask",
-                                 "sinks", "rng_state"};
-    return fa_check_no_alias(views, names, 14, 5, st);
+    return fa_check_slot_aliases(a, FA_BACKWARD, 0, st);
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
@@ -208,16 +204,14 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.out = a->out;
     forward_args.lse = a->lse;
     forward_args.mask = a->mask;
-    forward_args.scale = a->scale;
-    forward_args.causal = a->causal;
-    forward_args.band = a->band;
-    forward_args.softcap = a->softcap;
+    forward_args.options = a->options;
+    forward_args.options.kernel = FA_KERNEL_FORWARD;
+    forward_args.options.num_splits = 0;
+    forward_args.options.write_probs = 0;
     forward_args.alibi_slopes = a->alibi_slopes;
-    forward_args.dropout_p = a->dropout_p;
     forward_args.rng_state = a->rng_state;
     forward_args.sinks = a->sinks;
     forward_args.sequences = a->sequences;
-    forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
     if ((rc = fa_plan_forward(&forward_args, &forward, st)) ||
@@ -245,7 +239,7 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     copy_strides(p->dk_strides, &a->dk, 4);
     copy_strides(p->dv_strides, &a->dv, 4);
     copy_strides(p->delta_strides, &a->delta, 3);
-    p->scale = (float)a->scale;
+    p->scale = (float)a->options.scale;
     if (with_sinks) {
         copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
     }

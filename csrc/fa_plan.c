@@ -351,12 +351,31 @@ int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *name
     return FA_OK;
 }
 
+int32_t fa_check_slot_aliases(const void *args, int32_t direction, int32_t with_workspace, fa_status *st) {
+    const fa_tensor *views[FA_SLOT_COUNT];
+    const char *names[FA_SLOT_COUNT];
+    int32_t n = 0, outputs = 0;
+    for (int32_t pass = 0; pass < 2; ++pass) { /* the outputs first, then the inputs */
+        for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+            const fa_tensor_slot *slot = &fa_tensor_slots[i];
+            const fa_tensor *t = fa_slot_tensor(args, direction, i);
+            const int32_t role = direction == FA_FORWARD ? slot->forward_role : slot->backward_role;
+            if (t == NULL || role != (pass == 0 ? FA_ROLE_OUTPUT : FA_ROLE_INPUT) ||
+                (i == FA_SLOT_WORKSPACE && !with_workspace)) {
+                continue;
+            }
+            views[n] = t;
+            names[n++] = slot->name;
+        }
+        if (pass == 0) {
+            outputs = n;
+        }
+    }
+    return fa_check_no_alias(views, names, n, outputs, st);
+}
+
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
-    const fa_tensor *views[] = {&a->workspace, &a->out,  &a->lse,       &a->q,    &a->k,
-                                &a->v,         &a->mask, &a->rng_state, &a->sinks};
-    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask", "rng_state", "sinks"};
-    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 9 - !with_workspace,
-                             3 - !with_workspace, st);
+    return fa_check_slot_aliases(a, FA_FORWARD, with_workspace, st);
 }
 
 static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
@@ -553,10 +572,10 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
     add_constant_bool(d, FA_FC_ALIBI, fa_tensor_present(&a->alibi_slopes));
     add_constant_bool(d, FA_FC_SINKS, fa_tensor_present(&a->sinks));
-    add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->write_probs); /* the pass reads it */
+    add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->options.write_probs); /* the pass reads it */
     add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
-    add_constant_int(d, FA_FC_DROPOUT, a->write_probs        ? FA_DROPOUT_PROBS
-                                       : a->dropout_p > 0.0 ? FA_DROPOUT_APPLY
+    add_constant_int(d, FA_FC_DROPOUT, a->options.write_probs        ? FA_DROPOUT_PROBS
+                                       : a->options.dropout_p > 0.0 ? FA_DROPOUT_APPLY
                                                             : FA_DROPOUT_NONE);
     add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
     add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
@@ -748,7 +767,7 @@ static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t co
  * float32 probabilities into the workspace (with sequences the grid's B, L and S: a is its view). */
 static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
-    const double rate = a->dropout_p;
+    const double rate = a->options.dropout_p;
     if (!(rate >= 0.0 && rate <= 1.0)) { /* NaN fails too */
         return fa_fail(st, FA_ERR_VALUE, "dropout_p: must be in [0, 1], got %g", rate);
     }
@@ -756,7 +775,7 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
     const double drop_below = rate * words + 0.5;
     p->dropout_drop_below = drop_below >= words ? UINT32_MAX : (fa_u32)drop_below;
     p->dropout_scale = rate >= 1.0 ? 0.0f : (float)(1.0 / (1.0 - rate));
-    if (rate > 0.0 || a->write_probs) {
+    if (rate > 0.0 || a->options.write_probs) {
         int32_t rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st);
         if (rc != FA_OK) {
             return rc;
@@ -766,15 +785,15 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
                            (long long)a->rng_state.sizes[0]);
         }
     }
-    if (!a->write_probs) {
+    if (!a->options.write_probs) {
         return FA_OK;
     }
     if (a->lse.storage == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass reads the forward's lse, got none");
     }
-    if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_SIMPLE) {
+    if (a->options.kernel != FA_KERNEL_AUTO && a->options.kernel != FA_KERNEL_SIMPLE) {
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass runs the simple kernel, got kernel %d",
-                       a->kernel);
+                       a->options.kernel);
     }
     int64_t bytes;
     if (__builtin_mul_overflow((int64_t)p->batch * p->q_heads, (int64_t)p->q_len * p->kv_len, &bytes) ||
@@ -789,14 +808,14 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
  * mean). Unbounded sides become -L and S, so every bound stays within [-L, S]. */
 static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
-    const fa_band_args *w = &a->band;
-    if (w->windowed && (w->window_left < -1 || w->window_right < -1)) {
+    const fa_options *o = &a->options;
+    if (o->window_left < -1 || o->window_right < -1) {
         return fa_fail(st, FA_ERR_VALUE, "window_size: each side must be -1 (unbounded) or >= 0, got (%lld, %lld)",
-                       (long long)w->window_left, (long long)w->window_right);
+                       (long long)o->window_left, (long long)o->window_right);
     }
-    const int64_t l = p->q_len, s = p->kv_len, diagonal = w->bottom_right ? s - l : 0;
-    const int64_t left = w->windowed ? w->window_left : -1, right = a->causal ? 0 : w->windowed ? w->window_right : -1;
-    plan->banded = a->causal || left >= 0 || right >= 0;
+    const int64_t l = p->q_len, s = p->kv_len, diagonal = o->bottom_right ? s - l : 0;
+    const int64_t left = o->window_left, right = o->causal ? 0 : o->window_right;
+    plan->banded = a->options.causal || left >= 0 || right >= 0;
     if (!plan->banded) {
         return FA_OK;
     }
@@ -867,7 +886,7 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
     }
     p->split_begin = (fa_i32)first_key;
     p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks,
-                                      end_key > first_key ? end_key - first_key : 0, a->num_splits,
+                                      end_key > first_key ? end_key - first_key : 0, a->options.num_splits,
                                       &p->split_count);
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
@@ -897,8 +916,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->device != FA_DEVICE_CPU && a->device != FA_DEVICE_MPS) {
         return fa_fail(st, FA_ERR_TYPE, "unknown device code %d", a->device);
     }
-    if (a->kernel < FA_KERNEL_AUTO || a->kernel > FA_KERNEL_DECODE) {
-        return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->kernel);
+    if (a->options.kernel < FA_KERNEL_AUTO || a->options.kernel > FA_KERNEL_DECODE) {
+        return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->options.kernel);
     }
     int32_t rc;
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
@@ -941,15 +960,15 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
     /* With E == 0 every score is exactly 0 whatever the scale (SDPA gives the mean of v even for
      * the default scale 1/sqrt(0) = inf), so the scale must not turn 0 into NaN. */
-    p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->scale * 1.4426950408889634);
+    p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->options.scale * 1.4426950408889634);
     if ((rc = set_band(a, plan, st)) != FA_OK) {
         return rc;
     }
-    if (!(a->softcap >= 0.0 && a->softcap <= 1e30)) { /* NaN fails too */
-        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->softcap);
+    if (!(a->options.softcap >= 0.0 && a->options.softcap <= 1e30)) { /* NaN fails too */
+        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->options.softcap);
     }
-    p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
-    p->diagonal = a->band.bottom_right ? p->kv_len - p->q_len : 0;
+    p->softcap_log2 = (float)(a->options.softcap * 1.4426950408889634);
+    p->diagonal = a->options.bottom_right ? p->kv_len - p->q_len : 0;
     if (fa_tensor_present(&a->alibi_slopes)) {
         if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
             return rc;
@@ -982,8 +1001,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    const int32_t kernel = a->write_probs                                               ? FA_KERNEL_SIMPLE
-                           : a->kernel != FA_KERNEL_AUTO                                  ? a->kernel
+    const int32_t kernel = a->options.write_probs                                               ? FA_KERNEL_SIMPLE
+                           : a->options.kernel != FA_KERNEL_AUTO                                  ? a->options.kernel
                            : p->q_len <= DECODE_MAX_QUERY_LEN                             ? FA_KERNEL_DECODE
                                                                                           : FA_KERNEL_FORWARD;
     switch (kernel) {

@@ -65,6 +65,10 @@ int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *worksp
  * mask, nor themselves. */
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st);
 
+/* The alias check of a direction's slots (fa_tensor_slots): its outputs against each other and
+ * its inputs (the workspace only with_workspace). */
+int32_t fa_check_slot_aliases(const void *args, int32_t direction, int32_t with_workspace, fa_status *st);
+
 /* The same for the backward: dq, dk, dv, delta against each other and every input (called by
  * fa_plan_backward and, for a cached plan, by fa_backward_prepare). */
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st);

@@ -32,12 +32,15 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p);
 void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,
                              int32_t dtype, uint32_t sequences);
 
-/* Runs the table kernel (params: the plan's), after checking that the scratch it writes overlaps
- * none of `views`; then the attention kernels bind fa_sequence_binding. */
+/* Runs the table kernel (params: the plan's) over the sequence slots of args (fa_forward_args or
+ * fa_backward_args, by direction), after checking that the scratch it writes overlaps no other
+ * tensor of the call; the attention kernels then read the scratch at their sequences buffer. */
 int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
-                          int64_t params_bytes, const fa_sequence_args *s, const fa_tensor *const *views,
-                          const char *const *names, int32_t n_views, fa_status *st);
-fa_binding fa_sequence_binding(const fa_sequence_args *s);
+                          int64_t params_bytes, const void *args, int32_t direction, fa_status *st);
+
+/* Binds every tensor slot of args that the direction's kernels take at its [[buffer(n)]] (the
+ * table's), `present` standing in for an absent one. */
+void fa_bind_slots(fa_dispatch *d, const void *args, int32_t direction, const fa_tensor *present);
 
 #ifdef __cplusplus
 }

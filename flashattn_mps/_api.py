@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import _C, _metal_mode, _sources
+from . import _C, _c_legacy, _metal_mode, _sources
 
 _DTYPE_CODES = {
     torch.float32: _C.DTYPE_FLOAT32,
@@ -497,7 +497,7 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if not _sources.registered:
         _sources.ensure_registered()
     try:
-        _C.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
+        _c_legacy.forward(device, q, k, v, out, lse, scale, causal, kernel, _WORKSPACES[device], mask, dims == 3, band, softcap,
                    alibi, dropout_p, _rng_words(rng_state), False, sinks)
     except (TypeError, ValueError):
         _validate(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
@@ -521,7 +521,7 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
         _sources.ensure_registered()
     # Each row's term of the sinks' gradient (B, Hq, L), summed here over batch and rows, deterministically.
     sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
-    _C.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
+    _c_legacy.backward(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask, q.dim() == 3, band, softcap,
                 alibi, dropout_p, _rng_words(rng_state), sinks, sink_grad)
     if sinks is None:
         return dq, dk, dv
@@ -567,7 +567,7 @@ def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, s
         return probs
     if not _sources.registered:
         _sources.ensure_registered()
-    _C.forward(*args, workspace=probs.view(-1), unbatched=q.dim() == 3, **options)
+    _c_legacy.forward(*args, workspace=probs.view(-1), unbatched=q.dim() == 3, **options)
     return probs
 
 
@@ -620,12 +620,12 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
         sink_grad = None if sinks is None else rows
-        return {"dispatches": _C.plan_backward(device, q, k, v, out, rows, out, rows.clone(), torch.empty_like(q),
+        return {"dispatches": _c_legacy.plan_backward(device, q, k, v, out, rows, out, rows.clone(), torch.empty_like(q),
                                                torch.empty_like(k), torch.empty_like(v), scale, causal,
                                                sink_grad=sink_grad, **options)}
     if backward is not False:
         raise TypeError(f"explain_plan: backward must be a bool, got {_given(backward)}")
-    return explained(_C.plan_forward(device, q, k, v, out, None, scale, causal, code, **options), q.device)
+    return explained(_c_legacy.plan_forward(device, q, k, v, out, None, scale, causal, code, **options), q.device)
 
 
 def _scale_value(head_dim: int, scale) -> float:

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _C, _sources
+from . import _C, _c_legacy, _sources
 from ._api import (_alibi_view, _check_bool, _check_dropout, _check_softcap, _check_window, _flash_attn_lse, _given,
                    _prepare_mps, _rng_words, _scale_value, _validate_sinks, dropout_rng_state, explained,
                    probs_arguments, probs_core, probs_pass_runs)
@@ -123,14 +123,14 @@ def run_forward(*call, **options):
     if not _sources.registered:
         _sources.ensure_registered()
     workspace = (lambda n: torch.empty((n + 3) // 4, dtype=torch.float32, device=args[1].device))
-    _C.forward(*args, workspace, **options)
+    _c_legacy.forward(*args, workspace, **options)
 
 
 def plan_forward(*call, **options) -> dict:
     """What run_forward(*call, **options) would launch, as explain_plan shows it, without running
     (the planner reads shapes, strides and options, never an element)."""
     args, options = forward_arguments(*call, **options)
-    return explained(_C.plan_forward(*args, **options), args[1].device)
+    return explained(_c_legacy.plan_forward(*args, **options), args[1].device)
 
 
 def planning_rng_state(device) -> torch.Tensor:
@@ -209,7 +209,7 @@ class _Varlen(torch.autograd.Function):
                                                                     rng_state)
         if args[0] == _C.DEVICE_MPS:
             _prepare_mps()
-        _C.backward(*args, **options)
+        _c_legacy.backward(*args, **options)
         dsinks = None
         if sinks is not None:
             used = torch.arange(q.shape[0], device=q.device) < (table[:, 1] + table[:, 2]).max(dim=0, keepdim=True)[0]
@@ -412,7 +412,7 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if backward:
         args, kwargs, _ = backward_arguments(q, k, v, out, lse, out, table, call.max_q, call.max_k, *options,
                                              call.options.sinks, call.dropout_p, rng_state)
-        return explained({"dispatches": _C.plan_backward(*args, **kwargs)}, q.device)
+        return explained({"dispatches": _c_legacy.plan_backward(*args, **kwargs)}, q.device)
     views = [packed_view(t) for t in (q, k, v, out)]
     sequences = sequence_args(table, call.max_q, call.max_k)
     plan = plan_forward(*views, lse, *options, sequences, sinks=call.options.sinks, dropout_p=call.dropout_p,
@@ -421,7 +421,7 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         scale, causal, band, softcap, alibi = options
         args, kwargs, _ = probs_arguments(*views, lse, None, causal, scale, band, softcap, alibi, call.dropout_p,
                                           rng_state, sequences)
-        plan["dispatches"] += _C.plan_forward(*args, **kwargs)["dispatches"]
+        plan["dispatches"] += _c_legacy.plan_forward(*args, **kwargs)["dispatches"]
     return plan
 
 
