@@ -6,6 +6,7 @@
 #include "fa_sequence.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,15 @@ typedef struct plan_table {
 /* key_bytes is the room for a key; a direction's keys use its first bytes (key_of), compared as such. */
 static plan_table forward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(plan_key), sizeof(fa_forward_ready), NULL};
 static plan_table backward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(plan_key), sizeof(fa_backward_ready), NULL};
+
+/* Lookups that found their plan and those that planned afresh, forward then backward. */
+static atomic_llong plan_counts[4];
+
+void fa_plan_cache_counts(int64_t counts[4]) {
+    for (int i = 0; i < 4; ++i) {
+        counts[i] = atomic_load_explicit(&plan_counts[i], memory_order_relaxed);
+    }
+}
 
 static size_t slot_bytes(const plan_table *t) { return sizeof(uint64_t) + t->key_bytes + t->value_bytes; }
 
@@ -181,7 +191,9 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
     plan_key key;
     const size_t key_bytes = key_of(a, a->device, &a->options, FA_FORWARD, &key);
     const uint64_t hash = fa_hash_bytes(&key, key_bytes);
-    if (table_find(&forward_plans, &key, key_bytes, hash, ready)) {
+    const int32_t found = table_find(&forward_plans, &key, key_bytes, hash, ready);
+    atomic_fetch_add_explicit(&plan_counts[found ? 0 : 1], 1, memory_order_relaxed);
+    if (found) {
         return check_storage(a, a->device, FA_FORWARD, st);
     }
 
@@ -216,7 +228,9 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     plan_key key;
     const size_t key_bytes = key_of(a, a->device, &a->options, FA_BACKWARD, &key);
     const uint64_t hash = fa_hash_bytes(&key, key_bytes);
-    if (table_find(&backward_plans, &key, key_bytes, hash, ready)) {
+    const int32_t found = table_find(&backward_plans, &key, key_bytes, hash, ready);
+    atomic_fetch_add_explicit(&plan_counts[found ? 2 : 3], 1, memory_order_relaxed);
+    if (found) {
         int32_t rc = check_storage(a, a->device, FA_BACKWARD, st);
         return rc != FA_OK ? rc : fa_plan_check_backward_aliases(a, st);
     }

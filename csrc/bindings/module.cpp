@@ -728,6 +728,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (arguments as for backward)",
           py::arg("device"), py::arg("tensors"), py::arg("options"));
+    m.def("plan_cache_counts", []() {
+        int64_t c[4];
+        fa_plan_cache_counts(c);
+        return py::dict(py::arg("forward_hits") = c[0], py::arg("forward_misses") = c[1],
+                        py::arg("backward_hits") = c[2], py::arg("backward_misses") = c[3]);
+    }, "How the plan cache answered so far: hits and misses (planned afresh) of each direction");
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
     m.def("preprocess", &preprocess, py::arg("source"), py::arg("name"), py::arg("strict"));
