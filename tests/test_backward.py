@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashattn_mps import _C, flash_attention
+from flashattn_mps import _C, _c_legacy, flash_attention
 from flashattn_mps._api import describe
 from conftest import ALL_DTYPES, LAYOUTS, product_case_tensors, sample_product, layout_tensor, max_error, peak_memory_growth, randn, sdpa
 
@@ -216,7 +216,7 @@ def backward_tensors():
 def call_backward(tensors, **replace):
     descs = {name: describe(t) for name, t in tensors.items()}
     descs.update(replace)
-    _C.backward(_C.DEVICE_CPU, *descs.values(), 0.5, False)
+    _c_legacy.backward(_C.DEVICE_CPU, *descs.values(), 0.5, False)
 
 
 def test_c_layer_backward_accepts_good_descriptors():

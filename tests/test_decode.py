@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from flashattn_mps import _C, _sources, explain_plan, flash_attention
+from flashattn_mps import _C, _c_legacy, _sources, explain_plan, flash_attention
 from flashattn_mps._api import describe
 from conftest import ALL_DTYPES, assert_matches_sdpa, max_error, randn, sdpa
 
@@ -245,15 +245,15 @@ def test_missing_or_small_workspace_is_rejected(gen):
     q, k, v = randn(gen, 1, 2, 1, 16), randn(gen, 1, 1, 2000, 16), randn(gen, 1, 1, 2000, 16)
     out = torch.empty(1, 2, 1, 16)
     args = (_C.DEVICE_CPU, describe(q), describe(k), describe(v), describe(out), None, 0.25, False, _C.KERNEL_AUTO)
-    needed = _C.forward_workspace_bytes(*args)
+    needed = _c_legacy.forward_workspace_bytes(*args)
     assert needed > 0
     with pytest.raises(ValueError, match=f"needs a workspace of {needed} bytes"):
-        _C.forward(*args)
+        _c_legacy.forward(*args)
     small = torch.empty(needed // 4 - 1)
     with pytest.raises(ValueError, match="workspace: .* this call needs"):
-        _C.forward(*args, describe(small))
+        _c_legacy.forward(*args, describe(small))
     with pytest.raises(TypeError, match="workspace: must be float32"):
-        _C.forward(*args, describe(torch.empty(needed, dtype=torch.float16)))
+        _c_legacy.forward(*args, describe(torch.empty(needed, dtype=torch.float16)))
     workspace = torch.empty(needed // 4)  # kept alive: a descriptor is only an address
-    _C.forward(*args, describe(workspace))
+    _c_legacy.forward(*args, describe(workspace))
     assert_matches_sdpa(out, q, k, v, scale=0.25)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_mps import _C, flash_attention
+from flashattn_mps import _C, _c_legacy, flash_attention
 from flashattn_mps._api import describe
 
 
@@ -93,7 +93,7 @@ def good_descriptors():
 
 
 def call_c(descs, lse=None, device=_C.DEVICE_CPU, kernel=_C.KERNEL_AUTO):
-    _C.forward(device, *descs, lse, 0.5, False, kernel)
+    _c_legacy.forward(device, *descs, lse, 0.5, False, kernel)
 
 
 def test_c_layer_accepts_good_descriptors():
@@ -218,13 +218,13 @@ def test_c_layer_tensor_arguments_are_checked():
     q, k, v = qkv()
     out = torch.empty(1, 2, 4, 8)
     with pytest.raises(TypeError, match=r"k: got a torch.Tensor of dtype torch.float64; expected a torch.Tensor of dtype float32"):
-        _C.forward(_C.DEVICE_CPU, q, k.double(), v, out, None, 0.5, False, _C.KERNEL_AUTO)
+        _c_legacy.forward(_C.DEVICE_CPU, q, k.double(), v, out, None, 0.5, False, _C.KERNEL_AUTO)
     with pytest.raises(TypeError, match="v must be a torch.Tensor, a 6-field descriptor or None, got object"):
-        _C.forward(_C.DEVICE_CPU, q, k, object(), out, None, 0.5, False, _C.KERNEL_AUTO)
+        _c_legacy.forward(_C.DEVICE_CPU, q, k, object(), out, None, 0.5, False, _C.KERNEL_AUTO)
     with pytest.raises(ValueError, match="k is on device meta; this call runs on cpu"):
-        _C.forward(_C.DEVICE_CPU, q, k.to("meta"), v, out, None, 0.5, False, _C.KERNEL_AUTO)
+        _c_legacy.forward(_C.DEVICE_CPU, q, k.to("meta"), v, out, None, 0.5, False, _C.KERNEL_AUTO)
     with pytest.raises(ValueError, match="q: 4-D tensor; at most 3 dims here"):
-        _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.5, False, _C.KERNEL_AUTO, unbatched=True)
+        _c_legacy.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.5, False, _C.KERNEL_AUTO, unbatched=True)
 
 
 def test_raw_cpu_library_dispatch_names_a_bad_buffer():

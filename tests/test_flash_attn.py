@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashattn_mps
+from flashattn_mps import _c_legacy
 from flashattn_mps import explain_plan, flash_attention, flash_attn_func
 from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product
 
@@ -251,7 +252,7 @@ def test_flash_attention_refuses_bad_band_options(gen):
     with pytest.raises(ValueError, match="window_size"):
         flash_attention(q, q, q, window_size=(0, -3))
     with pytest.raises(ValueError, match="window_size"):
-        flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
+        _c_legacy.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
                                  band=(0, -5, 0))
 
 
@@ -307,7 +308,7 @@ def test_c_layer_refuses_malformed_alibi_slopes(gen):
     zero_d = (storage.data_ptr(), storage.nbytes(), 0, flashattn_mps._C.DTYPE_FLOAT32, (), ())
     for bad, message in ((zero_d, "alibi_slopes"), (slopes[None, :1], r"alibi_slopes: must be \(B, Hq\)")):
         with pytest.raises(ValueError, match=message):
-            flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
+            _c_legacy.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
                                      alibi_slopes=bad)
 
 

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from flashattn_mps import _C, _sources, flash_attention
+from flashattn_mps import _C, _c_legacy, _sources, flash_attention
 from flashattn_mps._api import describe
 from conftest import assert_matches_sdpa, max_error, randn, sdpa
 
@@ -32,21 +32,21 @@ def test_a_cached_plan_still_checks_the_storage_of_every_call(gen):
     q, k, v = randn(gen, 1, 2, 4, 8), randn(gen, 1, 2, 5, 8), randn(gen, 1, 2, 5, 8)
     out = torch.empty(1, 2, 4, 8)
     descs = [describe(t) for t in (q, k, v, out)]
-    _C.forward(_C.DEVICE_CPU, *descs, None, 0.5, False, _C.KERNEL_AUTO)  # plans and caches this shape
+    _c_legacy.forward(_C.DEVICE_CPU, *descs, None, 0.5, False, _C.KERNEL_AUTO)  # plans and caches this shape
     assert_matches_sdpa(out, q, k, v, scale=0.5)
     for index, field, value, message in [(1, 1, 16, "k: the view"), (3, 0, 0, "out: the view"),
                                          (2, 2, 1 << 40, "v: the view")]:
         bad = list(descs)
         bad[index] = tuple(value if i == field else f for i, f in enumerate(descs[index]))
         with pytest.raises(ValueError, match=message):  # same shapes: a plan cache hit
-            _C.forward(_C.DEVICE_CPU, *bad, None, 0.5, False, _C.KERNEL_AUTO)
+            _c_legacy.forward(_C.DEVICE_CPU, *bad, None, 0.5, False, _C.KERNEL_AUTO)
 
 
 def test_tensors_and_descriptors_reach_the_core_alike(gen):
     q, k, v = randn(gen, 2, 4, 9, 16), randn(gen, 2, 2, 30, 16), randn(gen, 2, 2, 30, 8)[..., ::2]
     by_tensor, by_descriptor = torch.full((2, 4, 9, 4), float("nan")), torch.full((2, 4, 9, 4), float("nan"))
-    _C.forward(_C.DEVICE_CPU, q, k, v, by_tensor, None, 0.3, True, _C.KERNEL_AUTO)
-    _C.forward(_C.DEVICE_CPU, *(describe(t) for t in (q, k, v, by_descriptor)), None, 0.3, True, _C.KERNEL_AUTO)
+    _c_legacy.forward(_C.DEVICE_CPU, q, k, v, by_tensor, None, 0.3, True, _C.KERNEL_AUTO)
+    _c_legacy.forward(_C.DEVICE_CPU, *(describe(t) for t in (q, k, v, by_descriptor)), None, 0.3, True, _C.KERNEL_AUTO)
     assert torch.equal(by_tensor, by_descriptor)
     assert_matches_sdpa(by_tensor, q, k, v, causal=True, scale=0.3)
 
@@ -60,25 +60,25 @@ def test_the_workspace_callable_is_asked_only_when_the_plan_needs_it(gen):
 
     q, k, v = randn(gen, 1, 2, 1, 16), randn(gen, 1, 1, 2000, 16), randn(gen, 1, 1, 2000, 16)
     out = torch.empty(1, 2, 1, 16)
-    _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO, workspace)  # split-K decode
-    assert asked == [_C.forward_workspace_bytes(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO)]
+    _c_legacy.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO, workspace)  # split-K decode
+    assert asked == [_c_legacy.forward_workspace_bytes(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO)]
     assert_matches_sdpa(out, q, k, v, scale=0.25)
-    _C.forward(_C.DEVICE_CPU, q, k[:, :, :100], v[:, :, :100], out, None, 0.25, False, _C.KERNEL_AUTO, workspace)
+    _c_legacy.forward(_C.DEVICE_CPU, q, k[:, :, :100], v[:, :, :100], out, None, 0.25, False, _C.KERNEL_AUTO, workspace)
     assert len(asked) == 1  # no split, no workspace
     with pytest.raises(TypeError, match="workspace: must be float32"):
-        _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO,
+        _c_legacy.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO,
                    lambda n: torch.empty(n, dtype=torch.float16))
 
 
 SKIP_EXECUTION = """
     import torch
-    from flashattn_mps import _C, _sources
+    from flashattn_mps import _C, _c_legacy, _sources
     _sources.ensure_registered()
     q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
     out = torch.full((1, 2, 40, 16), float("nan"))
-    _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO)
+    _c_legacy.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO)
     try:  # the host work still runs: a bad call is refused
-        _C.forward(_C.DEVICE_CPU, q, k, v, torch.empty(1, 2, 40, 15), None, 0.25, False, _C.KERNEL_AUTO)
+        _c_legacy.forward(_C.DEVICE_CPU, q, k, v, torch.empty(1, 2, 40, 15), None, 0.25, False, _C.KERNEL_AUTO)
     except ValueError as e:
         print("refused", "must be (B, Hq, L, Ev)" in str(e))
     print("ran", bool(out.isfinite().all()))

@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashattn_mps import _C, _sources, flash_attention, metal_cpu
+from flashattn_mps import _C, _c_legacy, _sources, flash_attention, metal_cpu
 from flashattn_mps._api import describe
 from flashattn_mps.metal_cpu import MetalCompileError, MetalDispatchError, compile_library
 from flashattn_mps.strict_check import find_clang
@@ -484,7 +484,7 @@ def descriptors(dtype=torch.float32):
 
 def forward_c(descs, lse=None, mask=None):
     _sources.ensure_registered()
-    _C.forward(_C.DEVICE_CPU, *descs, lse, 0.5, False, _C.KERNEL_AUTO, None, mask)
+    _c_legacy.forward(_C.DEVICE_CPU, *descs, lse, 0.5, False, _C.KERNEL_AUTO, None, mask)
 
 
 def test_c_layer_rejects_misaligned_offsets_aliases_and_0d_masks():
@@ -524,13 +524,13 @@ def test_c_layer_rejects_backward_outputs_that_alias():
     dout, delta = torch.randn_like(out), torch.empty(1, 2, 4)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     args = [describe(t) for t in (q, k, v, out, lse, dout, delta, dq, dk, dv)]
-    _C.backward(_C.DEVICE_CPU, *args, 0.5, False)
+    _c_legacy.backward(_C.DEVICE_CPU, *args, 0.5, False)
     for index, clash, message in ((7, 8, "dq .* overlaps dk"), (9, 5, "dv .* overlaps dout"),
                                   (6, 4, "delta .* overlaps lse")):
         bad = list(args)
         bad[index] = args[clash]
         with pytest.raises(ValueError, match=message):
-            _C.backward(_C.DEVICE_CPU, *bad, 0.5, False)
+            _c_legacy.backward(_C.DEVICE_CPU, *bad, 0.5, False)
 
 
 def test_threadgroup_size_overflow_is_refused(cache):

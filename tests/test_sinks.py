@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashattn_mps
-from flashattn_mps import _C, explain_plan, flash_attention, flash_attn_func
+from flashattn_mps import _C, _c_legacy, explain_plan, flash_attention, flash_attn_func
 from conftest import ALL_DTYPES, max_error, randn, sample_product
 from test_flash_attn import (KERNELS, LENGTHS, VARIANTS, check, flash_inputs, forward_case, reference, sdpa_view,
                              slopes, variant_scores)
@@ -238,12 +238,12 @@ def test_c_layer_refuses_malformed_sinks(gen):
     for bad, kind, message in ((zero_d, ValueError, "sinks"), (torch.ones(3), ValueError, r"sinks: must be \(Hq,\)"),
                                (torch.ones(2, dtype=torch.float16), TypeError, "sinks: must be float32")):
         with pytest.raises(kind, match=message):
-            _C.forward(_C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0, sinks=bad)
+            _c_legacy.forward(_C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0, sinks=bad)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 4)
-    _C.forward(_C.DEVICE_CPU, q, q, q, out, lse, 1.0, False, 0, sinks=sinks)
+    _c_legacy.forward(_C.DEVICE_CPU, q, q, q, out, lse, 1.0, False, 0, sinks=sinks)
     grads = [torch.empty_like(q) for _ in range(3)]
     with pytest.raises(ValueError, match="sink_grad"):
-        _C.backward(_C.DEVICE_CPU, q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads, 1.0, False, sinks=sinks)
+        _c_legacy.backward(_C.DEVICE_CPU, q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads, 1.0, False, sinks=sinks)
     with pytest.raises(ValueError, match="sink_grad"):
-        _C.backward(_C.DEVICE_CPU, q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads, 1.0, False, sinks=sinks,
+        _c_legacy.backward(_C.DEVICE_CPU, q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads, 1.0, False, sinks=sinks,
                     sink_grad=torch.empty(1, 2, 3))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashattn_mps
-from flashattn_mps import _C, _varlen, flash_attn_varlen_func
+from flashattn_mps import _C, _c_legacy, _varlen, flash_attn_varlen_func
 from conftest import ALL_DTYPES, assert_gradients_match, max_error, randn
 from test_flash_attn import reference, slopes
 
@@ -119,7 +119,7 @@ def test_one_launch_over_every_sequence(gen):
     table = torch.stack([cq[:-1] * 0, cq[:-1], cq.diff(), ck[:-1] * 0, ck[:-1], ck.diff()], 1).contiguous()
     out = torch.empty_like(q)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
-    plan = _C.plan_forward(_C.DEVICE_CPU, *views, None, 0.25, False, _C.KERNEL_AUTO,
+    plan = _c_legacy.plan_forward(_C.DEVICE_CPU, *views, None, 0.25, False, _C.KERNEL_AUTO,
                            sequences=_varlen.sequence_args(table, 40, 40))
     assert [d["function"] for d in plan["dispatches"]] == ["fa_sequence_table_float", "fa_forward_float"]
     assert plan["dispatches"][1]["grid"] == (2, 4, 3)  # ceil(40 / 32) blocks, Hq, sequences

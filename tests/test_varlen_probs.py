@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from flashattn_mps import _C, _varlen, flash_attn_varlen_func
+from flashattn_mps import _C, _c_legacy, _varlen, flash_attn_varlen_func
 from conftest import assert_gradients_match, max_error, randn
 from test_flash_attn import reference, slopes, variant_scores
 from test_varlen import packed_inputs, pieces, prefix_sums
@@ -137,5 +137,5 @@ def test_core_refuses_the_probability_pass_through_a_block_table():
     table = torch.tensor([[0, 0, 1, 0, 0, 6]], dtype=torch.int32)
     sequences = _varlen.sequence_args(table, 1, 6, torch.tensor([[3, 1, 0, 2]], dtype=torch.int32))
     with pytest.raises(ValueError, match="block_table: a paged KV cache is read by the prefill and decode kernels only"):
-        _C.forward(_C.DEVICE_CPU, q, pool, pool, out, lse, 1.0, False, _C.KERNEL_AUTO, torch.zeros(16),
+        _c_legacy.forward(_C.DEVICE_CPU, q, pool, pool, out, lse, 1.0, False, _C.KERNEL_AUTO, torch.zeros(16),
                    rng_state=torch.zeros(4), write_probs=True, sequences=sequences)
