@@ -1,6 +1,5 @@
 /* Runs a prepared backward pass (fa_plan_cache.h) on the backend of the tensors' device. */
-#include "fa_plan_cache.h"
-#include "fa_sequence.h"
+#include "fa_execute.h"
 
 #include <string.h>
 
@@ -25,7 +24,7 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     d.bindings[FA_BACKWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
     d.n_bindings = FA_BACKWARD_BUFFERS;
     int32_t rc = FA_OK;
-    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
+    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_plan_sequences.h) */
         rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params.forward,
                                (int64_t)sizeof ready->params.forward, args, FA_BACKWARD, st);
     }

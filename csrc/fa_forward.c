@@ -1,6 +1,5 @@
 /* Runs a prepared forward pass (fa_plan_cache.h) on the backend of the tensors' device. */
-#include "fa_plan_cache.h"
-#include "fa_sequence.h"
+#include "fa_execute.h"
 
 #include <string.h>
 
@@ -24,7 +23,7 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     d.bindings[FA_FORWARD_BUFFER_PARAMS].bytes = &ready->params;
     d.bindings[FA_FORWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
     d.n_bindings = FA_FORWARD_BUFFERS;
-    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
+    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_plan_sequences.h) */
         rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
                                args, FA_FORWARD, st);
     }

@@ -3,7 +3,7 @@
  * overwritten); a hit copies its plan out under the table's lock. */
 #include "fa_plan_cache.h"
 #include "fa_cache.h"
-#include "fa_sequence.h"
+#include "fa_plan_sequences.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

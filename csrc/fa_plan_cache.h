@@ -6,7 +6,7 @@
 #ifndef FA_PLAN_CACHE_H
 #define FA_PLAN_CACHE_H
 
-#include "fa_plan.h"
+#include "fa_plan_backward.h"
 
 #ifdef __cplusplus
 extern "C" {

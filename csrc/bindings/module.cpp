@@ -10,7 +10,6 @@
 
 extern "C" {
 #include "../cpu_device/cpu_device.h"
-#include "../fa_plan.h"
 #include "../fa_plan_cache.h"
 }
 

@@ -1,5 +1,5 @@
-/* Packed sequences and KV caches: see fa_sequence.h. */
-#include "fa_sequence.h"
+/* Packed sequences and KV caches: see fa_plan_sequences.h. */
+#include "fa_plan_sequences.h"
 #include "../metal/fa_sequence.h"
 
 #include <stdio.h>
@@ -143,53 +143,4 @@ void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *
     /* explain_plan's figures: the table's rows and the call's params in, one params per sequence out. */
     builder->cost.min_bytes_read = (int64_t)sequences * FA_SEQUENCE_COLUMNS * 4 + (int64_t)sizeof(fa_params);
     builder->cost.min_bytes_written = (int64_t)sequences * (int64_t)sizeof(fa_params);
-}
-
-int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
-                          int64_t params_bytes, const void *args, int32_t direction, fa_status *st) {
-    const fa_sequence_args *s = (const fa_sequence_args *)fa_slot_tensor(args, direction, FA_SLOT_SEQUENCES);
-    /* the scratch it writes must overlap no other tensor of the call */
-    const fa_tensor *checked[FA_SLOT_COUNT];
-    const char *checked_names[FA_SLOT_COUNT];
-    int32_t n = 0;
-    checked[n] = &s->scratch;
-    checked_names[n++] = "sequence_scratch";
-    checked[n] = &s->table;
-    checked_names[n++] = "sequences";
-    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
-        const fa_tensor *t = fa_slot_tensor(args, direction, i);
-        if (t != NULL && (direction == FA_FORWARD ? fa_tensor_slots[i].forward_role : fa_tensor_slots[i].backward_role) !=
-                             FA_ROLE_SCRATCH) {
-            checked[n] = t;
-            checked_names[n++] = fa_tensor_slots[i].name;
-        }
-    }
-    int32_t rc = fa_check_no_alias(checked, checked_names, n, 1, st);
-    if (rc != FA_OK || s->table.sizes[0] == 0) {
-        return rc;
-    }
-    fa_dispatch d;
-    memset(&d, 0, sizeof d);
-    d.bindings[FA_TABLE_BUFFER_ENTRIES] = fa_tensor_binding(&s->table, &s->table);
-    for (int i = FA_TABLE_BUFFER_OUT; i < FA_TABLE_BUFFERS; ++i) {
-        d.bindings[i] = fa_tensor_binding(&s->scratch, &s->scratch); /* unused but the first: Metal wants an
-                                                                         argument table without holes */
-    }
-    d.bindings[FA_TABLE_BUFFER_PARAMS].bytes = params;
-    d.bindings[FA_TABLE_BUFFER_PARAMS].length = params_bytes;
-    d.n_bindings = FA_TABLE_BUFFERS;
-    memcpy(d.grid, builder->grid, sizeof d.grid);
-    memcpy(d.threadgroup, builder->threadgroup, sizeof d.threadgroup);
-    return backend->dispatch(builder->pipeline, &d, st);
-}
-
-void fa_bind_slots(fa_dispatch *d, const void *args, int32_t direction, const fa_tensor *present) {
-    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
-        const fa_tensor *t = fa_slot_tensor(args, direction, i);
-        const int32_t buffer = direction == FA_FORWARD ? fa_tensor_slots[i].forward_buffer
-                                                       : fa_tensor_slots[i].backward_buffer;
-        if (t != NULL && buffer >= 0) {
-            d->bindings[buffer] = fa_tensor_binding(t, present);
-        }
-    }
 }

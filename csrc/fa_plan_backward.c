@@ -1,7 +1,7 @@
 /* Validation and planning of the backward pass.
  *
  * Up to head dims of 128 the backward kernels take the forward kernel's tiles: the forward's tile
- * table (fa_plan.c) fits them as it is, because each streams two tiles of the forward's shapes
+ * table (fa_plan_forward.c) fits them as it is, because each streams two tiles of the forward's shapes
  * through threadgroup memory:
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
@@ -46,14 +46,14 @@
  * for dK/dV, K and V for dQ.
  * Work, as multiply-adds per (query, key) pair: dK/dV 2E + 2Ev, dQ 2E + Ev (S is recomputed by
  * both: 7 matrix products against the forward's 2, metal-flash-attention's count). */
-#include "fa_plan.h"
-#include "fa_sequence.h"
+#include "fa_plan_backward.h"
+#include "fa_plan_sequences.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-const char fa_backward_source[] = "fa_backward.metal";
+const char fa_backward_source[] = FA_BACKWARD_SOURCE;
 
 /* t must be an ndim-D view of `dtype` whose sizes are the first ndim sizes of `like`; `expected`
  * names the shape rule in messages. */
@@ -98,12 +98,6 @@ static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
                          (int32_t)fa_dtype_bytes(dtype));
 }
 
-static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
-    for (int32_t d = 0; d < n; ++d) {
-        dst[d] = t->strides[d];
-    }
-}
-
 /* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
  * caller sets its grid and cost. */
 static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, fa_tiles tiles,
@@ -117,7 +111,7 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
 }
 
 /* ---- What the backward's dispatches cost (explain_plan(backward=True)), counted as the forward's
- * (fa_plan.c: FLOPs over padded widths, rows and tiles; useful FLOPs per visible pair; each input
+ * (fa_plan_forward.c: FLOPs over padded widths, rows and tiles; useful FLOPs per visible pair; each input
  * element once). Per (query, key) pair the useful multiply-adds are dK/dV 2E + 2Ev (S, dP, dV, dK)
  * and dQ 2E + Ev (S, dP, dQ); the pre-pass does Ev per row. Tiles, of the backward's tiles t: dQ
  * visits the key tiles the forward's loop would (fa_plan_key_tiles); dK/dV, for each key block and
@@ -234,14 +228,14 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
 
     fa_backward_params *p = &plan->params;
     p->forward = forward.params;
-    copy_strides(p->do_strides, &a->dout, 4);
-    copy_strides(p->dq_strides, &a->dq, 4);
-    copy_strides(p->dk_strides, &a->dk, 4);
-    copy_strides(p->dv_strides, &a->dv, 4);
-    copy_strides(p->delta_strides, &a->delta, 3);
+    fa_plan_copy_strides(p->do_strides, &a->dout, 4);
+    fa_plan_copy_strides(p->dq_strides, &a->dq, 4);
+    fa_plan_copy_strides(p->dk_strides, &a->dk, 4);
+    fa_plan_copy_strides(p->dv_strides, &a->dv, 4);
+    fa_plan_copy_strides(p->delta_strides, &a->delta, 3);
     p->scale = (float)a->options.scale;
     if (with_sinks) {
-        copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
+        fa_plan_copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
     }
 
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
