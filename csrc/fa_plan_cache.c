@@ -184,16 +184,27 @@ static int32_t resolve_builder(const fa_backend *backend, int32_t sequences, con
     return sequences ? resolve(backend, builder, 1, 0, ready, st) : FA_OK;
 }
 
+static plan_table *table_of(int32_t direction) { return direction == FA_FORWARD ? &forward_plans : &backward_plans; }
+
+/* Whether the direction's table holds the plan of call a (copied into ready); the key, its bytes
+ * and its hash, to store a new plan under. */
+static int32_t lookup(const void *a, int32_t device, const fa_options *options, int32_t direction, void *ready,
+                      plan_key *key, size_t *key_bytes, uint64_t *hash) {
+    *key_bytes = key_of(a, device, options, direction, key);
+    *hash = fa_hash_bytes(key, *key_bytes);
+    const int32_t found = table_find(table_of(direction), key, *key_bytes, *hash, ready);
+    atomic_fetch_add_explicit(&plan_counts[2 * (direction == FA_BACKWARD) + !found], 1, memory_order_relaxed);
+    return found;
+}
+
 int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa_status *st) {
     if (a == NULL || ready == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "fa_forward_prepare: NULL argument");
     }
     plan_key key;
-    const size_t key_bytes = key_of(a, a->device, &a->options, FA_FORWARD, &key);
-    const uint64_t hash = fa_hash_bytes(&key, key_bytes);
-    const int32_t found = table_find(&forward_plans, &key, key_bytes, hash, ready);
-    atomic_fetch_add_explicit(&plan_counts[found ? 0 : 1], 1, memory_order_relaxed);
-    if (found) {
+    size_t key_bytes;
+    uint64_t hash;
+    if (lookup(a, a->device, &a->options, FA_FORWARD, ready, &key, &key_bytes, &hash)) {
         return check_storage(a, a->device, FA_FORWARD, st);
     }
 
@@ -226,11 +237,9 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
         return fa_fail(st, FA_ERR_VALUE, "fa_backward_prepare: NULL argument");
     }
     plan_key key;
-    const size_t key_bytes = key_of(a, a->device, &a->options, FA_BACKWARD, &key);
-    const uint64_t hash = fa_hash_bytes(&key, key_bytes);
-    const int32_t found = table_find(&backward_plans, &key, key_bytes, hash, ready);
-    atomic_fetch_add_explicit(&plan_counts[found ? 2 : 3], 1, memory_order_relaxed);
-    if (found) {
+    size_t key_bytes;
+    uint64_t hash;
+    if (lookup(a, a->device, &a->options, FA_BACKWARD, ready, &key, &key_bytes, &hash)) {
         int32_t rc = check_storage(a, a->device, FA_BACKWARD, st);
         return rc != FA_OK ? rc : fa_plan_check_backward_aliases(a, st);
     }
