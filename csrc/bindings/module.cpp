@@ -316,12 +316,12 @@ fa_options read_options(py::handle options) {
         const fa_option_field &f = fa_option_fields[i];
         PyObject *item = PyTuple_GET_ITEM(o, i);
         char *field = reinterpret_cast<char *>(&out) + f.offset;
-        const std::string what = std::string("options.") + f.name;
+        const auto what = [&f]() { return std::string("options.") + f.name; }; // for messages only
         switch (f.type) {
         case FA_OPTION_DOUBLE: {
             if (PyBool_Check(item) || !(PyFloat_Check(item) || PyLong_Check(item) ||
                                         (Py_TYPE(item)->tp_as_number && Py_TYPE(item)->tp_as_number->nb_float))) {
-                throw py::type_error(what + " must be a float, got " + type_name(item));
+                throw py::type_error(what() + " must be a float, got " + type_name(item));
             }
             const double value = PyFloat_AsDouble(item);
             if (value == -1.0 && PyErr_Occurred()) {
@@ -332,7 +332,7 @@ fa_options read_options(py::handle options) {
         }
         case FA_OPTION_BOOL: {
             if (!(PyLong_Check(item) || is_numpy_bool(item))) { // bool is an int
-                throw py::type_error(what + " must be a bool, got " + type_name(item));
+                throw py::type_error(what() + " must be a bool, got " + type_name(item));
             }
             const int32_t value = PyObject_IsTrue(item);
             if (value < 0) {
@@ -343,7 +343,7 @@ fa_options read_options(py::handle options) {
         }
         default: { // FA_OPTION_INT32, FA_OPTION_INT64
             if (PyBool_Check(item) || !PyIndex_Check(item) || PyFloat_Check(item)) {
-                throw py::type_error(what + " must be an int, got " + type_name(item));
+                throw py::type_error(what() + " must be an int, got " + type_name(item));
             }
             py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
             if (!index) {
@@ -353,13 +353,13 @@ fa_options read_options(py::handle options) {
             const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
             if (f.type == FA_OPTION_INT32) {
                 if (overflow != 0 || value < INT32_MIN || value > INT32_MAX) {
-                    throw py::value_error(what + " must fit in 32 bits, got " + std::string(py::str(item)));
+                    throw py::value_error(what() + " must fit in 32 bits, got " + std::string(py::str(item)));
                 }
                 const int32_t v32 = static_cast<int32_t>(value);
                 std::memcpy(field, &v32, sizeof v32);
             } else {
                 if (overflow != 0) {
-                    throw py::value_error(what + " must fit in 64 bits, got " + std::string(py::str(item)));
+                    throw py::value_error(what() + " must fit in 64 bits, got " + std::string(py::str(item)));
                 }
                 const int64_t v64 = value;
                 std::memcpy(field, &v64, sizeof v64);
