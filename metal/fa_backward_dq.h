@@ -101,7 +101,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
 
   // Tiles outside the band of the block's rows are never loaded; K/V tiles walk through the
   // forward's cursors (fa_loader.h). No block table: the backward never reads a paged cache
-  // (fa_backward_plan.c refuses one), so FA_FC_PAGED is off here.
+  // (fa_plan_backward.c refuses one), so FA_FC_PAGED is off here.
   const fa_range keys = fa_visible_keys(f, q_block, BQ);
   fa_tile_rows<T> k_tiles = fa_kv_tiles(k, f, f.k_strides, (const device int *)nullptr, b, kv_h, keys.begin, BK);
   fa_tile_rows<T> v_tiles = fa_kv_tiles(v, f, f.v_strides, (const device int *)nullptr, b, kv_h, keys.begin, BK);

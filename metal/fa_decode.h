@@ -18,10 +18,10 @@
 // writes its unnormalised output and (max, sum) to the workspace and fa_decode_merge
 // (fa_decode_merge.h) combines them; with one split the threadgroup writes out and lse itself.
 //
-// Template parameters (the planner picks them, see fa_plan.c):
+// Template parameters (the planner picks them, see fa_plan_forward.c):
 //   T     element type of q, k, v, out
 //   COLS  columns per lane: 2, 4, 8, then multiples of 4 up to 20, at least max(E, Ev) / 32; above
-//         FA_DECODE_LATE_VALUES_ABOVE the value rows load after the scores (registers, fa_plan.c)
+//         FA_DECODE_LATE_VALUES_ABOVE the value rows load after the scores (registers, fa_plan_forward.c)
 //   ROWS  query rows per threadgroup
 // Grid: (p.split_count, Hkv * ceil(Hq / Hkv * L / ROWS), B) threadgroups of
 // 32 * FA_DECODE_SIMD_GROUPS threads.
@@ -57,7 +57,7 @@ inline void fa_store_lse(device float *lse, constant fa_params &p, long b, long 
 }
 
 // Function constant: K and V have unit column stride and every row starts W-aligned, so chunks are
-// read as vectors (the planner checks strides and byte offsets; see fa_plan.c).
+// read as vectors (the planner checks strides and byte offsets; see fa_plan_forward.c).
 constant bool fa_decode_vector_loads [[function_constant(FA_FC_DECODE_VECTOR_LOADS)]];
 
 // Column of element e of a lane's COLS, with W-wide chunks (see the top of this file).

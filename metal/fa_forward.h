@@ -7,7 +7,7 @@
 // SIMD-group, float) lives and dies in registers; softmax is online in base 2 with float32
 // statistics; O is normalised and written once.
 //
-// Template parameters (the planner picks them per head dim and dtype, see fa_plan.c):
+// Template parameters (the planner picks them per head dim and dtype, see fa_plan_forward.c):
 //   T    element type of q, k, v, out       BD, BDV  widths of the head dims' tiles (multiples of 8)
 //   BK   keys per tile                      WM       SIMD-groups per threadgroup
 // E above BD streams Q and K through the tiles in BD-wide blocks per key tile; Ev above BDV splits

@@ -18,13 +18,13 @@ typedef uint32_t fa_u32;
 #define FA_SIMPLE_ROWS_PER_GROUP 4 // query rows (SIMD-groups) per threadgroup
 #define FA_SIMPLE_MAX_PER_LANE 18  // columns per lane: head dims up to 576 (DeepSeek's MLA E)
 
-// The head dims every kernel takes, E and Ev alike (csrc/fa_plan.c checks them).
+// The head dims every kernel takes, E and Ev alike (csrc/fa_plan_forward.c checks them).
 #define FA_MAX_HEAD_DIM 576
 
 // The decode kernel's geometry (fa_decode.metal).
 #define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
 // Above this many columns per lane the decode kernel reads a key pair's values only after their
-// scores, so K and V rows are not in registers at once (fa_decode.h, the budget in fa_plan.c).
+// scores, so K and V rows are not in registers at once (fa_decode.h, the budget in fa_plan_forward.c).
 #define FA_DECODE_LATE_VALUES_ABOVE 16
 
 // Buffer slots, [[buffer(n)]] of the kernels and the host's bindings alike (csrc/fa_core.c's slot
@@ -129,7 +129,7 @@ typedef struct fa_params {
     fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
     fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
   // Under FA_FC_BAND row i sees the keys j with i + band_lo <= j <= i + band_hi (and j < S): the
-  // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan.c). The
+  // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan_forward.c). The
   // planner keeps both in [-L, S], so i + either fits 32 bits.
   fa_i32 band_lo;
   fa_i32 band_hi;
