@@ -177,7 +177,7 @@ typedef enum fa_dtype_rule {
 typedef enum fa_slot_role {
     FA_ROLE_INPUT = 0,   /* read (or absent from the direction): outputs must not alias it */
     FA_ROLE_OUTPUT = 1,  /* written: must alias nothing */
-    FA_ROLE_SCRATCH = 2  /* the sequence scratch: checked by the table kernel's own alias check */
+    FA_ROLE_SCRATCH = 2  /* the sequence tables: the table kernel checks its scratch against the rest */
 } fa_slot_role;
 
 enum { FA_SLOT_NONE = -1, FA_OPTIONAL_FORWARD = 1, FA_OPTIONAL_BACKWARD = 2, FA_OPTIONAL = 3 };
@@ -187,10 +187,11 @@ typedef struct fa_tensor_slot {
     int32_t rank;
     int32_t dtype_rule; /* fa_dtype_rule */
     int32_t optional;   /* FA_OPTIONAL_FORWARD | FA_OPTIONAL_BACKWARD: absent allowed; 0: required */
-    int32_t required_with; /* an optional slot required when this slot is present (FA_SLOT_NONE) */
+    int32_t required_with; /* optional, but required when this slot is present (FA_SLOT_NONE: never) */
     int32_t forward_role, backward_role; /* fa_slot_role */
     int32_t in_plan_key;   /* 0: pointer-only, checked on every call (workspace, sequence scratch) */
-    int32_t forward_buffer, backward_buffer;   /* [[buffer(n)]] (FA_BUFFER_*), FA_SLOT_NONE if not bound */
+    int32_t forward_buffer, backward_buffer;   /* [[buffer(n)]] (FA_FORWARD_BUFFER_*, FA_BACKWARD_BUFFER_* of
+                                                  metal/fa_params.h), FA_SLOT_NONE if not bound */
     int32_t forward_offset, backward_offset;   /* offsetof in the args, FA_SLOT_NONE if not an argument */
     int32_t batched; /* its first dim is the batch: an unbatched call's 3-D tensor gets one of 1 */
 } fa_tensor_slot;
