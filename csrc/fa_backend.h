@@ -1,5 +1,5 @@
 /* The interface every backend implements (the CPU Metal device, Metal on macOS): get-or-compile a
- * pipeline, and dispatch it. Planning happens before, in fa_plan.c; backends never see tensors. */
+ * pipeline, and dispatch it. Planning happens before, in the planners (fa_plan_*.c); backends never see tensors. */
 #ifndef FA_BACKEND_H
 #define FA_BACKEND_H
 

@@ -1,5 +1,9 @@
-/* Status reporting, the registry of kernel sources, and the profiling switch. */
+/* Status reporting, the tables of the contract (options, tensor slots), the registry of kernel
+ * sources, and the profiling switch. */
 #include "fa_backend.h"
+#include "../metal/fa_params.h"
+
+#include <stddef.h>
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -39,9 +43,73 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...) {
     return code;
 }
 
+#define OPTION(field, type) {#field, type, (int32_t)offsetof(fa_options, field)}
+const fa_option_field fa_option_fields[FA_OPTION_COUNT] = {
+    OPTION(scale, FA_OPTION_DOUBLE),       OPTION(causal, FA_OPTION_BOOL),
+    OPTION(bottom_right, FA_OPTION_BOOL),  OPTION(window_left, FA_OPTION_INT64),
+    OPTION(window_right, FA_OPTION_INT64), OPTION(softcap, FA_OPTION_DOUBLE),
+    OPTION(dropout_p, FA_OPTION_DOUBLE),   OPTION(kernel, FA_OPTION_INT32),
+    OPTION(num_splits, FA_OPTION_INT32),   OPTION(write_probs, FA_OPTION_BOOL),
+    OPTION(max_q_len, FA_OPTION_INT64),    OPTION(max_kv_len, FA_OPTION_INT64),
+    OPTION(unbatched, FA_OPTION_BOOL),
+};
+#undef OPTION
+
+#define NONE FA_SLOT_NONE
+#define FWD(field) (int32_t) offsetof(fa_forward_args, field)
+#define BWD(field) (int32_t) offsetof(fa_backward_args, field)
+/* name, rank, dtype rule, optional, required with, forward role, backward role, in plan key, forward buffer, backward
+ * buffer, forward offset, backward offset, batched. The order is the order of the storage checks and
+ * of the bindings' slot names. */
+const fa_tensor_slot fa_tensor_slots[FA_SLOT_COUNT] = {
+    [FA_SLOT_Q] = {"q", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_Q, FA_BACKWARD_BUFFER_Q, FWD(q),
+                   BWD(q), 1},
+    [FA_SLOT_K] = {"k", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_K, FA_BACKWARD_BUFFER_K, FWD(k),
+                   BWD(k), 1},
+    [FA_SLOT_V] = {"v", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_V, FA_BACKWARD_BUFFER_V, FWD(v),
+                   BWD(v), 1},
+    [FA_SLOT_OUT] = {"out", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_OUTPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_OUT, FA_BACKWARD_BUFFER_OUT,
+                     FWD(out), BWD(out), 1},
+    /* lse: optional in the forward (present when it has storage), required in the backward */
+    [FA_SLOT_LSE] = {"lse", 3, FA_RULE_FLOAT32, FA_OPTIONAL_FORWARD, NONE, FA_ROLE_OUTPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_LSE,
+                     FA_BACKWARD_BUFFER_LSE, FWD(lse), BWD(lse), 1},
+    [FA_SLOT_WORKSPACE] = {"workspace", 1, FA_RULE_FLOAT32, FA_OPTIONAL, NONE, FA_ROLE_OUTPUT, FA_ROLE_INPUT, 0, FA_FORWARD_BUFFER_WORKSPACE,
+                           NONE, FWD(workspace), NONE, 0},
+    [FA_SLOT_DOUT] = {"dout", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, NONE, FA_BACKWARD_BUFFER_DOUT, NONE,
+                      BWD(dout), 1},
+    [FA_SLOT_DELTA] = {"delta", 3, FA_RULE_FLOAT32, 0, NONE, FA_ROLE_INPUT, FA_ROLE_OUTPUT, 1, NONE, FA_BACKWARD_BUFFER_DELTA, NONE,
+                       BWD(delta), 1},
+    [FA_SLOT_DQ] = {"dq", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_OUTPUT, 1, NONE, FA_BACKWARD_BUFFER_DQ, NONE, BWD(dq), 1},
+    [FA_SLOT_DK] = {"dk", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_OUTPUT, 1, NONE, FA_BACKWARD_BUFFER_DK, NONE, BWD(dk), 1},
+    [FA_SLOT_DV] = {"dv", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_OUTPUT, 1, NONE, FA_BACKWARD_BUFFER_DV, NONE, BWD(dv), 1},
+    [FA_SLOT_MASK] = {"mask", 4, FA_RULE_ANY, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_MASK,
+                      FA_BACKWARD_BUFFER_MASK, FWD(mask), BWD(mask), 1},
+    [FA_SLOT_ALIBI_SLOPES] = {"alibi_slopes", 2, FA_RULE_FLOAT32, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_ALIBI,
+                              FA_BACKWARD_BUFFER_ALIBI, FWD(alibi_slopes), BWD(alibi_slopes), 0},
+    [FA_SLOT_RNG_STATE] = {"rng_state", 1, FA_RULE_FLOAT32, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_RNG,
+                           FA_BACKWARD_BUFFER_RNG, FWD(rng_state), BWD(rng_state), 0},
+    [FA_SLOT_SINKS] = {"sinks", 1, FA_RULE_FLOAT32, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, FA_FORWARD_BUFFER_SINKS,
+                       FA_BACKWARD_BUFFER_SINKS, FWD(sinks), BWD(sinks), 0},
+    [FA_SLOT_SINK_GRAD] = {"sink_grad", 3, FA_RULE_FLOAT32, FA_OPTIONAL, FA_SLOT_SINKS, FA_ROLE_INPUT, FA_ROLE_OUTPUT, 1, NONE,
+                           FA_BACKWARD_BUFFER_SINK_GRAD, NONE, BWD(sink_grad), 1},
+    /* the sequence table is read by the table kernel only; the kernels read what it wrote into the
+     * scratch, bound at the sequences buffer */
+    [FA_SLOT_SEQUENCES] = {"sequences", 2, FA_RULE_TABLE, FA_OPTIONAL, NONE, FA_ROLE_SCRATCH, FA_ROLE_SCRATCH, 1, NONE, NONE,
+                           FWD(sequences.table), BWD(sequences.table), 0},
+    [FA_SLOT_SEQUENCE_SCRATCH] = {"sequence_scratch", 1, FA_RULE_TABLE, FA_OPTIONAL, FA_SLOT_SEQUENCES, FA_ROLE_SCRATCH, FA_ROLE_SCRATCH, 0,
+                                  FA_FORWARD_BUFFER_SEQUENCES, FA_BACKWARD_BUFFER_SEQUENCES,
+                                  FWD(sequences.scratch), BWD(sequences.scratch), 0},
+    [FA_SLOT_BLOCK_TABLE] = {"block_table", 2, FA_RULE_TABLE, FA_OPTIONAL, NONE, FA_ROLE_SCRATCH, FA_ROLE_SCRATCH, 1,
+                             FA_FORWARD_BUFFER_BLOCK_TABLE, NONE, FWD(sequences.block_table),
+                             BWD(sequences.block_table), 0},
+};
+#undef NONE
+#undef FWD
+#undef BWD
+
 /* Sources are few (one per .metal file) and registered once, so a list under a mutex is enough.
  * Re-registering a name with different text replaces it under a new id; old text stays allocated
- * because pointers handed out by fa_lookup_source must stay valid. */
+ * because pointers handed out by fa_find_source must stay valid. */
 typedef struct source_entry {
     char *name;
     char *text;
@@ -110,17 +178,6 @@ int32_t fa_find_source(const char *name, fa_source *out) {
     }
     pthread_mutex_unlock(&sources_lock);
     return e != NULL;
-}
-
-const char *fa_lookup_source(const char *name) {
-    if (name == NULL) {
-        return NULL;
-    }
-    pthread_mutex_lock(&sources_lock);
-    const source_entry *e = find_source(name);
-    const char *text = e != NULL ? e->text : NULL;
-    pthread_mutex_unlock(&sources_lock);
-    return text;
 }
 
 int32_t fa_sources_generation(void) { return atomic_load(&last_source_id); }

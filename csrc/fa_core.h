@@ -65,24 +65,148 @@ typedef enum fa_kernel_choice {
                               long (AUTO's choice for small L) */
 } fa_kernel_choice;
 
-/* Forward attention, SDPA semantics: q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev),
- * out (B,Hq,L,Ev), query head h reads kv head h / (Hq/Hkv). The band (causal, window) is that of
- * fa_band_args below. lse, when lse.storage is not NULL, is (B,Hq,L) float32 and receives the
- * natural-log log-sum-exp of each row's scaled scores.
- * The core allocates nothing: a call that needs scratch memory (split-K partial results) says how
- * much through fa_forward_workspace_bytes, and the caller passes it as `workspace`, a 1-D float32
- * tensor on the same device of at least that many bytes (storage NULL when none is needed). */
-/* Which keys each query row sees besides attn_mask, with `causal` of the args. Row i's diagonal
- * key is d_i = i (top-left, SDPA's is_causal) or d_i = i + S - L (bottom_right, flash-attn's).
- * causal hides the keys past d_i; when windowed, the keys outside [d_i - window_left,
- * d_i + window_right] are hidden too (-1: unbounded on that side; with causal the right side is 0,
- * as flash-attn). All zero (memset) is SDPA's behaviour. A row that sees no key gives zeros;
- * kernels skip the key tiles wholly outside. */
-typedef struct fa_band_args {
-    int32_t bottom_right;
-    int32_t windowed;
+/* The options of an attention call, one value for the forward and the backward (the backward reads
+ * the forward's). Laid out with no padding (doubles, int64s, an even count of int32s) so that a
+ * plan key can copy it as bytes; fa_default_options() is SDPA's behaviour.
+ *
+ * The band: which keys each query row sees besides attn_mask. Row i's diagonal key is d_i = i
+ * (top-left, SDPA's is_causal) or d_i = i + S - L (bottom_right, flash-attn's). causal hides the
+ * keys past d_i; window_left / window_right >= 0 hide the keys outside [d_i - window_left,
+ * d_i + window_right] (-1: unbounded on that side; with causal the right side is 0, as
+ * flash-attn; below -1 is an error). A row that sees no key gives zeros; kernels skip the key
+ * tiles wholly outside. */
+typedef struct fa_options {
+    double scale;
+    double softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before masks; 0: none */
+    /* Dropout (metal/fa_dropout.h): each probability is dropped with probability dropout_p in [0, 1]
+     * (0: none) and kept ones are scaled by 1 / (1 - dropout_p), after the softmax statistics (lse
+     * is of the undropped probabilities). The rng_state slot, required when dropout_p > 0 or
+     * write_probs, is a (4,) float32 view of four random 32-bit words on the call's device
+     * (FA_DROPOUT_RNG_WORDS: seed low, high, offset low, high): which elements are dropped is a pure
+     * function of them and of (batch, head, row, key), so the backward given the same words drops
+     * the same. */
+    double dropout_p;
     int64_t window_left, window_right;
-} fa_band_args;
+    /* With a sequence table: the grid's rows and keys per sequence (0 without one). */
+    int64_t max_q_len, max_kv_len;
+    int32_t causal;       /* hide keys past each row's diagonal */
+    int32_t bottom_right; /* the diagonal is i + S - L (flash-attn's), else i */
+    int32_t kernel;       /* fa_kernel_choice (forward only) */
+    /* Split-K of the decode kernel, as flash-attn's num_splits: 0 the planner's heuristic, 1 no
+     * split, n > 1 that many splits of the keys (at most 128; fewer when there are too few keys
+     * for n shares of whole key-pair turns). The prefill kernel never splits. Forward only. */
+    int32_t num_splits;
+    /* Nonzero: the probability pass of flash-attn's return_attn_probs instead of attention. It runs
+     * the simple kernel over the arguments of a forward call that wrote lse (read here, as are q, k,
+     * v, mask, options; out is untouched) and writes into the workspace, as a contiguous (B, Hq, L, S)
+     * float32 array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i),
+     * negated where dropout drops it; entries a row does not see are left as they are. With
+     * sequences, B is the table's sequences and L, S are max_q_len, max_kv_len: sequence b's
+     * probabilities fill the top-left L_b x S_b block of its slice (flash-attn's padded S_dmask).
+     * Not with a block table (the simple kernel reads keys in place). Forward only. */
+    int32_t write_probs;
+    /* Read by the bindings only: 3-D q, k, v, out, lse and mask get a batch dim of 1. */
+    int32_t unbatched;
+} fa_options;
+
+#ifdef __cplusplus
+static_assert(
+#else
+_Static_assert(
+#endif
+    sizeof(fa_options) == 3 * sizeof(double) + 4 * sizeof(int64_t) + 6 * sizeof(int32_t),
+    "fa_options has no padding: it is hashed and compared as bytes");
+
+static inline fa_options fa_default_options(void) {
+    fa_options o = {0};
+    o.window_left = -1;
+    o.window_right = -1;
+    return o;
+}
+
+/* The options' fields in the order the bindings take them (the Python options tuple). */
+typedef enum fa_option_type {
+    FA_OPTION_DOUBLE = 0,
+    FA_OPTION_BOOL = 1,  /* stored as int32 */
+    FA_OPTION_INT32 = 2,
+    FA_OPTION_INT64 = 3
+} fa_option_type;
+
+typedef struct fa_option_field {
+    const char *name;
+    int32_t type;   /* fa_option_type */
+    int32_t offset; /* in fa_options */
+} fa_option_field;
+
+enum { FA_OPTION_COUNT = 13 };
+extern const fa_option_field fa_option_fields[FA_OPTION_COUNT];
+
+/* The tensors of a call. One table (fa_tensor_slots, indexed by fa_slot) says for each its name,
+ * rank, dtype rule, whether it is optional, which [[buffer(n)]] it binds in the forward and the
+ * backward kernels, and where it lives in fa_forward_args / fa_backward_args: the storage checks,
+ * the alias checks, the bindings and the plan key all read this one table. */
+typedef enum fa_slot {
+    FA_SLOT_Q = 0,
+    FA_SLOT_K,
+    FA_SLOT_V,
+    FA_SLOT_OUT,
+    FA_SLOT_LSE,
+    FA_SLOT_WORKSPACE,
+    FA_SLOT_DOUT,
+    FA_SLOT_DELTA,
+    FA_SLOT_DQ,
+    FA_SLOT_DK,
+    FA_SLOT_DV,
+    FA_SLOT_MASK,
+    FA_SLOT_ALIBI_SLOPES,
+    FA_SLOT_RNG_STATE,
+    FA_SLOT_SINKS,
+    FA_SLOT_SINK_GRAD,
+    FA_SLOT_SEQUENCES,
+    FA_SLOT_SEQUENCE_SCRATCH,
+    FA_SLOT_BLOCK_TABLE,
+    FA_SLOT_COUNT
+} fa_slot;
+
+typedef enum fa_dtype_rule {
+    FA_RULE_ANY = 0,     /* any dtype the storage check knows; the planner checks agreement */
+    FA_RULE_FLOAT32 = 1, /* float32 only */
+    FA_RULE_TABLE = 2    /* a sequence table's own checks (fa_plan_sequences.h) */
+} fa_dtype_rule;
+
+typedef enum fa_slot_role {
+    FA_ROLE_INPUT = 0,   /* read (or absent from the direction): outputs must not alias it */
+    FA_ROLE_OUTPUT = 1,  /* written: must alias nothing */
+    FA_ROLE_SCRATCH = 2  /* the sequence tables: the table kernel checks its scratch against the rest */
+} fa_slot_role;
+
+enum { FA_SLOT_NONE = -1, FA_OPTIONAL_FORWARD = 1, FA_OPTIONAL_BACKWARD = 2, FA_OPTIONAL = 3 };
+
+typedef struct fa_tensor_slot {
+    const char *name;
+    int32_t rank;
+    int32_t dtype_rule; /* fa_dtype_rule */
+    int32_t optional;   /* FA_OPTIONAL_FORWARD | FA_OPTIONAL_BACKWARD: absent allowed; 0: required */
+    int32_t required_with; /* optional, but required when this slot is present (FA_SLOT_NONE: never) */
+    int32_t forward_role, backward_role; /* fa_slot_role */
+    int32_t in_plan_key;   /* 0: pointer-only, checked on every call (workspace, sequence scratch) */
+    int32_t forward_buffer, backward_buffer;   /* [[buffer(n)]] (FA_FORWARD_BUFFER_*, FA_BACKWARD_BUFFER_* of
+                                                  metal/fa_params.h), FA_SLOT_NONE if not bound */
+    int32_t forward_offset, backward_offset;   /* offsetof in the args, FA_SLOT_NONE if not an argument */
+    int32_t batched; /* its first dim is the batch: an unbatched call's 3-D tensor gets one of 1 */
+} fa_tensor_slot;
+
+extern const fa_tensor_slot fa_tensor_slots[FA_SLOT_COUNT];
+
+typedef enum fa_direction { FA_FORWARD = 0, FA_BACKWARD = 1 } fa_direction;
+
+/* The slot's tensor in forward (direction FA_FORWARD) or backward args, or NULL when the direction
+ * has no such slot. */
+static inline const fa_tensor *fa_slot_tensor(const void *args, int32_t direction, int32_t slot) {
+    const int32_t offset = direction == FA_FORWARD ? fa_tensor_slots[slot].forward_offset
+                                                   : fa_tensor_slots[slot].backward_offset;
+    return offset < 0 ? (const fa_tensor *)0 : (const fa_tensor *)((const char *)args + offset);
+}
 
 /* Packed sequences (flash_attn_varlen_func) and KV caches (flash_attn_with_kvcache): when
  * `table` is present (ndim 2), grid batch entry b is sequence b of table (B, 6) int32, contiguous:
@@ -90,15 +214,14 @@ typedef struct fa_band_args {
  * are q[q batch, :, first .. first + rows) (out and lse alike), its keys k and v[k batch, :, ...];
  * causal, windows and ALiBi apply per sequence (its own diagonal, S_b - L_b with bottom_right).
  * The table lives in device memory and is not read by the host: a kernel clamps each entry into
- * q's and k's views and into max_q_len / max_kv_len (the grid's rows and keys), so a bad entry
- * can only cut a sequence short, never address outside a view; the Python layer validates the
- * contents first. `scratch` is a float32 1-D tensor on the same device of at least
+ * q's and k's views and into the options' max_q_len / max_kv_len (the grid's rows and keys), so a
+ * bad entry can only cut a sequence short, never address outside a view; the Python layer
+ * validates the contents first. `scratch` is a float32 1-D tensor on the same device of at least
  * B * sizeof(fa_params) bytes, 16-byte aligned, that receives the per-sequence kernel arguments.
  * No attn_mask with sequences. ALiBi slopes are (B, Hq) over the sequences. */
 typedef struct fa_sequence_args {
-    fa_tensor table;
-    fa_tensor scratch;
-    int64_t max_q_len, max_kv_len;
+    fa_tensor table;   /* slot "sequences" */
+    fa_tensor scratch; /* slot "sequence_scratch" */
     /* Paged KV (ndim 0 when absent): (B, pages per sequence) int32, contiguous. k and v are then
      * (pages, Hkv, page_size, D) views of the pool; key position t of sequence b (t counted from
      * its table entry's first key row) is row t % page_size of page block_table[b][t / page_size].
@@ -107,48 +230,31 @@ typedef struct fa_sequence_args {
     fa_tensor block_table;
 } fa_sequence_args;
 
+/* Forward attention, SDPA semantics: q (B,Hq,L,E), k (B,Hkv,S,E), v (B,Hkv,S,Ev),
+ * out (B,Hq,L,Ev), query head h reads kv head h / (Hq/Hkv), under the options' band. lse, when
+ * lse.storage is not NULL, is (B,Hq,L) float32 and receives the natural-log log-sum-exp of each
+ * row's scaled scores.
+ * The core allocates nothing: a call that needs scratch memory (split-K partial results) says how
+ * much through fa_forward_workspace_bytes, and the caller passes it as `workspace`, a 1-D float32
+ * tensor on the same device of at least that many bytes (storage NULL when none is needed). */
 typedef struct fa_forward_args {
     int32_t device; /* fa_device: which backend runs it */
+    fa_options options;
     fa_tensor q, k, v, out, lse;
     fa_tensor workspace;
     /* Optional attn_mask (ndim 0 when absent) as a (B, Hq, L, S) view, broadcast dims with stride 0:
      * bool (true takes part) or additive float32 or q's dtype (added to the scaled scores). */
     fa_tensor mask;
-    double scale;
-    int32_t causal; /* hide keys past each row's diagonal (top-left unless band.bottom_right) */
-    int32_t kernel; /* fa_kernel_choice */
-    fa_band_args band;
-    double softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before masks; 0: none */
     /* ALiBi (ndim 0 when absent): (B, Hq) float32 slopes (stride 0 where broadcast); adds
      * -slope[b, h] * |i + d - j| to the scaled (and capped) score of query i and key j, d = S - L
-     * with band.bottom_right, else 0. */
+     * with bottom_right, else 0. */
     fa_tensor alibi_slopes;
-    /* Dropout (metal/fa_dropout.h): each probability is dropped with probability dropout_p in [0, 1]
-     * (0: none) and kept ones are scaled by 1 / (1 - dropout_p), after the softmax statistics (lse
-     * is of the undropped probabilities). rng_state, required when dropout_p > 0 or write_probs,
-     * is a (4,) float32 view of four random 32-bit words on the call's device (FA_DROPOUT_RNG_WORDS:
-     * seed low, high, offset low, high): which elements are dropped is a pure function of them and
-     * of (batch, head, row, key), so the backward given the same words drops the same. */
-    double dropout_p;
-    fa_tensor rng_state;
-    /* Nonzero: the probability pass of flash-attn's return_attn_probs instead of attention. It runs
-     * the simple kernel over the arguments of a forward call that wrote lse (read here, as are q, k,
-     * v, mask, options; out is untouched) and writes into the workspace, as a contiguous (B, Hq, L, S)
-     * float32 array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i),
-     * negated where dropout drops it; entries a row does not see are left as they are. With
-     * sequences, B is the table's sequences and L, S are max_q_len, max_kv_len: sequence b's
-     * probabilities fill the top-left L_b x S_b block of its slice (flash-attn's padded S_dmask).
-     * Not with a block table (the simple kernel reads keys in place). */
-    int32_t write_probs;
+    fa_tensor rng_state; /* dropout's generator state (fa_options.dropout_p) */
     /* Attention sinks (ndim 0 when absent): (Hq,) float32 logits; each row's softmax also counts
      * exp(sinks[h]) in its denominator, with no value. lse includes it; a row that sees no key gives
      * zeros and lse = sinks[h]. */
     fa_tensor sinks;
-    fa_sequence_args sequences; /* packed sequences / KV caches (h23); all zero: none */
-    /* Split-K of the decode kernel, as flash-attn's num_splits: 0 the planner's heuristic, 1 no
-     * split, n > 1 that many splits of the keys (at most 128; fewer when there are too few keys
-     * for n shares of whole key-pair turns). The prefill kernel never splits. */
-    int32_t num_splits;
+    fa_sequence_args sequences; /* packed sequences / KV caches; all zero: none */
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */
@@ -158,7 +264,7 @@ int32_t fa_forward(const fa_forward_args *args, fa_status *st);
  * -1 with st set when they are invalid. */
 int64_t fa_forward_workspace_bytes(const fa_forward_args *args, fa_status *st);
 
-/* Gradients of attention: given the forward's q, k, v, scale, causal and band, its out and lse (written by
+/* Gradients of attention: given the forward's q, k, v and options, its out and lse (written by
  * fa_forward for exactly these arguments) and dout, the gradient of out (B,Hq,L,Ev), writes dq, dk,
  * dv (the shapes of q, k, v; any strides; all of q's dtype). delta is (B,Hq,L) float32 scratch the
  * core fills with rowsum(dout * out) and then reads. Neither an L x S matrix nor float atomics:
@@ -166,17 +272,13 @@ int64_t fa_forward_workspace_bytes(const fa_forward_args *args, fa_status *st);
  * another parallel over query blocks accumulates dq. */
 typedef struct fa_backward_args {
     int32_t device; /* fa_device */
+    fa_options options; /* the forward's (kernel, num_splits and write_probs are not read) */
     fa_tensor q, k, v, out, lse, dout;
     fa_tensor delta;
     fa_tensor dq, dk, dv;
-    fa_tensor mask; /* the forward's attn_mask (ndim 0 when absent), as in fa_forward_args */
-    double scale;
-    int32_t causal;
-    fa_band_args band; /* the forward's */
-    double softcap;    /* the forward's */
+    fa_tensor mask;         /* the forward's attn_mask (ndim 0 when absent), as in fa_forward_args */
     fa_tensor alibi_slopes; /* the forward's (no gradient flows to the slopes) */
-    double dropout_p;       /* the forward's, with its rng_state: the same elements are dropped */
-    fa_tensor rng_state;
+    fa_tensor rng_state;    /* the forward's: the same elements are dropped */
     /* The forward's sinks (ndim 0 when absent) and, with them, sink_grad: (B, Hq, L) float32 that
      * receives each row's term -exp(sinks[h] - lse) * delta of the sinks' gradient, which is its
      * sum over B and L (the caller sums, deterministically). */
@@ -190,8 +292,6 @@ int32_t fa_backward(const fa_backward_args *args, fa_status *st);
 /* Kernel sources are registered by the Python layer (which reads the metal/ sources and inlines their
  * #includes) before the first call; the core keeps its own copy. Thread-safe. */
 int32_t fa_register_source(const char *name, const char *text, fa_status *st);
-/* Returns the registered text, or NULL. The pointer stays valid for the life of the process. */
-const char *fa_lookup_source(const char *name);
 
 #ifdef __cplusplus
 }

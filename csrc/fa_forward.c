@@ -1,6 +1,5 @@
 /* Runs a prepared forward pass (fa_plan_cache.h) on the backend of the tensors' device. */
-#include "fa_plan_cache.h"
-#include "fa_sequence.h"
+#include "fa_execute.h"
 
 #include <string.h>
 
@@ -20,30 +19,13 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     fa_dispatch d;
     memset(&d, 0, sizeof d);
     const fa_tensor *present = args->out.storage != NULL ? &args->out : &args->lse;
-    d.bindings[0] = fa_tensor_binding(&args->q, present);
-    d.bindings[1] = fa_tensor_binding(&args->k, present);
-    d.bindings[2] = fa_tensor_binding(&args->v, present);
-    d.bindings[3] = fa_tensor_binding(&args->out, present);
-    d.bindings[4] = fa_tensor_binding(&args->lse, present); /* untouched unless FA_FC_WRITE_LSE */
-    d.bindings[5].bytes = &ready->params;
-    d.bindings[5].length = (int64_t)sizeof ready->params;
-    d.bindings[6] = fa_tensor_binding(&args->workspace, present); /* untouched unless the plan splits */
-    d.bindings[7] = fa_tensor_binding(&args->mask, present);      /* untouched unless FA_FC_MASK_KIND */
-    d.bindings[8] = fa_tensor_binding(&args->alibi_slopes, present); /* untouched unless FA_FC_ALIBI */
-    d.bindings[9] = fa_tensor_binding(&args->sinks, present); /* untouched unless FA_FC_SINKS */
-    d.bindings[10] = fa_tensor_binding(present, present); /* the sequence table: untouched unless FA_FC_SEQUENCES */
-    d.bindings[11] = fa_tensor_binding(present, present); /* the block table: untouched unless FA_FC_PAGED */
-    d.bindings[12] = fa_tensor_binding(&args->rng_state, present);   /* untouched unless FA_FC_DROPOUT */
-    d.n_bindings = 13;
-    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_sequence.h) */
-        const fa_tensor *views[] = {&args->q, &args->k, &args->v, &args->out, &args->lse, &args->workspace};
-        const char *const names[] = {"q", "k", "v", "out", "lse", "workspace"};
+    fa_bind_slots(&d, args, FA_FORWARD, present); /* each untouched unless its function constant says so */
+    d.bindings[FA_FORWARD_BUFFER_PARAMS].bytes = &ready->params;
+    d.bindings[FA_FORWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
+    d.n_bindings = FA_FORWARD_BUFFERS;
+    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_plan_sequences.h) */
         rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
-                               &args->sequences, views, names, 6, st);
-        d.bindings[10] = fa_sequence_binding(&args->sequences);
-        if (args->sequences.block_table.storage != NULL) {
-            d.bindings[11] = fa_tensor_binding(&args->sequences.block_table, present);
-        }
+                               args, FA_FORWARD, st);
     }
     for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];

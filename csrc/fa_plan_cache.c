@@ -3,9 +3,11 @@
  * overwritten); a hit copies its plan out under the table's lock. */
 #include "fa_plan_cache.h"
 #include "fa_cache.h"
-#include "fa_sequence.h"
+#include "fa_plan_sequences.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,30 +23,15 @@ typedef struct shape_key {
     int64_t sizes[FA_MAX_DIMS], strides[FA_MAX_DIMS];
 } shape_key;
 
-/* sources: fa_sources_generation(), so new kernel text is never run through an old pipeline. */
-typedef struct forward_key {
-    int32_t sources, device, kernel, causal, has_lse, reserved;
-    double scale, softcap;
-    fa_band_args band;
-    shape_key q, k, v, out, lse, mask, alibi, sinks;
-    double dropout_p; /* dropout: the rate, the probability pass, the generator state's shape */
-    int32_t write_probs, reserved_dropout;
-    shape_key rng;
-    shape_key sequences, block_table; /* the tables' shapes; the max lengths below */
-    int64_t max_q_len, max_kv_len;
-    int32_t num_splits, reserved_splits;
-} forward_key;
-
-typedef struct backward_key {
-    int32_t sources, device, causal, has_lse;
-    double scale, softcap;
-    fa_band_args band;
-    shape_key q, k, v, out, lse, dout, delta, dq, dk, dv, mask, alibi, sinks, sink_grad;
-    double dropout_p; /* with the generator state's shape */
-    shape_key rng;
-    shape_key sequences, block_table;
-    int64_t max_q_len, max_kv_len;
-} backward_key;
+/* A plan's key: the kernel text's generation (sources: plan_generation), the device, the options
+ * as bytes (fa_options has no padding) and one shape per tensor slot of the call's direction that
+ * determines the plan (fa_tensor_slots; an absent optional one stays zero). Nothing is listed by
+ * hand, so a new option or slot is part of the key as soon as it is part of the contract. */
+typedef struct plan_key {
+    int32_t sources, device;
+    fa_options options;
+    shape_key shapes[FA_SLOT_COUNT]; /* the direction's key slots, in table order; the rest unused */
+} plan_key;
 
 typedef struct plan_table {
     pthread_mutex_t lock;
@@ -52,14 +39,24 @@ typedef struct plan_table {
     unsigned char *slots; /* PLAN_SLOTS x (hash, key, value), allocated on first store */
 } plan_table;
 
-static plan_table forward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(forward_key), sizeof(fa_forward_ready), NULL};
-static plan_table backward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(backward_key), sizeof(fa_backward_ready), NULL};
+/* key_bytes is the room for a key; a direction's keys use its first bytes (key_of), compared as such. */
+static plan_table forward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(plan_key), sizeof(fa_forward_ready), NULL};
+static plan_table backward_plans = {PTHREAD_MUTEX_INITIALIZER, sizeof(plan_key), sizeof(fa_backward_ready), NULL};
+
+/* Lookups that found their plan and those that planned afresh, forward then backward. */
+static atomic_llong plan_counts[4];
+
+void fa_plan_cache_counts(int64_t counts[4]) {
+    for (int i = 0; i < 4; ++i) {
+        counts[i] = atomic_load_explicit(&plan_counts[i], memory_order_relaxed);
+    }
+}
 
 static size_t slot_bytes(const plan_table *t) { return sizeof(uint64_t) + t->key_bytes + t->value_bytes; }
 
 /* Copies the plan stored under key into value and returns 1, or returns 0. A hash of 0 marks an
  * empty slot, so a real hash of 0 is stored as 1. */
-static int32_t table_find(plan_table *t, const void *key, uint64_t hash, void *value) {
+static int32_t table_find(plan_table *t, const void *key, size_t key_bytes, uint64_t hash, void *value) {
     hash += hash == 0;
     int32_t found = 0;
     pthread_mutex_lock(&t->lock);
@@ -67,7 +64,7 @@ static int32_t table_find(plan_table *t, const void *key, uint64_t hash, void *v
         const unsigned char *slot = t->slots + (hash % PLAN_SLOTS) * slot_bytes(t);
         uint64_t stored;
         memcpy(&stored, slot, sizeof stored);
-        if (stored == hash && memcmp(slot + sizeof stored, key, t->key_bytes) == 0) {
+        if (stored == hash && memcmp(slot + sizeof stored, key, key_bytes) == 0) {
             memcpy(value, slot + sizeof stored + t->key_bytes, t->value_bytes);
             found = 1;
         }
@@ -78,7 +75,7 @@ static int32_t table_find(plan_table *t, const void *key, uint64_t hash, void *v
 
 /* Stores a plan, replacing whatever shared its slot; a table that cannot be allocated stays empty
  * (every call then plans afresh, correctly). */
-static void table_store(plan_table *t, const void *key, uint64_t hash, const void *value) {
+static void table_store(plan_table *t, const void *key, size_t key_bytes, uint64_t hash, const void *value) {
     hash += hash == 0;
     pthread_mutex_lock(&t->lock);
     if (t->slots == NULL) {
@@ -87,7 +84,7 @@ static void table_store(plan_table *t, const void *key, uint64_t hash, const voi
     if (t->slots != NULL) {
         unsigned char *slot = t->slots + (hash % PLAN_SLOTS) * slot_bytes(t);
         memcpy(slot, &hash, sizeof hash);
-        memcpy(slot + sizeof hash, key, t->key_bytes);
+        memcpy(slot + sizeof hash, key, key_bytes);
         memcpy(slot + sizeof hash + t->key_bytes, value, t->value_bytes);
     }
     pthread_mutex_unlock(&t->lock);
@@ -102,15 +99,6 @@ static void shape_of(const fa_tensor *t, int32_t device, shape_key *s) {
     for (int32_t d = 0; d < t->ndim && d < FA_MAX_DIMS; ++d) {
         s->sizes[d] = t->sizes[d];
         s->strides[d] = t->strides[d];
-    }
-}
-
-/* An optional descriptor (mask, ALiBi slopes) is present when it has dims or storage: a 0-D
- * descriptor with storage is refused by fa_check_tensor, never taken for "absent". */
-/* An absent optional descriptor leaves its part of the key zero. */
-static void shape_of_optional(const fa_tensor *t, int32_t device, shape_key *s) {
-    if (fa_tensor_present(t)) {
-        shape_of(t, device, s);
     }
 }
 
@@ -148,32 +136,47 @@ static int32_t resolve(const fa_backend *backend, const fa_plan_dispatch *steps,
     return FA_OK;
 }
 
-/* The checks a cached plan cannot vouch for: every descriptor's elements inside its storage (the
- * outputs' aliasing is checked by fa_forward_execute, for every call). */
-static int32_t check_forward_storage(const fa_forward_args *a, fa_status *st) {
-    int32_t rc;
-    if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
-        (rc = fa_check_tensor(&a->v, "v", 4, 0, st)) || (rc = fa_check_tensor(&a->out, "out", 4, 0, st)) ||
-        (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st))) ||
-        (fa_tensor_present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (fa_tensor_present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
-        (fa_tensor_present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
-        (fa_tensor_present(&a->sinks) && (rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st))) ||
-        (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
-        return rc;
+/* The checks a cached plan cannot vouch for: every present (or required) descriptor's elements
+ * inside its storage, by the slot table (the sequence tables by their own checks; the workspace by
+ * execute). The outputs' aliasing is checked by execute (forward) or here (backward). */
+static int32_t check_storage(const void *a, int32_t device, int32_t direction, fa_status *st) {
+    const int32_t optional_bit = direction == FA_FORWARD ? FA_OPTIONAL_FORWARD : FA_OPTIONAL_BACKWARD;
+    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+        const fa_tensor_slot *slot = &fa_tensor_slots[i];
+        const fa_tensor *t = fa_slot_tensor(a, direction, i);
+        if (t == NULL || i == FA_SLOT_WORKSPACE || slot->dtype_rule == FA_RULE_TABLE) {
+            continue;
+        }
+        const int32_t required = !(slot->optional & optional_bit) ||
+                                 (slot->required_with != FA_SLOT_NONE &&
+                                  fa_tensor_present(fa_slot_tensor(a, direction, slot->required_with)));
+        int32_t rc;
+        if ((required || fa_tensor_present(t)) &&
+            (rc = fa_check_tensor(t, slot->name, slot->rank, slot->dtype_rule == FA_RULE_FLOAT32, st)) != FA_OK) {
+            return rc;
+        }
     }
-    return FA_OK;
+    const fa_sequence_args *s = (const fa_sequence_args *)fa_slot_tensor(a, direction, FA_SLOT_SEQUENCES);
+    return fa_sequences_present(s) ? fa_sequence_check_storage(s, device, st) : FA_OK;
 }
 
-/* The sequence table's part of a plan key (zero without one). */
-static void sequences_of(const fa_sequence_args *s, int32_t device, shape_key *shape, shape_key *pages,
-                         int64_t *max_q_len, int64_t *max_kv_len) {
-    if (fa_sequences_present(s)) {
-        shape_of(&s->table, device, shape);
-        shape_of_optional(&s->block_table, device, pages);
-        *max_q_len = s->max_q_len;
-        *max_kv_len = s->max_kv_len;
+/* The key of a call: see plan_key. Returns the bytes of it that count. */
+static size_t key_of(const void *a, int32_t device, const fa_options *options, int32_t direction, plan_key *key) {
+    memset(key, 0, sizeof *key);
+    key->sources = plan_generation(device);
+    key->device = device;
+    key->options = *options;
+    int32_t n = 0;
+    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+        const fa_tensor *t = fa_slot_tensor(a, direction, i);
+        if (t != NULL && fa_tensor_slots[i].in_plan_key) {
+            if (fa_tensor_present(t)) {
+                shape_of(t, device, &key->shapes[n]);
+            }
+            ++n;
+        }
     }
+    return offsetof(plan_key, shapes) + (size_t)n * sizeof(shape_key);
 }
 
 /* The table kernel's pipeline, when the plan has one. */
@@ -182,38 +185,28 @@ static int32_t resolve_builder(const fa_backend *backend, int32_t sequences, con
     return sequences ? resolve(backend, builder, 1, 0, ready, st) : FA_OK;
 }
 
+static plan_table *table_of(int32_t direction) { return direction == FA_FORWARD ? &forward_plans : &backward_plans; }
+
+/* Whether the direction's table holds the plan of call a (copied into ready); the key, its bytes
+ * and its hash, to store a new plan under. */
+static int32_t lookup(const void *a, int32_t device, const fa_options *options, int32_t direction, void *ready,
+                      plan_key *key, size_t *key_bytes, uint64_t *hash) {
+    *key_bytes = key_of(a, device, options, direction, key);
+    *hash = fa_hash_bytes(key, *key_bytes);
+    const int32_t found = table_find(table_of(direction), key, *key_bytes, *hash, ready);
+    atomic_fetch_add_explicit(&plan_counts[2 * (direction == FA_BACKWARD) + !found], 1, memory_order_relaxed);
+    return found;
+}
+
 int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa_status *st) {
     if (a == NULL || ready == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "fa_forward_prepare: NULL argument");
     }
-    forward_key key;
-    memset(&key, 0, sizeof key);
-    key.sources = plan_generation(a->device);
-    key.device = a->device;
-    key.kernel = a->kernel;
-    key.causal = a->causal != 0;
-    key.has_lse = a->lse.storage != NULL;
-    key.scale = a->scale;
-    key.band = a->band; /* no padding in fa_band_args: compared as bytes */
-    key.softcap = a->softcap;
-    shape_of(&a->q, a->device, &key.q);
-    shape_of(&a->k, a->device, &key.k);
-    shape_of(&a->v, a->device, &key.v);
-    shape_of(&a->out, a->device, &key.out);
-    if (key.has_lse) {
-        shape_of(&a->lse, a->device, &key.lse);
-    }
-    shape_of_optional(&a->mask, a->device, &key.mask);
-    shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
-    key.dropout_p = a->dropout_p;
-    key.write_probs = a->write_probs != 0;
-    shape_of_optional(&a->rng_state, a->device, &key.rng);
-    shape_of_optional(&a->sinks, a->device, &key.sinks);
-    sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
-    key.num_splits = a->num_splits;
-    const uint64_t hash = fa_hash_bytes(&key, sizeof key);
-    if (table_find(&forward_plans, &key, hash, ready)) {
-        return check_forward_storage(a, st);
+    plan_key key;
+    size_t key_bytes;
+    uint64_t hash;
+    if (lookup(a, a->device, &a->options, FA_FORWARD, ready, &key, &key_bytes, &hash)) {
+        return check_storage(a, a->device, FA_FORWARD, st);
     }
 
     fa_plan plan;
@@ -236,59 +229,20 @@ int32_t fa_forward_prepare(const fa_forward_args *a, fa_forward_ready *ready, fa
             return rc;
         }
     }
-    table_store(&forward_plans, &key, hash, ready);
+    table_store(&forward_plans, &key, key_bytes, hash, ready);
     return FA_OK;
-}
-
-static int32_t check_backward_storage(const fa_backward_args *a, fa_status *st) {
-    const fa_tensor *four_d[] = {&a->q, &a->k, &a->v, &a->out, &a->dout, &a->dq, &a->dk, &a->dv};
-    const char *const four_d_names[] = {"q", "k", "v", "out", "dout", "dq", "dk", "dv"};
-    int32_t rc;
-    for (uint32_t i = 0; i < sizeof four_d / sizeof four_d[0]; ++i) {
-        if ((rc = fa_check_tensor(four_d[i], four_d_names[i], 4, 0, st)) != FA_OK) {
-            return rc;
-        }
-    }
-    if ((rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)) || (rc = fa_check_tensor(&a->delta, "delta", 3, 1, st)) ||
-        (fa_tensor_present(&a->mask) && (rc = fa_check_tensor(&a->mask, "mask", 4, 0, st))) ||
-        (fa_tensor_present(&a->alibi_slopes) && (rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st))) ||
-        (fa_tensor_present(&a->rng_state) && (rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st))) ||
-        (fa_tensor_present(&a->sinks) && ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) ||
-                                (rc = fa_check_tensor(&a->sink_grad, "sink_grad", 3, 1, st)))) ||
-        (fa_sequences_present(&a->sequences) && (rc = fa_sequence_check_storage(&a->sequences, a->device, st)))) {
-        return rc;
-    }
-    return fa_plan_check_backward_aliases(a, st);
 }
 
 int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready, fa_status *st) {
     if (a == NULL || ready == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "fa_backward_prepare: NULL argument");
     }
-    backward_key key;
-    memset(&key, 0, sizeof key);
-    key.sources = plan_generation(a->device);
-    key.device = a->device;
-    key.causal = a->causal != 0;
-    key.has_lse = a->lse.storage != NULL;
-    key.scale = a->scale;
-    key.band = a->band; /* no padding in fa_band_args: compared as bytes */
-    key.softcap = a->softcap;
-    const fa_tensor *tensors[] = {&a->q, &a->k, &a->v, &a->out, &a->lse, &a->dout, &a->delta, &a->dq, &a->dk, &a->dv};
-    shape_key *shapes[] = {&key.q, &key.k, &key.v, &key.out, &key.lse, &key.dout, &key.delta, &key.dq, &key.dk, &key.dv};
-    for (uint32_t i = 0; i < sizeof tensors / sizeof tensors[0]; ++i) {
-        shape_of(tensors[i], a->device, shapes[i]);
-    }
-    shape_of_optional(&a->mask, a->device, &key.mask);
-    shape_of_optional(&a->alibi_slopes, a->device, &key.alibi);
-    key.dropout_p = a->dropout_p;
-    shape_of_optional(&a->rng_state, a->device, &key.rng);
-    shape_of_optional(&a->sinks, a->device, &key.sinks);
-    shape_of_optional(&a->sink_grad, a->device, &key.sink_grad);
-    sequences_of(&a->sequences, a->device, &key.sequences, &key.block_table, &key.max_q_len, &key.max_kv_len);
-    const uint64_t hash = fa_hash_bytes(&key, sizeof key);
-    if (table_find(&backward_plans, &key, hash, ready)) {
-        return check_backward_storage(a, st);
+    plan_key key;
+    size_t key_bytes;
+    uint64_t hash;
+    if (lookup(a, a->device, &a->options, FA_BACKWARD, ready, &key, &key_bytes, &hash)) {
+        int32_t rc = check_storage(a, a->device, FA_BACKWARD, st);
+        return rc != FA_OK ? rc : fa_plan_check_backward_aliases(a, st);
     }
 
     fa_backward_plan plan;
@@ -306,6 +260,6 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
                               st)) != FA_OK) {
         return rc;
     }
-    table_store(&backward_plans, &key, hash, ready);
+    table_store(&backward_plans, &key, key_bytes, hash, ready);
     return FA_OK;
 }

@@ -6,7 +6,7 @@
 #ifndef FA_PLAN_CACHE_H
 #define FA_PLAN_CACHE_H
 
-#include "fa_plan.h"
+#include "fa_plan_backward.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,6 +45,10 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
 
 int32_t fa_backward_prepare(const fa_backward_args *args, fa_backward_ready *ready, fa_status *st);
 int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_args *args, fa_status *st);
+
+/* How the plan cache answered so far: forward hits, forward misses, backward hits, backward misses
+ * (a miss plans afresh). For tests that a changed option or tensor is never served an old plan. */
+void fa_plan_cache_counts(int64_t counts[4]);
 
 #ifdef __cplusplus
 }

@@ -19,79 +19,25 @@ from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, check_call, core_options
 _CONTIGUOUS = torch.contiguous_format
 
 
-# --- The binding's calls. Until the new binding lands, they are adapted here to the positional ----
-# --- binding of csrc/bindings/module.cpp; then each becomes `_C.<name>(device, tensors, options...)`.
-
-def _band(options: tuple):
-    """The positional binding's band: None (no window, top-left diagonal) or (bottom_right, left, right)."""
-    if not options[2] and options[3] == -1 and options[4] == -1:
-        return None
-    return int(options[2]), options[3], options[4]
-
-
-def _keywords(tensors: dict, options: tuple, forward: bool) -> dict:
-    """The positional binding's keyword arguments for these slots and options."""
-    get = tensors.get
-    table = get("sequences")
-    words = dict(mask=get("mask"), band=_band(options), softcap=options[5], alibi_slopes=get("alibi_slopes"),
-                 dropout_p=options[6], rng_state=get("rng_state"), sinks=get("sinks"),
-                 sequences=None if table is None else (table, tensors["sequence_scratch"], options[10], options[11],
-                                                       get("block_table")))
-    if forward:
-        words.update(num_splits=options[8], write_probs=options[9])
-    else:
-        words.update(sink_grad=get("sink_grad"))
-    return words
-
-
+# The binding's attention calls (looked up on _C at each call, so tests can count them).
 def forward(device: int, tensors: dict, options: tuple, workspace=None) -> None:
-    get = tensors.get
-    if get("sequences") is None:  # all positional: keywords cost pybind11 microseconds on the hot path
-        band = None if not options[2] and options[3] == -1 and options[4] == -1 else _band(options)
-        _C.forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1], options[7],
-                   workspace, get("mask"), options[12], band, options[5], get("alibi_slopes"), options[6],
-                   get("rng_state"), options[9], get("sinks"), None, options[8])
-        return
-    words = _keywords(tensors, options, True)
-    if options[12]:
-        words["unbatched"] = True
-    _C.forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1], options[7],
-               workspace, **words)
+    _C.forward(device, tensors, options, workspace)
 
 
 def forward_workspace_bytes(device: int, tensors: dict, options: tuple) -> int:
-    get = tensors.get
-    words = _keywords(tensors, options, True)
-    return _C.forward_workspace_bytes(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0],
-                                      options[1], options[7], mask=words["mask"], band=words["band"],
-                                      softcap=words["softcap"], alibi_slopes=words["alibi_slopes"],
-                                      sinks=words["sinks"])
+    return _C.forward_workspace_bytes(device, tensors, options)
 
 
 def plan_forward(device: int, tensors: dict, options: tuple) -> dict:
-    get = tensors.get
-    return _C.plan_forward(device, get("q"), get("k"), get("v"), get("out"), get("lse"), options[0], options[1],
-                           options[7], **_keywords(tensors, options, True))
-
-
-def _backward_positional(device: int, tensors: dict, options: tuple) -> tuple:
-    get = tensors.get
-    return (device, get("q"), get("k"), get("v"), get("out"), get("lse"), get("dout"), get("delta"), get("dq"),
-            get("dk"), get("dv"), options[0], options[1])
+    return _C.plan_forward(device, tensors, options)
 
 
 def backward(device: int, tensors: dict, options: tuple) -> None:
-    words = _keywords(tensors, options, False)
-    if options[12]:
-        words["unbatched"] = True
-    _C.backward(*_backward_positional(device, tensors, options), **words)
+    _C.backward(device, tensors, options)
 
 
 def plan_backward(device: int, tensors: dict, options: tuple) -> list:
-    return _C.plan_backward(*_backward_positional(device, tensors, options), **_keywords(tensors, options, False))
-
-
-# --- end of the adapter ------------------------------------------------------------------------
+    return _C.plan_backward(device, tensors, options)
 
 
 def _prepare_mps() -> None:

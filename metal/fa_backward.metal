@@ -1,7 +1,7 @@
 // Entry file of the backward pass (bodies in fa_backward_delta.h, fa_backward_dkdv.h,
 // fa_backward_dq.h), run in that order. The planner specialises it exactly like the forward kernel
 // (macros FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM from the forward's tile table, function constant
-// FA_FC_BAND); see fa_backward_plan.c.
+// FA_FC_BAND); see fa_plan_backward.c.
 #include "fa_backward_delta.h"
 #include "fa_backward_dkdv.h"
 #include "fa_backward_dq.h"

@@ -31,18 +31,18 @@ using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
 [[kernel, max_total_threads_per_threadgroup(32 * WM)]] void fa_backward_dq(
-    const device T *q [[buffer(0)]],
-    const device T *k [[buffer(1)]],
-    const device T *v [[buffer(2)]],
-    const device T *dout [[buffer(4)]],
-    const device float *lse [[buffer(5)]],
-    const device float *delta [[buffer(6)]],
-    device T *dq [[buffer(7)]],
-    constant fa_backward_params &p [[buffer(10)]],
-    const device uchar *mask [[buffer(11)]],
-    const device float *alibi_slopes [[buffer(12)]],
-    constant fa_params *sequence_table [[buffer(15)]],
-    const device uint *rng [[buffer(16)]],
+    const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+    const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+    const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    const device float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+    const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+    device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],
+    constant fa_backward_params &p [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+    const device uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
+    const device float *alibi_slopes [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
+    constant fa_params *sequence_table [[buffer(FA_BACKWARD_BUFFER_SEQUENCES)]],
+    const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],
@@ -101,7 +101,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
 
   // Tiles outside the band of the block's rows are never loaded; K/V tiles walk through the
   // forward's cursors (fa_loader.h). No block table: the backward never reads a paged cache
-  // (fa_backward_plan.c refuses one), so FA_FC_PAGED is off here.
+  // (fa_plan_backward.c refuses one), so FA_FC_PAGED is off here.
   const fa_range keys = fa_visible_keys(f, q_block, BQ);
   fa_tile_rows<T> k_tiles = fa_kv_tiles(k, f, f.k_strides, (const device int *)nullptr, b, kv_h, keys.begin, BK);
   fa_tile_rows<T> v_tiles = fa_kv_tiles(v, f, f.v_strides, (const device int *)nullptr, b, kv_h, keys.begin, BK);

@@ -18,10 +18,10 @@
 // writes its unnormalised output and (max, sum) to the workspace and fa_decode_merge
 // (fa_decode_merge.h) combines them; with one split the threadgroup writes out and lse itself.
 //
-// Template parameters (the planner picks them, see fa_plan.c):
+// Template parameters (the planner picks them, see fa_plan_forward.c):
 //   T     element type of q, k, v, out
 //   COLS  columns per lane: 2, 4, 8, then multiples of 4 up to 20, at least max(E, Ev) / 32; above
-//         FA_DECODE_LATE_VALUES_ABOVE the value rows load after the scores (registers, fa_plan.c)
+//         FA_DECODE_LATE_VALUES_ABOVE the value rows load after the scores (registers, fa_plan_forward.c)
 //   ROWS  query rows per threadgroup
 // Grid: (p.split_count, Hkv * ceil(Hq / Hkv * L / ROWS), B) threadgroups of
 // 32 * FA_DECODE_SIMD_GROUPS threads.
@@ -57,7 +57,7 @@ inline void fa_store_lse(device float *lse, constant fa_params &p, long b, long 
 }
 
 // Function constant: K and V have unit column stride and every row starts W-aligned, so chunks are
-// read as vectors (the planner checks strides and byte offsets; see fa_plan.c).
+// read as vectors (the planner checks strides and byte offsets; see fa_plan_forward.c).
 constant bool fa_decode_vector_loads [[function_constant(FA_FC_DECODE_VECTOR_LOADS)]];
 
 // Column of element e of a lane's COLS, with W-wide chunks (see the top of this file).
@@ -102,19 +102,19 @@ inline void fa_decode_accumulate(thread fa_online_softmax &state, thread float (
 
 template <typename T, int COLS, int ROWS>
 [[kernel, max_total_threads_per_threadgroup(32 * FA_DECODE_SIMD_GROUPS)]] void fa_decode(
-    const device T *q [[buffer(0)]],
-    const device T *k [[buffer(1)]],
-    const device T *v [[buffer(2)]],
-    device T *out [[buffer(3)]],
-    device float *lse [[buffer(4)]],
-    constant fa_params &params [[buffer(5)]],
-    device float *workspace [[buffer(6)]],
-    const device uchar *mask [[buffer(7)]],
-    const device float *alibi_slopes [[buffer(8)]],
-    const device float *sinks [[buffer(9)]],
-    constant fa_params *sequence_table [[buffer(10)]],
-    const device int *block_table [[buffer(11)]],
-    const device uint *rng [[buffer(12)]],
+    const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+    const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+    const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+    constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+    device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
+    const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+    const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
+    const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
+    constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
+    const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
+    const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     ushort sg [[simdgroup_index_in_threadgroup]],

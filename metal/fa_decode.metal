@@ -1,6 +1,6 @@
 // Entry file of the decode kernel and its split-K merge (bodies in fa_decode.h and
 // fa_decode_merge.h). The planner specialises it with macros FA_DTYPE (fa_instantiate.h),
-// FA_DECODE_COLS and FA_DECODE_ROWS (see fa_plan.c for how it picks them) and function constants
+// FA_DECODE_COLS and FA_DECODE_ROWS (see fa_plan_forward.c for how it picks them) and function constants
 // FA_FC_BAND, FA_FC_WRITE_LSE, FA_FC_MASK_KIND.
 #include "fa_decode.h"
 #include "fa_decode_merge.h"

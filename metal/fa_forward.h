@@ -7,7 +7,7 @@
 // SIMD-group, float) lives and dies in registers; softmax is online in base 2 with float32
 // statistics; O is normalised and written once.
 //
-// Template parameters (the planner picks them per head dim and dtype, see fa_plan.c):
+// Template parameters (the planner picks them per head dim and dtype, see fa_plan_forward.c):
 //   T    element type of q, k, v, out       BD, BDV  widths of the head dims' tiles (multiples of 8)
 //   BK   keys per tile                      WM       SIMD-groups per threadgroup
 // E above BD streams Q and K through the tiles in BD-wide blocks per key tile; Ev above BDV splits
@@ -31,18 +31,18 @@ using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
 [[kernel, max_total_threads_per_threadgroup(32 * WM)]] void fa_forward(
-    const device T *q [[buffer(0)]],
-    const device T *k [[buffer(1)]],
-    const device T *v [[buffer(2)]],
-    device T *out [[buffer(3)]],
-    device float *lse [[buffer(4)]],
-    constant fa_params &params [[buffer(5)]],
-    const device uchar *mask [[buffer(7)]],
-    const device float *alibi_slopes [[buffer(8)]],
-    const device float *sinks [[buffer(9)]],
-    constant fa_params *sequence_table [[buffer(10)]],
-    const device int *block_table [[buffer(11)]],
-    const device uint *rng [[buffer(12)]],
+    const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+    const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+    const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+    constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+    const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+    const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
+    const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
+    constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
+    const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
+    const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint3 groups [[threadgroups_per_grid]],
     uint tid [[thread_index_in_threadgroup]],

@@ -1,5 +1,5 @@
 // Entry file of the FlashAttention-2 forward kernel (body in fa_forward.h). The planner specialises
-// it with macros FA_DTYPE (fa_instantiate.h), FA_BD, FA_BDV, FA_BK, FA_WM (see fa_plan.c for the
+// it with macros FA_DTYPE (fa_instantiate.h), FA_BD, FA_BDV, FA_BK, FA_WM (see fa_plan_forward.c for the
 // table and why each entry fits) and function constants FA_FC_BAND, FA_FC_WRITE_LSE.
 #include "fa_forward.h"
 #include "fa_instantiate.h"

@@ -1,4 +1,4 @@
-// Head dims wider than a kernel's tiles: blocking along D (fa_plan.c has the table and the
+// Head dims wider than a kernel's tiles: blocking along D (fa_plan_forward.c has the table and the
 // register budget of each configuration).
 //
 // The tiled kernels (forward, dQ, dK/dV) are specialised for widths BD (E side) and BDV (Ev side)

@@ -6,7 +6,7 @@
 // Two paths, fixed per pipeline by the function constant fa_contiguous_tiles:
 //   - contiguous: unit column stride, rows starting on FA_TILE_VEC-element boundaries, valid_cols a
 //     multiple of FA_TILE_VEC and every in-tile offset within 32 bits (the planner checks all of
-//     it, fa_plan.c). Each access moves FA_TILE_VEC elements with one vector load and one vector
+//     it, fa_plan_forward.c). Each access moves FA_TILE_VEC elements with one vector load and one vector
 //     store; a thread's 32-bit offsets advance by constants (no division, no multiply per access)
 //     and bounds are tested only in the ragged last tile or a padded head dim;
 //   - strided: any other view (a strided head dim, unaligned offsets, odd head dims), element by

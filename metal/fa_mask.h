@@ -168,7 +168,7 @@ struct fa_range {
 };
 
 // The keys some valid row of rows row0 .. row0 + rows - 1 can see under the band, or all of them:
-// tiles outside are never visited (csrc/fa_plan.c counts them the same way).
+// tiles outside are never visited (csrc/fa_plan_forward.c counts them the same way).
 inline fa_range fa_visible_keys(constant fa_params &p, int row0, int rows) {
   fa_range r = {0, p.kv_len};
   if (fa_banded) {

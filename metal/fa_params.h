@@ -18,19 +18,64 @@ typedef uint32_t fa_u32;
 #define FA_SIMPLE_ROWS_PER_GROUP 4 // query rows (SIMD-groups) per threadgroup
 #define FA_SIMPLE_MAX_PER_LANE 18  // columns per lane: head dims up to 576 (DeepSeek's MLA E)
 
-// The head dims every kernel takes, E and Ev alike (csrc/fa_plan.c checks them).
+// The head dims every kernel takes, E and Ev alike (csrc/fa_plan_forward.c checks them).
 #define FA_MAX_HEAD_DIM 576
 
 // The decode kernel's geometry (fa_decode.metal).
 #define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
 // Above this many columns per lane the decode kernel reads a key pair's values only after their
-// scores, so K and V rows are not in registers at once (fa_decode.h, the budget in fa_plan.c).
+// scores, so K and V rows are not in registers at once (fa_decode.h, the budget in fa_plan_forward.c).
 #define FA_DECODE_LATE_VALUES_ABOVE 16
+
+// Buffer slots, [[buffer(n)]] of the kernels and the host's bindings alike (csrc/fa_core.c's slot
+// table, csrc/fa_forward.c, csrc/fa_backward.c). The forward kernels (prefill, decode and its
+// merge, simple) share one numbering, the backward's three kernels another; a kernel declares only
+// the slots it reads, the host binds every one (an absent tensor binds a stand-in).
+#define FA_FORWARD_BUFFER_Q 0
+#define FA_FORWARD_BUFFER_K 1
+#define FA_FORWARD_BUFFER_V 2
+#define FA_FORWARD_BUFFER_OUT 3
+#define FA_FORWARD_BUFFER_LSE 4
+#define FA_FORWARD_BUFFER_PARAMS 5     // fa_params, inline bytes
+#define FA_FORWARD_BUFFER_WORKSPACE 6  // split-K partial results, or the probability pass's output
+#define FA_FORWARD_BUFFER_MASK 7
+#define FA_FORWARD_BUFFER_ALIBI 8
+#define FA_FORWARD_BUFFER_SINKS 9
+#define FA_FORWARD_BUFFER_SEQUENCES 10 // the per-sequence fa_params the table kernel wrote
+#define FA_FORWARD_BUFFER_BLOCK_TABLE 11
+#define FA_FORWARD_BUFFER_RNG 12
+#define FA_FORWARD_BUFFERS 13
+
+#define FA_BACKWARD_BUFFER_Q 0
+#define FA_BACKWARD_BUFFER_K 1
+#define FA_BACKWARD_BUFFER_V 2
+#define FA_BACKWARD_BUFFER_OUT 3
+#define FA_BACKWARD_BUFFER_DOUT 4
+#define FA_BACKWARD_BUFFER_LSE 5
+#define FA_BACKWARD_BUFFER_DELTA 6
+#define FA_BACKWARD_BUFFER_DQ 7
+#define FA_BACKWARD_BUFFER_DK 8
+#define FA_BACKWARD_BUFFER_DV 9
+#define FA_BACKWARD_BUFFER_PARAMS 10   // fa_backward_params, inline bytes
+#define FA_BACKWARD_BUFFER_MASK 11
+#define FA_BACKWARD_BUFFER_ALIBI 12
+#define FA_BACKWARD_BUFFER_SINKS 13
+#define FA_BACKWARD_BUFFER_SINK_GRAD 14
+#define FA_BACKWARD_BUFFER_SEQUENCES 15
+#define FA_BACKWARD_BUFFER_RNG 16
+#define FA_BACKWARD_BUFFERS 17
+
+// The sequence-table kernel's (fa_sequence.h): the (B, 6) table in, one fa_params per sequence
+// out, the call's fa_params at the params slot of the forward's numbering.
+#define FA_TABLE_BUFFER_ENTRIES 0
+#define FA_TABLE_BUFFER_OUT 1
+#define FA_TABLE_BUFFER_PARAMS 5
+#define FA_TABLE_BUFFERS 6
 
 // Function-constant indices (specialisation at pipeline creation).
 #define FA_FC_BAND 0      // bool: each row sees only a band of keys (band_lo, band_hi below): causal, windows
 #define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
-#define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how buffer(7) masks the scores
+#define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how FA_FORWARD_BUFFER_MASK masks the scores
 #define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 #define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
@@ -54,8 +99,8 @@ typedef uint32_t fa_u32;
 #define FA_DROPOUT_APPLY 1 // probabilities dropped (and kept ones scaled) in what the kernel accumulates
 #define FA_DROPOUT_PROBS 2 // the simple kernel writes each probability (negated where dropped) instead
                            // of attention: flash-attn's return_attn_probs
-// Dropout's generator state, a buffer of this many 32-bit words ([[buffer(12)]] of the forward,
-// decode and simple kernels, [[buffer(16)]] of the backward's): seed low, high, offset low, high.
+// Dropout's generator state, a buffer of this many 32-bit words (FA_FORWARD_BUFFER_RNG,
+// FA_BACKWARD_BUFFER_RNG): seed low, high, offset low, high.
 #define FA_DROPOUT_RNG_WORDS 4
 
 typedef struct fa_params {
@@ -84,19 +129,19 @@ typedef struct fa_params {
     fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
     fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
   // Under FA_FC_BAND row i sees the keys j with i + band_lo <= j <= i + band_hi (and j < S): the
-  // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan.c). The
+  // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan_forward.c). The
   // planner keeps both in [-L, S], so i + either fits 32 bits.
   fa_i32 band_lo;
   fa_i32 band_hi;
   fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
   fa_i32 diagonal;    // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
   fa_i64 alibi_strides[2]; // (batch, head) of the float32 slopes under FA_FC_ALIBI; batch 0 for (H,) slopes
-  // Dropout under FA_FC_DROPOUT (fa_dropout.h), h21: a probability whose random word is below
+  // Dropout under FA_FC_DROPOUT (fa_dropout.h): a probability whose random word is below
   // dropout_drop_below = round(p * 2^32) is dropped, kept ones are multiplied by dropout_scale =
   // 1 / (1 - p). p = 1 stores 2^32 - 1 and scale 0: nothing contributes.
   fa_u32 dropout_drop_below;
   float dropout_scale;
-  // Attention sinks (h20): under FA_FC_SINKS, buffer(9) holds the float32 sink logit of each query head.
+  // Attention sinks: under FA_FC_SINKS, FA_FORWARD_BUFFER_SINKS holds the float32 sink logit of each query head.
   fa_i64 sink_stride; // elements between heads' sinks
   // Packed sequences and KV caches under FA_FC_SEQUENCES (fa_sequence.h). The planner fills the
   // first eight from the views and options; fa_sequence_table writes one copy of these params per
@@ -131,7 +176,7 @@ typedef struct fa_backward_params {
     fa_i64 delta_strides[3]; // D = rowsum(dO * out), float32 (B, Hq, L)
     float scale;             // the scale itself: dQ = scale * dS K, dK = scale * dS^T Q
     float pad0;
-    // Attention sinks (h20): buffer(13) the sinks, buffer(14) each row's share of their gradient.
+    // Attention sinks: FA_BACKWARD_BUFFER_SINKS the sinks, FA_BACKWARD_BUFFER_SINK_GRAD each row's share of their gradient.
     fa_i64 sink_grad_strides[3]; // (batch, head, row) of the float32 per-row terms of dsinks
 } fa_backward_params;
 

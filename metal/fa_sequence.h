@@ -67,9 +67,9 @@ inline int fa_sequence_clamp(int x, int lo, int hi) { return x < lo ? lo : x > h
 // attention kernels are in and costs no compile of its own.
 template <typename T>
 [[kernel, max_total_threads_per_threadgroup(FA_SEQUENCE_TABLE_THREADS)]] void fa_sequence_table(
-    const device int *entries [[buffer(0)]],
-    device fa_params *table [[buffer(1)]],
-    constant fa_params &p [[buffer(5)]],
+    const device int *entries [[buffer(FA_TABLE_BUFFER_ENTRIES)]],
+    device fa_params *table [[buffer(FA_TABLE_BUFFER_OUT)]],
+    constant fa_params &p [[buffer(FA_TABLE_BUFFER_PARAMS)]],
     uint b [[thread_position_in_grid]]) {
   if (b >= uint(p.batch)) {
     return;

@@ -33,8 +33,8 @@ def core_calls(monkeypatch):
     for name in ("forward", "backward"):
         def counting(*args, _real=getattr(flashattn_mps._C, name), _name=name, **kwargs):
             counts[_name] += 1
-            # _C.forward(device, q, k, v, out, lse, scale, causal, kernel, workspace, mask, ...)
-            mask = kwargs.get("mask", args[10] if len(args) > 10 else None)
+            # _C.forward(device, tensors, options, workspace): tensors a dict slot name -> tensor
+            mask = kwargs.get("tensors", args[1] if len(args) > 1 else {}).get("mask")
             counts["masked"] += _name == "forward" and mask is not None
             return _real(*args, **kwargs)
 

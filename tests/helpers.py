@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from flashattn_mps import _metal_cpu, _sources, strict_check
+from flashattn_mps import _C, _metal_cpu, _sources, strict_check
 
 
 def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
@@ -298,3 +298,25 @@ def preprocessed(source: str, macros: dict) -> str:
 
 DEFINITION = re.compile(r'template\s*<([^>]*)>\s*\[\[kernel,\s*max_total_threads_per_threadgroup\(([^)]*)\)\]\]'
                         r'\s*void\s+(\w+)\s*\(')
+
+
+# Direct calls of the C layer: _C.forward / backward / plan_* take (device, tensors by slot name, options).
+FORWARD_NAMES = ("q", "k", "v", "out", "lse")
+BACKWARD_NAMES = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv")
+
+
+def core_options(**fields) -> tuple:
+    """A direct _C call's options tuple, in _C.OPTION_FIELDS' order: SDPA's defaults (scale 1) with
+    these fields changed."""
+    values = dict(scale=1.0, causal=False, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0,
+                  dropout_p=0.0, kernel=_C.KERNEL_AUTO, num_splits=0, write_probs=False, max_q_len=0, max_kv_len=0,
+                  unbatched=False)
+    unknown = set(fields) - set(values)
+    assert not unknown, f"not an option field: {unknown}"
+    values.update(fields)
+    return tuple(values[name] for name in _C.OPTION_FIELDS)
+
+
+def slots(names, tensors, **more) -> dict:
+    """The tensors dict of a direct _C call: the positional tensors under names, then more."""
+    return {**dict(zip(names, tensors)), **more}

@@ -11,7 +11,6 @@
 extern "C" {
 #include "../cpu_device/metal_cpu.h" // MCPU_API_CAPSULE only: the device is reached through its table
 #include "../fa_backend.h"
-#include "../fa_plan.h"
 #include "../fa_plan_cache.h"
 }
 
@@ -225,76 +224,174 @@ void set_tensor_dtypes(py::dict codes) {
     tensor_reader.dtype_codes = codes.release().ptr();
 }
 
-// band: None (SDPA's: top-left causal, no window) or the ints (bottom_right, window_left,
-// window_right), -1 for an unbounded side (fa_band_args).
-fa_band_args band_args(py::handle band) {
-    fa_band_args b;
-    std::memset(&b, 0, sizeof b);
-    if (band.is_none()) {
-        return b;
-    }
-    const auto fields = band.cast<std::tuple<int64_t, int64_t, int64_t>>();
-    b.bottom_right = std::get<0>(fields) != 0;
-    b.windowed = 1;
-    b.window_left = std::get<1>(fields);
-    b.window_right = std::get<2>(fields);
-    return b;
+// The attention calls take (device, tensors, options): tensors a dict slot name -> tensor (the C
+// slot table, fa_tensor_slots), options a tuple of the fields of fa_option_fields in order.
+struct SlotNames {
+    PyObject *names[FA_SLOT_COUNT]; // interned once
+    int32_t count[2];               // slots of each direction
+} slot_names;                       // lives as long as the module
+
+const char *direction_name(int32_t direction) { return direction == FA_FORWARD ? "forward" : "backward"; }
+
+bool in_direction(int32_t slot, int32_t direction) {
+    return (direction == FA_FORWARD ? fa_tensor_slots[slot].forward_offset : fa_tensor_slots[slot].backward_offset) >= 0;
 }
 
-// sequences: None, or (table, scratch, max_q_len, max_kv_len, block_table or None) (fa_sequence_args).
-fa_sequence_args sequence_args(py::handle sequences, int32_t device) {
-    fa_sequence_args s;
-    std::memset(&s, 0, sizeof s);
-    if (sequences.is_none()) {
-        return s;
+std::string slot_list(int32_t direction) {
+    std::string names;
+    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+        if (in_direction(i, direction)) {
+            names += (names.empty() ? "" : ", ") + std::string(fa_tensor_slots[i].name);
+        }
     }
-    const auto fields = sequences.cast<std::tuple<py::object, py::object, int64_t, int64_t, py::object>>();
-    s.table = to_tensor(std::get<0>(fields), "sequences", device);
-    s.scratch = to_tensor(std::get<1>(fields), "sequence_scratch", device);
-    s.max_q_len = std::get<2>(fields);
-    s.max_kv_len = std::get<3>(fields);
-    s.block_table = to_tensor(std::get<4>(fields), "block_table", device);
-    return s;
+    return names;
 }
 
-fa_forward_args forward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                             py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                             py::handle band, double softcap, py::handle alibi, py::handle sinks,
-                             bool unbatched = false, double dropout_p = 0.0, py::handle rng_state = py::none(),
-                             bool write_probs = false, py::handle sequences = py::none(), int32_t num_splits = 0) {
+// Reads every slot of the direction from the dict into args (fa_forward_args or fa_backward_args);
+// a missing key or None leaves the slot absent. The workspace slot is returned, not read (it may be
+// a callable).
+PyObject *read_tensors(py::handle tensors, void *args, int32_t direction, int32_t device, bool unbatched) {
+    if (!PyDict_Check(tensors.ptr())) {
+        throw py::type_error(std::string("tensors must be a dict of slot name -> tensor, got ") +
+                             type_name(tensors.ptr()));
+    }
+    Py_ssize_t found = 0;
+    PyObject *workspace = nullptr;
+    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+        if (!in_direction(i, direction)) {
+            continue;
+        }
+        PyObject *obj = PyDict_GetItemWithError(tensors.ptr(), slot_names.names[i]);
+        if (obj == nullptr) {
+            if (PyErr_Occurred()) {
+                throw py::error_already_set();
+            }
+            continue;
+        }
+        ++found;
+        if (i == FA_SLOT_WORKSPACE) {
+            workspace = obj;
+            continue;
+        }
+        const fa_tensor_slot &slot = fa_tensor_slots[i];
+        const int32_t offset = direction == FA_FORWARD ? slot.forward_offset : slot.backward_offset;
+        *reinterpret_cast<fa_tensor *>(static_cast<char *>(args) + offset) =
+            to_tensor(obj, slot.name, device, unbatched && slot.batched);
+    }
+    if (found != PyDict_GET_SIZE(tensors.ptr())) { // a key that is no slot: name it
+        PyObject *key, *value;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(tensors.ptr(), &pos, &key, &value)) {
+            bool known = false;
+            for (int32_t i = 0; i < FA_SLOT_COUNT && !known; ++i) {
+                known = in_direction(i, direction) && PyUnicode_Check(key) &&
+                        PyUnicode_Compare(key, slot_names.names[i]) == 0;
+            }
+            if (!known) {
+                throw py::value_error("tensors: " + std::string(py::repr(key)) + " is not a " +
+                                      direction_name(direction) + " slot; the slots are " + slot_list(direction));
+            }
+        }
+    }
+    return workspace;
+}
+
+bool is_numpy_bool(PyObject *o) {
+    const std::string name = type_name(o);
+    return name == "numpy.bool" || name == "numpy.bool_";
+}
+
+// options: a tuple (a NamedTuple is one) of fa_option_fields' fields in order, each type-checked.
+fa_options read_options(py::handle options) {
+    PyObject *o = options.ptr();
+    if (!PyTuple_Check(o)) {
+        throw py::type_error(std::string("options must be a tuple of ") + std::to_string(FA_OPTION_COUNT) +
+                             " fields (_C.OPTION_FIELDS), got " + type_name(o));
+    }
+    if (PyTuple_GET_SIZE(o) != FA_OPTION_COUNT) {
+        throw py::value_error("options: expected " + std::to_string(FA_OPTION_COUNT) + " fields (_C.OPTION_FIELDS), got " +
+                              std::to_string(PyTuple_GET_SIZE(o)));
+    }
+    fa_options out = fa_default_options();
+    for (int32_t i = 0; i < FA_OPTION_COUNT; ++i) {
+        const fa_option_field &f = fa_option_fields[i];
+        PyObject *item = PyTuple_GET_ITEM(o, i);
+        char *field = reinterpret_cast<char *>(&out) + f.offset;
+        const auto what = [&f]() { return std::string("options.") + f.name; }; // for messages only
+        switch (f.type) {
+        case FA_OPTION_DOUBLE: {
+            if (PyBool_Check(item) || !(PyFloat_Check(item) || PyLong_Check(item) ||
+                                        (Py_TYPE(item)->tp_as_number && Py_TYPE(item)->tp_as_number->nb_float))) {
+                throw py::type_error(what() + " must be a float, got " + type_name(item));
+            }
+            const double value = PyFloat_AsDouble(item);
+            if (value == -1.0 && PyErr_Occurred()) {
+                throw py::error_already_set();
+            }
+            std::memcpy(field, &value, sizeof value);
+            break;
+        }
+        case FA_OPTION_BOOL: {
+            if (!(PyLong_Check(item) || is_numpy_bool(item))) { // bool is an int
+                throw py::type_error(what() + " must be a bool, got " + type_name(item));
+            }
+            const int32_t value = PyObject_IsTrue(item);
+            if (value < 0) {
+                throw py::error_already_set();
+            }
+            std::memcpy(field, &value, sizeof value);
+            break;
+        }
+        default: { // FA_OPTION_INT32, FA_OPTION_INT64
+            if (PyBool_Check(item) || !PyIndex_Check(item) || PyFloat_Check(item)) {
+                throw py::type_error(what() + " must be an int, got " + type_name(item));
+            }
+            py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+            if (!index) {
+                throw py::error_already_set();
+            }
+            int overflow = 0;
+            const long long value = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+            if (f.type == FA_OPTION_INT32) {
+                if (overflow != 0 || value < INT32_MIN || value > INT32_MAX) {
+                    throw py::value_error(what() + " must fit in 32 bits, got " + std::string(py::str(item)));
+                }
+                const int32_t v32 = static_cast<int32_t>(value);
+                std::memcpy(field, &v32, sizeof v32);
+            } else {
+                if (overflow != 0) {
+                    throw py::value_error(what() + " must fit in 64 bits, got " + std::string(py::str(item)));
+                }
+                const int64_t v64 = value;
+                std::memcpy(field, &v64, sizeof v64);
+            }
+        }
+        }
+    }
+    return out;
+}
+
+// The forward's arguments; *workspace: the workspace argument, else the dict's (a borrowed
+// reference, or nullptr).
+fa_forward_args forward_args(int32_t device, py::handle tensors, py::handle options, PyObject **workspace = nullptr) {
     fa_forward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
-    args.q = to_tensor(q, "q", device, unbatched);
-    args.k = to_tensor(k, "k", device, unbatched);
-    args.v = to_tensor(v, "v", device, unbatched);
-    args.out = to_tensor(out, "out", device, unbatched);
-    args.lse = to_tensor(lse, "lse", device, unbatched);
-    args.mask = to_tensor(mask, "mask", device, unbatched);
-    args.scale = scale;
-    args.causal = causal;
-    args.kernel = kernel;
-    args.band = band_args(band);
-    args.softcap = softcap;
-    args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device); // already (B, Hq)
-    args.dropout_p = dropout_p;
-    args.rng_state = to_tensor(rng_state, "rng_state", device);
-    args.write_probs = write_probs;
-    args.sinks = to_tensor(sinks, "sinks", device);               // (Hq,) float32
-    args.sequences = sequence_args(sequences, device);
-    args.num_splits = num_splits;
+    args.options = read_options(options);
+    PyObject *w = read_tensors(tensors, &args, FA_FORWARD, device, args.options.unbatched != 0);
+    if (workspace != nullptr && (*workspace == nullptr || *workspace == Py_None)) {
+        *workspace = w;
+    }
     return args;
 }
 
 // One call per attention call: prepare (the plan cache) and run. A callable `workspace` is asked
 // for a float32 tensor of at least n bytes, only when the plan needs one; the binding keeps it
 // alive while the kernels run.
-void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-             double scale, bool causal, int32_t kernel, py::handle workspace, py::handle mask, bool unbatched,
-             py::handle band, double softcap, py::handle alibi, double dropout_p, py::handle rng_state,
-             bool write_probs, py::handle sinks, py::handle sequences, int32_t num_splits) {
-    fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi,
-                                        sinks, unbatched, dropout_p, rng_state, write_probs, sequences, num_splits);
+void forward(int32_t device, py::handle tensors, py::handle options, py::handle workspace_arg) {
+    PyObject *workspace_obj = workspace_arg.ptr();
+    fa_forward_args args = forward_args(device, tensors, options, &workspace_obj);
+    py::handle workspace = workspace_obj != nullptr ? py::handle(workspace_obj) : py::handle(Py_None);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
@@ -323,11 +420,8 @@ void forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handl
     }
 }
 
-int64_t forward_workspace_bytes(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                                py::handle lse, double scale, bool causal, int32_t kernel, py::handle mask,
-                                py::handle band, double softcap, py::handle alibi, py::handle sinks) {
-    const fa_forward_args args =
-        forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap, alibi, sinks);
+int64_t forward_workspace_bytes(int32_t device, py::handle tensors, py::handle options) {
+    const fa_forward_args args = forward_args(device, tensors, options);
     fa_status st;
     int64_t bytes;
     {
@@ -345,13 +439,8 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n,
 
 // The planner's decision, for tests and curiosity: kernels with their grids, function constants and
 // costs (fa_dispatch_cost), the split count and the workspace size.
-py::dict plan_forward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-                      double scale, bool causal, int32_t kernel, py::handle mask, py::handle band, double softcap,
-                      py::handle alibi, double dropout_p, py::handle rng_state, py::handle sinks,
-                      py::handle sequences, int32_t num_splits, bool write_probs) {
-    const fa_forward_args args = forward_args(device, q, k, v, out, lse, scale, causal, kernel, mask, band, softcap,
-                                              alibi, sinks, false, dropout_p, rng_state, write_probs, sequences,
-                                              num_splits);
+py::dict plan_forward(int32_t device, py::handle tensors, py::handle options) {
+    const fa_forward_args args = forward_args(device, tensors, options);
     fa_plan plan;
     fa_status st;
     check(fa_plan_forward(&args, &plan, &st), st);
@@ -392,45 +481,17 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
     return dispatches;
 }
 
-fa_backward_args backward_args(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out,
-                               py::handle lse, py::handle dout, py::handle delta, py::handle dq, py::handle dk,
-                               py::handle dv, double scale, bool causal, py::handle mask, bool unbatched,
-                               py::handle band, double softcap, py::handle alibi, double dropout_p,
-                               py::handle rng_state, py::handle sinks, py::handle sink_grad, py::handle sequences) {
+fa_backward_args backward_args(int32_t device, py::handle tensors, py::handle options) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
-    args.q = to_tensor(q, "q", device, unbatched);
-    args.k = to_tensor(k, "k", device, unbatched);
-    args.v = to_tensor(v, "v", device, unbatched);
-    args.out = to_tensor(out, "out", device, unbatched);
-    args.lse = to_tensor(lse, "lse", device, unbatched);
-    args.dout = to_tensor(dout, "dout", device, unbatched);
-    args.delta = to_tensor(delta, "delta", device, unbatched);
-    args.dq = to_tensor(dq, "dq", device, unbatched);
-    args.dk = to_tensor(dk, "dk", device, unbatched);
-    args.dv = to_tensor(dv, "dv", device, unbatched);
-    args.mask = to_tensor(mask, "mask", device, unbatched);
-    args.scale = scale;
-    args.causal = causal;
-    args.band = band_args(band);
-    args.softcap = softcap;
-    args.alibi_slopes = to_tensor(alibi, "alibi_slopes", device);
-    args.dropout_p = dropout_p;
-    args.rng_state = to_tensor(rng_state, "rng_state", device);
-    args.sinks = to_tensor(sinks, "sinks", device);
-    args.sink_grad = to_tensor(sink_grad, "sink_grad", device, unbatched);
-    args.sequences = sequence_args(sequences, device);
+    args.options = read_options(options);
+    read_tensors(tensors, &args, FA_BACKWARD, device, args.options.unbatched != 0);
     return args;
 }
 
-void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-              py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-              bool causal, py::handle mask, bool unbatched, py::handle band, double softcap, py::handle alibi,
-              double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad, py::handle sequences) {
-    const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
-                                                unbatched, band, softcap, alibi, dropout_p, rng_state, sinks,
-                                                sink_grad, sequences);
+void backward(int32_t device, py::handle tensors, py::handle options) {
+    const fa_backward_args args = backward_args(device, tensors, options);
     fa_status st;
     int32_t rc;
     {
@@ -441,14 +502,8 @@ void backward(int32_t device, py::handle q, py::handle k, py::handle v, py::hand
 }
 
 // The backward's three dispatches with their costs (explain_plan(backward=True)).
-py::list plan_backward(int32_t device, py::handle q, py::handle k, py::handle v, py::handle out, py::handle lse,
-                       py::handle dout, py::handle delta, py::handle dq, py::handle dk, py::handle dv, double scale,
-                       bool causal, py::handle mask, py::handle band, double softcap, py::handle alibi,
-                       double dropout_p, py::handle rng_state, py::handle sinks, py::handle sink_grad,
-                       py::handle sequences) {
-    const fa_backward_args args = backward_args(device, q, k, v, out, lse, dout, delta, dq, dk, dv, scale, causal, mask,
-                                                false, band, softcap, alibi, dropout_p, rng_state, sinks, sink_grad,
-                                                sequences);
+py::list plan_backward(int32_t device, py::handle tensors, py::handle options) {
+    const fa_backward_args args = backward_args(device, tensors, options);
     fa_backward_plan plan;
     fa_status st;
     check(fa_plan_backward(&args, &plan, &st), st);
@@ -530,42 +585,44 @@ PYBIND11_MODULE(_C, m) {
                                  PyUnicode_InternFromString("is_mps")};
     m.def("set_tensor_dtypes", &set_tensor_dtypes, py::arg("codes"),
           "{torch dtype: DTYPE_* code}: how torch.Tensor arguments are read");
+    py::list option_fields, forward_slots, backward_slots;
+    for (int32_t i = 0; i < FA_OPTION_COUNT; ++i) {
+        option_fields.append(fa_option_fields[i].name);
+    }
+    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+        slot_names.names[i] = PyUnicode_InternFromString(fa_tensor_slots[i].name);
+        if (in_direction(i, FA_FORWARD)) {
+            forward_slots.append(fa_tensor_slots[i].name);
+        }
+        if (in_direction(i, FA_BACKWARD)) {
+            backward_slots.append(fa_tensor_slots[i].name);
+        }
+    }
+    m.attr("OPTION_FIELDS") = py::tuple(option_fields);
+    m.attr("FORWARD_SLOTS") = py::tuple(forward_slots);
+    m.attr("BACKWARD_SLOTS") = py::tuple(backward_slots);
     m.def("forward", &forward,
-          "Validate, plan (cached) and run attention. Tensor arguments are descriptors (6-tuples), torch.Tensors "
-          "or None; workspace may be a callable returning a float32 tensor of at least n bytes; unbatched "
-          "prepends a batch dim of 1 to every torch.Tensor argument",
-          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-          py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("workspace") = py::none(),
-          py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("write_probs") = false, py::arg("sinks") = py::none(), py::arg("sequences") = py::none(),
-          py::arg("num_splits") = 0);
+          "Validate, plan (cached) and run attention. tensors: {slot name (FORWARD_SLOTS): torch.Tensor, 6-field "
+          "descriptor or None}; options: a tuple of OPTION_FIELDS; workspace None, a float32 tensor or a callable "
+          "returning one of at least n bytes (else the tensors' workspace)",
+          py::arg("device"), py::arg("tensors"), py::arg("options"), py::arg("workspace") = py::none());
     m.def("forward_workspace_bytes", &forward_workspace_bytes,
-          "Bytes of workspace forward needs for these descriptors (same arguments, no workspace)", py::arg("device"),
-          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("scale"),
-          py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none());
+          "Bytes of workspace forward needs for these tensors and options", py::arg("device"), py::arg("tensors"),
+          py::arg("options"));
     m.def("plan_forward", &plan_forward, "The plan forward would run: dispatches, split count, workspace bytes",
-          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-          py::arg("scale"), py::arg("causal"), py::arg("kernel"), py::arg("mask") = py::none(),
-          py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sequences") = py::none(), py::arg("num_splits") = 0,
-          py::arg("write_probs") = false);
+          py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("backward", &backward,
-          "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (descriptors as tuples); delta is "
-          "(B, Hq, L) float32 scratch",
-          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-          py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
-          py::arg("causal"), py::arg("mask") = py::none(), py::arg("unbatched") = false, py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none(), py::arg("sequences") = py::none());
-    m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (descriptors as for backward)",
-          py::arg("device"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-          py::arg("dout"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("scale"),
-          py::arg("causal"), py::arg("mask") = py::none(), py::arg("band") = py::none(), py::arg("softcap") = 0.0,
-          py::arg("alibi_slopes") = py::none(), py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-          py::arg("sinks") = py::none(), py::arg("sink_grad") = py::none(), py::arg("sequences") = py::none());
+          "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (BACKWARD_SLOTS); delta is (B, Hq, L) "
+          "float32 scratch",
+          py::arg("device"), py::arg("tensors"), py::arg("options"));
+    m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (arguments as for backward)",
+          py::arg("device"), py::arg("tensors"), py::arg("options"));
+    m.def("plan_cache_counts", []() {
+        int64_t c[4];
+        fa_plan_cache_counts(c);
+        return py::dict(py::arg("forward_hits") = c[0], py::arg("forward_misses") = c[1],
+                        py::arg("backward_hits") = c[2], py::arg("backward_misses") = c[3]);
+    }, "How the plan cache answered so far: hits and misses (planned afresh) of each direction");
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
 

@@ -7,6 +7,7 @@ import torch
 
 from flashattn_mps import _C, _metal_cpu, _sources, flash_attention
 from flashattn_mps._api import describe
+from helpers import BACKWARD_NAMES, FORWARD_NAMES, core_options, slots
 
 
 def qkv(b=1, hq=2, hkv=2, lq=4, lk=5, e=8, ev=8, dtype=torch.float32):
@@ -93,7 +94,7 @@ def good_descriptors():
 
 
 def call_c(descs, lse=None, device=_C.DEVICE_CPU, kernel=_C.KERNEL_AUTO):
-    _C.forward(device, *descs, lse, 0.5, False, kernel)
+    _C.forward(device, slots(FORWARD_NAMES, (*descs, lse)), core_options(scale=0.5, kernel=kernel))
 
 
 def test_c_layer_accepts_good_descriptors():
@@ -218,13 +219,13 @@ def test_c_layer_tensor_arguments_are_checked():
     q, k, v = qkv()
     out = torch.empty(1, 2, 4, 8)
     with pytest.raises(TypeError, match=r"k: got a torch.Tensor of dtype torch.float64; expected a torch.Tensor of dtype float32"):
-        _C.forward(_C.DEVICE_CPU, q, k.double(), v, out, None, 0.5, False, _C.KERNEL_AUTO)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k.double(), v, out)), core_options(scale=0.5))
     with pytest.raises(TypeError, match="v must be a torch.Tensor, a 6-field descriptor or None, got object"):
-        _C.forward(_C.DEVICE_CPU, q, k, object(), out, None, 0.5, False, _C.KERNEL_AUTO)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, object(), out)), core_options(scale=0.5))
     with pytest.raises(ValueError, match="k is on device meta; this call runs on cpu"):
-        _C.forward(_C.DEVICE_CPU, q, k.to("meta"), v, out, None, 0.5, False, _C.KERNEL_AUTO)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k.to("meta"), v, out)), core_options(scale=0.5))
     with pytest.raises(ValueError, match="q: 4-D tensor; at most 3 dims here"):
-        _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.5, False, _C.KERNEL_AUTO, unbatched=True)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, out)), core_options(scale=0.5, unbatched=True))
 
 
 def test_raw_cpu_library_dispatch_names_a_bad_buffer():
@@ -245,7 +246,7 @@ def descriptors(dtype=torch.float32):
 
 def forward_c(descs, lse=None, mask=None):
     _sources.ensure_registered()
-    _C.forward(_C.DEVICE_CPU, *descs, lse, 0.5, False, _C.KERNEL_AUTO, None, mask)
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (*descs, lse), mask=mask), core_options(scale=0.5))
 
 
 def test_c_layer_rejects_misaligned_offsets_aliases_and_0d_masks():
@@ -284,10 +285,10 @@ def test_c_layer_rejects_backward_outputs_that_alias():
     dout, delta = torch.randn_like(out), torch.empty(1, 2, 4)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     args = [describe(t) for t in (q, k, v, out, lse, dout, delta, dq, dk, dv)]
-    _C.backward(_C.DEVICE_CPU, *args, 0.5, False)
+    _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, args), core_options(scale=0.5))
     for index, clash, message in ((7, 8, "dq .* overlaps dk"), (9, 5, "dv .* overlaps dout"),
                                   (6, 4, "delta .* overlaps lse")):
         bad = list(args)
         bad[index] = args[clash]
         with pytest.raises(ValueError, match=message):
-            _C.backward(_C.DEVICE_CPU, *bad, 0.5, False)
+            _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, bad), core_options(scale=0.5))

@@ -8,7 +8,7 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import explain_plan, flash_attention, flash_attn_func
-from helpers import (ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS,
+from helpers import (FORWARD_NAMES, ALL_DTYPES, assert_gradients_match, core_options, max_error, randn, sample_product, slots, KERNELS, LENGTHS, VARIANTS,
                      check, flash_inputs, forward_case, reference, sdpa_view, slopes)
 
 
@@ -148,8 +148,8 @@ def test_flash_attention_refuses_bad_band_options(gen):
     with pytest.raises(ValueError, match="window_size"):
         flash_attention(q, q, q, window_size=(0, -3))
     with pytest.raises(ValueError, match="window_size"):
-        flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
-                                 band=(0, -5, 0))
+        flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q))),
+                                 core_options(window_left=-5, window_right=0))
 
 
 def test_opcheck_with_band(gen):
@@ -204,8 +204,9 @@ def test_c_layer_refuses_malformed_alibi_slopes(gen):
     zero_d = (storage.data_ptr(), storage.nbytes(), 0, flashattn_mps._C.DTYPE_FLOAT32, (), ())
     for bad, message in ((zero_d, "alibi_slopes"), (slopes[None, :1], r"alibi_slopes: must be \(B, Hq\)")):
         with pytest.raises(ValueError, match=message):
-            flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0,
-                                     alibi_slopes=bad)
+            flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU,
+                                     slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q)), alibi_slopes=bad),
+                                     core_options())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

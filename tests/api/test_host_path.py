@@ -13,7 +13,7 @@ import torch
 
 from flashattn_mps import _C, _sources, flash_attention
 from flashattn_mps._api import describe
-from helpers import assert_matches_sdpa, max_error, randn, sdpa
+from helpers import FORWARD_NAMES, assert_matches_sdpa, core_options, max_error, randn, sdpa, slots
 
 
 @pytest.fixture(autouse=True)
@@ -32,21 +32,22 @@ def test_a_cached_plan_still_checks_the_storage_of_every_call(gen):
     q, k, v = randn(gen, 1, 2, 4, 8), randn(gen, 1, 2, 5, 8), randn(gen, 1, 2, 5, 8)
     out = torch.empty(1, 2, 4, 8)
     descs = [describe(t) for t in (q, k, v, out)]
-    _C.forward(_C.DEVICE_CPU, *descs, None, 0.5, False, _C.KERNEL_AUTO)  # plans and caches this shape
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, descs), core_options(scale=0.5))  # plans and caches this shape
     assert_matches_sdpa(out, q, k, v, scale=0.5)
     for index, field, value, message in [(1, 1, 16, "k: the view"), (3, 0, 0, "out: the view"),
                                          (2, 2, 1 << 40, "v: the view")]:
         bad = list(descs)
         bad[index] = tuple(value if i == field else f for i, f in enumerate(descs[index]))
         with pytest.raises(ValueError, match=message):  # same shapes: a plan cache hit
-            _C.forward(_C.DEVICE_CPU, *bad, None, 0.5, False, _C.KERNEL_AUTO)
+            _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, bad), core_options(scale=0.5))
 
 
 def test_tensors_and_descriptors_reach_the_core_alike(gen):
     q, k, v = randn(gen, 2, 4, 9, 16), randn(gen, 2, 2, 30, 16), randn(gen, 2, 2, 30, 8)[..., ::2]
     by_tensor, by_descriptor = torch.full((2, 4, 9, 4), float("nan")), torch.full((2, 4, 9, 4), float("nan"))
-    _C.forward(_C.DEVICE_CPU, q, k, v, by_tensor, None, 0.3, True, _C.KERNEL_AUTO)
-    _C.forward(_C.DEVICE_CPU, *(describe(t) for t in (q, k, v, by_descriptor)), None, 0.3, True, _C.KERNEL_AUTO)
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, by_tensor)), core_options(scale=0.3, causal=True))
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, [describe(t) for t in (q, k, v, by_descriptor)]),
+               core_options(scale=0.3, causal=True))
     assert torch.equal(by_tensor, by_descriptor)
     assert_matches_sdpa(by_tensor, q, k, v, causal=True, scale=0.3)
 
@@ -60,13 +61,14 @@ def test_the_workspace_callable_is_asked_only_when_the_plan_needs_it(gen):
 
     q, k, v = randn(gen, 1, 2, 1, 16), randn(gen, 1, 1, 2000, 16), randn(gen, 1, 1, 2000, 16)
     out = torch.empty(1, 2, 1, 16)
-    _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO, workspace)  # split-K decode
-    assert asked == [_C.forward_workspace_bytes(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO)]
+    options = core_options(scale=0.25)
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, out)), options, workspace)  # split-K decode
+    assert asked == [_C.forward_workspace_bytes(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, out)), options)]
     assert_matches_sdpa(out, q, k, v, scale=0.25)
-    _C.forward(_C.DEVICE_CPU, q, k[:, :, :100], v[:, :, :100], out, None, 0.25, False, _C.KERNEL_AUTO, workspace)
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k[:, :, :100], v[:, :, :100], out)), options, workspace)
     assert len(asked) == 1  # no split, no workspace
     with pytest.raises(TypeError, match="workspace: must be float32"):
-        _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO,
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, out)), options,
                    lambda n: torch.empty(n, dtype=torch.float16))
 
 
@@ -74,11 +76,15 @@ SKIP_EXECUTION = """
     import torch
     from flashattn_mps import _C, _sources
     _sources.ensure_registered()
+    fields = dict(scale=0.25, causal=False, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0,
+                  dropout_p=0.0, kernel=_C.KERNEL_AUTO, num_splits=0, write_probs=False, max_q_len=0,
+                  max_kv_len=0, unbatched=False)
+    options = tuple(fields[name] for name in _C.OPTION_FIELDS)
     q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
     out = torch.full((1, 2, 40, 16), float("nan"))
-    _C.forward(_C.DEVICE_CPU, q, k, v, out, None, 0.25, False, _C.KERNEL_AUTO)
+    _C.forward(_C.DEVICE_CPU, dict(q=q, k=k, v=v, out=out), options)
     try:  # the host work still runs: a bad call is refused
-        _C.forward(_C.DEVICE_CPU, q, k, v, torch.empty(1, 2, 40, 15), None, 0.25, False, _C.KERNEL_AUTO)
+        _C.forward(_C.DEVICE_CPU, dict(q=q, k=k, v=v, out=torch.empty(1, 2, 40, 15)), options)
     except ValueError as e:
         print("refused", "must be (B, Hq, L, Ev)" in str(e))
     print("ran", bool(out.isfinite().all()))

@@ -233,7 +233,7 @@ def test_num_splits_sets_the_decode_split(gen, monkeypatch, paged):
     real = _C.forward
 
     def planned(*args, **kwargs):  # the plan of each call, from the same descriptors (without the workspace)
-        plans.append(_C.plan_forward(*args[:9], **kwargs)["split_count"])
+        plans.append(_C.plan_forward(*args[:3])["split_count"])
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_C, "forward", planned)

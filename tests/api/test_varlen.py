@@ -7,7 +7,7 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
-from helpers import (ALL_DTYPES, assert_gradients_match, max_error, randn, slopes, check_packed,
+from helpers import (FORWARD_NAMES, core_options, slots, ALL_DTYPES, assert_gradients_match, max_error, randn, slopes, check_packed,
                      packed_inputs, per_sequence_reference, prefix_sums)
 
 
@@ -85,8 +85,9 @@ def test_one_launch_over_every_sequence(gen):
     table = torch.stack([cq[:-1] * 0, cq[:-1], cq.diff(), ck[:-1] * 0, ck[:-1], ck.diff()], 1).contiguous()
     out = torch.empty_like(q)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
-    plan = _C.plan_forward(_C.DEVICE_CPU, *views, None, 0.25, False, _C.KERNEL_AUTO,
-                           sequences=_varlen.sequence_args(table, 40, 40))
+    _, scratch, max_q, max_kv, _ = _varlen.sequence_args(table, 40, 40)
+    plan = _C.plan_forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, views, sequences=table, sequence_scratch=scratch),
+                           core_options(scale=0.25, max_q_len=max_q, max_kv_len=max_kv))
     assert [d["function"] for d in plan["dispatches"]] == ["fa_sequence_table_float", "fa_forward_float"]
     assert plan["dispatches"][1]["grid"] == (2, 4, 3)  # ceil(40 / 32) blocks, Hq, sequences
     assert plan["dispatches"][1]["constants"][12] == 1

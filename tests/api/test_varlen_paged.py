@@ -9,7 +9,7 @@ import torch
 from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_varlen_plan, flash_attn_varlen_func,
                            flash_attn_with_kvcache)
 from flashattn_mps import metal_cpu as mc
-from helpers import ALL_DTYPES, randn, slopes, check_packed, packed_inputs, prefix_sums
+from helpers import BACKWARD_NAMES, ALL_DTYPES, core_options, randn, slopes, slots, check_packed, packed_inputs, prefix_sums
 
 
 def paged_pool(gen, keys, values, lens_k, page_size, extra_columns=1, spare=3):
@@ -139,7 +139,7 @@ def test_explain_names_the_paged_kernel_that_runs(gen, monkeypatch, lens_q, kern
     assert plan["dispatches"][1]["constants"][13] == 1  # FA_FC_PAGED
     launched = []
     real = _C.forward
-    monkeypatch.setattr(_C, "forward", lambda *a, **kw: launched.append(_C.plan_forward(*a[:9], **kw)) or real(*a, **kw))
+    monkeypatch.setattr(_C, "forward", lambda *a, **kw: launched.append(_C.plan_forward(*a[:3])) or real(*a, **kw))
     flash_attn_varlen_func(*args, causal=True, block_table=table)
     assert [d["function"] for d in launched[0]["dispatches"]] == [d["function"] for d in plan["dispatches"]]
     with pytest.raises(ValueError, match="forward only"):
@@ -167,9 +167,12 @@ def test_the_backward_refuses_a_block_table(gen):
     lse = torch.zeros(1, 2, 3)
     sequences = _varlen.sequence_args(torch.tensor([[0, 0, 3, 0, 0, 5]], dtype=torch.int32), 3, 5, table)
     with pytest.raises(ValueError, match="block_table: the backward does not read a paged KV cache"):
-        _C.backward(_C.DEVICE_CPU, q4, pool4, pool4, q4, lse, q4, torch.zeros_like(lse), torch.zeros_like(q4),
-                    torch.zeros_like(pool4), torch.zeros_like(pool4), 0.25, False, None, False, (1, -1, -1), 0.0,
-                    None, 0.0, None, None, None, sequences=sequences)
+        table, scratch, max_q, max_kv, block_table = sequences
+        grads = (torch.zeros_like(q4), torch.zeros_like(pool4), torch.zeros_like(pool4))
+        _C.backward(_C.DEVICE_CPU,
+                    slots(BACKWARD_NAMES, (q4, pool4, pool4, q4, lse, q4, torch.zeros_like(lse), *grads),
+                          sequences=table, sequence_scratch=scratch, block_table=block_table),
+                    core_options(scale=0.25, bottom_right=True, max_q_len=max_q, max_kv_len=max_kv))
 
 
 def test_bad_paged_input_is_refused_by_name(gen):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
-from helpers import (assert_gradients_match, max_error, randn, reference, slopes, variant_scores, packed_inputs,
+from helpers import (FORWARD_NAMES, core_options, slots, assert_gradients_match, max_error, randn, reference, slopes, variant_scores, packed_inputs,
                      pieces, prefix_sums)
 
 # (lens_q, lens_k, dtype, (Hq, Hkv), causal, window, softcap, ALiBi kind, sinks, dropout_p, extra):
@@ -136,5 +136,7 @@ def test_core_refuses_the_probability_pass_through_a_block_table():
     table = torch.tensor([[0, 0, 1, 0, 0, 6]], dtype=torch.int32)
     sequences = _varlen.sequence_args(table, 1, 6, torch.tensor([[3, 1, 0, 2]], dtype=torch.int32))
     with pytest.raises(ValueError, match="block_table: a paged KV cache is read by the prefill and decode kernels only"):
-        _C.forward(_C.DEVICE_CPU, q, pool, pool, out, lse, 1.0, False, _C.KERNEL_AUTO, torch.zeros(16),
-                   rng_state=torch.zeros(4), write_probs=True, sequences=sequences)
+        table, scratch, max_q, max_kv, block_table = sequences
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, pool, pool, out, lse), rng_state=torch.zeros(4),
+                                        sequences=table, sequence_scratch=scratch, block_table=block_table),
+                   core_options(write_probs=True, max_q_len=max_q, max_kv_len=max_kv), torch.zeros(16))

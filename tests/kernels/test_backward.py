@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flashattn_mps import _C, flash_attention
 from flashattn_mps._api import describe
-from helpers import (ALL_DTYPES, LAYOUTS, product_case_tensors, sample_product, layout_tensor, max_error,
+from helpers import (ALL_DTYPES, LAYOUTS, core_options, product_case_tensors, sample_product, layout_tensor, max_error,
                      peak_memory_growth, randn, sdpa, FUDGE)
 
 HEAD_DIMS = [32, 59, 64, 96, 128, 256]
@@ -213,7 +213,7 @@ def backward_tensors():
 def call_backward(tensors, **replace):
     descs = {name: describe(t) for name, t in tensors.items()}
     descs.update(replace)
-    _C.backward(_C.DEVICE_CPU, *descs.values(), 0.5, False)
+    _C.backward(_C.DEVICE_CPU, descs, core_options(scale=0.5))
 
 
 def test_c_layer_backward_accepts_good_descriptors():

@@ -11,7 +11,7 @@ import torch
 
 from flashattn_mps import _C, _sources, explain_plan, flash_attention
 from flashattn_mps._api import describe
-from helpers import ALL_DTYPES, assert_matches_sdpa, max_error, randn, sdpa
+from helpers import FORWARD_NAMES, ALL_DTYPES, assert_matches_sdpa, core_options, max_error, randn, sdpa, slots
 
 QUERY_LENS = [1, 2, 5, 8]
 KV_LENS = [1, 7, 9, 32, 63, 67, 129, 400, 2000, 8192]
@@ -245,7 +245,7 @@ def test_missing_or_small_workspace_is_rejected(gen):
     _sources.ensure_registered()  # this test calls the core directly
     q, k, v = randn(gen, 1, 2, 1, 16), randn(gen, 1, 1, 2000, 16), randn(gen, 1, 1, 2000, 16)
     out = torch.empty(1, 2, 1, 16)
-    args = (_C.DEVICE_CPU, describe(q), describe(k), describe(v), describe(out), None, 0.25, False, _C.KERNEL_AUTO)
+    args = (_C.DEVICE_CPU, slots(FORWARD_NAMES, [describe(t) for t in (q, k, v, out)]), core_options(scale=0.25))
     needed = _C.forward_workspace_bytes(*args)
     assert needed > 0
     with pytest.raises(ValueError, match=f"needs a workspace of {needed} bytes"):

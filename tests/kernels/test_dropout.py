@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import flashattn_mps
 from flashattn_mps import _C, _api, _sources, explain_plan, flash_attention, flash_attn_func, metal_cpu
-from helpers import (ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product,
+from helpers import (FORWARD_NAMES, core_options, slots, ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product,
                      reference as flash_reference, visible)
 
 
@@ -316,12 +316,12 @@ def test_bad_dropout_arguments_are_refused(gen):
             flash_attn_func(q, q, q, dropout_p=value)
     out = torch.empty_like(q)
     with pytest.raises(ValueError, match="rng_state"):  # the core insists on a generator state
-        _C.forward(_C.DEVICE_CPU, q, q, q, out, None, 0.25, False, 0, dropout_p=0.5)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out)), core_options(scale=0.25, dropout_p=0.5))
     with pytest.raises(ValueError, match="rng_state: must hold 4 words"):
-        _C.forward(_C.DEVICE_CPU, q, q, q, out, None, 0.25, False, 0, dropout_p=0.5,
-                   rng_state=torch.zeros(3, dtype=torch.float32))
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out), rng_state=torch.zeros(3, dtype=torch.float32)),
+                   core_options(scale=0.25, dropout_p=0.5))
     with pytest.raises(ValueError, match="dropout_p"):
-        _C.forward(_C.DEVICE_CPU, q, q, q, out, None, 0.25, False, 0, dropout_p=2.0)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out)), core_options(scale=0.25, dropout_p=2.0))
     with pytest.raises(ValueError, match="write_probs"):
-        _C.forward(_C.DEVICE_CPU, q, q, q, out, None, 0.25, False, 0, dropout_p=0.5,
-                   rng_state=torch.zeros(4, dtype=torch.float32), write_probs=True)
+        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out), rng_state=torch.zeros(4, dtype=torch.float32)),
+                   core_options(scale=0.25, dropout_p=0.5, write_probs=True))

@@ -207,14 +207,12 @@ def core_plans(monkeypatch):
     seen = {"forward": [], "backward": [], "workspace": []}
     forward, backward = _C.forward, _C.backward
 
-    def recorded_forward(*args, **kwargs):
-        options = {name: value for name, value in kwargs.items() if name not in ("workspace", "unbatched")}
-        seen["forward"].append(_C.plan_forward(*args[:9], **options))
-        workspace = args[9] if len(args) > 9 else kwargs.pop("workspace")
+    def recorded_forward(device, tensors, options, workspace=None):
+        seen["forward"].append(_C.plan_forward(device, tensors, options))
         if callable(workspace):
             asked = workspace
             workspace = lambda n: seen["workspace"].append(n) or asked(n)  # noqa: E731
-        return forward(*args[:9], workspace, *args[10:], **kwargs)
+        return forward(device, tensors, options, workspace)
 
     def recorded_backward(*args, **kwargs):
         seen["backward"].append(_C.plan_backward(*args, **kwargs))

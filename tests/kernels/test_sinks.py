@@ -8,7 +8,7 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, explain_plan, flash_attention, flash_attn_func
-from helpers import (ALL_DTYPES, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS, check, flash_inputs,
+from helpers import (BACKWARD_NAMES, FORWARD_NAMES, core_options, slots, ALL_DTYPES, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS, check, flash_inputs,
                      forward_case, reference, sdpa_view, slopes, variant_scores)
 
 
@@ -237,12 +237,13 @@ def test_c_layer_refuses_malformed_sinks(gen):
     for bad, kind, message in ((zero_d, ValueError, "sinks"), (torch.ones(3), ValueError, r"sinks: must be \(Hq,\)"),
                                (torch.ones(2, dtype=torch.float16), TypeError, "sinks: must be float32")):
         with pytest.raises(kind, match=message):
-            _C.forward(_C.DEVICE_CPU, q, q, q, torch.empty_like(q), None, 1.0, False, 0, sinks=bad)
+            _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q)), sinks=bad), core_options())
     out, lse = torch.empty_like(q), torch.empty(1, 2, 4)
-    _C.forward(_C.DEVICE_CPU, q, q, q, out, lse, 1.0, False, 0, sinks=sinks)
+    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out, lse), sinks=sinks), core_options())
     grads = [torch.empty_like(q) for _ in range(3)]
     with pytest.raises(ValueError, match="sink_grad"):
-        _C.backward(_C.DEVICE_CPU, q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads, 1.0, False, sinks=sinks)
+        _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, (q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads),
+                                      sinks=sinks), core_options())
     with pytest.raises(ValueError, match="sink_grad"):
-        _C.backward(_C.DEVICE_CPU, q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads, 1.0, False, sinks=sinks,
-                    sink_grad=torch.empty(1, 2, 3))
+        _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, (q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads),
+                                      sinks=sinks, sink_grad=torch.empty(1, 2, 3)), core_options())

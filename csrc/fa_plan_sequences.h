@@ -1,9 +1,10 @@
-/* Packed sequences and KV caches (fa_sequence_args in fa_core.h; the kernels' side in
- * metal/fa_sequence.h): validation, the grid's view of a call, and the table kernel's dispatch. */
-#ifndef FA_SEQUENCE_PLAN_H
-#define FA_SEQUENCE_PLAN_H
+/* The sequences planner: packed sequences and KV caches (fa_sequence_args in fa_core.h; the
+ * kernels' side in metal/fa_sequence.h): validation, the grid's view of a call, and the table
+ * kernel's dispatch. */
+#ifndef FA_PLAN_SEQUENCES_H
+#define FA_PLAN_SEQUENCES_H
 
-#include "fa_plan_cache.h"
+#include "fa_plan_build.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -31,13 +32,6 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p);
  * of its own), for element type dtype. */
 void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,
                              int32_t dtype, uint32_t sequences);
-
-/* Runs the table kernel (params: the plan's), after checking that the scratch it writes overlaps
- * none of `views`; then the attention kernels bind fa_sequence_binding. */
-int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
-                          int64_t params_bytes, const fa_sequence_args *s, const fa_tensor *const *views,
-                          const char *const *names, int32_t n_views, fa_status *st);
-fa_binding fa_sequence_binding(const fa_sequence_args *s);
 
 #ifdef __cplusplus
 }

@@ -1,14 +1,11 @@
-/* Validation and planning of the forward pass. */
-#include "fa_plan.h"
-#include "fa_sequence.h"
+/* The forward planner: checks a forward call's shapes and options, chooses the kernel and its
+ * specialisation, tiles and grid, and counts what each dispatch costs. */
+#include "fa_plan_forward.h"
+#include "fa_plan_sequences.h"
 #include "../metal/fa_sequence.h"
 
 #include <stdio.h>
 #include <string.h>
-
-static const char *const dtype_names[] = {"float32", "float16", "bfloat16", "bool", "int32"};
-static const char *const kernel_type_names[] = {"float", "half", "bfloat"};
-static const int64_t dtype_bytes[] = {4, 2, 2, 1, 4};
 
 static const char *simple_source = "fa_simple.metal";
 static const char *forward_source = "fa_forward.metal";
@@ -189,7 +186,7 @@ static int32_t decode_vector_loadable(const fa_tensor *t, int32_t chunk) {
     if (t->sizes[3] > 1 && t->strides[3] != 1) {
         return 0;
     }
-    if (t->byte_offset % (chunk * dtype_bytes[t->dtype]) != 0) {
+    if (t->byte_offset % (chunk * fa_dtype_bytes(t->dtype)) != 0) {
         return 0;
     }
     for (int32_t d = 0; d < 3; ++d) {
@@ -221,142 +218,8 @@ static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t req
     return (int32_t)per_split;
 }
 
-const char *fa_dtype_name(int32_t dtype) { return dtype_names[dtype]; }
-
-int64_t fa_dtype_bytes(int32_t dtype) { return dtype_bytes[dtype]; }
-
-const char *fa_kernel_type_name(int32_t dtype) { return kernel_type_names[dtype]; }
-
-void fa_describe_shape(const fa_tensor *t, char *out, size_t len) {
-    size_t used = (size_t)snprintf(out, len, "(");
-    for (int32_t d = 0; d < t->ndim && d < FA_MAX_DIMS && used < len; ++d) {
-        used += (size_t)snprintf(out + used, len - used, d ? ", %lld" : "%lld", (long long)t->sizes[d]);
-    }
-    if (used < len) {
-        snprintf(out + used, len - used, ")");
-    }
-}
-
-/* A descriptor is usable when its rank and dtype are as expected and every element it addresses
- * lies inside its storage (checked with overflow-safe 64-bit arithmetic). */
-int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only,
-                        fa_status *st) {
-    if (t->ndim != ndim) {
-        return fa_fail(st, FA_ERR_VALUE, "%s: expected a %d-D descriptor, got ndim=%d", name, ndim, t->ndim);
-    }
-    if (t->dtype < FA_F32 || t->dtype > FA_I32) {
-        return fa_fail(st, FA_ERR_TYPE, "%s: unknown dtype code %d", name, t->dtype);
-    }
-    if (float32_only && t->dtype != FA_F32) {
-        return fa_fail(st, FA_ERR_TYPE, "%s: must be float32, got %s", name, dtype_names[t->dtype]);
-    }
-    if (t->byte_offset % dtype_bytes[t->dtype] != 0) {
-        return fa_fail(st, FA_ERR_VALUE, "%s: byte offset %lld is not a multiple of the %s element size (%lld bytes)",
-                       name, (long long)t->byte_offset, dtype_names[t->dtype], (long long)dtype_bytes[t->dtype]);
-    }
-    int64_t last = 0; /* offset of the last addressed element, in elements */
-    int32_t empty = 0;
-    for (int32_t d = 0; d < ndim; ++d) {
-        if (t->sizes[d] < 0 || t->strides[d] < 0) {
-            return fa_fail(st, FA_ERR_VALUE, "%s: negative size or stride in dim %d (size %lld, stride %lld)",
-                           name, d, (long long)t->sizes[d], (long long)t->strides[d]);
-        }
-        empty |= t->sizes[d] == 0;
-    }
-    if (empty) {
-        return FA_OK; /* addresses nothing */
-    }
-    for (int32_t d = 0; d < ndim; ++d) {
-        int64_t span;
-        if (__builtin_mul_overflow(t->sizes[d] - 1, t->strides[d], &span) ||
-            __builtin_add_overflow(last, span, &last)) {
-            return fa_fail(st, FA_ERR_VALUE, "%s: strides overflow 64-bit offsets", name);
-        }
-    }
-    int64_t end_bytes;
-    if (t->storage == NULL || t->byte_offset < 0 ||
-        __builtin_mul_overflow(last + 1, dtype_bytes[t->dtype], &end_bytes) ||
-        __builtin_add_overflow(end_bytes, t->byte_offset, &end_bytes) || end_bytes > t->storage_bytes) {
-        return fa_fail(st, FA_ERR_VALUE,
-                       "%s: the view (byte offset %lld, last element %lld) does not fit its storage of %lld bytes",
-                       name, (long long)t->byte_offset, (long long)last, (long long)t->storage_bytes);
-    }
-    return FA_OK;
-}
-
-/* The bytes [*lo, *hi) of its storage a validated view addresses; 0 if it addresses none. */
-static int32_t byte_extent(const fa_tensor *t, int64_t *lo, int64_t *hi) {
-    int64_t last = 0;
-    for (int32_t d = 0; d < t->ndim; ++d) {
-        if (t->sizes[d] == 0) {
-            return 0;
-        }
-        last += (t->sizes[d] - 1) * t->strides[d]; /* fa_check_tensor ruled out overflow */
-    }
-    *lo = t->byte_offset;
-    *hi = t->byte_offset + (last + 1) * dtype_bytes[t->dtype];
-    return t->storage != NULL;
-}
-
-/* Whether two elements of a validated view share an address: with the dims of size > 1 ordered by
- * stride, each stride must pass the span of the smaller ones. */
-static int32_t overlaps_itself(const fa_tensor *t) {
-    int32_t order[FA_MAX_DIMS], n = 0;
-    for (int32_t d = 0; d < t->ndim; ++d) {
-        if (t->sizes[d] == 0) {
-            return 0;
-        }
-        if (t->sizes[d] > 1) {
-            int32_t i = n++;
-            for (; i > 0 && t->strides[order[i - 1]] > t->strides[d]; --i) {
-                order[i] = order[i - 1];
-            }
-            order[i] = d;
-        }
-    }
-    int64_t span = 0; /* offset of the last element of the dims so far */
-    for (int32_t i = 0; i < n; ++i) {
-        if (t->strides[order[i]] <= span) {
-            return 1;
-        }
-        span += (t->sizes[order[i]] - 1) * t->strides[order[i]];
-    }
-    return 0;
-}
-
-int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views,
-                          int32_t n_outputs, fa_status *st) {
-    for (int32_t i = 0; i < n_outputs; ++i) {
-        int64_t lo, hi, lo2, hi2;
-        if (!byte_extent(views[i], &lo, &hi)) {
-            continue;
-        }
-        if (overlaps_itself(views[i])) {
-            char shape[96];
-            fa_describe_shape(views[i], shape, sizeof shape);
-            return fa_fail(st, FA_ERR_VALUE,
-                           "%s: an output whose elements overlap (shape %s, strides %lld, %lld, ...); outputs must "
-                           "address each element once",
-                           names[i], shape, (long long)views[i]->strides[0], (long long)views[i]->strides[1]);
-        }
-        for (int32_t j = i + 1; j < n_views; ++j) {
-            if (byte_extent(views[j], &lo2, &hi2) && views[j]->storage == views[i]->storage && lo < hi2 && lo2 < hi) {
-                return fa_fail(st, FA_ERR_VALUE,
-                               "%s (bytes %lld..%lld of its storage) overlaps %s (bytes %lld..%lld of the same "
-                               "storage); an output must not alias an input or another output",
-                               names[i], (long long)lo, (long long)hi, names[j], (long long)lo2, (long long)hi2);
-            }
-        }
-    }
-    return FA_OK;
-}
-
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
-    const fa_tensor *views[] = {&a->workspace, &a->out,  &a->lse,       &a->q,    &a->k,
-                                &a->v,         &a->mask, &a->rng_state, &a->sinks};
-    const char *const names[] = {"workspace", "out", "lse", "q", "k", "v", "mask", "rng_state", "sinks"};
-    return fa_check_no_alias(views + !with_workspace, names + !with_workspace, 9 - !with_workspace,
-                             3 - !with_workspace, st);
+    return fa_check_slot_aliases(a, FA_FORWARD, with_workspace, st);
 }
 
 static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
@@ -368,12 +231,12 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
     fa_describe_shape(&a->out, os, sizeof os);
     if (a->q.dtype == FA_BOOL || a->q.dtype == FA_I32) {
         return fa_fail(st, FA_ERR_TYPE, "q: %s is not an attention dtype; attention takes float32, float16 or bfloat16",
-                       dtype_names[a->q.dtype]);
+                       fa_dtype_name(a->q.dtype));
     }
     if (a->k.dtype != a->q.dtype || a->v.dtype != a->q.dtype || a->out.dtype != a->q.dtype) {
         return fa_fail(st, FA_ERR_TYPE, "q, k, v and out must share one dtype, got %s, %s, %s, %s",
-                       dtype_names[a->q.dtype], dtype_names[a->k.dtype], dtype_names[a->v.dtype],
-                       dtype_names[a->out.dtype]);
+                       fa_dtype_name(a->q.dtype), fa_dtype_name(a->k.dtype), fa_dtype_name(a->v.dtype),
+                       fa_dtype_name(a->out.dtype));
     }
     if (k[0] != q[0] || v[0] != q[0]) {
         return fa_fail(st, FA_ERR_VALUE, "batch sizes differ: q %s, k %s, v %s", qs, ks, vs);
@@ -426,7 +289,7 @@ static int32_t check_mask(const fa_forward_args *a, fa_status *st) {
     }
     if (a->mask.dtype != FA_BOOL && a->mask.dtype != FA_F32 && a->mask.dtype != a->q.dtype) { /* int32 too */
         return fa_fail(st, FA_ERR_TYPE, "mask: dtype %s; masks are bool, float32 or q's dtype (%s)",
-                       dtype_names[a->mask.dtype], dtype_names[a->q.dtype]);
+                       fa_dtype_name(a->mask.dtype), fa_dtype_name(a->q.dtype));
     }
     return FA_OK;
 }
@@ -448,128 +311,22 @@ static int32_t mask_kind(const fa_forward_args *a) {
     }
 }
 
-static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
-    for (int32_t d = 0; d < n; ++d) {
-        dst[d] = t->strides[d];
-    }
-}
-
-static void add_constant(fa_plan_dispatch *d, uint32_t index, int32_t kind, int64_t value) {
-    uint32_t at = 0;
-    while (at < d->n_constants && d->constants[at].index != index) {
-        ++at; /* a constant already set is replaced */
-    }
-    d->n_constants += at == d->n_constants;
-    fa_constant *c = &d->constants[at];
-    memset(c, 0, sizeof *c);
-    c->index = index;
-    c->kind = kind;
-    c->i = value;
-}
-
-static void add_constant_bool(fa_plan_dispatch *d, uint32_t index, int32_t value) {
-    add_constant(d, index, FA_CONST_BOOL, value != 0);
-}
-
-/* Whether a tensor's (row, column) tiles may take the tiled kernels' contiguous load path
- * (fa_loader.h): a unit column stride, a width that is a multiple of FA_TILE_VEC, every row start
- * aligned to FA_TILE_VEC elements (strides of the dims indexed and the view's start address; an
- * MTLBuffer's contents are page-aligned, a CPU storage is checked as it is), and in-tile offsets,
- * up to (tile rows + threads per threadgroup) row strides, within 32 bits. Size-1 dims are never
- * indexed, so their strides do not matter. */
-static int32_t tiles_contiguous(const fa_tensor *t, int32_t device) {
-    const int64_t vec = FA_TILE_VEC, align_bytes = FA_TILE_VEC * dtype_bytes[t->dtype];
-    const uint64_t start = (uint64_t)t->byte_offset + (device == FA_DEVICE_CPU ? (uint64_t)(uintptr_t)t->storage : 0);
-    if (t->sizes[3] > 1 && t->strides[3] != 1) {
-        return 0;
-    }
-    if (t->sizes[3] % vec != 0 || start % (uint64_t)align_bytes != 0) {
-        return 0;
-    }
-    for (int32_t d = 0; d < 3; ++d) {
-        if (t->sizes[d] > 1 && t->strides[d] % vec != 0) {
-            return 0;
-        }
-    }
-    return t->sizes[2] <= 1 || t->strides[2] <= FA_CONTIGUOUS_MAX_ROW_STRIDE;
-}
-
-void fa_plan_set_contiguous_tiles(fa_plan_dispatch *d, const fa_tensor *a, const fa_tensor *b, int32_t device) {
-    add_constant_bool(d, FA_FC_CONTIGUOUS_TILES, tiles_contiguous(a, device) && tiles_contiguous(b, device));
-}
-
-void fa_plan_set_block_grid(fa_plan_dispatch *d, int64_t rows, int64_t rows_per_block, uint32_t heads, uint32_t batch,
-                            int32_t banded, uint32_t threads) {
-    const uint32_t blocks = (uint32_t)((rows + rows_per_block - 1) / rows_per_block);
-    if (banded) {
-        fa_plan_set_geometry(d, heads, batch, blocks, threads); /* heaviest first, fa_schedule.h */
-    } else {
-        fa_plan_set_geometry(d, blocks, heads, batch, threads);
-    }
-}
-
-static void add_constant_int(fa_plan_dispatch *d, uint32_t index, int32_t value) {
-    add_constant(d, index, FA_CONST_INT, value);
-}
-
-static void add_macro_text(fa_plan_dispatch *d, const char *name, const char *value) {
-    uint32_t at = 0;
-    while (at < d->n_macros && strcmp(d->macros[at].name, name) != 0) {
-        ++at; /* a macro already set is replaced (the backward's own tiles, fa_backward_plan.c) */
-    }
-    d->n_macros += at == d->n_macros;
-    fa_macro *m = &d->macros[at];
-    snprintf(m->name, sizeof m->name, "%s", name);
-    snprintf(m->value, sizeof m->value, "%s", value);
-}
-
-static void add_macro(fa_plan_dispatch *d, const char *name, int32_t value) {
-    char text[16];
-    snprintf(text, sizeof text, "%d", value);
-    add_macro_text(d, name, text);
-}
-
-/* Names function `<kernel>_<type>` of `source` and instantiates the library for that element type
- * only (FA_DTYPE, metal/fa_instantiate.h): the planner and fa_plan_each_specialisation both start
- * every dispatch here. */
-static void start_dispatch(fa_plan_dispatch *d, const char *source, const char *kernel, int32_t dtype) {
-    snprintf(d->source_name, sizeof d->source_name, "%s", source);
-    snprintf(d->function, sizeof d->function, "%s_%s", kernel, kernel_type_names[dtype]);
-    add_macro_text(d, "FA_DTYPE", kernel_type_names[dtype]);
-}
-
-void fa_plan_set_tile_macros(fa_plan_dispatch *d, fa_tiles t) {
-    add_macro(d, "FA_BD", t.bd);
-    add_macro(d, "FA_BDV", t.bdv);
-    add_macro(d, "FA_BK", t.bk);
-    add_macro(d, "FA_WM", t.wm);
-}
-
 /* Appends a dispatch of function `<kernel>_<dtype>` of `source`; the caller sets macros and geometry. */
 static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, const char *source, const char *kernel) {
     fa_plan_dispatch *d = &plan->dispatches[plan->n_dispatches++];
-    start_dispatch(d, source, kernel, a->q.dtype);
-    add_constant_bool(d, FA_FC_BAND, plan->banded);
-    add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
-    add_constant_bool(d, FA_FC_ALIBI, fa_tensor_present(&a->alibi_slopes));
-    add_constant_bool(d, FA_FC_SINKS, fa_tensor_present(&a->sinks));
-    add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->write_probs); /* the pass reads it */
-    add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
-    add_constant_int(d, FA_FC_DROPOUT, a->write_probs        ? FA_DROPOUT_PROBS
-                                       : a->dropout_p > 0.0 ? FA_DROPOUT_APPLY
+    fa_plan_start_dispatch(d, source, kernel, a->q.dtype);
+    fa_plan_add_constant_bool(d, FA_FC_BAND, plan->banded);
+    fa_plan_add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
+    fa_plan_add_constant_bool(d, FA_FC_ALIBI, fa_tensor_present(&a->alibi_slopes));
+    fa_plan_add_constant_bool(d, FA_FC_SINKS, fa_tensor_present(&a->sinks));
+    fa_plan_add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->options.write_probs); /* the pass reads it */
+    fa_plan_add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
+    fa_plan_add_constant_int(d, FA_FC_DROPOUT, a->options.write_probs        ? FA_DROPOUT_PROBS
+                                       : a->options.dropout_p > 0.0 ? FA_DROPOUT_APPLY
                                                             : FA_DROPOUT_NONE);
-    add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
-    add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
+    fa_plan_add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
+    fa_plan_add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
     return d;
-}
-
-void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads) {
-    d->grid[0] = x;
-    d->grid[1] = y;
-    d->grid[2] = z;
-    d->threadgroup[0] = threads;
-    d->threadgroup[1] = 1;
-    d->threadgroup[2] = 1;
 }
 
 /* A grid of (ceil(L / rows_per_group), Hq, B) threadgroups. */
@@ -642,20 +399,20 @@ static int64_t distinct_elements(const fa_tensor *t) {
 
 /* q, the visible keys' rows of k and v, and the mask, each element once. */
 static int64_t min_input_bytes(const fa_plan *plan, const fa_forward_args *a) {
-    const int64_t elem = dtype_bytes[a->q.dtype], keys = a->k.sizes[2];
+    const int64_t elem = fa_dtype_bytes(a->q.dtype), keys = a->k.sizes[2];
     int64_t bytes = distinct_elements(&a->q) * elem;
     if (keys > 0) {
         bytes += (distinct_elements(&a->k) + distinct_elements(&a->v)) / keys * visible_keys(plan) * elem;
     }
     if (a->mask.ndim != 0) {
-        bytes += distinct_elements(&a->mask) * dtype_bytes[a->mask.dtype];
+        bytes += distinct_elements(&a->mask) * fa_dtype_bytes(a->mask.dtype);
     }
     return bytes;
 }
 
 static int64_t output_bytes(const fa_forward_args *a) {
     const int64_t rows = a->q.sizes[0] * a->q.sizes[1] * a->q.sizes[2];
-    return rows * a->v.sizes[3] * dtype_bytes[a->q.dtype] + (a->lse.storage != NULL ? rows * 4 : 0);
+    return rows * a->v.sizes[3] * fa_dtype_bytes(a->q.dtype) + (a->lse.storage != NULL ? rows * 4 : 0);
 }
 
 static void set_cost(fa_plan_dispatch *d, int64_t threadgroup_bytes, int32_t registers, double flops, double tiles,
@@ -692,7 +449,7 @@ int64_t fa_plan_tile_bytes(fa_tiles t, int64_t element_bytes) {
 }
 
 static void set_forward_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a, fa_tiles t) {
-    const int64_t bq = 8 * t.wm, elem = dtype_bytes[a->q.dtype];
+    const int64_t bq = 8 * t.wm, elem = fa_dtype_bytes(a->q.dtype);
     const int64_t column_blocks = fa_plan_head_blocks(a->v.sizes[3], t.bdv);
     const double tiles = fa_plan_key_tiles(plan, t);
     /* The products skip 8-wide slices of the padded widths that hold only padding (fa_fragments.h). */
@@ -748,7 +505,7 @@ static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t co
  * float32 probabilities into the workspace (with sequences the grid's B, L and S: a is its view). */
 static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
-    const double rate = a->dropout_p;
+    const double rate = a->options.dropout_p;
     if (!(rate >= 0.0 && rate <= 1.0)) { /* NaN fails too */
         return fa_fail(st, FA_ERR_VALUE, "dropout_p: must be in [0, 1], got %g", rate);
     }
@@ -756,7 +513,7 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
     const double drop_below = rate * words + 0.5;
     p->dropout_drop_below = drop_below >= words ? UINT32_MAX : (fa_u32)drop_below;
     p->dropout_scale = rate >= 1.0 ? 0.0f : (float)(1.0 / (1.0 - rate));
-    if (rate > 0.0 || a->write_probs) {
+    if (rate > 0.0 || a->options.write_probs) {
         int32_t rc = fa_check_tensor(&a->rng_state, "rng_state", 1, 1, st);
         if (rc != FA_OK) {
             return rc;
@@ -766,15 +523,15 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
                            (long long)a->rng_state.sizes[0]);
         }
     }
-    if (!a->write_probs) {
+    if (!a->options.write_probs) {
         return FA_OK;
     }
     if (a->lse.storage == NULL) {
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass reads the forward's lse, got none");
     }
-    if (a->kernel != FA_KERNEL_AUTO && a->kernel != FA_KERNEL_SIMPLE) {
+    if (a->options.kernel != FA_KERNEL_AUTO && a->options.kernel != FA_KERNEL_SIMPLE) {
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass runs the simple kernel, got kernel %d",
-                       a->kernel);
+                       a->options.kernel);
     }
     int64_t bytes;
     if (__builtin_mul_overflow((int64_t)p->batch * p->q_heads, (int64_t)p->q_len * p->kv_len, &bytes) ||
@@ -789,14 +546,14 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
  * mean). Unbounded sides become -L and S, so every bound stays within [-L, S]. */
 static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
-    const fa_band_args *w = &a->band;
-    if (w->windowed && (w->window_left < -1 || w->window_right < -1)) {
+    const fa_options *o = &a->options;
+    if (o->window_left < -1 || o->window_right < -1) {
         return fa_fail(st, FA_ERR_VALUE, "window_size: each side must be -1 (unbounded) or >= 0, got (%lld, %lld)",
-                       (long long)w->window_left, (long long)w->window_right);
+                       (long long)o->window_left, (long long)o->window_right);
     }
-    const int64_t l = p->q_len, s = p->kv_len, diagonal = w->bottom_right ? s - l : 0;
-    const int64_t left = w->windowed ? w->window_left : -1, right = a->causal ? 0 : w->windowed ? w->window_right : -1;
-    plan->banded = a->causal || left >= 0 || right >= 0;
+    const int64_t l = p->q_len, s = p->kv_len, diagonal = o->bottom_right ? s - l : 0;
+    const int64_t left = o->window_left, right = o->causal ? 0 : o->window_right;
+    plan->banded = a->options.causal || left >= 0 || right >= 0;
     if (!plan->banded) {
         return FA_OK;
     }
@@ -810,16 +567,8 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     return FA_OK;
 }
 
-int32_t fa_plan_check_column_grid(int64_t heads, int32_t column_blocks, fa_status *st) {
-    if (heads * column_blocks > UINT32_MAX) {
-        return fa_fail(st, FA_ERR_VALUE, "too many heads for head dims in %d column blocks: %lld heads",
-                       column_blocks, (long long)heads);
-    }
-    return FA_OK;
-}
-
 static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
-    const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)dtype_bytes[a->q.dtype]);
+    const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)fa_dtype_bytes(a->q.dtype));
     int32_t rc = fa_plan_check_column_grid(a->q.sizes[1], fa_plan_head_blocks(a->v.sizes[3], t.bdv), st);
     if (rc != FA_OK) {
         return rc;
@@ -843,8 +592,8 @@ static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
 }
 
 static void set_decode_macros(fa_plan_dispatch *d, int32_t cols, int32_t rows) {
-    add_macro(d, "FA_DECODE_COLS", cols);
-    add_macro(d, "FA_DECODE_ROWS", rows);
+    fa_plan_add_macro(d, "FA_DECODE_COLS", cols);
+    fa_plan_add_macro(d, "FA_DECODE_ROWS", rows);
 }
 
 static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
@@ -867,13 +616,13 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
     }
     p->split_begin = (fa_i32)first_key;
     p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks,
-                                      end_key > first_key ? end_key - first_key : 0, a->num_splits,
+                                      end_key > first_key ? end_key - first_key : 0, a->options.num_splits,
                                       &p->split_count);
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
     const int32_t chunk = cols < 4 ? cols : 4;
-    add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
+    fa_plan_add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
                       decode_vector_loadable(&a->k, chunk) && decode_vector_loadable(&a->v, chunk));
     fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
                  32u * FA_DECODE_SIMD_GROUPS);
@@ -897,8 +646,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->device != FA_DEVICE_CPU && a->device != FA_DEVICE_MPS) {
         return fa_fail(st, FA_ERR_TYPE, "unknown device code %d", a->device);
     }
-    if (a->kernel < FA_KERNEL_AUTO || a->kernel > FA_KERNEL_DECODE) {
-        return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->kernel);
+    if (a->options.kernel < FA_KERNEL_AUTO || a->options.kernel > FA_KERNEL_DECODE) {
+        return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->options.kernel);
     }
     int32_t rc;
     if ((rc = fa_check_tensor(&a->q, "q", 4, 0, st)) || (rc = fa_check_tensor(&a->k, "k", 4, 0, st)) ||
@@ -929,27 +678,27 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     p->kv_len = (fa_i32)a->k.sizes[2];
     p->head_dim = (fa_i32)a->q.sizes[3];
     p->v_head_dim = (fa_i32)a->v.sizes[3];
-    copy_strides(p->q_strides, &a->q, 4);
-    copy_strides(p->k_strides, &a->k, 4);
-    copy_strides(p->v_strides, &a->v, 4);
-    copy_strides(p->o_strides, &a->out, 4);
+    fa_plan_copy_strides(p->q_strides, &a->q, 4);
+    fa_plan_copy_strides(p->k_strides, &a->k, 4);
+    fa_plan_copy_strides(p->v_strides, &a->v, 4);
+    fa_plan_copy_strides(p->o_strides, &a->out, 4);
     if (a->lse.storage != NULL) {
-        copy_strides(p->lse_strides, &a->lse, 3);
+        fa_plan_copy_strides(p->lse_strides, &a->lse, 3);
     }
     if (a->mask.ndim != 0) {
-        copy_strides(p->mask_strides, &a->mask, 4);
+        fa_plan_copy_strides(p->mask_strides, &a->mask, 4);
     }
     /* With E == 0 every score is exactly 0 whatever the scale (SDPA gives the mean of v even for
      * the default scale 1/sqrt(0) = inf), so the scale must not turn 0 into NaN. */
-    p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->scale * 1.4426950408889634);
+    p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->options.scale * 1.4426950408889634);
     if ((rc = set_band(a, plan, st)) != FA_OK) {
         return rc;
     }
-    if (!(a->softcap >= 0.0 && a->softcap <= 1e30)) { /* NaN fails too */
-        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->softcap);
+    if (!(a->options.softcap >= 0.0 && a->options.softcap <= 1e30)) { /* NaN fails too */
+        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->options.softcap);
     }
-    p->softcap_log2 = (float)(a->softcap * 1.4426950408889634);
-    p->diagonal = a->band.bottom_right ? p->kv_len - p->q_len : 0;
+    p->softcap_log2 = (float)(a->options.softcap * 1.4426950408889634);
+    p->diagonal = a->options.bottom_right ? p->kv_len - p->q_len : 0;
     if (fa_tensor_present(&a->alibi_slopes)) {
         if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
             return rc;
@@ -960,7 +709,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
             return fa_fail(st, FA_ERR_VALUE, "alibi_slopes: must be (B, Hq) = (%d, %d), got %s", p->batch,
                            p->q_heads, shape);
         }
-        copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
+        fa_plan_copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
     }
     if (fa_tensor_present(&a->sinks)) {
         if ((rc = fa_check_tensor(&a->sinks, "sinks", 1, 1, st)) != FA_OK) {
@@ -982,8 +731,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    const int32_t kernel = a->write_probs                                               ? FA_KERNEL_SIMPLE
-                           : a->kernel != FA_KERNEL_AUTO                                  ? a->kernel
+    const int32_t kernel = a->options.write_probs                                               ? FA_KERNEL_SIMPLE
+                           : a->options.kernel != FA_KERNEL_AUTO                                  ? a->options.kernel
                            : p->q_len <= DECODE_MAX_QUERY_LEN                             ? FA_KERNEL_DECODE
                                                                                           : FA_KERNEL_FORWARD;
     switch (kernel) {
@@ -1003,30 +752,6 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     return rc;
 }
 
-int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *w, fa_status *st) {
-    if (workspace_bytes == 0) {
-        return FA_OK;
-    }
-    if (w->storage == NULL) {
-        return fa_fail(st, FA_ERR_VALUE, "this call needs a workspace of %lld bytes (fa_forward_workspace_bytes)",
-                       (long long)workspace_bytes);
-    }
-    int32_t rc = fa_check_tensor(w, "workspace", 1, 1, st);
-    if (rc == FA_OK && w->sizes[0] * 4 < workspace_bytes) {
-        rc = fa_fail(st, FA_ERR_VALUE, "workspace: %lld bytes, this call needs %lld", (long long)(w->sizes[0] * 4),
-                     (long long)workspace_bytes);
-    }
-    if (rc == FA_OK && w->strides[0] != 1) {
-        rc = fa_fail(st, FA_ERR_VALUE, "workspace: must be contiguous, got stride %lld", (long long)w->strides[0]);
-    }
-    return rc;
-}
-
-fa_pipeline_key fa_plan_pipeline_key(const fa_plan_dispatch *d) {
-    fa_pipeline_key key = {d->source_name, d->function, d->macros, d->n_macros, d->constants, d->n_constants};
-    return key;
-}
-
 /* Macros decide what a library contains (one element type each, FA_DTYPE), so the strict check
  * visits one key per (source, macro set), built as the planner builds its dispatches and naming
  * the library's first kernel. */
@@ -1038,18 +763,18 @@ static int32_t visit_dispatch(const fa_plan_dispatch *d, fa_plan_visitor visit, 
 static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void *ctx) {
     fa_plan_dispatch d;
     memset(&d, 0, sizeof d);
-    start_dispatch(&d, simple_source, "fa_simple", dtype);
+    fa_plan_start_dispatch(&d, simple_source, "fa_simple", dtype);
     int32_t rc = visit_dispatch(&d, visit, ctx);
     for (int32_t i = 0; rc == 0 && i < N_PADDED_HEAD_DIMS; ++i) {
         for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
             memset(&d, 0, sizeof d);
-            start_dispatch(&d, forward_source, "fa_forward", dtype);
+            fa_plan_start_dispatch(&d, forward_source, "fa_forward", dtype);
             fa_plan_set_tile_macros(&d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j],
-                                                        (int32_t)dtype_bytes[dtype]));
+                                                        (int32_t)fa_dtype_bytes(dtype)));
             rc = visit_dispatch(&d, visit, ctx);
-            /* The backward kernels take the forward's specialisation (fa_backward_plan.c). */
-            snprintf(d.source_name, sizeof d.source_name, "%s", fa_backward_source);
-            snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", kernel_type_names[dtype]);
+            /* The backward kernels take the forward's specialisation (fa_plan_backward.c). */
+            snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);
+            snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", fa_kernel_type_name(dtype));
             rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
         }
     }
@@ -1057,7 +782,7 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
          cols = next_decode_columns(cols)) {
         for (int32_t rows = 1; rc == 0 && rows <= decode_row_cap(cols); rows *= 2) {
             memset(&d, 0, sizeof d);
-            start_dispatch(&d, decode_source, "fa_decode", dtype);
+            fa_plan_start_dispatch(&d, decode_source, "fa_decode", dtype);
             set_decode_macros(&d, cols, rows);
             rc = visit_dispatch(&d, visit, ctx);
         }

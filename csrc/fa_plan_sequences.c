@@ -1,5 +1,5 @@
-/* Packed sequences and KV caches: see fa_sequence.h. */
-#include "fa_sequence.h"
+/* Packed sequences and KV caches: see fa_plan_sequences.h. */
+#include "fa_plan_sequences.h"
 #include "../metal/fa_sequence.h"
 
 #include <stdio.h>
@@ -71,9 +71,9 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     if (fa_tensor_present(&a->mask)) {
         return fa_fail(st, FA_ERR_VALUE, "sequences: an attn_mask cannot be combined with a sequence table");
     }
-    if (s->max_q_len < 0 || s->max_q_len > INT32_MAX || s->max_kv_len < 0 || s->max_kv_len > INT32_MAX) {
+    if (a->options.max_q_len < 0 || a->options.max_q_len > INT32_MAX || a->options.max_kv_len < 0 || a->options.max_kv_len > INT32_MAX) {
         return fa_fail(st, FA_ERR_VALUE, "max_seqlen_q and max_seqlen_k must be in [0, 2^31), got %lld and %lld",
-                       (long long)s->max_q_len, (long long)s->max_kv_len);
+                       (long long)a->options.max_q_len, (long long)a->options.max_kv_len);
     }
     const int64_t *q = a->q.sizes, *o = a->out.sizes, *k = a->k.sizes, *v = a->v.sizes;
     if (o[0] != q[0] || o[2] != q[2] || (a->lse.storage != NULL && (a->lse.sizes[0] != q[0] || a->lse.sizes[2] != q[2]))) {
@@ -86,7 +86,7 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
         return fa_fail(st, FA_ERR_VALUE, "sequences: views beyond 2^31-1 batches or rows are not supported");
     }
     if (fa_sequence_paged(s)) {
-        if (a->kernel == FA_KERNEL_SIMPLE || a->write_probs) {
+        if (a->options.kernel == FA_KERNEL_SIMPLE || a->options.write_probs) {
             return fa_fail(st, FA_ERR_VALUE, "block_table: a paged KV cache is read by the prefill and decode "
                                              "kernels only (forward, no gradients)");
         }
@@ -99,12 +99,12 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     }
     *grid = *a;
     const int64_t batch = s->table.sizes[0];
-    set_grid_view(&grid->q, batch, s->max_q_len);
-    set_grid_view(&grid->out, batch, s->max_q_len);
-    set_grid_view(&grid->k, batch, s->max_kv_len);
-    set_grid_view(&grid->v, batch, s->max_kv_len);
+    set_grid_view(&grid->q, batch, a->options.max_q_len);
+    set_grid_view(&grid->out, batch, a->options.max_q_len);
+    set_grid_view(&grid->k, batch, a->options.max_kv_len);
+    set_grid_view(&grid->v, batch, a->options.max_kv_len);
     if (grid->lse.storage != NULL) {
-        set_grid_view(&grid->lse, batch, s->max_q_len);
+        set_grid_view(&grid->lse, batch, a->options.max_q_len);
     }
     return FA_OK;
 }
@@ -114,13 +114,12 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p) {
     p->seq_q_rows = (fa_i32)real->q.sizes[2];
     p->seq_k_batches = (fa_i32)real->k.sizes[0];
     p->seq_k_rows = (fa_i32)real->k.sizes[2];
-    const fa_band_args *w = &real->band;
-    p->seq_window_left = w->windowed && w->window_left >= 0 ? (fa_i32)(w->window_left < INT32_MAX ? w->window_left : INT32_MAX) : -1;
-    p->seq_window_right = real->causal ? 0
-                          : w->windowed && w->window_right >= 0
-                              ? (fa_i32)(w->window_right < INT32_MAX ? w->window_right : INT32_MAX)
-                              : -1;
-    p->seq_bottom_right = w->bottom_right != 0;
+    const fa_options *o = &real->options;
+    p->seq_window_left = o->window_left >= 0 ? (fa_i32)(o->window_left < INT32_MAX ? o->window_left : INT32_MAX) : -1;
+    p->seq_window_right = o->causal ? 0
+                          : o->window_right >= 0 ? (fa_i32)(o->window_right < INT32_MAX ? o->window_right : INT32_MAX)
+                                                 : -1;
+    p->seq_bottom_right = o->bottom_right != 0;
     p->seq_grid_q_len = p->q_len;
     const fa_sequence_args *s = &real->sequences;
     if (fa_sequence_paged(s)) { /* a sequence's keys: every page its table row names */
@@ -144,38 +143,4 @@ void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *
     /* explain_plan's figures: the table's rows and the call's params in, one params per sequence out. */
     builder->cost.min_bytes_read = (int64_t)sequences * FA_SEQUENCE_COLUMNS * 4 + (int64_t)sizeof(fa_params);
     builder->cost.min_bytes_written = (int64_t)sequences * (int64_t)sizeof(fa_params);
-}
-
-fa_binding fa_sequence_binding(const fa_sequence_args *s) { return fa_tensor_binding(&s->scratch, &s->scratch); }
-
-int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
-                          int64_t params_bytes, const fa_sequence_args *s, const fa_tensor *const *views,
-                          const char *const *names, int32_t n_views, fa_status *st) {
-    const fa_tensor *checked[16];
-    const char *checked_names[16];
-    checked[0] = &s->scratch;
-    checked_names[0] = "sequence_scratch";
-    checked[1] = &s->table;
-    checked_names[1] = "sequences";
-    for (int32_t i = 0; i < n_views && i < 14; ++i) {
-        checked[i + 2] = views[i];
-        checked_names[i + 2] = names[i];
-    }
-    int32_t rc = fa_check_no_alias(checked, checked_names, n_views + 2, 1, st);
-    if (rc != FA_OK || s->table.sizes[0] == 0) {
-        return rc;
-    }
-    fa_dispatch d;
-    memset(&d, 0, sizeof d);
-    d.bindings[0] = fa_tensor_binding(&s->table, &s->table);
-    d.bindings[1] = fa_sequence_binding(s);
-    for (int i = 2; i < 5; ++i) {
-        d.bindings[i] = d.bindings[1]; /* unused: Metal wants an argument table without holes */
-    }
-    d.bindings[5].bytes = params;
-    d.bindings[5].length = params_bytes;
-    d.n_bindings = 6;
-    memcpy(d.grid, builder->grid, sizeof d.grid);
-    memcpy(d.threadgroup, builder->threadgroup, sizeof d.threadgroup);
-    return backend->dispatch(builder->pipeline, &d, st);
 }

@@ -1,7 +1,7 @@
 /* Validation and planning of the backward pass.
  *
  * Up to head dims of 128 the backward kernels take the forward kernel's tiles: the forward's tile
- * table (fa_plan.c) fits them as it is, because each streams two tiles of the forward's shapes
+ * table (fa_plan_forward.c) fits them as it is, because each streams two tiles of the forward's shapes
  * through threadgroup memory:
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
@@ -46,14 +46,14 @@
  * for dK/dV, K and V for dQ.
  * Work, as multiply-adds per (query, key) pair: dK/dV 2E + 2Ev, dQ 2E + Ev (S is recomputed by
  * both: 7 matrix products against the forward's 2, metal-flash-attention's count). */
-#include "fa_plan.h"
-#include "fa_sequence.h"
+#include "fa_plan_backward.h"
+#include "fa_plan_sequences.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-const char fa_backward_source[] = "fa_backward.metal";
+const char fa_backward_source[] = FA_BACKWARD_SOURCE;
 
 /* t must be an ndim-D view of `dtype` whose sizes are the first ndim sizes of `like`; `expected`
  * names the shape rule in messages. */
@@ -98,12 +98,6 @@ static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
                          (int32_t)fa_dtype_bytes(dtype));
 }
 
-static void copy_strides(fa_i64 *dst, const fa_tensor *t, int32_t n) {
-    for (int32_t d = 0; d < n; ++d) {
-        dst[d] = t->strides[d];
-    }
-}
-
 /* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
  * caller sets its grid and cost. */
 static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, fa_tiles tiles,
@@ -117,7 +111,7 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
 }
 
 /* ---- What the backward's dispatches cost (explain_plan(backward=True)), counted as the forward's
- * (fa_plan.c: FLOPs over padded widths, rows and tiles; useful FLOPs per visible pair; each input
+ * (fa_plan_forward.c: FLOPs over padded widths, rows and tiles; useful FLOPs per visible pair; each input
  * element once). Per (query, key) pair the useful multiply-adds are dK/dV 2E + 2Ev (S, dP, dV, dK)
  * and dQ 2E + Ev (S, dP, dQ); the pre-pass does Ev per row. Tiles, of the backward's tiles t: dQ
  * visits the key tiles the forward's loop would (fa_plan_key_tiles); dK/dV, for each key block and
@@ -183,11 +177,7 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
 }
 
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
-    const fa_tensor *views[] = {&a->dq,  &a->dk,   &a->dv,  &a->delta, &a->sink_grad, &a->q,    &a->k,
-                                &a->v,   &a->out,  &a->dout, &a->lse,  &a->mask,      &a->sinks, &a->rng_state};
-    const char *const names[] = {"dq", "dk", "dv", "delta", "sink_grad", "q", "k", "v", "out", "dout", "lse", "mask",
-                                 "sinks", "rng_state"};
-    return fa_check_no_alias(views, names, 14, 5, st);
+    return fa_check_slot_aliases(a, FA_BACKWARD, 0, st);
 }
 
 int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_status *st) {
@@ -208,16 +198,14 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.out = a->out;
     forward_args.lse = a->lse;
     forward_args.mask = a->mask;
-    forward_args.scale = a->scale;
-    forward_args.causal = a->causal;
-    forward_args.band = a->band;
-    forward_args.softcap = a->softcap;
+    forward_args.options = a->options;
+    forward_args.options.kernel = FA_KERNEL_FORWARD;
+    forward_args.options.num_splits = 0;
+    forward_args.options.write_probs = 0;
     forward_args.alibi_slopes = a->alibi_slopes;
-    forward_args.dropout_p = a->dropout_p;
     forward_args.rng_state = a->rng_state;
     forward_args.sinks = a->sinks;
     forward_args.sequences = a->sequences;
-    forward_args.kernel = FA_KERNEL_FORWARD;
     fa_plan forward;
     int32_t rc;
     if ((rc = fa_plan_forward(&forward_args, &forward, st)) ||
@@ -240,14 +228,14 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
 
     fa_backward_params *p = &plan->params;
     p->forward = forward.params;
-    copy_strides(p->do_strides, &a->dout, 4);
-    copy_strides(p->dq_strides, &a->dq, 4);
-    copy_strides(p->dk_strides, &a->dk, 4);
-    copy_strides(p->dv_strides, &a->dv, 4);
-    copy_strides(p->delta_strides, &a->delta, 3);
-    p->scale = (float)a->scale;
+    fa_plan_copy_strides(p->do_strides, &a->dout, 4);
+    fa_plan_copy_strides(p->dq_strides, &a->dq, 4);
+    fa_plan_copy_strides(p->dk_strides, &a->dk, 4);
+    fa_plan_copy_strides(p->dv_strides, &a->dv, 4);
+    fa_plan_copy_strides(p->delta_strides, &a->delta, 3);
+    p->scale = (float)a->options.scale;
     if (with_sinks) {
-        copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
+        fa_plan_copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
     }
 
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
