@@ -194,12 +194,12 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
     kernels compute: under causal or a window only those the band reaches) and
     "useful_flops" (2 (E + Ev) per visible query-key pair), and "min_bytes_read" /
     "min_bytes_written" (each input element once, the outputs); an attn_mask's hidden keys count as
-    visible (csrc/fa_plan.c says how each figure is counted).
+    visible (csrc/fa_plan_forward.c says how each figure is counted).
 
     backward=True: the plan of the gradients' pass instead, {"dispatches": [delta, dkdv, dq]}: the
     pre-pass D = rowsum(dO * O), dK/dV over key blocks ("tiles": the query tiles its threadgroups
     visit, over every query head of a GQA group) and dQ over query blocks ("tiles": the key tiles,
-    as the forward's), with the same cost figures (csrc/fa_backward_plan.c counts them).
+    as the forward's), with the same cost figures (csrc/fa_plan_backward.c counts them).
 
     Calls of flash_attn_varlen_func and flash_attn_with_kvcache are explained by
     explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments."""

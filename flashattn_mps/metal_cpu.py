@@ -13,14 +13,14 @@ Checked mode (`compile_library(..., checked=True)`, or for every library includi
 kernels `set_checked(True)` / FLASHATTN_MPS_CPU_CHECKED=1) runs kernels instrumented: a dispatch
 raises MetalDispatchError naming the kernel, both source lines and both threads for a
 threadgroup-memory data race, a read of threadgroup memory never written in the threadgroup, or an
-access outside the bound buffers or the threadgroup memory (README, "Checked mode").
+access outside the bound buffers or the threadgroup memory (docs/cpu-device.md, "Checked mode").
 
 Lockstep (`compile_library(..., lockstep=True)`) runs the lanes of each SIMD-group through their
 threadgroup-memory accesses in step, as an Apple GPU issues each instruction for all active lanes
 at once: for kernels that rely on that without a simdgroup_barrier between one lane's write and
 another lane's read (llama.cpp's do), which otherwise see the other lane's value too early or too
 late. Metal does not promise lockstep: a checked library without it reports such code as a race;
-with both, only races between SIMD-groups are reported (README, "Lockstep").
+with both, only races between SIMD-groups are reported (docs/cpu-device.md, "Lockstep").
 """
 from __future__ import annotations
 

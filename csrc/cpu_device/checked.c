@@ -1,4 +1,4 @@
-/* Checked mode around a dispatch (README, "Checked mode"): the kernel runs on guarded copies of the
+/* Checked mode around a dispatch (docs/cpu-device.md, "Checked mode"): the kernel runs on guarded copies of the
  * buffers, and what the accesses found (runtime.c) becomes a message with source lines. */
 #if !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* MAP_ANONYMOUS under -std=c11 */

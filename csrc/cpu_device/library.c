@@ -5,7 +5,7 @@
  * manifest <key>.sum, where the key is a SHA-256 of everything that shapes the binary. Several
  * processes may build the same library at once: each builds in its own temporary directory and
  * rename()s the result into place, so nobody ever sees a partial file. What is loaded must be
- * vouched for (README, "Security and robustness"): private entries only, never through a link,
+ * vouched for (docs/security.md): private entries only, never through a link,
  * matching the manifest, reporting its key. */
 #define _POSIX_C_SOURCE 200809L
 #include "device.h"

@@ -47,8 +47,8 @@ typedef struct mcpu_macro {
 /* How a library's kernels run (bits of a mode; 0: plainly, as fast as the device can):
  * MCPU_CHECKED: dispatches report threadgroup-memory races, reads of threadgroup memory never
  * written in the threadgroup and accesses outside the bound buffers or threadgroup memory
- * (README, "Checked mode"). MCPU_LOCKSTEP: the lanes of each SIMD-group take their
- * threadgroup-memory accesses in step, as kernels that rely on a GPU's lockstep need (README,
+ * (docs/cpu-device.md, "Checked mode"). MCPU_LOCKSTEP: the lanes of each SIMD-group take their
+ * threadgroup-memory accesses in step, as kernels that rely on a GPU's lockstep need (docs/cpu-device.md,
  * "Lockstep"); with MCPU_CHECKED, accesses of one SIMD-group then never race. Either builds the
  * library instrumented: a separate build with its own cache key, which both share. */
 enum { MCPU_CHECKED = 1u, MCPU_LOCKSTEP = 2u, MCPU_MODES = MCPU_CHECKED | MCPU_LOCKSTEP };
@@ -57,7 +57,7 @@ enum { MCPU_CHECKED = 1u, MCPU_LOCKSTEP = 2u, MCPU_MODES = MCPU_CHECKED | MCPU_L
  * (bits above; callers wanting the default ask mcpu_checked). source_name names the source in
  * diagnostics ("fa_simple.metal"). On a compile error returns
  * MCPU_ERR_COMPILE with the compiler's message, MSL file and line in st->message; also when the
- * cache holds an entry it refuses to trust (README, "Security and robustness"). Compiler runs
+ * cache holds an entry it refuses to trust (docs/security.md). Compiler runs
  * time out after $FLASHATTN_MPS_COMPILE_TIMEOUT seconds (default 600). Thread-safe and safe
  * across processes sharing the disk cache. */
 int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
@@ -103,7 +103,7 @@ typedef struct mcpu_dispatch_args {
 
 int32_t mcpu_dispatch(const mcpu_library *lib, const mcpu_dispatch_args *args, mcpu_status *st);
 
-/* The dispatch time limit (README, "Security and robustness"): a dispatch running longer than
+/* The dispatch time limit (docs/security.md): a dispatch running longer than
  * `seconds` fails with MCPU_ERR_RUNTIME naming the kernel; 0 (the default) means no limit.
  * Initially $FLASHATTN_MPS_CPU_WATCHDOG. Applies to dispatches started afterwards. */
 int32_t mcpu_set_watchdog(double seconds, mcpu_status *st);

@@ -8,7 +8,7 @@
  * barrier releases the others (queues them) and carries on without a switch, so a barrier costs
  * one fiber switch per thread.
  *
- * Guards (README, "Security and robustness"): while a fiber runs kernel code (worker.in_kernel),
+ * Guards (docs/security.md): while a fiber runs kernel code (worker.in_kernel),
  * SIGSEGV, SIGBUS, SIGILL and SIGFPE of that code jump back to the worker's home context (on a
  * per-thread alternate signal stack, so a stack overflow is caught too) and fail the dispatch
  * naming the kernel; an x86-64 integer division fault is completed with an unspecified value, as
@@ -498,7 +498,7 @@ static void check_buffer(worker *w, uintptr_t a, uint64_t size, int32_t kind, co
     report_finding(w, &f);
 }
 
-/* ---- lockstep (README, "Lockstep"): a SIMD-group's lanes take their threadgroup-memory
+/* ---- lockstep (docs/cpu-device.md, "Lockstep"): a SIMD-group's lanes take their threadgroup-memory
  * accesses in step, as on a GPU that issues each instruction for all active lanes at once ----
  *
  * Each lane stops before every threadgroup-memory access, at its code address. A step is made by

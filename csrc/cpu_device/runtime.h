@@ -26,7 +26,7 @@ enum {
     GARBAGE = 0xFF /* uninitialised threadgroup memory reads as NaN (float, half) or -1 */
 };
 
-/* ---- checked mode's state (README, "Checked mode") ---- */
+/* ---- checked mode's state (docs/cpu-device.md, "Checked mode") ---- */
 
 /* One access to one byte of threadgroup memory: by thread (1 + its index; 0: none), in barrier
  * interval `epoch`, after `simd_epoch` simdgroup_barriers of its SIMD-group, at pc. */

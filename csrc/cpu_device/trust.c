@@ -1,4 +1,4 @@
-/* What the cache trusts (README, "Security and robustness"): entries only the current user can
+/* What the cache trusts (docs/security.md): entries only the current user can
  * write, never reached through a symbolic link. */
 #define _POSIX_C_SOURCE 200809L
 #include "device.h"

@@ -13,7 +13,7 @@ from helpers import DEFINITION, preprocessed
 
 KERNEL_TYPES = {torch.float32: "float", torch.float16: "half", torch.bfloat16: "bfloat"}
 PADDED_HEAD_DIMS = [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256]
-BACKWARD_DELTA_THREADS = 32 * 4  # FA_BACKWARD_DELTA_ROWS SIMD-groups (fa_backward_plan.c)
+BACKWARD_DELTA_THREADS = 32 * 4  # FA_BACKWARD_DELTA_ROWS SIMD-groups (fa_plan_backward.c)
 
 # The kernels each source instantiates, by host name without the "_<type>" suffix (every library
 # also holds the sequence-table kernel of metal/fa_sequence.h).
