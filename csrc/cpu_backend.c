@@ -36,8 +36,8 @@ static const mcpu_api *attached(fa_status *st) {
 
 /* The device's status as the library's (the codes agree; see metal_cpu.h). */
 static int32_t device_failed(const mcpu_status *ms, fa_status *st) {
-    const int32_t code = ms->code == MCPU_ERR_VALUE     ? FA_ERR_VALUE
-                         : ms->code == MCPU_ERR_COMPILE ? FA_ERR_COMPILE
+    const int32_t code = ms->code == MCPU_ERR_VALUE         ? FA_ERR_VALUE
+                         : ms->code == MCPU_ERR_COMPILE     ? FA_ERR_COMPILE
                          : ms->code == MCPU_ERR_UNSUPPORTED ? FA_ERR_UNSUPPORTED
                                                             : FA_ERR_RUNTIME;
     return fa_fail(st, code, "%s", ms->message);
@@ -83,8 +83,7 @@ static const mcpu_library *get_library(const mcpu_api *api, const fa_pipeline_ke
         macros[i].value = id.macros[i].value;
     }
     mcpu_library *library = NULL;
-    if (api->compile_library(source.text, source.name, macros, id.n_macros, (uint32_t)mode, &library, &ms) !=
-        MCPU_OK) {
+    if (api->compile_library(source.text, source.name, macros, id.n_macros, (uint32_t)mode, &library, &ms) != MCPU_OK) {
         device_failed(&ms, st);
         return NULL;
     }
@@ -134,7 +133,7 @@ static fa_pipeline *cpu_get_pipeline(const fa_pipeline_key *key, fa_status *st) 
             fresh->constants[at] = fresh->constants[at - 1];
         }
         msl_constant_value *v = &fresh->constants[at];
-        v->kind = c->kind == FA_CONST_BOOL ? MSL_CONSTANT_BOOL
+        v->kind = c->kind == FA_CONST_BOOL  ? MSL_CONSTANT_BOOL
                   : c->kind == FA_CONST_INT ? MSL_CONSTANT_INT
                                             : MSL_CONSTANT_FLOAT;
         v->index = c->index;

@@ -19,7 +19,8 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     }
     fa_dispatch d;
     memset(&d, 0, sizeof d);
-    fa_bind_slots(&d, args, FA_BACKWARD, present); /* the optional ones untouched unless their function constants say so */
+    fa_bind_slots(&d, args, FA_BACKWARD,
+                  present); /* the optional ones untouched unless their function constants say so */
     d.bindings[FA_BACKWARD_BUFFER_PARAMS].bytes = &ready->params;
     d.bindings[FA_BACKWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
     d.n_bindings = FA_BACKWARD_BUFFERS;

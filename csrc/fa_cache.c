@@ -41,8 +41,7 @@ static int32_t copy_name(char *field, size_t bytes, const char *name) {
     return 1;
 }
 
-size_t fa_library_identity_of(const fa_pipeline_key *key, int32_t source_id, fa_library_identity *id,
-                              fa_status *st) {
+size_t fa_library_identity_of(const fa_pipeline_key *key, int32_t source_id, fa_library_identity *id, fa_status *st) {
     if (key == NULL || key->source_name == NULL || key->function == NULL) {
         fa_fail(st, FA_ERR_VALUE, "pipeline key: source name and function are required");
         return 0;

@@ -22,7 +22,8 @@ typedef struct fa_cache {
     uint32_t n_slots, count;
 } fa_cache;
 
-#define FA_CACHE_INITIALIZER {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0}
+#define FA_CACHE_INITIALIZER \
+    { PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0 }
 
 /* Identities are zero-filled fixed layouts; their first `len` bytes (as the fa_*_identity_of
  * functions return) are the cache key. */
@@ -44,8 +45,7 @@ typedef struct fa_pipeline_identity {
 
 /* Both check the key (NULL fields, counts, unterminated or too long names, constant kinds) and
  * return the identity's length in bytes, or 0 with st set when the key is malformed. */
-size_t fa_library_identity_of(const fa_pipeline_key *key, int32_t source_id, fa_library_identity *id,
-                              fa_status *st);
+size_t fa_library_identity_of(const fa_pipeline_key *key, int32_t source_id, fa_library_identity *id, fa_status *st);
 size_t fa_pipeline_identity_of(const fa_pipeline_key *key, const void *library, fa_pipeline_identity *id,
                                fa_status *st);
 

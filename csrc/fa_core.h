@@ -18,10 +18,10 @@ enum { FA_STATUS_MESSAGE_BYTES = 8192 };
 
 typedef enum fa_code {
     FA_OK = 0,
-    FA_ERR_VALUE = 1,    /* bad argument: shapes, strides, sizes, flags (Python ValueError) */
-    FA_ERR_TYPE = 2,     /* bad dtype or device (Python TypeError) */
-    FA_ERR_COMPILE = 3,  /* a kernel failed to compile */
-    FA_ERR_RUNTIME = 4,  /* a dispatch failed (divergence, deadlock, backend error) */
+    FA_ERR_VALUE = 1,      /* bad argument: shapes, strides, sizes, flags (Python ValueError) */
+    FA_ERR_TYPE = 2,       /* bad dtype or device (Python TypeError) */
+    FA_ERR_COMPILE = 3,    /* a kernel failed to compile */
+    FA_ERR_RUNTIME = 4,    /* a dispatch failed (divergence, deadlock, backend error) */
     FA_ERR_UNSUPPORTED = 5 /* the backend is not available in this build or on this machine */
 } fa_code;
 
@@ -58,8 +58,8 @@ typedef struct fa_tensor {
 } fa_tensor;
 
 typedef enum fa_kernel_choice {
-    FA_KERNEL_AUTO = 0,   /* let the planner choose */
-    FA_KERNEL_SIMPLE = 1, /* one query row per SIMD-group: the reference baseline */
+    FA_KERNEL_AUTO = 0,    /* let the planner choose */
+    FA_KERNEL_SIMPLE = 1,  /* one query row per SIMD-group: the reference baseline */
     FA_KERNEL_FORWARD = 2, /* FlashAttention-2 on simdgroup matrices: the prefill kernel */
     FA_KERNEL_DECODE = 3   /* vector kernel for few query rows, keys split over threadgroups when
                               long (AUTO's choice for small L) */
@@ -127,7 +127,7 @@ static inline fa_options fa_default_options(void) {
 /* The options' fields in the order the bindings take them (the Python options tuple). */
 typedef enum fa_option_type {
     FA_OPTION_DOUBLE = 0,
-    FA_OPTION_BOOL = 1,  /* stored as int32 */
+    FA_OPTION_BOOL = 1, /* stored as int32 */
     FA_OPTION_INT32 = 2,
     FA_OPTION_INT64 = 3
 } fa_option_type;
@@ -175,9 +175,9 @@ typedef enum fa_dtype_rule {
 } fa_dtype_rule;
 
 typedef enum fa_slot_role {
-    FA_ROLE_INPUT = 0,   /* read (or absent from the direction): outputs must not alias it */
-    FA_ROLE_OUTPUT = 1,  /* written: must alias nothing */
-    FA_ROLE_SCRATCH = 2  /* the sequence tables: the table kernel checks its scratch against the rest */
+    FA_ROLE_INPUT = 0,  /* read (or absent from the direction): outputs must not alias it */
+    FA_ROLE_OUTPUT = 1, /* written: must alias nothing */
+    FA_ROLE_SCRATCH = 2 /* the sequence tables: the table kernel checks its scratch against the rest */
 } fa_slot_role;
 
 enum { FA_SLOT_NONE = -1, FA_OPTIONAL_FORWARD = 1, FA_OPTIONAL_BACKWARD = 2, FA_OPTIONAL = 3 };
@@ -185,14 +185,14 @@ enum { FA_SLOT_NONE = -1, FA_OPTIONAL_FORWARD = 1, FA_OPTIONAL_BACKWARD = 2, FA_
 typedef struct fa_tensor_slot {
     const char *name;
     int32_t rank;
-    int32_t dtype_rule; /* fa_dtype_rule */
-    int32_t optional;   /* FA_OPTIONAL_FORWARD | FA_OPTIONAL_BACKWARD: absent allowed; 0: required */
-    int32_t required_with; /* optional, but required when this slot is present (FA_SLOT_NONE: never) */
+    int32_t dtype_rule;                  /* fa_dtype_rule */
+    int32_t optional;                    /* FA_OPTIONAL_FORWARD | FA_OPTIONAL_BACKWARD: absent allowed; 0: required */
+    int32_t required_with;               /* optional, but required when this slot is present (FA_SLOT_NONE: never) */
     int32_t forward_role, backward_role; /* fa_slot_role */
-    int32_t in_plan_key;   /* 0: pointer-only, checked on every call (workspace, sequence scratch) */
-    int32_t forward_buffer, backward_buffer;   /* [[buffer(n)]] (FA_FORWARD_BUFFER_*, FA_BACKWARD_BUFFER_* of
+    int32_t in_plan_key;                 /* 0: pointer-only, checked on every call (workspace, sequence scratch) */
+    int32_t forward_buffer, backward_buffer; /* [[buffer(n)]] (FA_FORWARD_BUFFER_*, FA_BACKWARD_BUFFER_* of
                                                   metal/fa_params.h), FA_SLOT_NONE if not bound */
-    int32_t forward_offset, backward_offset;   /* offsetof in the args, FA_SLOT_NONE if not an argument */
+    int32_t forward_offset, backward_offset; /* offsetof in the args, FA_SLOT_NONE if not an argument */
     int32_t batched; /* its first dim is the batch: an unbatched call's 3-D tensor gets one of 1 */
 } fa_tensor_slot;
 
@@ -203,8 +203,8 @@ typedef enum fa_direction { FA_FORWARD = 0, FA_BACKWARD = 1 } fa_direction;
 /* The slot's tensor in forward (direction FA_FORWARD) or backward args, or NULL when the direction
  * has no such slot. */
 static inline const fa_tensor *fa_slot_tensor(const void *args, int32_t direction, int32_t slot) {
-    const int32_t offset = direction == FA_FORWARD ? fa_tensor_slots[slot].forward_offset
-                                                   : fa_tensor_slots[slot].backward_offset;
+    const int32_t offset =
+        direction == FA_FORWARD ? fa_tensor_slots[slot].forward_offset : fa_tensor_slots[slot].backward_offset;
     return offset < 0 ? (const fa_tensor *)0 : (const fa_tensor *)((const char *)args + offset);
 }
 
@@ -271,7 +271,7 @@ int64_t fa_forward_workspace_bytes(const fa_forward_args *args, fa_status *st);
  * one kernel parallel over key blocks accumulates dk and dv (over every query head of a GQA group),
  * another parallel over query blocks accumulates dq. */
 typedef struct fa_backward_args {
-    int32_t device; /* fa_device */
+    int32_t device;     /* fa_device */
     fa_options options; /* the forward's (kernel, num_splits and write_probs are not read) */
     fa_tensor q, k, v, out, lse, dout;
     fa_tensor delta;

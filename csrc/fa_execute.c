@@ -16,8 +16,8 @@ int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *bu
     checked_names[n++] = "sequences";
     for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
         const fa_tensor *t = fa_slot_tensor(args, direction, i);
-        if (t != NULL && (direction == FA_FORWARD ? fa_tensor_slots[i].forward_role : fa_tensor_slots[i].backward_role) !=
-                             FA_ROLE_SCRATCH) {
+        if (t != NULL && (direction == FA_FORWARD ? fa_tensor_slots[i].forward_role
+                                                  : fa_tensor_slots[i].backward_role) != FA_ROLE_SCRATCH) {
             checked[n] = t;
             checked_names[n++] = fa_tensor_slots[i].name;
         }
@@ -44,8 +44,8 @@ int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *bu
 void fa_bind_slots(fa_dispatch *d, const void *args, int32_t direction, const fa_tensor *present) {
     for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
         const fa_tensor *t = fa_slot_tensor(args, direction, i);
-        const int32_t buffer = direction == FA_FORWARD ? fa_tensor_slots[i].forward_buffer
-                                                       : fa_tensor_slots[i].backward_buffer;
+        const int32_t buffer =
+            direction == FA_FORWARD ? fa_tensor_slots[i].forward_buffer : fa_tensor_slots[i].backward_buffer;
         if (t != NULL && buffer >= 0) {
             d->bindings[buffer] = fa_tensor_binding(t, present);
         }

@@ -91,7 +91,7 @@ enum { BACKWARD_RESIDENT_MAX_HEAD_DIM = 128, BACKWARD_BLOCK_HALF = 128, BACKWARD
 /* The backward's tiles (see above): the forward's up to 128, blocks of its own beyond. */
 static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
     const int32_t blocked = e > BACKWARD_RESIDENT_MAX_HEAD_DIM || ev > BACKWARD_RESIDENT_MAX_HEAD_DIM;
-    const int32_t widest = !blocked ? BACKWARD_RESIDENT_MAX_HEAD_DIM
+    const int32_t widest = !blocked          ? BACKWARD_RESIDENT_MAX_HEAD_DIM
                            : dtype == FA_F16 ? BACKWARD_BLOCK_HALF
                                              : BACKWARD_BLOCK_FLOAT;
     return fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
@@ -152,25 +152,23 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     }
     key_tiles *= heads * key_blocks; /* every query head of each kv head's group, every column block */
     const double query_tiles = fa_plan_key_tiles(forward, t) * heads * e_blocks;
-    const fa_dispatch_cost delta = {0,     0,    2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes,
-                                    rows_bytes + sink_bytes};
+    const fa_dispatch_cost delta = {
+        0, 0, 2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes, rows_bytes + sink_bytes};
     const fa_dispatch_cost dkdv = {
         tile_bytes + 2 * t.bk * 4, /* and the tile's lse and D */
         (t.bd + t.bdv) / 8 * operand + (t.bd + t.bdv) / 8 * 2 + t.bk / 8 * 2 * 2,
         /* S^T and dP^T over the whole dims in each block; dK and dV once over all blocks */
-        2.0 * key_tiles * (double)(block * t.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks),
-        key_tiles,
-        2.0 * pairs * (2 * e + 2 * ev),
-        tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
+        2.0 * key_tiles * (double)(block * t.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks), key_tiles,
+        2.0 * pairs * (2 * e + 2 * ev), tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
         whole_bytes(&a->k) + whole_bytes(&a->v)};
-    const fa_dispatch_cost dq = {
-        tile_bytes,
-        (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2,
-        2.0 * query_tiles * (double)(block * t.bk) * (issued_e + issued_ev + issued_e / e_blocks),
-        query_tiles,
-        2.0 * pairs * (2 * e + ev),
-        tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
-        (int64_t)rows * f->head_dim * elem};
+    const fa_dispatch_cost dq = {tile_bytes,
+                                 (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2,
+                                 2.0 * query_tiles * (double)(block * t.bk) *
+                                     (issued_e + issued_ev + issued_e / e_blocks),
+                                 query_tiles,
+                                 2.0 * pairs * (2 * e + ev),
+                                 tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
+                                 (int64_t)rows * f->head_dim * elem};
     plan->dispatches[FA_BACKWARD_DELTA].cost = delta;
     plan->dispatches[FA_BACKWARD_DKDV].cost = dkdv;
     plan->dispatches[FA_BACKWARD_DQ].cost = dq;

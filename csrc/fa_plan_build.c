@@ -113,8 +113,8 @@ void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t 
 
 int32_t fa_plan_check_column_grid(int64_t heads, int32_t column_blocks, fa_status *st) {
     if (heads * column_blocks > UINT32_MAX) {
-        return fa_fail(st, FA_ERR_VALUE, "too many heads for head dims in %d column blocks: %lld heads",
-                       column_blocks, (long long)heads);
+        return fa_fail(st, FA_ERR_VALUE, "too many heads for head dims in %d column blocks: %lld heads", column_blocks,
+                       (long long)heads);
     }
     return FA_OK;
 }

@@ -18,13 +18,13 @@ enum { FA_MAX_PLAN_DISPATCHES = 2 };
  * planner fills it, fa_plan_forward.c and fa_plan_backward.c say how each figure is counted). Masks are not looked into: keys an
  * attn_mask hides count as visible. */
 typedef struct fa_dispatch_cost {
-    int64_t threadgroup_bytes;  /* kernel-scope threadgroup memory of one threadgroup */
-    int32_t registers;          /* 32-bit registers per thread the configuration budgets for its arrays */
-    double flops;               /* 2 x multiply-adds the kernel issues, padding of dims, rows and tiles included */
-    double tiles;               /* key tiles the threadgroups visit (forward); scores computed (simple, decode) */
-    double useful_flops;        /* 2 (E + Ev) per visible (query, key) pair: SDPA's own work */
-    int64_t min_bytes_read;     /* device bytes the dispatch must read at least (each input element once) */
-    int64_t min_bytes_written;  /* device bytes it writes */
+    int64_t threadgroup_bytes; /* kernel-scope threadgroup memory of one threadgroup */
+    int32_t registers;         /* 32-bit registers per thread the configuration budgets for its arrays */
+    double flops;              /* 2 x multiply-adds the kernel issues, padding of dims, rows and tiles included */
+    double tiles;              /* key tiles the threadgroups visit (forward); scores computed (simple, decode) */
+    double useful_flops;       /* 2 (E + Ev) per visible (query, key) pair: SDPA's own work */
+    int64_t min_bytes_read;    /* device bytes the dispatch must read at least (each input element once) */
+    int64_t min_bytes_written; /* device bytes it writes */
 } fa_dispatch_cost;
 
 /* One kernel launch of a plan. */

@@ -147,9 +147,9 @@ static int32_t check_storage(const void *a, int32_t device, int32_t direction, f
         if (t == NULL || i == FA_SLOT_WORKSPACE || slot->dtype_rule == FA_RULE_TABLE) {
             continue;
         }
-        const int32_t required = !(slot->optional & optional_bit) ||
-                                 (slot->required_with != FA_SLOT_NONE &&
-                                  fa_tensor_present(fa_slot_tensor(a, direction, slot->required_with)));
+        const int32_t required =
+            !(slot->optional & optional_bit) || (slot->required_with != FA_SLOT_NONE &&
+                                                 fa_tensor_present(fa_slot_tensor(a, direction, slot->required_with)));
         int32_t rc;
         if ((required || fa_tensor_present(t)) &&
             (rc = fa_check_tensor(t, slot->name, slot->rank, slot->dtype_rule == FA_RULE_FLOAT32, st)) != FA_OK) {
@@ -256,8 +256,8 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
         return st->code;
     }
     if ((rc = resolve(ready->backend, plan.dispatches, FA_BACKWARD_DISPATCHES, 1, ready->dispatches, st)) != FA_OK ||
-        (rc = resolve_builder(ready->backend, plan.sequences, &plan.sequence_builder, &ready->sequence_builder,
-                              st)) != FA_OK) {
+        (rc = resolve_builder(ready->backend, plan.sequences, &plan.sequence_builder, &ready->sequence_builder, st)) !=
+            FA_OK) {
         return rc;
     }
     table_store(&backward_plans, &key, key_bytes, hash, ready);

@@ -257,8 +257,7 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
     if (o[0] != q[0] || o[1] != q[1] || o[2] != q[2] || o[3] != v[3]) {
         return fa_fail(st, FA_ERR_VALUE, "out %s must be (B, Hq, L, Ev) for q %s and v %s", os, qs, vs);
     }
-    if (a->lse.storage != NULL &&
-        (a->lse.sizes[0] != q[0] || a->lse.sizes[1] != q[1] || a->lse.sizes[2] != q[2])) {
+    if (a->lse.storage != NULL && (a->lse.sizes[0] != q[0] || a->lse.sizes[1] != q[1] || a->lse.sizes[2] != q[2])) {
         return fa_fail(st, FA_ERR_VALUE, "lse must be (B, Hq, L) for q %s", qs);
     }
     /* Grid dimensions and kernel arguments are 32-bit. */
@@ -300,14 +299,10 @@ static int32_t mask_kind(const fa_forward_args *a) {
         return FA_MASK_NONE;
     }
     switch (a->mask.dtype) {
-    case FA_BOOL:
-        return FA_MASK_BOOL;
-    case FA_F16:
-        return FA_MASK_HALF;
-    case FA_BF16:
-        return FA_MASK_BFLOAT;
-    default:
-        return FA_MASK_FLOAT;
+    case FA_BOOL: return FA_MASK_BOOL;
+    case FA_F16: return FA_MASK_HALF;
+    case FA_BF16: return FA_MASK_BFLOAT;
+    default: return FA_MASK_FLOAT;
     }
 }
 
@@ -319,11 +314,13 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     fa_plan_add_constant_bool(d, FA_FC_SOFTCAP, plan->params.softcap_log2 != 0.0f);
     fa_plan_add_constant_bool(d, FA_FC_ALIBI, fa_tensor_present(&a->alibi_slopes));
     fa_plan_add_constant_bool(d, FA_FC_SINKS, fa_tensor_present(&a->sinks));
-    fa_plan_add_constant_bool(d, FA_FC_WRITE_LSE, a->lse.storage != NULL && !a->options.write_probs); /* the pass reads it */
+    fa_plan_add_constant_bool(d, FA_FC_WRITE_LSE,
+                              a->lse.storage != NULL && !a->options.write_probs); /* the pass reads it */
     fa_plan_add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
-    fa_plan_add_constant_int(d, FA_FC_DROPOUT, a->options.write_probs        ? FA_DROPOUT_PROBS
-                                       : a->options.dropout_p > 0.0 ? FA_DROPOUT_APPLY
-                                                            : FA_DROPOUT_NONE);
+    fa_plan_add_constant_int(d, FA_FC_DROPOUT,
+                             a->options.write_probs       ? FA_DROPOUT_PROBS
+                             : a->options.dropout_p > 0.0 ? FA_DROPOUT_APPLY
+                                                          : FA_DROPOUT_NONE);
     fa_plan_add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
     fa_plan_add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
     return d;
@@ -332,7 +329,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
 /* A grid of (ceil(L / rows_per_group), Hq, B) threadgroups. */
 static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_t rows_per_group, uint32_t threads) {
     fa_plan_set_geometry(d, (uint32_t)((a->q.sizes[2] + rows_per_group - 1) / rows_per_group), (uint32_t)a->q.sizes[1],
-                 (uint32_t)a->q.sizes[0], threads);
+                         (uint32_t)a->q.sizes[0], threads);
 }
 
 /* ---- What a dispatch costs (fa_dispatch_cost, shown by explain_plan) ----
@@ -471,8 +468,8 @@ static void set_simple_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward
     const int64_t slices = (a->q.sizes[3] + 31) / 32, v_slices = (a->v.sizes[3] + 31) / 32;
     const double per_pair = 2.0 * 32 * (double)(slices + v_slices);
     const double pairs = (double)(a->q.sizes[0] * a->q.sizes[1]) * visible_pairs(plan);
-    set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * pairs, pairs, useful_flops(plan, a),
-             min_input_bytes(plan, a), output_bytes(a));
+    set_cost(d, 0, 2 * FA_SIMPLE_MAX_PER_LANE, per_pair * pairs, pairs, useful_flops(plan, a), min_input_bytes(plan, a),
+             output_bytes(a));
 }
 
 /* The decode kernel: every row takes both scores of each key pair of its kv range (a trailing odd
@@ -615,17 +612,17 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
         band_keys(plan, 0, p->q_len, &first_key, &end_key);
     }
     p->split_begin = (fa_i32)first_key;
-    p->split_keys = decode_split_keys((int64_t)p->batch * p->kv_heads * chunks,
-                                      end_key > first_key ? end_key - first_key : 0, a->options.num_splits,
-                                      &p->split_count);
+    p->split_keys =
+        decode_split_keys((int64_t)p->batch * p->kv_heads * chunks, end_key > first_key ? end_key - first_key : 0,
+                          a->options.num_splits, &p->split_count);
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
     const int32_t chunk = cols < 4 ? cols : 4;
     fa_plan_add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
-                      decode_vector_loadable(&a->k, chunk) && decode_vector_loadable(&a->v, chunk));
+                              decode_vector_loadable(&a->k, chunk) && decode_vector_loadable(&a->v, chunk));
     fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
-                 32u * FA_DECODE_SIMD_GROUPS);
+                         32u * FA_DECODE_SIMD_GROUPS);
     if (p->split_count > 1) {
         const int64_t partial_rows = (int64_t)p->split_count * p->batch * p->q_heads * p->q_len;
         p->split_stats_offset = partial_rows * p->v_head_dim;
@@ -695,7 +692,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         return rc;
     }
     if (!(a->options.softcap >= 0.0 && a->options.softcap <= 1e30)) { /* NaN fails too */
-        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g", a->options.softcap);
+        return fa_fail(st, FA_ERR_VALUE, "softcap: must be 0 (none) or a positive finite number, got %g",
+                       a->options.softcap);
     }
     p->softcap_log2 = (float)(a->options.softcap * 1.4426950408889634);
     p->diagonal = a->options.bottom_right ? p->kv_len - p->q_len : 0;
@@ -706,8 +704,8 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         if (a->alibi_slopes.sizes[0] != p->batch || a->alibi_slopes.sizes[1] != p->q_heads) {
             char shape[64];
             fa_describe_shape(&a->alibi_slopes, shape, sizeof shape);
-            return fa_fail(st, FA_ERR_VALUE, "alibi_slopes: must be (B, Hq) = (%d, %d), got %s", p->batch,
-                           p->q_heads, shape);
+            return fa_fail(st, FA_ERR_VALUE, "alibi_slopes: must be (B, Hq) = (%d, %d), got %s", p->batch, p->q_heads,
+                           shape);
         }
         fa_plan_copy_strides(p->alibi_strides, &a->alibi_slopes, 2);
     }
@@ -731,19 +729,14 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
-    const int32_t kernel = a->options.write_probs                                               ? FA_KERNEL_SIMPLE
-                           : a->options.kernel != FA_KERNEL_AUTO                                  ? a->options.kernel
-                           : p->q_len <= DECODE_MAX_QUERY_LEN                             ? FA_KERNEL_DECODE
-                                                                                          : FA_KERNEL_FORWARD;
+    const int32_t kernel = a->options.write_probs                ? FA_KERNEL_SIMPLE
+                           : a->options.kernel != FA_KERNEL_AUTO ? a->options.kernel
+                           : p->q_len <= DECODE_MAX_QUERY_LEN    ? FA_KERNEL_DECODE
+                                                                 : FA_KERNEL_FORWARD;
     switch (kernel) {
-    case FA_KERNEL_SIMPLE:
-        rc = plan_simple(a, plan);
-        break;
-    case FA_KERNEL_DECODE:
-        rc = plan_decode(a, plan, st);
-        break;
-    default:
-        rc = plan_forward(a, plan, st);
+    case FA_KERNEL_SIMPLE: rc = plan_simple(a, plan); break;
+    case FA_KERNEL_DECODE: rc = plan_decode(a, plan, st); break;
+    default: rc = plan_forward(a, plan, st);
     }
     if (rc == FA_OK && plan->sequences && plan->n_dispatches > 0) {
         fa_sequence_set_builder(&plan->sequence_builder, &plan->dispatches[0], plan->dispatches[0].source_name,
@@ -769,8 +762,8 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
             memset(&d, 0, sizeof d);
             fa_plan_start_dispatch(&d, forward_source, "fa_forward", dtype);
-            fa_plan_set_tile_macros(&d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j],
-                                                        (int32_t)fa_dtype_bytes(dtype)));
+            fa_plan_set_tile_macros(
+                &d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], (int32_t)fa_dtype_bytes(dtype)));
             rc = visit_dispatch(&d, visit, ctx);
             /* The backward kernels take the forward's specialisation (fa_plan_backward.c). */
             snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);

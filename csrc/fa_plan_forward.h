@@ -19,8 +19,8 @@ typedef struct fa_plan {
     int32_t banded;          /* FA_FC_BAND: causal or a window limits each row's keys (params.band_lo/hi) */
     int64_t workspace_bytes; /* scratch the dispatches share (fa_forward_workspace_bytes) */
     fa_params params;
-    int32_t sequences;                  /* FA_FC_SEQUENCES: a sequence table (fa_plan_sequences.h) */
-    fa_plan_dispatch sequence_builder;  /* with sequences: the table kernel, run before the dispatches */
+    int32_t sequences;                 /* FA_FC_SEQUENCES: a sequence table (fa_plan_sequences.h) */
+    fa_plan_dispatch sequence_builder; /* with sequences: the table kernel, run before the dispatches */
 } fa_plan;
 
 /* Validate every descriptor of args except the workspace, and plan the launches. */

@@ -71,12 +71,14 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     if (fa_tensor_present(&a->mask)) {
         return fa_fail(st, FA_ERR_VALUE, "sequences: an attn_mask cannot be combined with a sequence table");
     }
-    if (a->options.max_q_len < 0 || a->options.max_q_len > INT32_MAX || a->options.max_kv_len < 0 || a->options.max_kv_len > INT32_MAX) {
+    if (a->options.max_q_len < 0 || a->options.max_q_len > INT32_MAX || a->options.max_kv_len < 0 ||
+        a->options.max_kv_len > INT32_MAX) {
         return fa_fail(st, FA_ERR_VALUE, "max_seqlen_q and max_seqlen_k must be in [0, 2^31), got %lld and %lld",
                        (long long)a->options.max_q_len, (long long)a->options.max_kv_len);
     }
     const int64_t *q = a->q.sizes, *o = a->out.sizes, *k = a->k.sizes, *v = a->v.sizes;
-    if (o[0] != q[0] || o[2] != q[2] || (a->lse.storage != NULL && (a->lse.sizes[0] != q[0] || a->lse.sizes[2] != q[2]))) {
+    if (o[0] != q[0] || o[2] != q[2] ||
+        (a->lse.storage != NULL && (a->lse.sizes[0] != q[0] || a->lse.sizes[2] != q[2]))) {
         return fa_fail(st, FA_ERR_VALUE, "sequences: out and lse must have q's batches and rows");
     }
     if (v[0] != k[0] || v[2] != k[2]) {
@@ -87,8 +89,9 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     }
     if (fa_sequence_paged(s)) {
         if (a->options.kernel == FA_KERNEL_SIMPLE || a->options.write_probs) {
-            return fa_fail(st, FA_ERR_VALUE, "block_table: a paged KV cache is read by the prefill and decode "
-                                             "kernels only (forward, no gradients)");
+            return fa_fail(st, FA_ERR_VALUE,
+                           "block_table: a paged KV cache is read by the prefill and decode "
+                           "kernels only (forward, no gradients)");
         }
         if (k[0] < 1 || k[2] < 1 || k[2] * s->block_table.sizes[1] > INT32_MAX) {
             return fa_fail(st, FA_ERR_VALUE,
@@ -116,7 +119,7 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p) {
     p->seq_k_rows = (fa_i32)real->k.sizes[2];
     const fa_options *o = &real->options;
     p->seq_window_left = o->window_left >= 0 ? (fa_i32)(o->window_left < INT32_MAX ? o->window_left : INT32_MAX) : -1;
-    p->seq_window_right = o->causal ? 0
+    p->seq_window_right = o->causal              ? 0
                           : o->window_right >= 0 ? (fa_i32)(o->window_right < INT32_MAX ? o->window_right : INT32_MAX)
                                                  : -1;
     p->seq_bottom_right = o->bottom_right != 0;
@@ -131,8 +134,8 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p) {
     }
 }
 
-void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,
-                             int32_t dtype, uint32_t sequences) {
+void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source, int32_t dtype,
+                             uint32_t sequences) {
     memset(builder, 0, sizeof *builder);
     snprintf(builder->source_name, sizeof builder->source_name, "%s", source);
     snprintf(builder->function, sizeof builder->function, "fa_sequence_table_%s", fa_kernel_type_name(dtype));

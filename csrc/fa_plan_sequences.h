@@ -30,8 +30,8 @@ void fa_sequence_set_params(const fa_forward_args *real, fa_params *p);
 
 /* The table kernel's dispatch, in the library of `like` (source and macros; so it costs no compile
  * of its own), for element type dtype. */
-void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source,
-                             int32_t dtype, uint32_t sequences);
+void fa_sequence_set_builder(fa_plan_dispatch *builder, const fa_plan_dispatch *like, const char *source, int32_t dtype,
+                             uint32_t sequences);
 
 #ifdef __cplusplus
 }

@@ -28,8 +28,7 @@ void fa_describe_shape(const fa_tensor *t, char *out, size_t len) {
 
 /* A descriptor is usable when its rank and dtype are as expected and every element it addresses
  * lies inside its storage (checked with overflow-safe 64-bit arithmetic). */
-int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only,
-                        fa_status *st) {
+int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only, fa_status *st) {
     if (t->ndim != ndim) {
         return fa_fail(st, FA_ERR_VALUE, "%s: expected a %d-D descriptor, got ndim=%d", name, ndim, t->ndim);
     }
@@ -47,8 +46,8 @@ int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int3
     int32_t empty = 0;
     for (int32_t d = 0; d < ndim; ++d) {
         if (t->sizes[d] < 0 || t->strides[d] < 0) {
-            return fa_fail(st, FA_ERR_VALUE, "%s: negative size or stride in dim %d (size %lld, stride %lld)",
-                           name, d, (long long)t->sizes[d], (long long)t->strides[d]);
+            return fa_fail(st, FA_ERR_VALUE, "%s: negative size or stride in dim %d (size %lld, stride %lld)", name, d,
+                           (long long)t->sizes[d], (long long)t->strides[d]);
         }
         empty |= t->sizes[d] == 0;
     }
@@ -113,8 +112,8 @@ static int32_t overlaps_itself(const fa_tensor *t) {
     return 0;
 }
 
-int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views,
-                          int32_t n_outputs, fa_status *st) {
+int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views, int32_t n_outputs,
+                          fa_status *st) {
     for (int32_t i = 0; i < n_outputs; ++i) {
         int64_t lo, hi, lo2, hi2;
         if (!byte_extent(views[i], &lo, &hi)) {

@@ -9,9 +9,9 @@
 extern "C" {
 #endif
 
-const char *fa_dtype_name(int32_t dtype);        /* "float32", ... for messages */
-int64_t fa_dtype_bytes(int32_t dtype);          /* bytes per element */
-const char *fa_kernel_type_name(int32_t dtype);  /* the MSL type kernels are instantiated for */
+const char *fa_dtype_name(int32_t dtype);                          /* "float32", ... for messages */
+int64_t fa_dtype_bytes(int32_t dtype);                             /* bytes per element */
+const char *fa_kernel_type_name(int32_t dtype);                    /* the MSL type kernels are instantiated for */
 void fa_describe_shape(const fa_tensor *t, char *out, size_t len); /* "(2, 8, 128, 64)" */
 
 /* A descriptor is usable when its rank and dtype are as expected (float32 when float32_only) and
@@ -19,8 +19,8 @@ void fa_describe_shape(const fa_tensor *t, char *out, size_t len); /* "(2, 8, 12
 int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int32_t float32_only, fa_status *st);
 /* The first n_outputs of n_views validated views are written: none may overlap itself, another
  * output or an input (threads run in no order). Fails with FA_ERR_VALUE naming the pair. */
-int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views,
-                          int32_t n_outputs, fa_status *st);
+int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *names, int32_t n_views, int32_t n_outputs,
+                          fa_status *st);
 
 /* The alias check of a direction's slots (fa_tensor_slots): its outputs against each other and
  * its inputs (the workspace only with_workspace). */

@@ -7,12 +7,13 @@
 #include "fa_backward_dq.h"
 #include "fa_instantiate.h"
 
-template [[host_name(FA_HOST_NAME("fa_backward_delta"))]] [[kernel]]
-decltype(fa_backward_delta<FA_DTYPE>) fa_backward_delta<FA_DTYPE>;
-template [[host_name(FA_HOST_NAME("fa_backward_dkdv"))]] [[kernel]]
-decltype(fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>)
+template [[host_name(
+    FA_HOST_NAME("fa_backward_delta"))]] [[kernel]] decltype(fa_backward_delta<FA_DTYPE>) fa_backward_delta<FA_DTYPE>;
+template [[host_name(
+    FA_HOST_NAME("fa_backward_dkdv"))]] [[kernel]] decltype(fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>)
     fa_backward_dkdv<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
-template [[host_name(FA_HOST_NAME("fa_backward_dq"))]] [[kernel]]
-decltype(fa_backward_dq<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>) fa_backward_dq<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
-template [[host_name(FA_HOST_NAME("fa_sequence_table"))]] [[kernel]]
-decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;
+template [[host_name(
+    FA_HOST_NAME("fa_backward_dq"))]] [[kernel]] decltype(fa_backward_dq<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>)
+    fa_backward_dq<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
+template [[host_name(
+    FA_HOST_NAME("fa_sequence_table"))]] [[kernel]] decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;

@@ -31,23 +31,17 @@ using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
 [[kernel, max_total_threads_per_threadgroup(32 * WM)]] void fa_backward_dq(
-    const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
-    const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
-    const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]],
-    const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]], const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]], const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
     const device float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
-    const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
-    device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],
+    const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]], device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],
     constant fa_backward_params &p [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
     const device uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
     const device float *alibi_slopes [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
     constant fa_params *sequence_table [[buffer(FA_BACKWARD_BUFFER_SEQUENCES)]],
-    const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]) {
+    const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
+    uint3 groups [[threadgroups_per_grid]], uint tid [[thread_index_in_threadgroup]],
+    ushort sg [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int BQ = 8 * WM;
   constexpr int K_PITCH = BD + FA_TILE_PAD;
   constexpr int V_PITCH = BDV + FA_TILE_PAD;
@@ -108,8 +102,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const long mask_key_stride = f.mask_strides[3];
   long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(f, b, h, my_row, keys.begin + at.x);
 
-  for (int k0 = keys.begin, tile = 0; k0 < keys.end; k0 += BK, ++tile, fa_tile_advance(k_tiles),
-           fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
+  for (int k0 = keys.begin, tile = 0; k0 < keys.end;
+       k0 += BK, ++tile, fa_tile_advance(k_tiles), fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, f.kv_len - k0);
     const int bounds_class = fa_query_tile_class(f, row0, k0, BK);
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,

@@ -101,24 +101,20 @@ inline void fa_decode_accumulate(thread fa_online_softmax &state, thread float (
 }
 
 template <typename T, int COLS, int ROWS>
-[[kernel, max_total_threads_per_threadgroup(32 * FA_DECODE_SIMD_GROUPS)]] void fa_decode(
-    const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-    const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
-    device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
-    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
-    constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-    device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
-    const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-    const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
-    const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
-    constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
-    const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
-    const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(32 * FA_DECODE_SIMD_GROUPS)]] void
+fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+          const device T *v [[buffer(FA_FORWARD_BUFFER_V)]], device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+          device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+          constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+          device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
+          const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+          const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
+          const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
+          constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
+          const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
+          const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
+          uint tid [[thread_index_in_threadgroup]], ushort sg [[simdgroup_index_in_threadgroup]],
+          ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int SG = FA_DECODE_SIMD_GROUPS;
   constexpr int W = COLS < 4 ? COLS : 4;
   constexpr int WIDTH = 32 * COLS; // columns one SIMD-group holds
@@ -280,7 +276,8 @@ template <typename T, int COLS, int ROWS>
     }
     if (tid == 0) {
       if (split) {
-        device float *stats = workspace + p.split_stats_offset + 2 * fa_split_row(p, int(group.x), b, head[r], position[r]);
+        device float *stats =
+            workspace + p.split_stats_offset + 2 * fa_split_row(p, int(group.x), b, head[r], position[r]);
         stats[0] = total.max;
         stats[1] = total.sum;
       } else if (fa_write_lse) {

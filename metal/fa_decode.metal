@@ -6,9 +6,10 @@
 #include "fa_decode_merge.h"
 #include "fa_instantiate.h"
 
-template [[host_name(FA_HOST_NAME("fa_decode"))]] [[kernel]]
-decltype(fa_decode<FA_DTYPE, FA_DECODE_COLS, FA_DECODE_ROWS>) fa_decode<FA_DTYPE, FA_DECODE_COLS, FA_DECODE_ROWS>;
-template [[host_name(FA_HOST_NAME("fa_decode_merge"))]] [[kernel]]
-decltype(fa_decode_merge<FA_DTYPE, FA_DECODE_COLS>) fa_decode_merge<FA_DTYPE, FA_DECODE_COLS>;
-template [[host_name(FA_HOST_NAME("fa_sequence_table"))]] [[kernel]]
-decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;
+template
+    [[host_name(FA_HOST_NAME("fa_decode"))]] [[kernel]] decltype(fa_decode<FA_DTYPE, FA_DECODE_COLS, FA_DECODE_ROWS>)
+        fa_decode<FA_DTYPE, FA_DECODE_COLS, FA_DECODE_ROWS>;
+template [[host_name(FA_HOST_NAME("fa_decode_merge"))]] [[kernel]] decltype(fa_decode_merge<FA_DTYPE, FA_DECODE_COLS>)
+    fa_decode_merge<FA_DTYPE, FA_DECODE_COLS>;
+template [[host_name(
+    FA_HOST_NAME("fa_sequence_table"))]] [[kernel]] decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;

@@ -64,9 +64,7 @@ inline uint4 fa_dropout_block(fa_dropout_rng r, long b, long h, int i, int j) {
 }
 
 // The word of (i, j) within its block.
-inline uint fa_dropout_word_of(uint4 block, int i, int j) {
-  return block[2 * (i & 1) + (j & 1)];
-}
+inline uint fa_dropout_word_of(uint4 block, int i, int j) { return block[2 * (i & 1) + (j & 1)]; }
 
 // What a probability with this word is multiplied by: 0 (dropped) or 1 / (1 - p).
 inline float fa_dropout_factor_of(constant fa_params &p, uint word) {

@@ -30,24 +30,19 @@
 using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
-[[kernel, max_total_threads_per_threadgroup(32 * WM)]] void fa_forward(
-    const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-    const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
-    device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
-    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
-    constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-    const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-    const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
-    const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
-    constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
-    const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
-    const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]],
-    ushort lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(32 * WM)]] void
+fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+           const device T *v [[buffer(FA_FORWARD_BUFFER_V)]], device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+           device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+           constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+           const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+           const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
+           const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
+           constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
+           const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
+           const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
+           uint3 groups [[threadgroups_per_grid]], uint tid [[thread_index_in_threadgroup]],
+           ushort sg [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int BQ = 8 * WM;
   constexpr int K_PITCH = BD + FA_TILE_PAD;
   constexpr int V_PITCH = BDV + FA_TILE_PAD;
@@ -73,7 +68,7 @@ template <typename T, int BD, int BDV, int BK, int WM>
   lse = fa_sequence_q(lse, p, b, p.lse_strides);
   const int row0 = q_block + 8 * int(sg); // first of this SIMD-group's 8 rows
   const ushort2 at = fa_frag_coord(lane);
-  const int my_row = row0 + at.y;         // the one row whose elements this lane holds
+  const int my_row = row0 + at.y; // the one row whose elements this lane holds
   const bool row_valid = my_row < p.q_len;
   const int ev_cols = p.v_head_dim - col0;
   const int ev_slices = fa_slices(ev_cols);
@@ -102,8 +97,8 @@ template <typename T, int BD, int BDV, int BK, int WM>
   const long mask_key_stride = p.mask_strides[3];
   long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(p, b, h, my_row, keys.begin + at.x);
 
-  for (int k0 = keys.begin, tile = 0; k0 < keys.end; k0 += BK, ++tile, fa_tile_advance(k_tiles),
-           fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
+  for (int k0 = keys.begin, tile = 0; k0 < keys.end;
+       k0 += BK, ++tile, fa_tile_advance(k_tiles), fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, p.kv_len - k0);
     const int bounds_class = fa_query_tile_class(p, row0, k0, BK);
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,

@@ -4,7 +4,8 @@
 #include "fa_forward.h"
 #include "fa_instantiate.h"
 
-template [[host_name(FA_HOST_NAME("fa_forward"))]] [[kernel]]
-decltype(fa_forward<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>) fa_forward<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
-template [[host_name(FA_HOST_NAME("fa_sequence_table"))]] [[kernel]]
-decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;
+template
+    [[host_name(FA_HOST_NAME("fa_forward"))]] [[kernel]] decltype(fa_forward<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>)
+        fa_forward<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
+template [[host_name(
+    FA_HOST_NAME("fa_sequence_table"))]] [[kernel]] decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;

@@ -21,13 +21,16 @@
 
 typedef metal::simdgroup_matrix<float, 8, 8> fa_frag;
 
-template <typename T> struct fa_operand {
+template <typename T>
+struct fa_operand {
   typedef float type;
 };
-template <> struct fa_operand<half> {
+template <>
+struct fa_operand<half> {
   typedef half type;
 };
-template <typename T> using fa_operand_frag = metal::simdgroup_matrix<typename fa_operand<T>::type, 8, 8>;
+template <typename T>
+using fa_operand_frag = metal::simdgroup_matrix<typename fa_operand<T>::type, 8, 8>;
 
 // Where a lane's two elements sit inside any 8x8 fragment: x = first column, y = row.
 inline ushort2 fa_frag_coord(ushort lane) {

@@ -104,8 +104,7 @@ inline void fa_load_resident_tile(threadgroup T *tile, fa_tile_rows<T> src, int 
 // caller's own accumulator block) for the product that follows, loading it unless it is the last
 // block, which the tile holds already. Uniform over the threadgroup; every thread calls it.
 template <typename T, int ROWS, int BW, int THREADS>
-inline void fa_keep_head_block(threadgroup T *tile, fa_tile_rows<T> src, int valid_rows, int dim, int block,
-                               uint tid) {
+inline void fa_keep_head_block(threadgroup T *tile, fa_tile_rows<T> src, int valid_rows, int dim, int block, uint tid) {
   if (block == fa_head_blocks(dim, BW) - 1) {
     return;
   }

@@ -35,8 +35,8 @@ constexpr int fa_tile_vectors(int elements) { return (elements + FA_TILE_VEC - 1
 // tile[r * pitch + c] = src[r * row_stride + c * col_stride] for r < valid_rows, c < valid_cols;
 // 0 elsewhere in the ROWS x COLS block. 64-bit offsets: strides of large views overflow 32 bits.
 template <typename T, int ROWS, int COLS, int THREADS>
-inline void fa_load_tile_strided(threadgroup T *tile, int pitch, const device T *src, long row_stride,
-                                 long col_stride, int valid_rows, int valid_cols, uint tid) {
+inline void fa_load_tile_strided(threadgroup T *tile, int pitch, const device T *src, long row_stride, long col_stride,
+                                 int valid_rows, int valid_cols, uint tid) {
   for (int i = int(tid); i < ROWS * COLS; i += THREADS) {
     const int r = i / COLS;
     const int c = i % COLS;
@@ -47,8 +47,8 @@ inline void fa_load_tile_strided(threadgroup T *tile, int pitch, const device T 
 // The same for a contiguous view (see above): thread tid moves vectors tid, tid + THREADS, ... of
 // the block, each FA_TILE_VEC elements of one row.
 template <typename T, int ROWS, int COLS, int THREADS>
-inline void fa_load_tile_contiguous(threadgroup T *tile, int pitch, const device T *src, int row_stride,
-                                    int valid_rows, int valid_cols, uint tid) {
+inline void fa_load_tile_contiguous(threadgroup T *tile, int pitch, const device T *src, int row_stride, int valid_rows,
+                                    int valid_cols, uint tid) {
   typedef metal::vec<T, FA_TILE_VEC> tile_vec;
   constexpr int ROW_VECTORS = COLS / FA_TILE_VEC;
   constexpr int VECTORS = ROWS * ROW_VECTORS;
@@ -116,14 +116,22 @@ template <typename T>
 inline fa_tile_rows<T> fa_kv_tiles(const device T *view, constant fa_params &p, constant fa_i64 *strides,
                                    const device int *block_table, long b, long kv_h, int first_key, int tile_rows) {
   if (fa_paged) {
-    fa_tile_rows<T> rows = {view + kv_h * strides[1], strides[2], strides[3], tile_rows, true,
-                            block_table + b * p.pages_per_sequence, strides[0], p.seq_k_row0 + first_key,
-                            p.page_size, p.pages_per_sequence - 1, p.page_count - 1};
+    fa_tile_rows<T> rows = {view + kv_h * strides[1],
+                            strides[2],
+                            strides[3],
+                            tile_rows,
+                            true,
+                            block_table + b * p.pages_per_sequence,
+                            strides[0],
+                            p.seq_k_row0 + first_key,
+                            p.page_size,
+                            p.pages_per_sequence - 1,
+                            p.page_count - 1};
     return rows;
   }
-  fa_tile_rows<T> rows = fa_rows(fa_sequence_k(view, p, b, strides) + b * strides[0] + kv_h * strides[1] +
-                                     long(first_key) * strides[2],
-                                 strides[2], strides[3]);
+  fa_tile_rows<T> rows =
+      fa_rows(fa_sequence_k(view, p, b, strides) + b * strides[0] + kv_h * strides[1] + long(first_key) * strides[2],
+              strides[2], strides[3]);
   rows.step = long(tile_rows) * strides[2];
   return rows;
 }
@@ -199,8 +207,8 @@ inline void fa_load_tile(threadgroup T *tile, int pitch, fa_tile_rows<T> src, in
     src = fa_rows(fa_tile_row(src, 0), src.row_stride, src.col_stride);
   }
   if (fa_contiguous_tiles) {
-    fa_load_tile_contiguous<T, ROWS, COLS, THREADS>(tile, pitch, src.src, int(src.row_stride), valid_rows,
-                                                    valid_cols, tid);
+    fa_load_tile_contiguous<T, ROWS, COLS, THREADS>(tile, pitch, src.src, int(src.row_stride), valid_rows, valid_cols,
+                                                    tid);
   } else {
     fa_load_tile_strided<T, ROWS, COLS, THREADS>(tile, pitch, src.src, src.row_stride, src.col_stride, valid_rows,
                                                  valid_cols, tid);

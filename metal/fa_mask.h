@@ -39,8 +39,8 @@ inline int fa_query_tile_class(constant fa_params &p, int row0, int k0, int bk) 
   if (row0 >= p.q_len || (fa_banded && (k0 > row0 + 7 + p.band_hi || k0 + bk - 1 < row0 + p.band_lo))) {
     return FA_TILE_BLOCKED;
   }
-  const bool inside = k0 + bk <= p.kv_len &&
-                      (!fa_banded || (k0 + bk - 1 <= row0 + p.band_hi && k0 >= row0 + 7 + p.band_lo));
+  const bool inside =
+      k0 + bk <= p.kv_len && (!fa_banded || (k0 + bk - 1 <= row0 + p.band_hi && k0 >= row0 + 7 + p.band_lo));
   return inside ? FA_TILE_VISIBLE : FA_TILE_MIXED;
 }
 
@@ -52,7 +52,7 @@ inline int fa_key_tile_class(constant fa_params &p, int key0, int q0, int bq) {
     return FA_TILE_BLOCKED;
   }
   return !fa_banded || (q0 >= key0 + 7 - p.band_hi && q0 + bq - 1 <= key0 - p.band_lo) ? FA_TILE_VISIBLE
-                                                                                      : FA_TILE_MIXED;
+                                                                                       : FA_TILE_MIXED;
 }
 
 // A lane's bool-mask entries over NB fragments of a tile: bit 2 j + e set when the entry of column
@@ -77,16 +77,12 @@ inline uint fa_mask_bool_bits(const device uchar *mask, long offset, long stride
 inline float fa_mask_addend(const device uchar *mask, long offset) {
   const float log2e = 1.4426950408889634f;
   switch (fa_mask_kind) {
-  case FA_MASK_FLOAT:
-    return ((const device float *)mask)[offset] * log2e;
-  case FA_MASK_HALF:
-    return float(((const device half *)mask)[offset]) * log2e;
+  case FA_MASK_FLOAT: return ((const device float *)mask)[offset] * log2e;
+  case FA_MASK_HALF: return float(((const device half *)mask)[offset]) * log2e;
 #if defined(__HAVE_BFLOAT__)
-  case FA_MASK_BFLOAT:
-    return float(((const device bfloat *)mask)[offset]) * log2e;
+  case FA_MASK_BFLOAT: return float(((const device bfloat *)mask)[offset]) * log2e;
 #endif
-  default:
-    return 0.0f;
+  default: return 0.0f;
   }
 }
 
@@ -156,9 +152,8 @@ inline fa_tile_start fa_start_tile(int tile_class, const device uchar *mask, lon
 // past S, one outside the band, or a bool mask's bit off. Other classes hide no single score
 // (BLOCKED slices are skipped before the scores, VISIBLE ones keep them all).
 inline bool fa_mixed_tile_hides(constant fa_params &p, fa_tile_start start, int row, int key, int bit) {
-  return start.tile_class == FA_TILE_MIXED &&
-         (key >= p.kv_len || fa_band_hides(p, row, key) ||
-          (fa_mask_kind == FA_MASK_BOOL && ((start.keep >> bit) & 1u) == 0));
+  return start.tile_class == FA_TILE_MIXED && (key >= p.kv_len || fa_band_hides(p, row, key) ||
+                                               (fa_mask_kind == FA_MASK_BOOL && ((start.keep >> bit) & 1u) == 0));
 }
 
 // A range [begin, end) of keys or query rows; empty when end <= begin.

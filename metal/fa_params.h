@@ -36,8 +36,8 @@ typedef uint32_t fa_u32;
 #define FA_FORWARD_BUFFER_V 2
 #define FA_FORWARD_BUFFER_OUT 3
 #define FA_FORWARD_BUFFER_LSE 4
-#define FA_FORWARD_BUFFER_PARAMS 5     // fa_params, inline bytes
-#define FA_FORWARD_BUFFER_WORKSPACE 6  // split-K partial results, or the probability pass's output
+#define FA_FORWARD_BUFFER_PARAMS 5    // fa_params, inline bytes
+#define FA_FORWARD_BUFFER_WORKSPACE 6 // split-K partial results, or the probability pass's output
 #define FA_FORWARD_BUFFER_MASK 7
 #define FA_FORWARD_BUFFER_ALIBI 8
 #define FA_FORWARD_BUFFER_SINKS 9
@@ -56,7 +56,7 @@ typedef uint32_t fa_u32;
 #define FA_BACKWARD_BUFFER_DQ 7
 #define FA_BACKWARD_BUFFER_DK 8
 #define FA_BACKWARD_BUFFER_DV 9
-#define FA_BACKWARD_BUFFER_PARAMS 10   // fa_backward_params, inline bytes
+#define FA_BACKWARD_BUFFER_PARAMS 10 // fa_backward_params, inline bytes
 #define FA_BACKWARD_BUFFER_MASK 11
 #define FA_BACKWARD_BUFFER_ALIBI 12
 #define FA_BACKWARD_BUFFER_SINKS 13
@@ -73,15 +73,15 @@ typedef uint32_t fa_u32;
 #define FA_TABLE_BUFFERS 6
 
 // Function-constant indices (specialisation at pipeline creation).
-#define FA_FC_BAND 0      // bool: each row sees only a band of keys (band_lo, band_hi below): causal, windows
-#define FA_FC_WRITE_LSE 1 // bool: write the per-row log-sum-exp
-#define FA_FC_MASK_KIND 2 // int, one of FA_MASK_*: how FA_FORWARD_BUFFER_MASK masks the scores
-#define FA_FC_CONTIGUOUS_TILES 3 // bool: the tiled operands take the vector load path (fa_loader.h)
+#define FA_FC_BAND 0                // bool: each row sees only a band of keys (band_lo, band_hi below): causal, windows
+#define FA_FC_WRITE_LSE 1           // bool: write the per-row log-sum-exp
+#define FA_FC_MASK_KIND 2           // int, one of FA_MASK_*: how FA_FORWARD_BUFFER_MASK masks the scores
+#define FA_FC_CONTIGUOUS_TILES 3    // bool: the tiled operands take the vector load path (fa_loader.h)
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
-#define FA_FC_SOFTCAP 8   // bool: scores are soft-capped (fa_variants.h)
-#define FA_FC_ALIBI 9     // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
-#define FA_FC_SINKS 10    // bool: attention sinks, one logit per query head in every row's softmax (fa_variants.h)
-#define FA_FC_DROPOUT 11  // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
+#define FA_FC_SOFTCAP 8             // bool: scores are soft-capped (fa_variants.h)
+#define FA_FC_ALIBI 9               // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
+#define FA_FC_SINKS 10     // bool: attention sinks, one logit per query head in every row's softmax (fa_variants.h)
+#define FA_FC_DROPOUT 11   // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
 #define FA_FC_SEQUENCES 12 // bool: each batch entry is a sequence of its own lengths and start (fa_sequence.h)
 #define FA_FC_PAGED 13     // bool: with sequences, keys are read through a block table (paged KV; fa_sequence.h)
 
@@ -90,51 +90,52 @@ typedef uint32_t fa_u32;
 #define FA_TILE_VEC 4
 
 #define FA_MASK_NONE 0
-#define FA_MASK_BOOL 1     // bytes, nonzero = takes part; others get score -inf
-#define FA_MASK_FLOAT 2    // float32, added to the scaled scores
-#define FA_MASK_HALF 3     // float16, added
-#define FA_MASK_BFLOAT 4   // bfloat16, added
+#define FA_MASK_BOOL 1   // bytes, nonzero = takes part; others get score -inf
+#define FA_MASK_FLOAT 2  // float32, added to the scaled scores
+#define FA_MASK_HALF 3   // float16, added
+#define FA_MASK_BFLOAT 4 // bfloat16, added
 
 #define FA_DROPOUT_NONE 0  // no dropout
 #define FA_DROPOUT_APPLY 1 // probabilities dropped (and kept ones scaled) in what the kernel accumulates
-#define FA_DROPOUT_PROBS 2 // the simple kernel writes each probability (negated where dropped) instead
-                           // of attention: flash-attn's return_attn_probs
+// The simple kernel writes each probability (negated where dropped) instead of attention:
+// flash-attn's return_attn_probs.
+#define FA_DROPOUT_PROBS 2
 // Dropout's generator state, a buffer of this many 32-bit words (FA_FORWARD_BUFFER_RNG,
 // FA_BACKWARD_BUFFER_RNG): seed low, high, offset low, high.
 #define FA_DROPOUT_RNG_WORDS 4
 
 typedef struct fa_params {
-    fa_i32 batch;      // B
-    fa_i32 q_heads;    // Hq
-    fa_i32 kv_heads;   // Hkv
-    fa_i32 gqa_factor; // Hq / Hkv: query head h reads kv head h / gqa_factor
-    fa_i32 q_len;      // L
-    fa_i32 kv_len;     // S
-    fa_i32 head_dim;   // E (q and k)
-    fa_i32 v_head_dim; // Ev (v and out)
-    // Strides in elements, in (batch, head, row, column) order. 64-bit: views of large tensors
-    // overflow 32-bit offsets.
-    fa_i64 q_strides[4];
-    fa_i64 k_strides[4];
-    fa_i64 v_strides[4];
-    fa_i64 o_strides[4];
-    fa_i64 lse_strides[3]; // (batch, head, row) of the float32 log-sum-exp
-    float scale_log2;      // scale * log2(e): scores live in base 2 so softmax uses exp2
-    float softcap_log2;    // softcap * log2(e) under FA_FC_SOFTCAP (fa_variants.h)
-    // Split-K of the decode kernel: each row's keys are shared by split_count threadgroups,
-    // split_keys keys each. With more than one, partial results go to the workspace (layout in
-    // fa_decode.h) and fa_decode_merge combines them.
-    fa_i32 split_count;
-    fa_i32 split_keys;
-    fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
-    fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
+  fa_i32 batch;      // B
+  fa_i32 q_heads;    // Hq
+  fa_i32 kv_heads;   // Hkv
+  fa_i32 gqa_factor; // Hq / Hkv: query head h reads kv head h / gqa_factor
+  fa_i32 q_len;      // L
+  fa_i32 kv_len;     // S
+  fa_i32 head_dim;   // E (q and k)
+  fa_i32 v_head_dim; // Ev (v and out)
+  // Strides in elements, in (batch, head, row, column) order. 64-bit: views of large tensors
+  // overflow 32-bit offsets.
+  fa_i64 q_strides[4];
+  fa_i64 k_strides[4];
+  fa_i64 v_strides[4];
+  fa_i64 o_strides[4];
+  fa_i64 lse_strides[3]; // (batch, head, row) of the float32 log-sum-exp
+  float scale_log2;      // scale * log2(e): scores live in base 2 so softmax uses exp2
+  float softcap_log2;    // softcap * log2(e) under FA_FC_SOFTCAP (fa_variants.h)
+  // Split-K of the decode kernel: each row's keys are shared by split_count threadgroups,
+  // split_keys keys each. With more than one, partial results go to the workspace (layout in
+  // fa_decode.h) and fa_decode_merge combines them.
+  fa_i32 split_count;
+  fa_i32 split_keys;
+  fa_i64 split_stats_offset; // floats from the workspace start to the partial (max, sum) pairs
+  fa_i64 mask_strides[4];    // (batch, head, row, key) of the attn_mask view; 0 where broadcast
   // Under FA_FC_BAND row i sees the keys j with i + band_lo <= j <= i + band_hi (and j < S): the
   // causal masks (top-left: band_hi = 0; bottom-right: S - L) and sliding windows (fa_plan_forward.c). The
   // planner keeps both in [-L, S], so i + either fits 32 bits.
   fa_i32 band_lo;
   fa_i32 band_hi;
-  fa_i32 split_begin; // decode split-K: the first key of split 0 (the band's first key of any row)
-  fa_i32 diagonal;    // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
+  fa_i32 split_begin;      // decode split-K: the first key of split 0 (the band's first key of any row)
+  fa_i32 diagonal;         // row i's diagonal key is i + diagonal (0 top-left, S - L bottom-right): ALiBi's origin
   fa_i64 alibi_strides[2]; // (batch, head) of the float32 slopes under FA_FC_ALIBI; batch 0 for (H,) slopes
   // Dropout under FA_FC_DROPOUT (fa_dropout.h): a probability whose random word is below
   // dropout_drop_below = round(p * 2^32) is dropped, kept ones are multiplied by dropout_scale =
@@ -146,17 +147,17 @@ typedef struct fa_params {
   // Packed sequences and KV caches under FA_FC_SEQUENCES (fa_sequence.h). The planner fills the
   // first eight from the views and options; fa_sequence_table writes one copy of these params per
   // sequence with its own q_len, kv_len, band, diagonal, split_begin and the last four.
-  fa_i32 seq_q_batches;    // q's view (batches, rows): every table entry is clamped into it
+  fa_i32 seq_q_batches; // q's view (batches, rows): every table entry is clamped into it
   fa_i32 seq_q_rows;
-  fa_i32 seq_k_batches;    // k's and v's
+  fa_i32 seq_k_batches; // k's and v's
   fa_i32 seq_k_rows;
-  fa_i32 seq_window_left;  // the band around each sequence's diagonal: -1 unbounded (right 0 under causal)
+  fa_i32 seq_window_left; // the band around each sequence's diagonal: -1 unbounded (right 0 under causal)
   fa_i32 seq_window_right;
   fa_i32 seq_bottom_right; // diagonal key of row i: i + S_b - L_b (flash-attn's), else i
   fa_i32 seq_grid_q_len;   // max_seqlen_q: the rows the grid and the split workspace are sized for
   fa_i32 seq_q_batch;      // this sequence's rows: q[seq_q_batch, :, seq_q_row0 + i]
   fa_i32 seq_q_row0;
-  fa_i32 seq_k_batch;      // its keys: k[seq_k_batch, :, seq_k_row0 + j]
+  fa_i32 seq_k_batch; // its keys: k[seq_k_batch, :, seq_k_row0 + j]
   fa_i32 seq_k_row0;
   // Paged KV under FA_FC_PAGED: key position t of sequence b is row t % page_size of page
   // block_table[b][t / page_size] of k's view (pages, Hkv, page_size, E).
@@ -168,16 +169,16 @@ typedef struct fa_params {
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.
 typedef struct fa_backward_params {
-    fa_params forward;       // shapes, strides of q, k, v, out, lse and scale_log2, as the forward had them
-    fa_i64 do_strides[4];    // dO, the gradient of out (B, Hq, L, Ev)
-    fa_i64 dq_strides[4];    // dQ (B, Hq, L, E)
-    fa_i64 dk_strides[4];    // dK (B, Hkv, S, E)
-    fa_i64 dv_strides[4];    // dV (B, Hkv, S, Ev)
-    fa_i64 delta_strides[3]; // D = rowsum(dO * out), float32 (B, Hq, L)
-    float scale;             // the scale itself: dQ = scale * dS K, dK = scale * dS^T Q
-    float pad0;
-    // Attention sinks: FA_BACKWARD_BUFFER_SINKS the sinks, FA_BACKWARD_BUFFER_SINK_GRAD each row's share of their gradient.
-    fa_i64 sink_grad_strides[3]; // (batch, head, row) of the float32 per-row terms of dsinks
+  fa_params forward;       // shapes, strides of q, k, v, out, lse and scale_log2, as the forward had them
+  fa_i64 do_strides[4];    // dO, the gradient of out (B, Hq, L, Ev)
+  fa_i64 dq_strides[4];    // dQ (B, Hq, L, E)
+  fa_i64 dk_strides[4];    // dK (B, Hkv, S, E)
+  fa_i64 dv_strides[4];    // dV (B, Hkv, S, Ev)
+  fa_i64 delta_strides[3]; // D = rowsum(dO * out), float32 (B, Hq, L)
+  float scale;             // the scale itself: dQ = scale * dS K, dK = scale * dS^T Q
+  float pad0;
+  // Attention sinks: FA_BACKWARD_BUFFER_SINKS the sinks, FA_BACKWARD_BUFFER_SINK_GRAD each row's share of their gradient.
+  fa_i64 sink_grad_strides[3]; // (batch, head, row) of the float32 per-row terms of dsinks
 } fa_backward_params;
 
 // The backward pre-pass's geometry: rows (one per SIMD-group) of D per threadgroup.

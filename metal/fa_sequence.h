@@ -66,11 +66,10 @@ inline int fa_sequence_clamp(int x, int lo, int hi) { return x < lo ? lo : x > h
 // entry file instantiates it for its element type (T is unused), so it lives in the library the
 // attention kernels are in and costs no compile of its own.
 template <typename T>
-[[kernel, max_total_threads_per_threadgroup(FA_SEQUENCE_TABLE_THREADS)]] void fa_sequence_table(
-    const device int *entries [[buffer(FA_TABLE_BUFFER_ENTRIES)]],
-    device fa_params *table [[buffer(FA_TABLE_BUFFER_OUT)]],
-    constant fa_params &p [[buffer(FA_TABLE_BUFFER_PARAMS)]],
-    uint b [[thread_position_in_grid]]) {
+[[kernel, max_total_threads_per_threadgroup(FA_SEQUENCE_TABLE_THREADS)]] void
+fa_sequence_table(const device int *entries [[buffer(FA_TABLE_BUFFER_ENTRIES)]],
+                  device fa_params *table [[buffer(FA_TABLE_BUFFER_OUT)]],
+                  constant fa_params &p [[buffer(FA_TABLE_BUFFER_PARAMS)]], uint b [[thread_position_in_grid]]) {
   if (b >= uint(p.batch)) {
     return;
   }

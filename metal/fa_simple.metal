@@ -20,22 +20,18 @@
 using namespace metal;
 
 template <typename T>
-[[kernel, max_total_threads_per_threadgroup(32 * FA_SIMPLE_ROWS_PER_GROUP)]] void fa_simple(
-    const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-    const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
-    device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
-    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
-    constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-    device float *probs [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
-    const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-    const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
-    const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
-    constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
-    const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
-    uint3 group [[threadgroup_position_in_grid]],
-    uint simd_group [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(32 * FA_SIMPLE_ROWS_PER_GROUP)]] void
+fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+          const device T *v [[buffer(FA_FORWARD_BUFFER_V)]], device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+          device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+          constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+          device float *probs [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
+          const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+          const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
+          const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
+          constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
+          const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
+          uint simd_group [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   const int row = int(group.x) * FA_SIMPLE_ROWS_PER_GROUP + int(simd_group);
   const fa_i64 b = group.z;
   constant fa_params &p = fa_sequence_params(params, sequence_table, b);
@@ -130,5 +126,5 @@ template <typename T>
 }
 
 template [[host_name(FA_HOST_NAME("fa_simple"))]] [[kernel]] decltype(fa_simple<FA_DTYPE>) fa_simple<FA_DTYPE>;
-template [[host_name(FA_HOST_NAME("fa_sequence_table"))]] [[kernel]]
-decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;
+template [[host_name(
+    FA_HOST_NAME("fa_sequence_table"))]] [[kernel]] decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;

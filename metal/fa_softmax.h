@@ -38,9 +38,7 @@ inline float fa_softmax_rescale(float old_max, float new_max) {
 }
 
 // exp2(score - max) with masked scores (-inf) contributing exactly 0.
-inline float fa_softmax_weight(float score, float max) {
-  return score == -INFINITY ? 0.0f : metal::exp2(score - max);
-}
+inline float fa_softmax_weight(float score, float max) { return score == -INFINITY ? 0.0f : metal::exp2(score - max); }
 
 inline fa_softmax_step fa_softmax_push(thread fa_online_softmax &s, float score) {
   const float new_max = metal::max(s.max, score);
@@ -67,9 +65,7 @@ inline fa_softmax_step fa_softmax_merge(thread fa_online_softmax &s, fa_online_s
 }
 
 // 1/sum, or 0 for a row with no visible key (SDPA returns zeros there).
-inline float fa_softmax_inverse_sum(fa_online_softmax s) {
-  return s.sum == 0.0f ? 0.0f : 1.0f / s.sum;
-}
+inline float fa_softmax_inverse_sum(fa_online_softmax s) { return s.sum == 0.0f ? 0.0f : 1.0f / s.sum; }
 
 // The backward pass recomputes each probability from the forward's log-sum-exp instead of keeping
 // P: exp2(score - lse_log2), where lse_log2 = lse * log2(e) and score is in base 2 as above.

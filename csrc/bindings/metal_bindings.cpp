@@ -37,9 +37,11 @@ void add_metal_bindings(py::module_ &m, void (*raise_status)(const fa_status &))
             if (fa_metal_device_info_get(&info, &st) != FA_OK) {
                 raise_status(st);
             }
-            static const std::pair<uint32_t, const char *> family_names[] = {
-                {FA_GPU_APPLE7, "Apple7"}, {FA_GPU_APPLE8, "Apple8"}, {FA_GPU_APPLE9, "Apple9"},
-                {FA_GPU_MAC2, "Mac2"}, {FA_GPU_METAL3, "Metal3"}};
+            static const std::pair<uint32_t, const char *> family_names[] = {{FA_GPU_APPLE7, "Apple7"},
+                                                                             {FA_GPU_APPLE8, "Apple8"},
+                                                                             {FA_GPU_APPLE9, "Apple9"},
+                                                                             {FA_GPU_MAC2, "Mac2"},
+                                                                             {FA_GPU_METAL3, "Metal3"}};
             py::dict families;
             for (const auto &f : family_names) {
                 families[f.second] = (info.families & f.first) != 0;
@@ -48,17 +50,17 @@ void add_metal_bindings(py::module_ &m, void (*raise_status)(const fa_status &))
                                                     "MTLCopyAllDevices(), first non-low-power",
                                                     "MTLCreateSystemDefaultDevice()"};
             const bool known = info.chosen_by >= 1 && info.chosen_by <= 3;
-            return py::dict(py::arg("name") = std::string(info.name), py::arg("registry_id") = info.registry_id,
-                            py::arg("chosen_by") = std::string(known ? chosen_by[info.chosen_by] : "unknown"),
-                            py::arg("low_power") = info.low_power != 0, py::arg("families") = families,
-                            py::arg("max_threadgroup_memory") = info.max_threadgroup_memory,
-                            py::arg("torch_registry_id") =
-                                info.torch_device_known ? py::object(py::int_(info.torch_registry_id)) : py::object(py::none()),
-                            py::arg("language_version") = info.language_version,
-                            py::arg("fast_math") = info.fast_math != 0, py::arg("math_mode") = info.math_mode,
-                            py::arg("math_fp32_functions") = info.math_fp32_functions,
-                            py::arg("stream_mode") = info.stream_mode, py::arg("debug") = info.debug != 0,
-                            py::arg("check_buffers") = info.check_buffers != 0);
+            return py::dict(
+                py::arg("name") = std::string(info.name), py::arg("registry_id") = info.registry_id,
+                py::arg("chosen_by") = std::string(known ? chosen_by[info.chosen_by] : "unknown"),
+                py::arg("low_power") = info.low_power != 0, py::arg("families") = families,
+                py::arg("max_threadgroup_memory") = info.max_threadgroup_memory,
+                py::arg("torch_registry_id") =
+                    info.torch_device_known ? py::object(py::int_(info.torch_registry_id)) : py::object(py::none()),
+                py::arg("language_version") = info.language_version, py::arg("fast_math") = info.fast_math != 0,
+                py::arg("math_mode") = info.math_mode, py::arg("math_fp32_functions") = info.math_fp32_functions,
+                py::arg("stream_mode") = info.stream_mode, py::arg("debug") = info.debug != 0,
+                py::arg("check_buffers") = info.check_buffers != 0);
         },
         "The Metal device chosen, how, its families, torch's device and the compile options in effect");
     m.def(

@@ -30,16 +30,10 @@ PyObject *dispatch_error_type = nullptr;
         throw py::error_already_set();
     }
     switch (st.code) {
-    case FA_ERR_VALUE:
-        throw py::value_error(st.message);
-    case FA_ERR_TYPE:
-        throw py::type_error(st.message);
-    case FA_ERR_COMPILE:
-        PyErr_SetString(compile_error_type, st.message);
-        throw py::error_already_set();
-    default:
-        PyErr_SetString(dispatch_error_type, st.message);
-        throw py::error_already_set();
+    case FA_ERR_VALUE: throw py::value_error(st.message);
+    case FA_ERR_TYPE: throw py::type_error(st.message);
+    case FA_ERR_COMPILE: PyErr_SetString(compile_error_type, st.message); throw py::error_already_set();
+    default: PyErr_SetString(dispatch_error_type, st.message); throw py::error_already_set();
     }
 }
 
@@ -111,8 +105,10 @@ fa_tensor from_descriptor(PyObject *obj, const char *name) {
     py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(obj, ""));
     const Py_ssize_t n = fast ? PySequence_Fast_GET_SIZE(fast.ptr()) : -1;
     if (n != 6) {
-        throw py::value_error(std::string(name) + ": a descriptor has 6 fields (storage, storage_bytes, byte_offset, "
-                              "dtype, sizes, strides), got " + std::to_string(n));
+        throw py::value_error(std::string(name) +
+                              ": a descriptor has 6 fields (storage, storage_bytes, byte_offset, "
+                              "dtype, sizes, strides), got " +
+                              std::to_string(n));
     }
     PyObject **f = PySequence_Fast_ITEMS(fast.ptr());
     t.storage = as_address(f[0], name, "storage");
@@ -125,7 +121,8 @@ fa_tensor from_descriptor(PyObject *obj, const char *name) {
     read_dims(f[5], name, "strides", t.strides, &n_strides);
     if (n_strides != t.ndim) {
         throw py::value_error(std::string(name) + ": " + std::to_string(t.ndim) + " sizes and " +
-                              std::to_string(n_strides) + " strides; sizes and strides must have the same length, "
+                              std::to_string(n_strides) +
+                              " strides; sizes and strides must have the same length, "
                               "at most 4");
     }
     return t;
@@ -164,24 +161,27 @@ fa_tensor from_torch(PyObject *obj, const char *name, int32_t device, bool batch
     if (!code) {
         PyErr_Clear(); // an unhashable dtype attribute is just not a tensor's
         throw py::type_error(std::string(name) + ": got a " + type_name(obj) + " of dtype " +
-                             std::string(py::str(dtype)) + "; expected a torch.Tensor of dtype float32, float16 "
+                             std::string(py::str(dtype)) +
+                             "; expected a torch.Tensor of dtype float32, float16 "
                              "or bfloat16 (bool for masks), a 6-field descriptor or None");
     }
     t.dtype = static_cast<int32_t>(PyLong_AsLong(code));
-    py::object on_device = py::reinterpret_steal<py::object>(
-        PyObject_GetAttr(obj, device == FA_DEVICE_MPS ? r.is_mps : r.is_cpu));
+    py::object on_device =
+        py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, device == FA_DEVICE_MPS ? r.is_mps : r.is_cpu));
     if (!on_device) {
         throw py::error_already_set();
     }
     if (on_device.ptr() != Py_True) {
-        throw py::value_error(std::string(name) + " is on device " + std::string(py::str(py::handle(obj).attr("device"))) +
-                              "; this call runs on " + (device == FA_DEVICE_MPS ? "mps" : "cpu") +
-                              " (device code " + std::to_string(device) + ")");
+        throw py::value_error(std::string(name) + " is on device " +
+                              std::string(py::str(py::handle(obj).attr("device"))) + "; this call runs on " +
+                              (device == FA_DEVICE_MPS ? "mps" : "cpu") + " (device code " + std::to_string(device) +
+                              ")");
     }
     py::object storage = call_method(obj, r.untyped_storage);
     t.storage = as_address(call_method(storage.ptr(), r.data_ptr).ptr(), name, "storage");
     t.storage_bytes = as_int64(call_method(storage.ptr(), r.nbytes).ptr(), name, "storage_bytes");
-    t.byte_offset = as_int64(call_method(obj, r.storage_offset).ptr(), name, "storage_offset") * fa_dtype_bytes(t.dtype);
+    t.byte_offset =
+        as_int64(call_method(obj, r.storage_offset).ptr(), name, "storage_offset") * fa_dtype_bytes(t.dtype);
     const int32_t first = batch_dim ? 1 : 0;
     int32_t n_sizes = 0, n_strides = 0;
     py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, r.shape));
@@ -234,7 +234,8 @@ struct SlotNames {
 const char *direction_name(int32_t direction) { return direction == FA_FORWARD ? "forward" : "backward"; }
 
 bool in_direction(int32_t slot, int32_t direction) {
-    return (direction == FA_FORWARD ? fa_tensor_slots[slot].forward_offset : fa_tensor_slots[slot].backward_offset) >= 0;
+    return (direction == FA_FORWARD ? fa_tensor_slots[slot].forward_offset : fa_tensor_slots[slot].backward_offset) >=
+           0;
 }
 
 std::string slot_list(int32_t direction) {
@@ -309,8 +310,8 @@ fa_options read_options(py::handle options) {
                              " fields (_C.OPTION_FIELDS), got " + type_name(o));
     }
     if (PyTuple_GET_SIZE(o) != FA_OPTION_COUNT) {
-        throw py::value_error("options: expected " + std::to_string(FA_OPTION_COUNT) + " fields (_C.OPTION_FIELDS), got " +
-                              std::to_string(PyTuple_GET_SIZE(o)));
+        throw py::value_error("options: expected " + std::to_string(FA_OPTION_COUNT) +
+                              " fields (_C.OPTION_FIELDS), got " + std::to_string(PyTuple_GET_SIZE(o)));
     }
     fa_options out = fa_default_options();
     for (int32_t i = 0; i < FA_OPTION_COUNT; ++i) {
@@ -446,8 +447,8 @@ py::dict plan_forward(int32_t device, py::handle tensors, py::handle options) {
     check(fa_plan_forward(&args, &plan, &st), st);
     // The table kernel runs first when the plan launches anything (fa_forward_execute).
     const bool builds = plan.sequences && !plan.empty && plan.n_dispatches > 0;
-    return py::dict(py::arg("dispatches") = dispatch_dicts(plan.dispatches, plan.n_dispatches,
-                                                           builds ? &plan.sequence_builder : nullptr),
+    return py::dict(py::arg("dispatches") =
+                        dispatch_dicts(plan.dispatches, plan.n_dispatches, builds ? &plan.sequence_builder : nullptr),
                     py::arg("empty") = plan.empty != 0, py::arg("split_count") = plan.params.split_count,
                     py::arg("workspace_bytes") = plan.workspace_bytes);
 }
@@ -471,12 +472,11 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
         py::dict cost(py::arg("threadgroup_bytes") = c.threadgroup_bytes, py::arg("registers") = c.registers,
                       py::arg("flops") = c.flops, py::arg("tiles") = c.tiles, py::arg("useful_flops") = c.useful_flops,
                       py::arg("min_bytes_read") = c.min_bytes_read, py::arg("min_bytes_written") = c.min_bytes_written);
-        dispatches.append(py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function,
-                                   py::arg("macros") = macros, py::arg("constants") = constants,
-                                   py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
-                                   py::arg("threadgroup") =
-                                       py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
-                                   py::arg("cost") = cost));
+        dispatches.append(py::dict(
+            py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
+            py::arg("constants") = constants, py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
+            py::arg("threadgroup") = py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
+            py::arg("cost") = cost));
     }
     return dispatches;
 }
@@ -556,7 +556,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
     m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
     m.attr("DTYPE_INT32") = static_cast<int>(FA_I32);
-    m.attr("MAX_HEAD_DIM") = static_cast<int>(FA_MAX_HEAD_DIM); // E and Ev alike
+    m.attr("MAX_HEAD_DIM") = static_cast<int>(FA_MAX_HEAD_DIM);            // E and Ev alike
     m.attr("SEQUENCE_PARAMS_BYTES") = static_cast<int>(sizeof(fa_params)); // per sequence (fa_sequence_args)
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
     m.attr("DEVICE_MPS") = static_cast<int>(FA_DEVICE_MPS);
@@ -578,11 +578,12 @@ PYBIND11_MODULE(_C, m) {
     m.attr("HAS_METAL_BACKEND") = false;
 #endif
 
-    tensor_reader = TensorReader{PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("data_ptr"),
-                                 PyUnicode_InternFromString("nbytes"), PyUnicode_InternFromString("storage_offset"),
-                                 PyUnicode_InternFromString("dtype"), PyUnicode_InternFromString("shape"),
-                                 PyUnicode_InternFromString("stride"), PyUnicode_InternFromString("is_cpu"),
-                                 PyUnicode_InternFromString("is_mps")};
+    tensor_reader =
+        TensorReader{PyUnicode_InternFromString("untyped_storage"), PyUnicode_InternFromString("data_ptr"),
+                     PyUnicode_InternFromString("nbytes"),          PyUnicode_InternFromString("storage_offset"),
+                     PyUnicode_InternFromString("dtype"),           PyUnicode_InternFromString("shape"),
+                     PyUnicode_InternFromString("stride"),          PyUnicode_InternFromString("is_cpu"),
+                     PyUnicode_InternFromString("is_mps")};
     m.def("set_tensor_dtypes", &set_tensor_dtypes, py::arg("codes"),
           "{torch dtype: DTYPE_* code}: how torch.Tensor arguments are read");
     py::list option_fields, forward_slots, backward_slots;
@@ -617,15 +618,17 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (arguments as for backward)",
           py::arg("device"), py::arg("tensors"), py::arg("options"));
-    m.def("plan_cache_counts", []() {
-        int64_t c[4];
-        fa_plan_cache_counts(c);
-        return py::dict(py::arg("forward_hits") = c[0], py::arg("forward_misses") = c[1],
-                        py::arg("backward_hits") = c[2], py::arg("backward_misses") = c[3]);
-    }, "How the plan cache answered so far: hits and misses (planned afresh) of each direction");
+    m.def(
+        "plan_cache_counts",
+        []() {
+            int64_t c[4];
+            fa_plan_cache_counts(c);
+            return py::dict(py::arg("forward_hits") = c[0], py::arg("forward_misses") = c[1],
+                            py::arg("backward_hits") = c[2], py::arg("backward_misses") = c[3]);
+        },
+        "How the plan cache answered so far: hits and misses (planned afresh) of each direction");
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
 
     add_metal_bindings(m, raise_status);
-
 }

@@ -15,18 +15,34 @@
 
 /* -fms-extensions: -E expands macros in pragmas (`#pragma unroll (MIN(N, 4))`), as the compiler proper
  * does where the pragma is read; the two macros it predefines are taken back. */
-static const char *const PRE_FLAGS[] = {"-E", "-x", "c++", "-std=gnu++17", "-nostdinc", "-fms-extensions",
-                                        "-U_WCHAR_T_DEFINED", "-U_NATIVE_WCHAR_T_DEFINED",
-                                        "-D__METAL_VERSION__=310", "-D__HAVE_BFLOAT__=1"};
+static const char *const PRE_FLAGS[] = {"-E",
+                                        "-x",
+                                        "c++",
+                                        "-std=gnu++17",
+                                        "-nostdinc",
+                                        "-fms-extensions",
+                                        "-U_WCHAR_T_DEFINED",
+                                        "-U_NATIVE_WCHAR_T_DEFINED",
+                                        "-D__METAL_VERSION__=310",
+                                        "-D__HAVE_BFLOAT__=1"};
 /* -fsycl-is-device gives clang's language address spaces the default one converts from (msl_shim.h);
  * without device code to diagnose, it changes nothing else the kernels see. Kernels view buffers
  * through other types (half* as half4*): no type-based alias analysis. MSL's char is signed, which
  * aarch64 Linux's is not by default. `const constant T` reads const twice: allowed. Every error
  * goes to the log (clang stops at 20 by default); a crashing clang leaves no reproducer in /tmp.
  * The front end stops at unoptimised LLVM IR (IR_FLAGS), whose convergent attributes go (below). */
-static const char *const CC_FLAGS[] = {"-x", "c++", "-std=gnu++17", "-Xclang", "-fsycl-is-device", "-O3",
-                                       "-fno-strict-aliasing", "-fsigned-char", "-fPIC",
-                                       "-Wno-unknown-attributes", "-Wno-duplicate-decl-specifier", "-ferror-limit=0",
+static const char *const CC_FLAGS[] = {"-x",
+                                       "c++",
+                                       "-std=gnu++17",
+                                       "-Xclang",
+                                       "-fsycl-is-device",
+                                       "-O3",
+                                       "-fno-strict-aliasing",
+                                       "-fsigned-char",
+                                       "-fPIC",
+                                       "-Wno-unknown-attributes",
+                                       "-Wno-duplicate-decl-specifier",
+                                       "-ferror-limit=0",
                                        "-fno-crash-diagnostics"};
 /* -fsycl-is-device also marks every function and call convergent, as for a SIMT target, and clang
  * 16 has no -fno-convergent-functions. Here each GPU thread is a fiber that runs its code
@@ -48,10 +64,8 @@ static const char CODEGEN_CHECKED_FLAG[] = "-fsanitize=thread"; /* the instrumen
 /* Length of a line's "file:line:col" prefix, or 0. */
 static uint64_t location(const char *line) {
     if (*line == ' ' || *line == '\t') return 0;
-    for (const char *c = strchr(line, ':'); c && c > line && c < line + strcspn(line, "\n");
-         c = strchr(c + 1, ':')) {
-        uint64_t a = strspn(c + 1, "0123456789"),
-                 b = a && c[1 + a] == ':' ? strspn(c + 2 + a, "0123456789") : 0;
+    for (const char *c = strchr(line, ':'); c && c > line && c < line + strcspn(line, "\n"); c = strchr(c + 1, ':')) {
+        uint64_t a = strspn(c + 1, "0123456789"), b = a && c[1 + a] == ':' ? strspn(c + 2 + a, "0123456789") : 0;
         if (b && c[2 + a + b] == ':') return (uint64_t)(c - line) + 2 + a + b;
     }
     return 0;
@@ -101,8 +115,8 @@ static int32_t compile_error(mcpu_status *st, const char *what, int32_t rc, char
     }
     /* without the temporary directory's prefix, and with clang's names of the address spaces
      * (msl_shim.h) spelled as in MSL; a name grows by at most 11/7 */
-    static const char *const SPACES[][2] = {{"__global_device", "device"}, {"__global_host", "constant"},
-                                            {"__local", "threadgroup"}};
+    static const char *const SPACES[][2] = {
+        {"__global_device", "device"}, {"__global_host", "constant"}, {"__local", "threadgroup"}};
     char prefix[PATH_BYTES], *text = malloc(strlen(out) * 2 + 1);
     if (!text) {
         free(out);
@@ -142,7 +156,7 @@ static int32_t compile_error(mcpu_status *st, const char *what, int32_t rc, char
     if (from) {
         const char *msg = strstr(first, "error:");
         mcpu_fail(st, MCPU_ERR_COMPILE, "%.*s: %.*s\n%s%s", (int)location(from), from, (int)strcspn(msg, "\n"), msg,
-                note, out);
+                  note, out);
     } else if (first) {
         mcpu_fail(st, MCPU_ERR_COMPILE, "%.*s\n%s%s", (int)strcspn(first, "\n"), first, note, out);
     } else {
@@ -172,8 +186,8 @@ static void disk_note(const char *dir, char note[PATH_BYTES + 96]) {
 }
 
 /* One compiler run of the build; MCPU_OK or the failure in st. */
-static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_args, const char *what,
-                             const char *tmp, const char *shim, const char *log, double timeout, mcpu_status *st) {
+static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_args, const char *what, const char *tmp,
+                             const char *shim, const char *log, double timeout, mcpu_status *st) {
     char **argv = with_args(cxx, args, n_args), *err = NULL, why[96];
     if (!argv) return mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     int32_t status = run(argv, NULL, &err, timeout);
@@ -186,8 +200,8 @@ static int32_t compiler_step(const command *cxx, char *const args[], uint64_t n_
     if (status < 0) {
         errno = saved;
         mcpu_fail(st, status == -1 ? MCPU_ERR_UNSUPPORTED : MCPU_ERR_COMPILE,
-                "CPU Metal device: %s with '%s' (from %s) failed: %s", what, cxx->text, cxx->source,
-                run_failure(status, timeout, why));
+                  "CPU Metal device: %s with '%s' (from %s) failed: %s", what, cxx->text, cxx->source,
+                  run_failure(status, timeout, why));
         free(err);
         return st->code;
     }
@@ -311,9 +325,9 @@ static char *relax_alignment(const char *ir) {
 /* Builds tmp/.library.so from source, with the shim in `shim`. The library exports
  * __msl_library_key = KEY_MARK + key: what it was built for, checked when it is loaded. A failing
  * compiler's whole output goes to file `log` (NULL: nowhere). */
-int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp,
-                     const char *log, const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
-                     uint32_t n_macros, double timeout, mcpu_status *st) {
+int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp, const char *log,
+              const char *key, const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+              double timeout, mcpu_status *st) {
     char base[128], src[PATH_BYTES], pre[PATH_BYTES], cpp[PATH_BYTES], ll[PATH_BYTES], rewritten_ll[PATH_BYTES],
         so[PATH_BYTES], inc[PATH_BYTES], shim_h[PATH_BYTES];
     safe_name(source_name, base);
@@ -404,8 +418,8 @@ int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *sh
     if (checked) {
         for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) cc[n++] = (char *)CHECKED_FLAGS[i];
         /* source names as the #line directives give them, not under the compiler's directory */
-        if (getcwd(cwd, sizeof cwd) && snprintf(prefix_map, sizeof prefix_map, "-fdebug-prefix-map=%s=.", cwd) <
-                                           (int)sizeof prefix_map)
+        if (getcwd(cwd, sizeof cwd) &&
+            snprintf(prefix_map, sizeof prefix_map, "-fdebug-prefix-map=%s=.", cwd) < (int)sizeof prefix_map)
             cc[n++] = prefix_map;
     }
     cc[n++] = "-include";

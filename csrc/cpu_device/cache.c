@@ -13,10 +13,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup", "metal_simdgroup_matrix",
-                                    "metal_atomic",    "metal_math",      "metal_compute",
-                                    "metal_integer",   "metal_common",    "metal_geometric",
-                                    "metal_relational", "metal_matrix",   "metal_array",
+static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup",  "metal_simdgroup_matrix", "metal_atomic",
+                                    "metal_math",      "metal_compute",    "metal_integer",          "metal_common",
+                                    "metal_geometric", "metal_relational", "metal_matrix",           "metal_array",
                                     "metal_uniform",   "metal_types"};
 
 static void shim_hash(char out[33]) {
@@ -36,17 +35,12 @@ int32_t mcpu_cache_dir(char *out, size_t out_len, mcpu_status *st) {
     const char *env = getenv("FLASHATTN_MPS_CACHE"), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     char pwbuf[4096];
     struct passwd pw, *found = NULL;
-    if ((!home || !*home) && !getpwuid_r(getuid(), &pw, pwbuf, sizeof pwbuf, &found) && found)
-        home = found->pw_dir;
+    if ((!home || !*home) && !getpwuid_r(getuid(), &pw, pwbuf, sizeof pwbuf, &found) && found) home = found->pw_dir;
     int n;
-    if (env && *env)
-        n = snprintf(out, out_len, "%s", env);
-    else if (xdg && *xdg)
-        n = snprintf(out, out_len, "%s/flashattn_mps", xdg);
-    else if (home && *home)
-        n = snprintf(out, out_len, "%s/.cache/flashattn_mps", home);
-    else
-        return mcpu_fail(st, MCPU_ERR_RUNTIME, "CPU Metal device: no cache directory (set FLASHATTN_MPS_CACHE)");
+    if (env && *env) n = snprintf(out, out_len, "%s", env);
+    else if (xdg && *xdg) n = snprintf(out, out_len, "%s/flashattn_mps", xdg);
+    else if (home && *home) n = snprintf(out, out_len, "%s/.cache/flashattn_mps", home);
+    else return mcpu_fail(st, MCPU_ERR_RUNTIME, "CPU Metal device: no cache directory (set FLASHATTN_MPS_CACHE)");
     if (n < 0 || (uint64_t)n >= out_len || n >= PATH_BYTES - 128)
         return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: cache directory path too long: %s", out);
     while (n > 1 && out[n - 1] == '/') out[--n] = 0; /* lstat("link/") would follow the link */
@@ -130,7 +124,8 @@ int32_t mcpu_shim_dir(char *out, size_t out_len, mcpu_status *st) {
     char cache[PATH_BYTES], dir[PATH_BYTES];
     if (out == NULL || out_len == 0) return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_shim_dir: no output buffer");
     if (mcpu_cache_dir(cache, sizeof cache, st) || shim_dir(cache, dir, st)) return st->code;
-    if (strlen(dir) >= out_len) return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_shim_dir: path longer than %zu bytes", out_len);
+    if (strlen(dir) >= out_len)
+        return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_shim_dir: path longer than %zu bytes", out_len);
     snprintf(out, out_len, "%s", dir);
     return MCPU_OK;
 }

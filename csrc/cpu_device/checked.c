@@ -27,7 +27,7 @@ int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, mcpu_statu
         if (!l->buffers[i] || len == UINT64_MAX) continue;
         if (len > UINTPTR_MAX - (uintptr_t)l->buffers[i])
             return mcpu_fail(st, MCPU_ERR_VALUE, "kernel '%s': buffer %u of %llu bytes wraps around the address space",
-                           l->kernel_name, i, (unsigned long long)len);
+                             l->kernel_name, i, (unsigned long long)len);
         uint32_t k = n++; /* insertion by address */
         for (; k > 0 && (uintptr_t)l->buffers[order[k - 1]] > (uintptr_t)l->buffers[i]; k--) order[k] = order[k - 1];
         order[k] = i;
@@ -56,7 +56,7 @@ int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, mcpu_statu
     void *region = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (region == MAP_FAILED)
         return mcpu_fail(st, MCPU_ERR_RUNTIME, "kernel '%s': no address space for checked mode's guarded buffers",
-                       l->kernel_name);
+                         l->kernel_name);
     g->region = region, g->bytes = total;
     for (uint32_t k = 0; k < g->n_groups; k++) {
         unsigned char *copy = g->region + at[k] + lo[k] % page;
@@ -64,7 +64,7 @@ int32_t guard_buffers(const msl_launch *l, guarded *g, void **copies, mcpu_statu
             munmap(g->region, g->bytes);
             g->region = NULL;
             return mcpu_fail(st, MCPU_ERR_RUNTIME, "kernel '%s': no memory for checked mode's copy of %llu bytes",
-                           l->kernel_name, (unsigned long long)(hi[k] - lo[k]));
+                             l->kernel_name, (unsigned long long)(hi[k] - lo[k]));
         }
         memcpy(copy, (const void *)lo[k], (size_t)(hi[k] - lo[k]));
         g->group[k].original = (unsigned char *)lo[k];
@@ -114,7 +114,8 @@ void describe_finding(const job *j, mcpu_status *st) {
         int same_simd = f->thread / MSL_SIMD_WIDTH == f->other / MSL_SIMD_WIDTH;
         add(&m,
             "threadgroup memory data race in threadgroup (%u,%u,%u): thread %u (%u,%u,%u) %s %llu bytes at byte %lld "
-            "of %s at %s; thread %u (%u,%u,%u) %s them at %s, with no threadgroup_barrier(mem_flags::mem_threadgroup)%s "
+            "of %s at %s; thread %u (%u,%u,%u) %s them at %s, with no "
+            "threadgroup_barrier(mem_flags::mem_threadgroup)%s "
             "between",
             g[0], g[1], g[2], f->thread, p[0], p[1], p[2], access_words(f->access, 0), (unsigned long long)f->size,
             (long long)f->offset, where, here, f->other, q[0], q[1], q[2], access_words(f->other_access, 1), there,

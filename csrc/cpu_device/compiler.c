@@ -42,14 +42,16 @@ int32_t compiler(command *c, mcpu_status *st) {
     if (!env) {
         char names[512] = "";
         for (uint32_t i = 0; i < mcpu_compiler_name_count; i++)
-            snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "", mcpu_compiler_names[i]);
-        return mcpu_fail(st, MCPU_ERR_COMPILE,
-                         "CPU Metal device: kernels compile with clang++ 16 or newer, and PATH holds none of %s; "
-                         CLANG_ADVICE, names);
+            snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", i ? ", " : "",
+                     mcpu_compiler_names[i]);
+        return mcpu_fail(
+            st, MCPU_ERR_COMPILE,
+            "CPU Metal device: kernels compile with clang++ 16 or newer, and PATH holds none of %s; " CLANG_ADVICE,
+            names);
     }
     if (strlen(env) >= sizeof c->text)
         return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command (%s) is longer than %zu bytes",
-                       c->source, sizeof c->text - 1);
+                         c->source, sizeof c->text - 1);
     char *w = c->text, quote = 0;
     const char *r = env;
     c->argc = 0;
@@ -57,8 +59,9 @@ int32_t compiler(command *c, mcpu_status *st) {
         while (!quote && (*r == ' ' || *r == '\t')) r++;
         if (!*r) break;
         if (c->argc == MAX_WORDS)
-            return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has more than %d words",
-                           env, c->source, MAX_WORDS);
+            return mcpu_fail(st, MCPU_ERR_VALUE,
+                             "CPU Metal device: the compiler command '%s' (%s) has more than %d words", env, c->source,
+                             MAX_WORDS);
         c->argv[c->argc++] = w;
         for (; *r && (quote || (*r != ' ' && *r != '\t')); r++) {
             if (quote ? *r == quote : (*r == '\'' || *r == '"')) quote = quote ? 0 : *r;
@@ -66,8 +69,9 @@ int32_t compiler(command *c, mcpu_status *st) {
             else *w++ = *r;
         }
         if (quote)
-            return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: the compiler command '%s' (%s) has an unterminated %c",
-                           env, c->source, quote);
+            return mcpu_fail(st, MCPU_ERR_VALUE,
+                             "CPU Metal device: the compiler command '%s' (%s) has an unterminated %c", env, c->source,
+                             quote);
         *w++ = 0;
     }
     if (c->argc == 0)
@@ -101,10 +105,12 @@ char *compiler_identity(const command *cxx, double timeout, mcpu_status *st) {
     if (rc || !id || !*id) {
         errno = saved;
         mcpu_fail(st, MCPU_ERR_UNSUPPORTED,
-                "CPU Metal device: cannot run the C++ compiler '%s' (from %s): %s%s%s; " CLANG_ADVICE,
-                cxx->text, cxx->source,
-                rc < 0 ? run_failure(rc, timeout, why) : rc ? "`--version` failed" : "no `--version` output",
-                err && *err ? ": " : "", err ? err : "");
+                  "CPU Metal device: cannot run the C++ compiler '%s' (from %s): %s%s%s; " CLANG_ADVICE, cxx->text,
+                  cxx->source,
+                  rc < 0 ? run_failure(rc, timeout, why)
+                  : rc   ? "`--version` failed"
+                         : "no `--version` output",
+                  err && *err ? ": " : "", err ? err : "");
         free(id);
         free(err);
         return NULL;
@@ -115,9 +121,9 @@ char *compiler_identity(const command *cxx, double timeout, mcpu_status *st) {
     int32_t apple = clang && clang - id >= 6 && !strncmp(clang - 6, "Apple ", 6);
     if (!clang || atoi(clang + strlen("clang version ")) < (apple ? 15 : 16)) {
         mcpu_fail(st, MCPU_ERR_COMPILE,
-                "CPU Metal device: the C++ compiler '%s' (from %s) is not clang 16 or newer (it says: %.*s); "
-                "kernels compile with clang's address spaces; " CLANG_ADVICE,
-                cxx->text, cxx->source, (int)strcspn(id, "\n"), id);
+                  "CPU Metal device: the C++ compiler '%s' (from %s) is not clang 16 or newer (it says: %.*s); "
+                  "kernels compile with clang's address spaces; " CLANG_ADVICE,
+                  cxx->text, cxx->source, (int)strcspn(id, "\n"), id);
         free(id);
         return NULL;
     }

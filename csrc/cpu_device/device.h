@@ -53,7 +53,7 @@ typedef struct sha256 {
 
 void sha_init(sha256 *s);
 void sha_update(sha256 *s, const void *data, uint64_t n);
-void sha_hex(sha256 *s, char out[33]); /* hex of the first 16 bytes of the digest */
+void sha_hex(sha256 *s, char out[33]);      /* hex of the first 16 bytes of the digest */
 void sha_field(sha256 *s, const char *str); /* length-prefixed */
 
 /* ---- files.c ---- */
@@ -113,8 +113,8 @@ int32_t shim_dir(const char *base, char *dir, mcpu_status *st);
 #define KEY_MARK "flashattn_mps CPU Metal library " /* what __msl_library_key starts with */
 int32_t ident_char(char c);
 int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *shim, const char *tmp, const char *log,
-              const char *key, const char *source, const char *source_name, const mcpu_macro *macros,
-              uint32_t n_macros, double timeout, mcpu_status *st);
+              const char *key, const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+              double timeout, mcpu_status *st);
 /* The cache key: a hash of everything that shapes the binary. */
 void build_key(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
                const command *cxx, const char *id, int32_t checked, char key[33]);

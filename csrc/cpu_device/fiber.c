@@ -70,8 +70,7 @@ static void fiber_boot(mcpu_fiber *f) {
 #if defined(__APPLE__)
 #define FIBER_FUNC(name) ".globl _" #name "\n.private_extern _" #name "\n.p2align 4\n_" #name ":\n"
 #else
-#define FIBER_FUNC(name) \
-    ".globl " #name "\n.hidden " #name "\n.type " #name ",@function\n.p2align 4\n" #name ":\n"
+#define FIBER_FUNC(name) ".globl " #name "\n.hidden " #name "\n.type " #name ",@function\n.p2align 4\n" #name ":\n"
 #endif
 
 void mcpu_fiber_swap(void **save_sp, void *new_sp);
@@ -81,6 +80,7 @@ void mcpu_fiber_trampoline(void);
 /* r15 r14 r13 r12 rbx rbp, the return address, 2 words of padding: after the ret, rsp (the stack
  * top - 16) is 16-byte aligned, as at a call instruction */
 enum { FRAME_WORDS = 9 };
+// clang-format off
 __asm__(".text\n" FIBER_FUNC(mcpu_fiber_swap)
         "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
         "  movq %rsp, (%rdi)\n"
@@ -93,6 +93,7 @@ __asm__(".text\n" FIBER_FUNC(mcpu_fiber_swap)
         "  callq *%r12\n"
         "  ud2\n"
         "  .cfi_endproc\n");
+// clang-format on
 
 static void stack_frame(uintptr_t *sp, mcpu_fiber *f) {
     sp[2] = (uintptr_t)f;                     /* r13 */
@@ -101,6 +102,7 @@ static void stack_frame(uintptr_t *sp, mcpu_fiber *f) {
 }
 #else /* aarch64 */
 enum { FRAME_WORDS = 20 }; /* x19-x28, x29 (fp), x30 (lr), d8-d15 */
+// clang-format off
 __asm__(".text\n" FIBER_FUNC(mcpu_fiber_swap)
         "  sub sp, sp, #160\n"
         "  stp x19, x20, [sp, #0]\n  stp x21, x22, [sp, #16]\n  stp x23, x24, [sp, #32]\n"
@@ -122,6 +124,7 @@ __asm__(".text\n" FIBER_FUNC(mcpu_fiber_swap)
         "  blr x20\n"
         "  brk #0\n"
         "  .cfi_endproc\n");
+// clang-format on
 
 static void stack_frame(uintptr_t *sp, mcpu_fiber *f) {
     sp[0] = (uintptr_t)f;                      /* x19 */
@@ -161,8 +164,7 @@ void mcpu_fiber_init(mcpu_fiber *f, void (*entry)(void *), void *arg) {
     f->uc.uc_stack.ss_size = f->stack_size;
     f->uc.uc_link = NULL;
     uintptr_t p = (uintptr_t)f;
-    makecontext(&f->uc, (void (*)(void))fiber_boot_ucontext, 2, (unsigned)(p >> 16 >> 16),
-                (unsigned)p);
+    makecontext(&f->uc, (void (*)(void))fiber_boot_ucontext, 2, (unsigned)(p >> 16 >> 16), (unsigned)p);
 }
 
 void mcpu_fiber_switch(mcpu_fiber *from, mcpu_fiber *to) {

@@ -25,7 +25,7 @@ typedef struct mcpu_fiber {
 #else
     ucontext_t uc;
 #endif
-    void *stack;       /* usable stack (above its guard); NULL for an OS thread's own stack */
+    void *stack; /* usable stack (above its guard); NULL for an OS thread's own stack */
     size_t stack_size;
     void (*entry)(void *);
     void *arg;

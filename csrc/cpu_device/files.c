@@ -16,13 +16,12 @@
 int32_t io_fail(mcpu_status *st, const char *what, const char *path) {
     int32_t e = errno;
     return mcpu_fail(st, MCPU_ERR_RUNTIME, "CPU Metal device: cannot %s %s: %s%s", what, path, strerror(e),
-                   e == ENOSPC || e == EDQUOT ? " (the disk is full)" : "");
+                     e == ENOSPC || e == EDQUOT ? " (the disk is full)" : "");
 }
 
 int32_t join(char *out, const char *a, const char *b, mcpu_status *st) {
     int n = snprintf(out, PATH_BYTES, "%s/%s", a, b);
-    if (n < 0 || n >= PATH_BYTES)
-        return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: path too long: %s/%s", a, b);
+    if (n < 0 || n >= PATH_BYTES) return mcpu_fail(st, MCPU_ERR_VALUE, "CPU Metal device: path too long: %s/%s", a, b);
     return MCPU_OK;
 }
 

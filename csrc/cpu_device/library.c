@@ -32,7 +32,7 @@ struct mcpu_library {
 };
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static mcpu_library *g_libs;   /* loaded libraries, guarded by g_lock */
+static mcpu_library *g_libs; /* loaded libraries, guarded by g_lock */
 
 /* dlopens a library built for key (its __msl_library_key must say so) and binds it. */
 static mcpu_library *load(const char *path, const char *key, mcpu_status *st) {
@@ -52,10 +52,11 @@ static mcpu_library *load(const char *path, const char *key, mcpu_status *st) {
     if (lib) lib->fns = calloc((size_t)n + 1, sizeof *lib->fns);
     if (!bind || !names || !api || api->abi_version != MSL_ABI_VERSION || !lib || !lib->fns) {
         mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: %s is not a kernel library for runtime ABI %u", path,
-                MSL_ABI_VERSION);
+                  MSL_ABI_VERSION);
         goto fail;
     }
-    if (!built_for || strncmp(built_for, KEY_MARK, sizeof KEY_MARK - 1) || strcmp(built_for + sizeof KEY_MARK - 1, key)) {
+    if (!built_for || strncmp(built_for, KEY_MARK, sizeof KEY_MARK - 1) ||
+        strcmp(built_for + sizeof KEY_MARK - 1, key)) {
         mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: %s was built for another key than %s", path, key);
         goto fail;
     }
@@ -169,8 +170,9 @@ static int32_t valid_macro(const mcpu_macro *m) {
 /* Builds the library for key into the cache, or, when the cache is read-only, into a private
  * temporary directory it is loaded from (and not kept). */
 static mcpu_library *build_and_load(const char *cache, const command *cxx, const char *id, double timeout,
-                                    const char *key, int32_t damaged, int32_t checked, const char *source, const char *source_name,
-                                    const mcpu_macro *macros, uint32_t n_macros, mcpu_status *st) {
+                                    const char *key, int32_t damaged, int32_t checked, const char *source,
+                                    const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+                                    mcpu_status *st) {
     char base[PATH_BYTES], shim[PATH_BYTES], tmp[PATH_BYTES], built[PATH_BYTES], name[64], log[PATH_BYTES];
     mcpu_signals_ensure(); /* Ctrl-C stops the compiler */
     int32_t writable = access(cache, W_OK) == 0;
@@ -191,19 +193,18 @@ static mcpu_library *build_and_load(const char *cache, const command *cxx, const
         }
     mcpu_library *lib = NULL;
     snprintf(name, sizeof name, "%s.log", key); /* a failed build's compiler output, in a writable cache */
-    int32_t rc = shim_dir(base, shim, st) || join(tmp, base, "tmp-XXXXXX", st) || join(log, cache, name, st)
-                     ? st->code
-                     : MCPU_OK;
+    int32_t rc = shim_dir(base, shim, st) || join(tmp, base, "tmp-XXXXXX", st) || join(log, cache, name, st) ? st->code
+                                                                                                             : MCPU_OK;
     if (!rc && !mkdtemp(tmp)) rc = io_fail(st, "create directory in", base);
     if (!rc) {
-        rc = build(cxx, stack_clash_supported(cxx, timeout), checked, shim, tmp,
-                   writable ? log : NULL, key, source, source_name, macros, n_macros, timeout, st);
+        rc = build(cxx, stack_clash_supported(cxx, timeout), checked, shim, tmp, writable ? log : NULL, key, source,
+                   source_name, macros, n_macros, timeout, st);
         if (!rc) rc = join(built, tmp, ".library.so", st);
         if (!rc && writable && !(rc = install(built, cache, key, st))) {
             int32_t again;
             if (load_cached(cache, key, &lib, &again, st) == CACHE_MISS)
                 mcpu_fail(st, MCPU_ERR_COMPILE, "CPU Metal device: the library just built for %s does not load from %s",
-                        key, cache);
+                          key, cache);
         } else if (!rc) {
             lib = load(built, key, st);
         }
@@ -219,8 +220,7 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
     char cache[PATH_BYTES], key[33];
     command cxx;
     double timeout;
-    if (mcpu_cache_dir(cache, sizeof cache, st) || compiler(&cxx, st) || compile_timeout(&timeout, st))
-        return st->code;
+    if (mcpu_cache_dir(cache, sizeof cache, st) || compiler(&cxx, st) || compile_timeout(&timeout, st)) return st->code;
     runs_stop_on_interrupts_from_now();
     char *id = compiler_identity(&cxx, timeout, st);
     if (!id) return st->code;
@@ -236,7 +236,8 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
         return st->code;
     }
     if (!lib)
-        lib = build_and_load(cache, &cxx, id, timeout, key, damaged, checked, source, source_name, macros, n_macros, st);
+        lib =
+            build_and_load(cache, &cxx, id, timeout, key, damaged, checked, source, source_name, macros, n_macros, st);
     free(id);
     if (!lib) return st->code;
     lib->mode = mode;
@@ -258,8 +259,8 @@ static int32_t compile(const char *source, const char *source_name, const mcpu_m
     return MCPU_OK;
 }
 
-int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
-                             uint32_t n_macros, uint32_t mode, mcpu_library **out, mcpu_status *st) {
+int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+                             uint32_t mode, mcpu_library **out, mcpu_status *st) {
     mcpu_status local;
     if (!st) st = &local;
     if (out) *out = NULL;
@@ -268,10 +269,12 @@ int32_t mcpu_compile_library(const char *source, const char *source_name, const 
     for (uint32_t i = 0; i < n_macros; i++)
         if (!valid_macro(&macros[i]))
             return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_compile_library: bad macro %u ('%s')", i,
-                           macros[i].name ? macros[i].name : "(null)");
+                             macros[i].name ? macros[i].name : "(null)");
     if (mode & ~(uint32_t)MCPU_MODES)
-        return mcpu_fail(st, MCPU_ERR_VALUE, "mcpu_compile_library: mode %u has unknown bits (MCPU_CHECKED = 1, "
-                       "MCPU_LOCKSTEP = 2)", mode);
+        return mcpu_fail(st, MCPU_ERR_VALUE,
+                         "mcpu_compile_library: mode %u has unknown bits (MCPU_CHECKED = 1, "
+                         "MCPU_LOCKSTEP = 2)",
+                         mode);
     if (!source_name || !*source_name) source_name = "kernel.metal";
     return compile(source, source_name, macros, n_macros, mode, out, st);
 }
@@ -282,7 +285,6 @@ const char *const *mcpu_library_kernels(const mcpu_library *lib) {
 }
 
 uint32_t mcpu_library_mode(const mcpu_library *lib) { return lib ? lib->mode : 0u; }
-
 
 
 mcpu_kernel_fn mcpu_library_kernel(const mcpu_library *lib, const char *name) {

@@ -60,8 +60,8 @@ enum { MCPU_CHECKED = 1u, MCPU_LOCKSTEP = 2u, MCPU_MODES = MCPU_CHECKED | MCPU_L
  * cache holds an entry it refuses to trust (docs/security.md). Compiler runs
  * time out after $FLASHATTN_MPS_COMPILE_TIMEOUT seconds (default 600). Thread-safe and safe
  * across processes sharing the disk cache. */
-int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros,
-                             uint32_t n_macros, uint32_t mode, mcpu_library **out, mcpu_status *st);
+int32_t mcpu_compile_library(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+                             uint32_t mode, mcpu_library **out, mcpu_status *st);
 uint32_t mcpu_library_mode(const mcpu_library *lib);
 
 /* Whether libraries are built checked unless said otherwise (the Python API's
@@ -144,8 +144,8 @@ typedef struct mcpu_api {
      * key caches of pipelines by, so that modes never mix. A bad environment reads as 0; its
      * error is reported by default_mode. */
     uint32_t (*generation)(void);
-    int32_t (*compile_library)(const char *source, const char *source_name, const mcpu_macro *macros,
-                               uint32_t n_macros, uint32_t mode, mcpu_library **out, mcpu_status *st);
+    int32_t (*compile_library)(const char *source, const char *source_name, const mcpu_macro *macros, uint32_t n_macros,
+                               uint32_t mode, mcpu_library **out, mcpu_status *st);
     mcpu_kernel_fn (*find_kernel)(const mcpu_library *lib, const char *name);
     int32_t (*dispatch)(const mcpu_library *lib, const mcpu_dispatch_args *args, mcpu_status *st);
 } mcpu_api;

@@ -28,6 +28,4 @@ int32_t mcpu_checked(mcpu_status *st) {
     return v;
 }
 
-void mcpu_set_checked(int32_t checked) {
-    atomic_store(&checked_default, checked < 0 ? CHECKED_UNREAD : checked != 0);
-}
+void mcpu_set_checked(int32_t checked) { atomic_store(&checked_default, checked < 0 ? CHECKED_UNREAD : checked != 0); }

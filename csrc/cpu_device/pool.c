@@ -28,16 +28,29 @@ static struct {
     pthread_once_t once;
     pthread_key_t key; /* a thread's signal stack, freed when the thread exits */
     pthread_mutex_t mu;
-    pthread_cond_t work, idle; /* a job wants helpers; a job's last helper left */
+    pthread_cond_t work, idle;         /* a job wants helpers; a job's last helper left */
     pthread_cond_t worker_free, watch; /* a worker was returned; the watchdog has a job to watch */
-    job *jobs;                 /* dispatches open to helpers */
-    job *active;               /* every running dispatch */
-    worker *workers;           /* every worker */
+    job *jobs;                         /* dispatches open to helpers */
+    job *active;                       /* every running dispatch */
+    worker *workers;                   /* every worker */
     uint32_t n_workers, max_workers;
-    uint32_t n_helpers;        /* helper threads started (0 again after fork) */
+    uint32_t n_helpers; /* helper threads started (0 again after fork) */
     int32_t watchdog_started, watchdog_waiting;
-} pool = {PTHREAD_ONCE_INIT, 0, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, NULL, NULL, 0, 0, 0, 0, 0};
+} pool = {PTHREAD_ONCE_INIT,
+          0,
+          PTHREAD_MUTEX_INITIALIZER,
+          PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER,
+          NULL,
+          NULL,
+          NULL,
+          0,
+          0,
+          0,
+          0,
+          0};
 
 enum { SIGNAL_STACK_BYTES = 64 * 1024 };
 static _Thread_local int32_t tls_signal_stack TLS_SIGNAL_SAFE;
@@ -79,7 +92,7 @@ int32_t mcpu_set_watchdog(double seconds, mcpu_status *st) {
     pthread_once(&time_limit_once, time_limit_from_environment);
     if (!(seconds >= 0) || seconds > 1e9)
         return mcpu_fail(st, MCPU_ERR_VALUE, "watchdog: seconds must be a number in 0..1e9 (0 turns it off), got %g",
-                       seconds);
+                         seconds);
     atomic_store(&time_limit, seconds);
     time_limit_error = NULL;
     return MCPU_OK;
@@ -284,15 +297,20 @@ int32_t mcpu_run(mcpu_kernel_fn fn, const msl_launch *launch, uint32_t mode, mcp
         on_copies.buffers = copies;
         launch = &on_copies;
     }
-    job j = {.fn = fn, .launch = launch, .n_groups = (uint64_t)g[0] * g[1] * g[2], .st = st, .checked = checked,
-             .lockstep = (mode & MCPU_LOCKSTEP) != 0, .guard = checked ? &guard : NULL};
+    job j = {.fn = fn,
+             .launch = launch,
+             .n_groups = (uint64_t)g[0] * g[1] * g[2],
+             .st = st,
+             .checked = checked,
+             .lockstep = (mode & MCPU_LOCKSTEP) != 0,
+             .guard = checked ? &guard : NULL};
     atomic_init(&j.next_group, 0);
     atomic_init(&j.failed, 0);
     pthread_once(&pool.once, pool_once);
     j.time_limit = mcpu_watchdog();
     if (time_limit_error)
         return mcpu_fail(st, MCPU_ERR_VALUE, "FLASHATTN_MPS_CPU_WATCHDOG='%s': expected seconds >= 0 (0: no limit)",
-                       time_limit_error);
+                         time_limit_error);
     signal_stack_for_this_thread();
     pthread_mutex_lock(&pool.mu);
     worker *w = acquire_worker(1);

@@ -99,7 +99,7 @@ typedef struct pp {
     char **hosts; /* kernel host names, in order */
     uint64_t nhosts, hcap;
     sbuf launchers;
-    sbuf violations; /* MSL rules broken, one "file:line:col: error: ... [rule: name]" line each */
+    sbuf violations;   /* MSL rules broken, one "file:line:col: error: ... [rule: name]" line each */
     uint64_t cast_end; /* strict: the address-space casts rewritten so far end here */
     int64_t nconds;    /* conditional operators rewritten so far */
     int32_t failed;
@@ -481,10 +481,8 @@ static int32_t literal_value(const pp *P, uint64_t a, uint64_t b, uint64_t *v) {
     if (b != a + 1 || !is(P, a, 'n')) return 0;
     const char *c = P->src + P->t[a].a, *end = P->src + P->t[a].b;
     uint64_t base = 10, x = 0;
-    if (c + 1 < end && c[0] == '0' && (c[1] == 'x' || c[1] == 'X'))
-        base = 16, c += 2;
-    else if (c[0] == '0')
-        base = 8;
+    if (c + 1 < end && c[0] == '0' && (c[1] == 'x' || c[1] == 'X')) base = 16, c += 2;
+    else if (c[0] == '0') base = 8;
     for (; c < end && *c != 'u' && *c != 'U' && *c != 'l' && *c != 'L'; c++) {
         if (*c == '\'') continue;
         uint64_t d = is_digit(*c) ? (uint64_t)(*c - '0') : (uint64_t)((*c | 0x20) - 'a' + 10);
@@ -498,12 +496,12 @@ static int32_t literal_value(const pp *P, uint64_t a, uint64_t b, uint64_t *v) {
 /* Buffer and threadgroup parameters without an index attribute take the one after the previous
  * parameter's of their kind (0 first), as Metal assigns them (MLX relies on it). */
 typedef struct slots {
-    char *last[2];      /* the last explicit index of buffers [0] and threadgroup memory [1] */
-    uint32_t next[2];   /* parameters of that kind since */
-    int32_t known[2];   /* whether the last index is a literal, of value value[kind] */
+    char *last[2];    /* the last explicit index of buffers [0] and threadgroup memory [1] */
+    uint32_t next[2]; /* parameters of that kind since */
+    int32_t known[2]; /* whether the last index is a literal, of value value[kind] */
     uint64_t value[2];
-    uint32_t used[2];   /* bit n: a non-optional parameter of that kind has index n */
-    uint32_t count[2];  /* parameters of that kind */
+    uint32_t used[2];  /* bit n: a non-optional parameter of that kind has index n */
+    uint32_t count[2]; /* parameters of that kind */
 } slots;
 
 static int32_t address_space_word(const pp *P, uint64_t k) {
@@ -531,8 +529,7 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
                 }
                 int32_t args = it[m].b > it[m].a;
                 if (args && !word(P, w, "buffer") && !word(P, w, "threadgroup")) {
-                    fail_at(P, w,
-                            "kernel '%s': unsupported parameter attribute '%.*s' on the CPU Metal device", fn,
+                    fail_at(P, w, "kernel '%s': unsupported parameter attribute '%.*s' on the CPU Metal device", fn,
                             (int)(P->t[w].b - P->t[w].a), P->src + P->t[w].a);
                     return;
                 }
@@ -561,7 +558,8 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
     if ((ptr || ref) && !space)
         violation(P, a, "pointer-address-space",
                   "kernel '%s': pointer or reference parameter %u has no address space (device, constant or "
-                  "threadgroup)", fn, index);
+                  "threadgroup)",
+                  fn, index);
     sb_puts(out, index ? ", " : "");
     if (bound && !role) {
         sb_printf(out, "::msl_rt::builtin::%.*s(__t)", (int)(P->t[role_item].b - P->t[role_item].a),
@@ -581,26 +579,21 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
     sbuf at = {0};
     uint64_t v = 0;
     int32_t known = 1;
-    if (!sl->last[kind])
-        v = plus - 1;
-    else if (sl->known[kind])
-        v = sl->value[kind] > UINT64_MAX - plus ? UINT64_MAX : sl->value[kind] + plus;
-    else
-        known = 0;
-    if (known)
-        sb_printf(&at, "%llu", (unsigned long long)v);
-    else if (plus)
-        sb_printf(&at, "::msl_rt::argument_index<(%s) + %u>()", sl->last[kind], plus);
-    else
-        sb_printf(&at, "::msl_rt::argument_index<(%s)>()", sl->last[kind]);
+    if (!sl->last[kind]) v = plus - 1;
+    else if (sl->known[kind]) v = sl->value[kind] > UINT64_MAX - plus ? UINT64_MAX : sl->value[kind] + plus;
+    else known = 0;
+    if (known) sb_printf(&at, "%llu", (unsigned long long)v);
+    else if (plus) sb_printf(&at, "::msl_rt::argument_index<(%s) + %u>()", sl->last[kind], plus);
+    else sb_printf(&at, "::msl_rt::argument_index<(%s)>()", sl->last[kind]);
     if (known && v > MAX_ARG_INDEX) {
         violation(P, bound ? role_a : a, kind ? "threadgroup-index" : "buffer-index",
                   "kernel '%s': parameter %u is bound to [[%s(%llu)]], beyond Metal's argument table (%s "
-                  "indices are 0 to %d)", fn, index, table, (unsigned long long)v, table, MAX_ARG_INDEX);
+                  "indices are 0 to %d)",
+                  fn, index, table, (unsigned long long)v, table, MAX_ARG_INDEX);
     } else if (known && !optional && (sl->used[kind] >> v & 1u)) {
         violation(P, bound ? role_a : a, kind ? "threadgroup-index-reused" : "buffer-index-reused",
-                  "kernel '%s': parameter %u is bound to [[%s(%llu)]], which another parameter already uses",
-                  fn, index, table, (unsigned long long)v);
+                  "kernel '%s': parameter %u is bound to [[%s(%llu)]], which another parameter already uses", fn, index,
+                  table, (unsigned long long)v);
     } else if (known && !optional) {
         sl->used[kind] |= 1u << v;
     }
@@ -674,9 +667,8 @@ static void launcher(pp *P, uint64_t at, const char *host, const char *call, con
     /* A global kernel is called as ::name: `using namespace metal;` would make a kernel named like
      * a metal:: entity (vec, min, ...) ambiguous, while Metal itself never names it in a call. */
     const char *scope = P->nns == 0 && (is_ident(call[0]) && !is_digit(call[0])) ? "::" : "";
-    sb_printf(
-        L, "extern \"C\" void __msl_launch_%s(void) { msl_thread *__t = ::msl_rt::api->current(); %s%s(%s); }",
-        host, scope, call, args);
+    sb_printf(L, "extern \"C\" void __msl_launch_%s(void) { msl_thread *__t = ::msl_rt::api->current(); %s%s(%s); }",
+              host, scope, call, args);
     for (uint64_t i = 0; i < P->nns; i++) sb_puts(L, " }");
     sb_puts(L, "\n");
 }
@@ -761,10 +753,8 @@ static void instantiation(pp *P, uint64_t s, uint64_t e, head *h) {
     if (tname && h->paren < e) {
         if (!args || P->strict) { /* the signature's own attributes go too */
             char *own = params(P, h->paren, tname);
-            if (args)
-                free(own);
-            else
-                args = own;
+            if (args) free(own);
+            else args = own;
         }
         sig = joined(P, h->paren + 1, skip_group(P, h->paren) - 1, 0);
     }
@@ -772,18 +762,13 @@ static void instantiation(pp *P, uint64_t s, uint64_t e, head *h) {
         fail_at(P, s, "kernel template '%s' (for host_name \"%s\") is not defined before its instantiation",
                 tname ? tname : "", h->host);
     if (args && callee) {
-        if (sig)
-            sb_printf(&call, "(static_cast<void (*)(%s)>(&%s))", sig, callee);
-        else
-            sb_printf(&call, "(&%s)", callee);
-        if (call.oom)
-            oom(P);
-        else
-            launcher(P, s, h->host, call.p, args);
+        if (sig) sb_printf(&call, "(static_cast<void (*)(%s)>(&%s))", sig, callee);
+        else sb_printf(&call, "(&%s)", callee);
+        if (call.oom) oom(P);
+        else launcher(P, s, h->host, call.p, args);
         if (P->strict) /* kept as a plain explicit instantiation, so clang checks the body */
             blank_attrs(P, s, h->paren);
-        else
-            add_edit(P, P->t[s].a, P->t[e].b, NULL);
+        else add_edit(P, P->t[s].a, P->t[e].b, NULL);
     }
     free(callee);
     free(tname);
@@ -818,12 +803,11 @@ static void constant_decl(pp *P, uint64_t s, uint64_t e) {
             fail_at(P, s, "expected `constant T name [[function_constant(n)]];`");
             return;
         }
-        char *type = joined(P, s + 1, attr - 1, 1), *name = text(P, attr - 1, attr),
-             *index = text(P, it[0].a, it[0].b);
+        char *type = joined(P, s + 1, attr - 1, 1), *name = text(P, attr - 1, attr), *index = text(P, it[0].a, it[0].b);
         if (type && name && index) {
             sbuf r = {0};
-            sb_printf(&r, "const ::msl_rt::function_constant<%s, %s> %s{\"%s\", __FILE__, __LINE__};", type,
-                      index, name, name);
+            sb_printf(&r, "const ::msl_rt::function_constant<%s, %s> %s{\"%s\", __FILE__, __LINE__};", type, index,
+                      name, name);
             if (r.oom) oom(P);
             add_edit(P, P->t[s].a, P->t[e].b, r.p);
             push_str(P, &P->fc, &P->nfc, &P->fccap, name);
@@ -857,7 +841,7 @@ typedef struct body {
     const char *kernel; /* the kernel's name; NULL in any other function */
     const char *fn;     /* a namespace-scope function's name (to find direct recursion), or NULL */
     uint32_t min_args, max_args;
-    uint32_t depth;     /* of the block being walked; the body's own is 1 */
+    uint32_t depth; /* of the block being walked; the body's own is 1 */
     /* the kernel-scope threadgroup variables of the open blocks, with their blocks' depths */
     char *tg[MAX_TG_VARS];
     uint32_t tg_depth[MAX_TG_VARS], ntg;
@@ -883,8 +867,7 @@ static void threadgroup_budget(pp *P, uint64_t e, body *B) {
  * the index to continue from. */
 static uint64_t threadgroup_decl(pp *P, uint64_t i, body *B) {
     uint64_t e = i + 1;
-    while (e < P->n && !is(P, e, ';') && !is(P, e, '{') && !is(P, e, '}'))
-        e = opens(P, e) ? skip_group(P, e) : e + 1;
+    while (e < P->n && !is(P, e, ';') && !is(P, e, '{') && !is(P, e, '}')) e = opens(P, e) ? skip_group(P, e) : e + 1;
     if (!is(P, e, ';')) return i;
     /* declarators: type name dims, then ", name dims" ... */
     sbuf r = {0};
@@ -913,14 +896,14 @@ static uint64_t threadgroup_decl(pp *P, uint64_t i, body *B) {
         if (!B->kernel && first)
             violation(P, name, "threadgroup-scope",
                       "threadgroup variable '%s' declared outside a kernel function's scope (pass a threadgroup "
-                      "pointer from the kernel instead)", nm ? nm : "");
+                      "pointer from the kernel instead)",
+                      nm ? nm : "");
         if (B->kernel && nm && B->ntg < MAX_TG_VARS) {
             B->tg_depth[B->ntg] = B->depth;
             B->tg[B->ntg++] = dup_n(P, nm, strlen(nm));
         }
         if (type && nm && dm)
-            sb_printf(&r, "%sauto &%s = ::msl_rt::threadgroup_static<%s%s>([] {});", first ? "" : " ", nm,
-                      type, dm);
+            sb_printf(&r, "%sauto &%s = ::msl_rt::threadgroup_static<%s%s>([] {});", first ? "" : " ", nm, type, dm);
         free(nm);
         free(dm);
         first = 0;
@@ -1044,10 +1027,8 @@ static uint64_t condition_start(const pp *P, uint64_t q, int32_t *angle) {
                 k = j - 1;
                 continue;
             }
-            if (angles)
-                angles--;
-            else if (j > 0 && is(P, j - 1, 'w') && !(is(P, j + 1, '=') && adjacent(P, j, j + 1)))
-                *angle = 1;
+            if (angles) angles--;
+            else if (j > 0 && is(P, j - 1, 'w') && !(is(P, j + 1, '=') && adjacent(P, j, j + 1))) *angle = 1;
         }
         k = j;
     }
@@ -1124,8 +1105,8 @@ static uint64_t walk_body(pp *P, uint64_t i, body *B) {
         if (word(P, i, "threadgroup") && stmt) i = threadgroup_decl(P, i, B);
         if (is(P, i, '?')) conditional(P, i);
         if (P->strict && word(P, i, "static") && stmt) static_local(P, i);
-        if (P->strict && B->fn && word(P, i, B->fn) && is(P, i + 1, '(') && !is(P, i - 1, '.') &&
-            !is(P, i - 1, 'A') && !is(P, i - 1, 'D') && definitions(P, B->fn) == 1) {
+        if (P->strict && B->fn && word(P, i, B->fn) && is(P, i + 1, '(') && !is(P, i - 1, '.') && !is(P, i - 1, 'A') &&
+            !is(P, i - 1, 'D') && definitions(P, B->fn) == 1) {
             uint32_t n = call_args(P, i + 1);
             if (n >= B->min_args && n <= B->max_args)
                 violation(P, i, "recursion", "function '%s' calls itself (MSL has no recursion)", B->fn);
@@ -1143,8 +1124,7 @@ static int32_t classify(const pp *P, uint64_t s, uint64_t e) {
     if (word(P, i, "template") && is(P, i + 1, '<')) i = skip_angles(P, i + 1);
     for (uint64_t k = i; k < e; k = opens(P, k) ? skip_group(P, k) : k + 1) {
         if (word(P, k, "namespace")) return SC_NAMESPACE;
-        if (!paren &&
-            (word(P, k, "struct") || word(P, k, "class") || word(P, k, "union") || word(P, k, "enum")))
+        if (!paren && (word(P, k, "struct") || word(P, k, "class") || word(P, k, "union") || word(P, k, "enum")))
             return SC_CLASS;
         if (is(P, k, '=') && k > i && !word(P, k - 1, "operator") && !strchr("=!<>+-*/%&|^", P->t[k - 1].k))
             return SC_INIT;
@@ -1158,12 +1138,9 @@ static int32_t classify(const pp *P, uint64_t s, uint64_t e) {
 static void statement(pp *P, uint64_t s, uint64_t e) {
     head h;
     scan_head(P, s, e, &h);
-    if (h.kernel && h.explicit_inst)
-        instantiation(P, s, e, &h);
-    else if (h.kernel)
-        kernel_fn(P, s, e, &h, 0);
-    else if (word(P, s, "constant"))
-        constant_decl(P, s, e);
+    if (h.kernel && h.explicit_inst) instantiation(P, s, e, &h);
+    else if (h.kernel) kernel_fn(P, s, e, &h, 0);
+    else if (word(P, s, "constant")) constant_decl(P, s, e);
     free(h.host);
 }
 
@@ -1254,10 +1231,8 @@ static void space_member(pp *P, uint64_t open, uint64_t s, uint64_t h, uint64_t 
                 "device runs one body for objects in every address space (C++ has no such overloads outside "
                 "OpenCL), so it refuses the set rather than run the wrong body",
                 (int)(P->t[name].b - P->t[name].a), P->src + P->t[name].a);
-    if (P->strict || twin)
-        add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
-    else
-        add_edit(P, P->t[space].a, P->t[space].b, NULL);
+    if (P->strict || twin) add_edit(P, P->t[s].a, P->t[e - 1].b, NULL);
+    else add_edit(P, P->t[space].a, P->t[space].b, NULL);
 }
 
 /* Declarations of a namespace (or class) body from i; returns the index after its '}'. in_class:
@@ -1383,14 +1358,10 @@ static uint64_t operand_end(const pp *P, uint64_t k) {
         return k;
     }
     for (;;) {
-        if (is(P, k, '[') || is(P, k, '('))
-            k = skip_group(P, k);
-        else if ((is(P, k, '.') || is(P, k, 'A') || is(P, k, 'D')) && is(P, k + 1, 'w'))
-            k += 2;
-        else if ((is(P, k, '+') || is(P, k, '-')) && P->t[k + 1].k == P->t[k].k && P->t[k + 1].a == P->t[k].b)
-            k += 2;
-        else
-            return k;
+        if (is(P, k, '[') || is(P, k, '(')) k = skip_group(P, k);
+        else if ((is(P, k, '.') || is(P, k, 'A') || is(P, k, 'D')) && is(P, k + 1, 'w')) k += 2;
+        else if ((is(P, k, '+') || is(P, k, '-')) && P->t[k + 1].k == P->t[k].k && P->t[k + 1].a == P->t[k].b) k += 2;
+        else return k;
     }
 }
 
@@ -1478,8 +1449,7 @@ static char *render(pp *P) {
         sb_puts(&out, "#line 1 \"<msl launchers>\"\n");
         if (P->launchers.n) sb_put(&out, P->launchers.p, P->launchers.n);
         if (P->launchers.oom) out.oom = 1;
-        sb_puts(&out,
-                "#line 1 \"<msl kernel names>\"\nextern \"C\" const char *const __msl_kernel_names[] = {");
+        sb_puts(&out, "#line 1 \"<msl kernel names>\"\nextern \"C\" const char *const __msl_kernel_names[] = {");
         for (uint64_t i = 0; i < P->nhosts; i++) sb_printf(&out, "\"%s\", ", P->hosts[i]);
         sb_puts(&out, "NULL};\n");
     }

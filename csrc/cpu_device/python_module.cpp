@@ -32,14 +32,9 @@ PyObject *dispatch_error_type = nullptr;
         throw py::error_already_set();
     }
     switch (st.code) {
-    case MCPU_ERR_VALUE:
-        throw py::value_error(st.message);
-    case MCPU_ERR_COMPILE:
-        PyErr_SetString(compile_error_type, st.message);
-        throw py::error_already_set();
-    default:
-        PyErr_SetString(dispatch_error_type, st.message);
-        throw py::error_already_set();
+    case MCPU_ERR_VALUE: throw py::value_error(st.message);
+    case MCPU_ERR_COMPILE: PyErr_SetString(compile_error_type, st.message); throw py::error_already_set();
+    default: PyErr_SetString(dispatch_error_type, st.message); throw py::error_already_set();
     }
 }
 
@@ -70,11 +65,11 @@ Library compile_library(const std::string &source, const std::string &name,
         if (checked < 0) {
             checked = mcpu_checked(&st);
         }
-        rc = checked < 0 ? st.code
-                         : mcpu_compile_library(source.c_str(), name.c_str(), c_macros.data(),
-                                                static_cast<uint32_t>(c_macros.size()),
-                                                (checked ? MCPU_CHECKED : 0u) | (lockstep ? MCPU_LOCKSTEP : 0u), &lib,
-                                                &st);
+        rc = checked < 0
+                 ? st.code
+                 : mcpu_compile_library(source.c_str(), name.c_str(), c_macros.data(),
+                                        static_cast<uint32_t>(c_macros.size()),
+                                        (checked ? MCPU_CHECKED : 0u) | (lockstep ? MCPU_LOCKSTEP : 0u), &lib, &st);
     }
     check(rc, st);
     return Library{lib};

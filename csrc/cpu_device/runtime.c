@@ -48,8 +48,7 @@ static void check_interval_end(worker *w); /* checked mode */
 static inline int same_string(const char *a, const char *b) { return a == b || strcmp(a, b) == 0; }
 
 static inline int same_point(const gthread *a, const gthread *b) {
-    return a->line == b->line && a->kind == b->kind && same_string(a->file, b->file) &&
-           same_string(a->what, b->what);
+    return a->line == b->line && a->kind == b->kind && same_string(a->file, b->file) && same_string(a->what, b->what);
 }
 
 static int same_place(const gthread *a, const gthread *b) {
@@ -270,8 +269,7 @@ static void thread_main(void *arg) {
     scope *s = &w->simd[sg];
     s->live--;
     w->xchg[sg].live_lanes &= ~(1u << g->t.thread_index_in_simdgroup);
-    if (w->group.arrived)
-        group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
+    if (w->group.arrived) group_fail(w, MCPU_ERR_RUNTIME, -1, "threadgroup_barrier reached by only some threads");
     settle_simd(w, sg, g); /* the exited lane may have been the last one running */
     if (w->n_done == w->n_threads) check_interval_end(w);
     if (w->n_done == w->n_threads) mcpu_fiber_switch(&g->fiber, &w->home);
@@ -291,8 +289,7 @@ static void *rt_threadgroup_static(msl_thread *t, const void *key, uint64_t size
     for (uint32_t i = 0; i < w->n_statics; i++)
         if (w->statics[i].key == key) return w->statics[i].ptr;
     if (w->n_statics == MAX_STATIC_SITES)
-        group_fail(w, MCPU_ERR_RUNTIME, -2, "more than %d kernel-scope threadgroup arrays",
-                   MAX_STATIC_SITES);
+        group_fail(w, MCPU_ERR_RUNTIME, -2, "more than %d kernel-scope threadgroup arrays", MAX_STATIC_SITES);
     uintptr_t base = (uintptr_t)w->tg_memory, a = align > 1 ? (uintptr_t)align : 1;
     uint64_t offset = ((base + w->tg_used + a - 1) & ~(a - 1)) - base;
     if (offset + size > MCPU_MAX_THREADGROUP_MEMORY)
@@ -491,8 +488,14 @@ static void check_buffer(worker *w, uintptr_t a, uint64_t size, int32_t kind, co
         uint64_t d = a < start ? start - a : a - start >= len ? a - start - len : 0;
         if (d < distance) nearest = i, distance = d;
     }
-    finding f = {.what = FOUND_OUT_OF_BOUNDS, .access = kind, .other = NO_THREAD, .pc = pc, .size = size,
-                 .bytes = g->length[nearest], .offset = (int64_t)(a - g->start[nearest]), .space = IN_BUFFER,
+    finding f = {.what = FOUND_OUT_OF_BOUNDS,
+                 .access = kind,
+                 .other = NO_THREAD,
+                 .pc = pc,
+                 .size = size,
+                 .bytes = g->length[nearest],
+                 .offset = (int64_t)(a - g->start[nearest]),
+                 .space = IN_BUFFER,
                  .index = (int32_t)g->index[nearest]};
     name_threads(w, &f);
     report_finding(w, &f);
@@ -516,7 +519,8 @@ static gthread *lockstep_next(worker *w, const gthread *g, uint32_t among) {
     gthread *lanes = &w->threads[sg * MSL_SIMD_WIDTH];
     for (uint32_t live = w->xchg[sg].live_lanes & ~(1u << me); live; live &= live - 1) {
         gthread *l = &lanes[__builtin_ctz(live)];
-        if (l->state == READY && ((among >> __builtin_ctz(live) & 1u) || !w->lockstep->pc[l->t.thread_index_in_threadgroup]))
+        if (l->state == READY &&
+            ((among >> __builtin_ctz(live) & 1u) || !w->lockstep->pc[l->t.thread_index_in_threadgroup]))
             return l;
     }
     return NULL;
@@ -578,8 +582,8 @@ static void rt_access(const void *address, uint64_t size, int32_t kind, const vo
 }
 
 const msl_runtime_api *mcpu_runtime_api(void) {
-    static const msl_runtime_api api = {MSL_ABI_VERSION, rt_current, rt_sync, rt_threadgroup_static,
-                                        rt_fail, rt_fail_argument, rt_unbound_storage, rt_access};
+    static const msl_runtime_api api = {MSL_ABI_VERSION,  rt_current,         rt_sync,  rt_threadgroup_static, rt_fail,
+                                        rt_fail_argument, rt_unbound_storage, rt_access};
     return &api;
 }
 
@@ -669,18 +673,18 @@ static void report_fault(worker *w) {
     add(&m, "kernel '%s': ", w->job->launch->kernel_name);
     long slot = mcpu_stack_region_guard_slot(&w->stacks, w->fault_address);
     if (slot >= 0)
-        add(&m, "stack overflow: the thread's %zu KiB fiber stack is exhausted (deep recursion or large local "
-                "arrays)", (size_t)MCPU_FIBER_STACK_BYTES / 1024); /* at least; fiber.c staggers the tops */
+        add(&m,
+            "stack overflow: the thread's %zu KiB fiber stack is exhausted (deep recursion or large local "
+            "arrays)",
+            (size_t)MCPU_FIBER_STACK_BYTES / 1024); /* at least; fiber.c staggers the tops */
     else if (general_protection_fault(sig, w->fault_code))
         add(&m, "invalid memory access (SIGSEGV, a general protection fault), e.g. a wild pointer (an address "
                 "outside the address space)");
     else if (sig == SIGSEGV || sig == SIGBUS)
         add(&m, "invalid memory access (%s) at address %p, e.g. an out-of-bounds index into a buffer",
             sig == SIGSEGV ? "SIGSEGV" : "SIGBUS", w->fault_address);
-    else if (sig == SIGFPE)
-        add(&m, "arithmetic fault (SIGFPE)");
-    else
-        add(&m, "illegal instruction (SIGILL), e.g. a trap the compiler put where behaviour is undefined");
+    else if (sig == SIGFPE) add(&m, "arithmetic fault (SIGFPE)");
+    else add(&m, "illegal instruction (SIGILL), e.g. a trap the compiler put where behaviour is undefined");
     add(&m, " in threadgroup (%u,%u,%u), thread (%u,%u,%u) of it (index %u)", p[0], p[1], p[2], tp[0], tp[1], tp[2],
         g->t.thread_index_in_threadgroup);
     Dl_info info;
@@ -733,10 +737,9 @@ static void run_threadgroup(worker *w, uint64_t index) {
         make_ready(w, g);
     }
     w->running = take_ready(w);
-    if (sigsetjmp(w->escape, 0) == 0) /* a fault or a stop in kernel code comes back here */
+    if (sigsetjmp(w->escape, 0) == 0)                    /* a fault or a stop in kernel code comes back here */
         mcpu_fiber_switch(&w->home, &w->running->fiber); /* back when all threads exited or one failed */
-    else if (w->fault_signal)
-        report_fault(w);
+    else if (w->fault_signal) report_fault(w);
     w->in_kernel = 0;
     w->running = NULL;
 }
@@ -760,4 +763,3 @@ void work(worker *w, job *j) {
     w->checked = NULL;
     w->lockstep = NULL;
 }
-

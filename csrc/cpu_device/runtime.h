@@ -148,16 +148,16 @@ typedef struct lockstep_state {
 typedef struct worker {
     mcpu_fiber home; /* the OS thread's own stack: threadgroups start and end here */
     job *job;
-    volatile sig_atomic_t in_kernel; /* a fiber runs kernel code: its faults are the kernel's */
-    sigjmp_buf escape;               /* in run_threadgroup: where a fault or a stop lands */
+    volatile sig_atomic_t in_kernel;       /* a fiber runs kernel code: its faults are the kernel's */
+    sigjmp_buf escape;                     /* in run_threadgroup: where a fault or a stop lands */
     volatile int fault_signal, fault_code; /* 0: stopped (SIGINT, watchdog) */
     void *volatile fault_address;
     void *volatile fault_pc;
     mcpu_stack_region stacks;
-    uint32_t n_stacks;    /* slots taken */
-    pthread_t thread;     /* the thread using it, while in_use */
+    uint32_t n_stacks;       /* slots taken */
+    pthread_t thread;        /* the thread using it, while in_use */
     int32_t in_use, trimmed; /* under pool.mu */
-    struct worker *next;  /* pool.workers list */
+    struct worker *next;     /* pool.workers list */
     gthread *running;
     uint32_t n_threads, n_simdgroups, n_done;
     scope group, simd[MAX_SIMDGROUPS];
@@ -174,7 +174,7 @@ typedef struct worker {
     } statics[MAX_STATIC_SITES];
     uint32_t n_statics;
     msl_simd_exchange xchg[MAX_SIMDGROUPS];
-    checked_state *checked; /* for a checked dispatch */
+    checked_state *checked;   /* for a checked dispatch */
     lockstep_state *lockstep; /* for a lockstep dispatch */
     gthread threads[MAX_THREADS];
 } worker;

@@ -15,7 +15,7 @@
 static const int handled_signals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGINT, SIGURG};
 enum { N_HANDLED = sizeof handled_signals / sizeof handled_signals[0] };
 static struct sigaction previous[N_HANDLED]; /* what each handler passes other signals on to */
-static _Atomic uint64_t interrupts;           /* SIGINTs seen */
+static _Atomic uint64_t interrupts;          /* SIGINTs seen */
 
 static int handled_index(int sig) {
     for (int i = 0; i < N_HANDLED; i++)
@@ -79,4 +79,3 @@ static pthread_once_t signals_once = PTHREAD_ONCE_INIT;
 void mcpu_signals_ensure(void) { pthread_once(&signals_once, mcpu_signals_reinstall); }
 
 uint64_t mcpu_interrupts(void) { return atomic_load(&interrupts); }
-

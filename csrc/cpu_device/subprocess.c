@@ -137,7 +137,9 @@ int32_t run(char *const argv[], char **out, char **err, double timeout) {
             }
             nanosleep(&(struct timespec){0, 20000000}, NULL);
         }
-        int32_t stop = mcpu_interrupts() != tls_interrupts ? RUN_INTERRUPTED : now_seconds() > deadline ? RUN_TIMEOUT : 0;
+        int32_t stop = mcpu_interrupts() != tls_interrupts ? RUN_INTERRUPTED
+                       : now_seconds() > deadline          ? RUN_TIMEOUT
+                                                           : 0;
         if (stop) {
             kill(-pid, SIGKILL); /* the compiler's own children (cc1plus, ld) too */
             kill(pid, SIGKILL);
@@ -165,7 +167,7 @@ int32_t compile_timeout(double *seconds, mcpu_status *st) {
     double v = strtod(env, &end);
     if (*end || !(v > 0))
         return mcpu_fail(st, MCPU_ERR_VALUE, "FLASHATTN_MPS_COMPILE_TIMEOUT='%s': expected a number of seconds > 0",
-                       env);
+                         env);
     *seconds = v;
     return MCPU_OK;
 }

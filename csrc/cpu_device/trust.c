@@ -30,10 +30,10 @@ const char *untrusted(const struct stat *sb, char why[160]) {
 
 int32_t refuse(mcpu_status *st, const char *path, const char *why) {
     return mcpu_fail(st, MCPU_ERR_COMPILE,
-                   "CPU Metal device: refusing to use %s from the kernel cache: %s; the cache trusts only "
-                   "entries that are not symbolic links, are owned by the current user and are writable by "
-                   "nobody else (fix or remove it, or set FLASHATTN_MPS_CACHE to a private directory)",
-                   path, why);
+                     "CPU Metal device: refusing to use %s from the kernel cache: %s; the cache trusts only "
+                     "entries that are not symbolic links, are owned by the current user and are writable by "
+                     "nobody else (fix or remove it, or set FLASHATTN_MPS_CACHE to a private directory)",
+                     path, why);
 }
 
 /* A directory the cache may use: refused if it is a symbolic link, not a directory, someone
@@ -42,8 +42,9 @@ int32_t trusted_dir(const char *path, mcpu_status *st) {
     struct stat sb;
     char why[160];
     if (lstat(path, &sb)) return io_fail(st, "use directory", path);
-    const char *bad = S_ISLNK(sb.st_mode) ? "it is a symbolic link" : !S_ISDIR(sb.st_mode) ? "it is not a directory"
-                                                                                          : untrusted(&sb, why);
+    const char *bad = S_ISLNK(sb.st_mode)    ? "it is a symbolic link"
+                      : !S_ISDIR(sb.st_mode) ? "it is not a directory"
+                                             : untrusted(&sb, why);
     return bad ? refuse(st, path, bad) : MCPU_OK;
 }
 
@@ -66,8 +67,9 @@ int open_trusted(const char *path, mcpu_status *st) {
     }
     struct stat sb;
     char why[160];
-    const char *bad = fstat(fd, &sb) ? strerror(errno) : !S_ISREG(sb.st_mode) ? "it is not a regular file"
-                                                                                : untrusted(&sb, why);
+    const char *bad = fstat(fd, &sb)         ? strerror(errno)
+                      : !S_ISREG(sb.st_mode) ? "it is not a regular file"
+                                             : untrusted(&sb, why);
     if (bad) {
         refuse(st, path, bad);
         close(fd);

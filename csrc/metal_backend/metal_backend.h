@@ -76,18 +76,18 @@ enum {
 typedef struct fa_metal_device_info {
     char name[128];
     uint64_t registry_id;
-    int32_t chosen_by;              /* FA_METAL_DEVICE_* */
+    int32_t chosen_by; /* FA_METAL_DEVICE_* */
     int32_t low_power;
-    uint32_t families;              /* FA_GPU_* */
+    uint32_t families; /* FA_GPU_* */
     uint64_t max_threadgroup_memory;
-    int32_t torch_device_known;     /* 1 if torch's command buffer was asked for its device */
-    uint64_t torch_registry_id;     /* its registryID when known */
+    int32_t torch_device_known; /* 1 if torch's command buffer was asked for its device */
+    uint64_t torch_registry_id; /* its registryID when known */
     /* Read back from the MTLCompileOptions kernels compile with: */
-    int32_t language_version;       /* MSL version x 100: 300 or 310; 0 if left to Metal */
-    int32_t fast_math;              /* fastMathEnabled */
-    int32_t math_mode;              /* MTLMathMode (0 safe, 1 relaxed, 2 fast); -1 before macOS 15 */
-    int32_t math_fp32_functions;    /* MTLMathFloatingPointFunctions (0 fast, 1 precise); -1 before 15 */
-    int32_t stream_mode;            /* fa_metal_stream_mode in effect */
+    int32_t language_version;    /* MSL version x 100: 300 or 310; 0 if left to Metal */
+    int32_t fast_math;           /* fastMathEnabled */
+    int32_t math_mode;           /* MTLMathMode (0 safe, 1 relaxed, 2 fast); -1 before macOS 15 */
+    int32_t math_fp32_functions; /* MTLMathFloatingPointFunctions (0 fast, 1 precise); -1 before 15 */
+    int32_t stream_mode;         /* fa_metal_stream_mode in effect */
     int32_t debug;
     int32_t check_buffers;
 } fa_metal_device_info;

@@ -95,7 +95,7 @@ static id<MTLDevice> torch_device(void) {
     if (!queue) return nil;
     __block id<MTLDevice> device = nil;
     dispatch_sync(queue, ^{
-        device = ((__bridge id<MTLCommandBuffer>)((torch_getter)g_torch[FA_TORCH_GET_COMMAND_BUFFER])()).device;
+      device = ((__bridge id<MTLCommandBuffer>)((torch_getter)g_torch[FA_TORCH_GET_COMMAND_BUFFER])()).device;
     });
     return device;
 }
@@ -125,10 +125,10 @@ static void choose_device(void) {
 static int32_t metal_init(fa_status *st) {
     static dispatch_once_t once;
     dispatch_once(&once, ^{
-        @autoreleasepool {
-            choose_device();
-            g_queue = [g_device newCommandQueue]; // nil when g_device is nil
-        }
+      @autoreleasepool {
+          choose_device();
+          g_queue = [g_device newCommandQueue]; // nil when g_device is nil
+      }
     });
     if (!g_device || !g_queue) {
         return fa_fail(st, FA_ERR_UNSUPPORTED, "Metal backend: no Metal device on this machine");
@@ -162,19 +162,21 @@ int32_t fa_metal_check_buffer(void *handle, int64_t needed_bytes, fa_status *st)
         return fa_fail(st, FA_ERR_TYPE,
                        "MPS storage handle %p is not an Objective-C object, so not an id<MTLBuffer> "
                        "(torch's MPS data_ptr layout may have changed; this build expects the buffer "
-                       "object; FLASHATTN_MPS_NO_BUFFER_CHECK=1 skips this check)", handle);
+                       "object; FLASHATTN_MPS_NO_BUFFER_CHECK=1 skips this check)",
+                       handle);
     }
     @autoreleasepool {
         id obj = (__bridge id)handle;
         if (identify && ![obj conformsToProtocol:@protocol(MTLBuffer)]) {
             return fa_fail(st, FA_ERR_TYPE,
                            "MPS storage handle %p is a %s, not an id<MTLBuffer> "
-                           "(FLASHATTN_MPS_NO_BUFFER_CHECK=1 skips this check)", handle, class_name(obj));
+                           "(FLASHATTN_MPS_NO_BUFFER_CHECK=1 skips this check)",
+                           handle, class_name(obj));
         }
         NSUInteger length = ((id<MTLBuffer>)obj).length;
         if (needed_bytes < 0 || (uint64_t)needed_bytes > length) {
-            return fa_fail(st, FA_ERR_TYPE, "MTLBuffer %p (a %s) has %llu bytes, %lld are addressed",
-                           handle, class_name(obj), (unsigned long long)length, (long long)needed_bytes);
+            return fa_fail(st, FA_ERR_TYPE, "MTLBuffer %p (a %s) has %llu bytes, %lld are addressed", handle,
+                           class_name(obj), (unsigned long long)length, (long long)needed_bytes);
         }
     }
     return FA_OK;
@@ -200,7 +202,7 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
         opts.languageVersion = MTLLanguageVersion3_1;
     } else
 #endif
-    if (@available(macOS 13.0, *)) {
+        if (@available(macOS 13.0, *)) {
         opts.languageVersion = MTLLanguageVersion3_0;
     }
     // No fast math: masked scores are -inf (exp2(-inf) == 0), fully masked rows and NaN inputs
@@ -232,22 +234,20 @@ static id<MTLComputePipelineState> new_labelled_pipeline(id<MTLFunction> fn, NSS
 
 // The cached pipeline of `identity`, or NULL.
 static id<MTLComputePipelineState> cached_pipeline(const fa_pipeline_key *key, const void *lib,
-                                                   fa_pipeline_identity *identity, size_t *len,
-                                                   fa_status *st) {
+                                                   fa_pipeline_identity *identity, size_t *len, fa_status *st) {
     *len = fa_pipeline_identity_of(key, lib, identity, st);
     void *pso = *len ? fa_cache_get(&g_pipelines, identity, *len) : NULL;
     return pso ? (__bridge id<MTLComputePipelineState>)pso : nil;
 }
 
 // Called with g_lock held: one compile at a time, and never the same pipeline twice.
-static void *build_pipeline(const fa_pipeline_key *key, const fa_source *source,
-                            const fa_library_identity *lib_id, size_t lib_len, fa_status *st) {
+static void *build_pipeline(const fa_pipeline_key *key, const fa_source *source, const fa_library_identity *lib_id,
+                            size_t lib_len, fa_status *st) {
     NSError *err = nil;
     void *lib_ptr = fa_cache_get(&g_libraries, lib_id, lib_len);
     if (!lib_ptr) {
         NSString *src = [NSString stringWithUTF8String:source->text];
-        id<MTLLibrary> built =
-            src ? [g_device newLibraryWithSource:src options:compile_options(key) error:&err] : nil;
+        id<MTLLibrary> built = src ? [g_device newLibraryWithSource:src options:compile_options(key) error:&err] : nil;
         if (!built) { // a library with only warnings is not nil and is fine
             fa_fail(st, FA_ERR_COMPILE, "Metal compile of %s failed: %s", key->source_name,
                     src ? describe(err) : "source is not UTF-8");
@@ -286,8 +286,7 @@ static void *build_pipeline(const fa_pipeline_key *key, const fa_source *source,
     }
     pso = new_labelled_pipeline(fn, name, &err);
     if (!pso) {
-        fa_fail(st, FA_ERR_COMPILE, "Metal pipeline %s of %s: %s", pipe_id.function, key->source_name,
-                describe(err));
+        fa_fail(st, FA_ERR_COMPILE, "Metal pipeline %s of %s: %s", pipe_id.function, key->source_name, describe(err));
         return NULL;
     }
     void *pso_ptr = (void *)CFBridgingRetain(pso); // kept for the process
@@ -381,9 +380,10 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
         id<MTLBuffer> buffer = (__bridge id<MTLBuffer>)b->storage;
         id<MTLDevice> device = buffer.device;
         if (device.registryID != g_device.registryID) {
-            return fa_fail(st, FA_ERR_TYPE, "binding %u: the buffer is on Metal device %s (registryID %#llx), "
-                           "the backend runs on %s (%#llx)", i, device.name.UTF8String,
-                           (unsigned long long)device.registryID, g_device.name.UTF8String,
+            return fa_fail(st, FA_ERR_TYPE,
+                           "binding %u: the buffer is on Metal device %s (registryID %#llx), "
+                           "the backend runs on %s (%#llx)",
+                           i, device.name.UTF8String, (unsigned long long)device.registryID, g_device.name.UTF8String,
                            (unsigned long long)g_device.registryID);
         }
         checked[n_checked] = b->storage;
@@ -395,8 +395,8 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
 // Encodes on torch's stream inside its serial queue (PyTorch's pattern,
 // test/cpp_extensions/mps_extension.mm); torch commits the buffer with its own work. In debug mode
 // a completion handler records the command buffer's outcome and torch's stream is synchronised.
-static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const fa_dispatch *d, int32_t mode,
-                                        bool debug, fa_status *st) {
+static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const fa_dispatch *d, int32_t mode, bool debug,
+                                        fa_status *st) {
     dispatch_queue_t queue = (__bridge dispatch_queue_t)((torch_getter)g_torch[FA_TORCH_GET_DISPATCH_QUEUE])();
     if (!queue) return fa_fail(st, FA_ERR_RUNTIME, "torch returned no MPS dispatch queue");
     __block int32_t rc = FA_OK;
@@ -404,27 +404,29 @@ static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const f
     __block NSString *error = nil;
     dispatch_semaphore_t done = debug ? dispatch_semaphore_create(0) : nil;
     dispatch_sync(queue, ^{
-        @autoreleasepool {
-            if (mode == FA_METAL_TORCH_STREAM_END_COALESCING) { // torch < 2.9 leaves its encoder open
-                ((torch_stream_method)g_torch[FA_TORCH_END_COALESCING])(((torch_getter)g_torch[FA_TORCH_CURRENT_STREAM])());
-            }
-            id<MTLCommandBuffer> cb = (__bridge id<MTLCommandBuffer>)((torch_getter)g_torch[FA_TORCH_GET_COMMAND_BUFFER])();
-            id<MTLComputeCommandEncoder> enc =
-                cb.device.registryID == g_device.registryID ? [cb computeCommandEncoder] : nil;
-            if (!enc) {
-                rc = fa_fail(st, FA_ERR_RUNTIME, "no compute encoder on torch's MPS command buffer for %s",
-                             pso.label.UTF8String);
-                return;
-            }
-            encode(enc, pso, d);
-            if (done) {
-                [cb addCompletedHandler:^(id<MTLCommandBuffer> finished) {
-                    status = finished.status;
-                    error = finished.error.localizedDescription;
-                    dispatch_semaphore_signal(done);
-                }];
-            }
-        }
+      @autoreleasepool {
+          if (mode == FA_METAL_TORCH_STREAM_END_COALESCING) { // torch < 2.9 leaves its encoder open
+              ((torch_stream_method)g_torch[FA_TORCH_END_COALESCING])(
+                  ((torch_getter)g_torch[FA_TORCH_CURRENT_STREAM])());
+          }
+          id<MTLCommandBuffer> cb =
+              (__bridge id<MTLCommandBuffer>)((torch_getter)g_torch[FA_TORCH_GET_COMMAND_BUFFER])();
+          id<MTLComputeCommandEncoder> enc =
+              cb.device.registryID == g_device.registryID ? [cb computeCommandEncoder] : nil;
+          if (!enc) {
+              rc = fa_fail(st, FA_ERR_RUNTIME, "no compute encoder on torch's MPS command buffer for %s",
+                           pso.label.UTF8String);
+              return;
+          }
+          encode(enc, pso, d);
+          if (done) {
+              [cb addCompletedHandler:^(id<MTLCommandBuffer> finished) {
+                status = finished.status;
+                error = finished.error.localizedDescription;
+                dispatch_semaphore_signal(done);
+              }];
+          }
+      }
     });
     if (rc != FA_OK || !done) return rc;
     ((torch_void_fn)g_torch[FA_TORCH_SYNCHRONIZE])(); // commits and waits; outside torch's queue
@@ -513,6 +515,4 @@ int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st) {
 
 static const fa_backend k_metal_backend = {"metal", metal_get_pipeline, metal_dispatch};
 
-const fa_backend *fa_metal_backend(fa_status *st) {
-    return metal_init(st) == FA_OK ? &k_metal_backend : NULL;
-}
+const fa_backend *fa_metal_backend(fa_status *st) { return metal_init(st) == FA_OK ? &k_metal_backend : NULL; }

@@ -36,8 +36,8 @@ extern "C" {
 typedef enum msl_constant_kind {
     MSL_CONSTANT_UNDEFINED = 0,
     MSL_CONSTANT_BOOL = 1,
-    MSL_CONSTANT_INT = 2,   /* value in .i */
-    MSL_CONSTANT_FLOAT = 3  /* value in .f */
+    MSL_CONSTANT_INT = 2,  /* value in .i */
+    MSL_CONSTANT_FLOAT = 3 /* value in .f */
 } msl_constant_kind;
 
 typedef struct msl_constant_value {
@@ -50,7 +50,7 @@ typedef struct msl_constant_value {
 /* What one dispatch binds: the same for every thread of every threadgroup. */
 typedef struct msl_launch {
     const char *kernel_name;
-    void *const *buffers;        /* [[buffer(n)]]: host address, storage offset already applied */
+    void *const *buffers; /* [[buffer(n)]]: host address, storage offset already applied */
     uint32_t n_buffers;
     uint32_t n_threadgroup_args; /* [[threadgroup(n)]] arguments bound */
     const uint64_t *threadgroup_arg_lengths;
@@ -103,7 +103,7 @@ typedef struct msl_thread {
     uint32_t simdgroup_index_in_threadgroup;
     uint32_t threads_per_simdgroup;
     uint32_t simdgroups_per_threadgroup;
-    uint32_t xchg_parity; /* flips at every SIMD-group exchange this lane takes part in */
+    uint32_t xchg_parity;             /* flips at every SIMD-group exchange this lane takes part in */
     msl_simd_exchange *simd_exchange; /* this thread's SIMD-group's area */
     const msl_launch *launch;
     const msl_group *group;

@@ -41,8 +41,8 @@ inline void *bound_buffer(msl_thread *t, uint32_t n, bool optional, const char *
     void *p = n < l->n_buffers ? l->buffers[n] : nullptr;
     if (!p && !optional) {
         char m[256];
-        snprintf(m, sizeof m, "kernel '%s': argument [[buffer(%u)]] is not bound (%u buffers given)",
-                 l->kernel_name, n, l->n_buffers);
+        snprintf(m, sizeof m, "kernel '%s': argument [[buffer(%u)]] is not bound (%u buffers given)", l->kernel_name, n,
+                 l->n_buffers);
         argument_fail(t, m, file, line);
     }
     if (!p && !(p = const_cast<void *>(api->unbound_storage())))
@@ -54,8 +54,7 @@ inline void *bound_threadgroup_arg(msl_thread *t, uint32_t n, const char *file, 
     void *const *a = t->group->threadgroup_args;
     if (n >= t->launch->n_threadgroup_args || !a || !a[n]) {
         char m[256];
-        snprintf(m, sizeof m, "kernel '%s': argument [[threadgroup(%u)]] has no length set",
-                 t->launch->kernel_name, n);
+        snprintf(m, sizeof m, "kernel '%s': argument [[threadgroup(%u)]] has no length set", t->launch->kernel_name, n);
         argument_fail(t, m, file, line);
     }
     return a[n];
@@ -78,12 +77,12 @@ struct arg_ref {
     }
 };
 
-inline arg_ptr buffer_ptr(msl_thread *t, uint32_t n, bool optional = false,
-                          const char *file = __builtin_FILE(), uint32_t line = __builtin_LINE()) {
+inline arg_ptr buffer_ptr(msl_thread *t, uint32_t n, bool optional = false, const char *file = __builtin_FILE(),
+                          uint32_t line = __builtin_LINE()) {
     return {bound_buffer(t, n, optional, file, line)};
 }
-inline arg_ref buffer_ref(msl_thread *t, uint32_t n, bool optional = false,
-                          const char *file = __builtin_FILE(), uint32_t line = __builtin_LINE()) {
+inline arg_ref buffer_ref(msl_thread *t, uint32_t n, bool optional = false, const char *file = __builtin_FILE(),
+                          uint32_t line = __builtin_LINE()) {
     void *p = bound_buffer(t, n, optional, file, line);
     return {p, p == api->unbound_storage()};
 }
@@ -112,12 +111,9 @@ struct builtin_value {
         using E = typename vector_element<T>::type;
         static_assert(std::is_arithmetic<T>::value || std::is_arithmetic<E>::value,
                       "a builtin kernel parameter must be an integer or a 2- or 3-vector of integers");
-        if constexpr (std::is_arithmetic<T>::value)
-            return static_cast<T>(v[0]);
-        else if constexpr (sizeof(T) == 2 * sizeof(E))
-            return T{static_cast<E>(v[0]), static_cast<E>(v[1])};
-        else
-            return T{static_cast<E>(v[0]), static_cast<E>(v[1]), static_cast<E>(v[2])};
+        if constexpr (std::is_arithmetic<T>::value) return static_cast<T>(v[0]);
+        else if constexpr (sizeof(T) == 2 * sizeof(E)) return T{static_cast<E>(v[0]), static_cast<E>(v[1])};
+        else return T{static_cast<E>(v[0]), static_cast<E>(v[1]), static_cast<E>(v[2])};
     }
 };
 
@@ -134,10 +130,10 @@ inline uint32_t group_threads(const msl_thread *t) {
     return n[0] * n[1] * n[2];
 }
 
-#define MSL_RT_BUILTIN(name, value)                                                                          \
-    inline builtin_value name(const msl_thread *t) {                                                         \
-        (void)t;                                                                                             \
-        return value;                                                                                        \
+#define MSL_RT_BUILTIN(name, value)                  \
+    inline builtin_value name(const msl_thread *t) { \
+        (void)t;                                     \
+        return value;                                \
     }
 MSL_RT_BUILTIN(thread_position_in_grid, v3(t->thread_position_in_grid))
 MSL_RT_BUILTIN(threadgroup_position_in_grid, v3(t->threadgroup_position_in_grid))
@@ -206,8 +202,7 @@ template <class T, uint32_t N> struct function_constant {
         if constexpr (std::is_integral<T>::value)
             return c->kind == MSL_CONSTANT_FLOAT ? static_cast<T>(c->f) : static_cast<T>(c->i);
         else /* half and bfloat convert from float */
-            return static_cast<T>(
-                static_cast<float>(c->kind == MSL_CONSTANT_FLOAT ? c->f : static_cast<double>(c->i)));
+            return static_cast<T>(static_cast<float>(c->kind == MSL_CONSTANT_FLOAT ? c->f : static_cast<double>(c->i)));
     }
 };
 
@@ -259,7 +254,8 @@ template <class T> struct space : std::integral_constant<int, 0> {};
 template <class T> struct space<MSL_DEVICE T> : std::integral_constant<int, 1> {};
 template <class T> struct space<MSL_CONSTANT T> : std::integral_constant<int, 2> {};
 template <class T> struct space<MSL_THREADGROUP T> : std::integral_constant<int, 3> {};
-template <class To, class From, std::enable_if_t<space<std::remove_pointer_t<To>>::value == space<From>::value, int> = 0>
+template <class To, class From,
+          std::enable_if_t<space<std::remove_pointer_t<To>>::value == space<From>::value, int> = 0>
 To address_space_cast(From *p);
 template <class To, class I, std::enable_if_t<std::is_integral<I>::value, int> = 0> To address_space_cast(I);
 template <class To> To address_space_cast(decltype(nullptr));
@@ -301,10 +297,15 @@ template <class U> struct cond_value {
     constexpr cond_value(Y &&y) : v(static_cast<Y &&>(y)) {}
     /* or this one to the other's */
     template <class Y, std::enable_if_t<!cond_class_v<Y> && !std::is_same_v<cond_meet_t<U, Y>, U> &&
-                                            std::is_same_v<cond_meet_t<U, Y>, metal::detail::value_t<Y>>, int> = 0>
-    constexpr operator Y() const { return Y(v); }
+                                            std::is_same_v<cond_meet_t<U, Y>, metal::detail::value_t<Y>>,
+                                        int> = 0>
+    constexpr operator Y() const {
+        return Y(v);
+    }
     template <class V, std::enable_if_t<!std::is_same_v<U, V> && std::is_same_v<cond_meet_t<U, V>, V>, int> = 0>
-    constexpr operator cond_value<V>() const { return cond_value<V>(typename cond_value<V>::from_operand{}, V(v)); }
+    constexpr operator cond_value<V>() const {
+        return cond_value<V>(typename cond_value<V>::from_operand{}, V(v));
+    }
 };
 
 template <class T, std::enable_if_t<!cond_class_v<T>, int> = 0> constexpr T operator,(T &&x, cond_mark) {
@@ -338,9 +339,9 @@ extern "C" void __msl_bind_runtime(const msl_runtime_api *a) { ::msl_rt::api = a
 #else
 #define MSL_UNINSTRUMENTED __attribute__((no_sanitize("thread")))
 #endif
-#define MSL_HOOK(ret, name, ...)                                                                                  \
-    extern "C" MSL_UNINSTRUMENTED __attribute__((visibility("hidden"), used)) ret msl_hook_##name(__VA_ARGS__)    \
-        __asm__("__tsan_" #name);                                                                                 \
+#define MSL_HOOK(ret, name, ...)                                              \
+    extern "C" MSL_UNINSTRUMENTED __attribute__((visibility("hidden"), used)) \
+    ret msl_hook_##name(__VA_ARGS__) __asm__("__tsan_" #name);                \
     ret msl_hook_##name(__VA_ARGS__)
 namespace msl_rt {
 MSL_UNINSTRUMENTED inline void checked_access(const volatile void *p, uint64_t n, int32_t kind, const void *pc) {
@@ -348,13 +349,16 @@ MSL_UNINSTRUMENTED inline void checked_access(const volatile void *p, uint64_t n
 }
 } // namespace msl_rt
 #define MSL_CHECK(p, n, kind) ::msl_rt::checked_access(p, n, kind, __builtin_return_address(0))
-#define MSL_HOOK_ACCESS(n)                                                                                        \
-    MSL_HOOK(void, read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); }                                         \
-    MSL_HOOK(void, write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }                                       \
-    MSL_HOOK(void, unaligned_read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); }                               \
+#define MSL_HOOK_ACCESS(n)                                                           \
+    MSL_HOOK(void, read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); }           \
+    MSL_HOOK(void, write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }         \
+    MSL_HOOK(void, unaligned_read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); } \
     MSL_HOOK(void, unaligned_write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
-MSL_HOOK_ACCESS(1) MSL_HOOK_ACCESS(2) MSL_HOOK_ACCESS(4) MSL_HOOK_ACCESS(8) MSL_HOOK_ACCESS(16)
-MSL_HOOK(void, read_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_READ); }
+MSL_HOOK_ACCESS(1)
+MSL_HOOK_ACCESS(2) MSL_HOOK_ACCESS(4) MSL_HOOK_ACCESS(8) MSL_HOOK_ACCESS(16)
+    MSL_HOOK(void, read_range, void *p, unsigned long n) {
+    MSL_CHECK(p, n, MSL_ACCESS_READ);
+}
 MSL_HOOK(void, write_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
 /* Block copies the compiler turned into calls (clang names them __tsan_memcpy and kin): checked as
  * the ranges they read and write, then done with the builtins, which are not instrumented here. */
@@ -382,10 +386,10 @@ MSL_HOOK(void, atomic_signal_fence, int order) { __atomic_signal_fence(order); }
 /* Atomics: checked as atomic accesses (which never race with each other), then done for real; the
  * orders arrive as the compiler's __ATOMIC_* values. */
 #define MSL_RMW (MSL_ACCESS_ATOMIC | MSL_ACCESS_READ | MSL_ACCESS_WRITE)
-#define MSL_HOOK_RMW(bits, name, builtin)                                                                         \
-    MSL_HOOK(uint##bits##_t, atomic##bits##_##name, volatile uint##bits##_t *p, uint##bits##_t v, int order) {    \
-        MSL_CHECK(p, bits / 8, MSL_RMW);                                                                          \
-        return builtin(p, v, order);                                                                              \
+#define MSL_HOOK_RMW(bits, name, builtin)                                                                      \
+    MSL_HOOK(uint##bits##_t, atomic##bits##_##name, volatile uint##bits##_t *p, uint##bits##_t v, int order) { \
+        MSL_CHECK(p, bits / 8, MSL_RMW);                                                                       \
+        return builtin(p, v, order);                                                                           \
     }
 #define MSL_HOOK_ATOMIC(bits)                                                                                     \
     MSL_HOOK(uint##bits##_t, atomic##bits##_load, const volatile uint##bits##_t *p, int order) {                  \

@@ -61,6 +61,8 @@
  * max(half, float) are ambiguous, as on a Mac. The scalar ones are defined, so that constant
  * expressions such as max(BK, 8) work. */
 namespace metal {
+/* Lists of declarations and macro bodies, wrapped by hand. */
+// clang-format off
 #define MSL_DECLARE(name) template <class T, class... U> T name(T, U...);
 MSL_DECLARE(exp) MSL_DECLARE(exp2) MSL_DECLARE(exp10) MSL_DECLARE(log) MSL_DECLARE(log2) MSL_DECLARE(log10)
 MSL_DECLARE(pow) MSL_DECLARE(powr) MSL_DECLARE(sqrt) MSL_DECLARE(rsqrt) MSL_DECLARE(fma) MSL_DECLARE(mad)
@@ -95,9 +97,11 @@ MSL_FMINMAX(float) MSL_FMINMAX(half)
 #undef MSL_PAIR_VEC
 #undef MSL_MINMAX_VEC
 #undef MSL_FMINMAX_VEC
+// clang-format on
 #undef MSL_MINMAX
 #undef MSL_FMINMAX
-template <class T> auto isnan(T x) -> decltype(x != x);
+                                                                template <class T>
+                                                                auto isnan(T x) -> decltype(x != x);
 template <class T> auto isinf(T x) -> decltype(x != x);
 template <class T> auto isfinite(T x) -> decltype(x != x);
 template <class T> auto signbit(T x) -> decltype(x != x);
@@ -112,20 +116,23 @@ namespace detail {
 
 /* The type arguments meet in (see arith in msl_types.h); undefined when they do not meet. */
 template <class A, class B, class = void> struct common : arith<A, B> {};
-template <class T, int N> struct common<vec<T, N>, vec<T, N>> { using type = vec<T, N>; };
+template <class T, int N> struct common<vec<T, N>, vec<T, N>> {
+    using type = vec<T, N>;
+};
 template <class T, int N, class S> struct common<vec<T, N>, S, std::enable_if_t<scalar_v<S>>> {
     using type = vec<T, N>;
 };
 template <class S, class T, int N> struct common<S, vec<T, N>, std::enable_if_t<scalar_v<S>>> {
     using type = vec<T, N>;
 };
-template <class A, class... B> struct common_of { using type = value_t<A>; };
+template <class A, class... B> struct common_of {
+    using type = value_t<A>;
+};
 template <class A, class B, class... C>
 struct common_of<A, B, C...> : common_of<typename common<value_t<A>, value_t<B>>::type, C...> {};
 template <class... X> using common_t = typename common_of<X...>::type;
 /* the same, restricted to floating-point or integer elements */
-template <class... X>
-using floating_t = std::enable_if_t<is_floating_point_v<elem_t<common_t<X...>>>, common_t<X...>>;
+template <class... X> using floating_t = std::enable_if_t<is_floating_point_v<elem_t<common_t<X...>>>, common_t<X...>>;
 template <class... X> using int_t = std::enable_if_t<is_integral_v<elem_t<common_t<X...>>>, common_t<X...>>;
 /* min, max and clamp exist per type, as in Metal: every argument of the first one's type, or a
  * scalar of its element type with a vector (a double, which MSL lacks, is a float literal) */
@@ -133,8 +140,12 @@ template <class A, class B>
 constexpr bool same_kind_v = std::is_same_v<value_t<A>, value_t<B>> ||
                              (info<A>::n > 1 && info<B>::n == 1 && std::is_same_v<elem_t<A>, value_t<B>>);
 template <class A, class... B> using matching_t = std::enable_if_t<(same_kind_v<A, B> && ...), common_t<A, B...>>;
-template <class X> struct bools { using type = bool; };
-template <class T, int N> struct bools<vec<T, N>> { using type = vec<bool, N>; };
+template <class X> struct bools {
+    using type = bool;
+};
+template <class T, int N> struct bools<vec<T, N>> {
+    using type = vec<bool, N>;
+};
 template <class X> using bool_t = typename bools<X>::type;
 
 /* R from f applied lane by lane; each x is a scalar (used for every lane) or a vector of R's
@@ -184,32 +195,48 @@ using wide_t = std::conditional_t<sizeof(E) <= 4, std::conditional_t<std::is_sig
 } // namespace detail
 
 /* The lambdas see one lane: x, y, z as float (F1, F2, TEST) or as the element type E. */
-#define MSL_F1(name, ...)                                                                                         \
-    template <class A, class R = detail::floating_t<A>> constexpr R name(const A &a) {                            \
-        return detail::map<R>([](auto e) { float x = e; return __VA_ARGS__; }, R(a));                             \
+#define MSL_F1(name, ...)                                                              \
+    template <class A, class R = detail::floating_t<A>> constexpr R name(const A &a) { \
+        return detail::map<R>(                                                         \
+            [](auto e) {                                                               \
+                float x = e;                                                           \
+                return __VA_ARGS__;                                                    \
+            },                                                                         \
+            R(a));                                                                     \
     }
-#define MSL_F2(name, ...)                                                                                         \
-    template <class A, class B, class R = detail::floating_t<A, B>> constexpr R name(const A &a, const B &b) {    \
-        return detail::map<R>([](float x, float y) { return __VA_ARGS__; }, R(a), R(b));                          \
+#define MSL_F2(name, ...)                                                                                      \
+    template <class A, class B, class R = detail::floating_t<A, B>> constexpr R name(const A &a, const B &b) { \
+        return detail::map<R>([](float x, float y) { return __VA_ARGS__; }, R(a), R(b));                       \
     }
-#define MSL_F3(name, ...)                                                                                         \
-    template <class A, class B, class C, class R = detail::floating_t<A, B, C>>                                   \
-    constexpr R name(const A &a, const B &b, const C &c) {                                                        \
-        auto f = [](auto x, auto y, auto z) { using E [[maybe_unused]] = decltype(x); return __VA_ARGS__; };      \
-        return detail::map<R>(f, R(a), R(b), R(c));                                                               \
+#define MSL_F3(name, ...)                                                       \
+    template <class A, class B, class C, class R = detail::floating_t<A, B, C>> \
+    constexpr R name(const A &a, const B &b, const C &c) {                      \
+        auto f = [](auto x, auto y, auto z) {                                   \
+            using E [[maybe_unused]] = decltype(x);                             \
+            return __VA_ARGS__;                                                 \
+        };                                                                      \
+        return detail::map<R>(f, R(a), R(b), R(c));                             \
     }
-#define MSL_TEST(name, ...)                                                                                       \
-    template <class A, class R = detail::floating_t<A>> constexpr detail::bool_t<R> name(const A &a) {            \
-        return detail::map<detail::bool_t<R>>([](float x) { return __VA_ARGS__; }, R(a));                         \
+#define MSL_TEST(name, ...)                                                                            \
+    template <class A, class R = detail::floating_t<A>> constexpr detail::bool_t<R> name(const A &a) { \
+        return detail::map<detail::bool_t<R>>([](float x) { return __VA_ARGS__; }, R(a));              \
     }
-#define MSL_ANY(name, T, ...)                                                                                     \
-    template <class A, class R = detail::T##_t<A>> constexpr R name(const A &a) {                                 \
-        return detail::map<R>([](auto x) { using E = decltype(x); return __VA_ARGS__; }, R(a));                   \
+#define MSL_ANY(name, T, ...)                                                     \
+    template <class A, class R = detail::T##_t<A>> constexpr R name(const A &a) { \
+        return detail::map<R>(                                                    \
+            [](auto x) {                                                          \
+                using E = decltype(x);                                            \
+                return __VA_ARGS__;                                               \
+            },                                                                    \
+            R(a));                                                                \
     }
-#define MSL_ANY2(name, T, ...)                                                                                    \
-    template <class A, class B, class R = detail::T##_t<A, B>> constexpr R name(const A &a, const B &b) {         \
-        auto f = [](auto x, auto y) { using E [[maybe_unused]] = decltype(x); return __VA_ARGS__; };              \
-        return detail::map<R>(f, R(a), R(b));                                                                     \
+#define MSL_ANY2(name, T, ...)                                                                            \
+    template <class A, class B, class R = detail::T##_t<A, B>> constexpr R name(const A &a, const B &b) { \
+        auto f = [](auto x, auto y) {                                                                     \
+            using E [[maybe_unused]] = decltype(x);                                                       \
+            return __VA_ARGS__;                                                                           \
+        };                                                                                                \
+        return detail::map<R>(f, R(a), R(b));                                                             \
     }
 
 MSL_F1(exp, std::exp(x))
@@ -238,9 +265,9 @@ MSL_F1(atan, std::atan(x))
 MSL_F1(acosh, std::acosh(x))
 MSL_F1(asinh, std::asinh(x))
 MSL_F1(atanh, std::atanh(x))
-MSL_F1(cospi, std::cos(M_PI_F * x))
-MSL_F1(sinpi, std::sin(M_PI_F * x))
-MSL_F1(tanpi, std::tan(M_PI_F * x))
+MSL_F1(cospi, std::cos(M_PI_F *x))
+MSL_F1(sinpi, std::sin(M_PI_F *x))
+MSL_F1(tanpi, std::tan(M_PI_F *x))
 /* 1.0 if x > 0, -1.0 if x < 0, x itself for +-0, 0 for NaN */
 MSL_F1(sign, x > 0 ? 1.0f : x < 0 ? -1.0f : x == x ? x : 0.0f)
 /* fmin(x - floor(x), the largest E below 1) */
@@ -285,10 +312,12 @@ constexpr R clamp(const A &x, const B &lo, const C &hi) {
 }
 
 /* of three, as max and min take their types */
-template <class A, class B, class C, class R = detail::matching_t<A, B, C>> constexpr R max3(const A &x, const B &y, const C &z) {
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>>
+constexpr R max3(const A &x, const B &y, const C &z) {
     return max(max(x, y), z);
 }
-template <class A, class B, class C, class R = detail::matching_t<A, B, C>> constexpr R min3(const A &x, const B &y, const C &z) {
+template <class A, class B, class C, class R = detail::matching_t<A, B, C>>
+constexpr R min3(const A &x, const B &y, const C &z) {
     return min(min(x, y), z);
 }
 template <class A, class B, class C, class R = detail::matching_t<A, B, C>>
@@ -304,8 +333,8 @@ template <class A, std::enable_if_t<is_floating_point_v<A>, int> = 0> A frexp(A 
 /* select(a, b, c): c ? b : a, with c a bool vector of the operands' lanes, or for scalar operands
  * a scalar (select(T a, T b, bool c): an int converts to bool, as in any call) */
 template <class A, class B, class C, class R = detail::common_t<A, B>,
-          std::enable_if_t<std::is_same_v<detail::elem_t<C>, bool> ||
-                               (detail::info<C>::n == 1 && detail::info<R>::n == 1), int> = 0>
+          std::enable_if_t<
+              std::is_same_v<detail::elem_t<C>, bool> || (detail::info<C>::n == 1 && detail::info<R>::n == 1), int> = 0>
 constexpr R select(const A &a, const B &b, const C &c) {
     return detail::map<R>([](auto x, auto y, bool s) { return s ? y : x; }, R(a), R(b), detail::value_t<C>(c));
 }
@@ -346,14 +375,15 @@ template <class A, class V = detail::floating_t<A>> constexpr V normalize(const 
  * not reproduce the GPU's fast-math error): an overload that user code adds to one of them (a
  * bfloat exp in metal::fast) joins the set instead of hiding every other, as it would behind a
  * using-directive. By value, so that an argument's address space and cv-qualifiers drop. */
-#define MSL_MATH_FUNCTIONS(X)                                                                                     \
-    X(exp) X(exp2) X(exp10) X(log) X(log2) X(log10) X(pow) X(powr) X(sqrt) X(rsqrt) X(fabs) X(floor) X(ceil)     \
-    X(round) X(rint) X(trunc) X(sin) X(cos) X(tan) X(sinh) X(cosh) X(tanh) X(asin) X(acos) X(atan) X(sign)       \
-    X(fract) X(saturate) X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix)     \
-    X(isnan) X(isinf) X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length)           \
-    X(normalize) X(acosh) X(asinh) X(atanh) X(cospi) X(sinpi) X(tanpi) X(ldexp) X(frexp) X(fmax3) X(fmin3)     \
-    X(fmedian3) X(max3) X(min3) X(median3) X(nextafter)
-#define MSL_FORWARD(name)                                                                                         \
+#define MSL_MATH_FUNCTIONS(X)                                                                                          \
+    X(exp)                                                                                                             \
+    X(exp2) X(exp10) X(log) X(log2) X(log10) X(pow) X(powr) X(sqrt) X(rsqrt) X(fabs) X(floor) X(ceil) X(round) X(rint) \
+        X(trunc) X(sin) X(cos) X(tan) X(sinh) X(cosh) X(tanh) X(asin) X(acos) X(atan) X(sign) X(fract) X(saturate)     \
+            X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix) X(isnan) X(isinf)      \
+                X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length) X(normalize) X(acosh)  \
+                    X(asinh) X(atanh) X(cospi) X(sinpi) X(tanpi) X(ldexp) X(frexp) X(fmax3) X(fmin3) X(fmedian3)       \
+                        X(max3) X(min3) X(median3) X(nextafter)
+#define MSL_FORWARD(name) \
     template <class... A> constexpr auto name(A... a)->decltype(::metal::name(a...)) { return ::metal::name(a...); }
 namespace metal {
 namespace fast {
@@ -370,30 +400,32 @@ MSL_MATH_FUNCTIONS(MSL_FORWARD)
 #define __METAL_FAST_MATH__ true
 #define __METAL_PRECISE_MATH__ false
 #define __METAL_MAYBE_FAST_MATH__ __METAL_FAST_MATH__
-#define MSL_BUILTIN1(name)                                                                                        \
-    template <class A> constexpr auto __metal_##name(A a, bool = true)->decltype(::metal::name(a)) {             \
-        return ::metal::name(a);                                                                                  \
+#define MSL_BUILTIN1(name)                                                                           \
+    template <class A> constexpr auto __metal_##name(A a, bool = true)->decltype(::metal::name(a)) { \
+        return ::metal::name(a);                                                                     \
     }
-#define MSL_BUILTIN2(name)                                                                                        \
-    template <class A, class B>                                                                                   \
-    constexpr auto __metal_##name(A a, B b, bool = true)->decltype(::metal::name(a, b)) {                        \
-        return ::metal::name(a, b);                                                                               \
+#define MSL_BUILTIN2(name)                                                                                            \
+    template <class A, class B> constexpr auto __metal_##name(A a, B b, bool = true)->decltype(::metal::name(a, b)) { \
+        return ::metal::name(a, b);                                                                                   \
     }
-#define MSL_BUILTIN3(name)                                                                                        \
-    template <class A, class B, class C>                                                                          \
-    constexpr auto __metal_##name(A a, B b, C c, bool = true)->decltype(::metal::name(a, b, c)) {                \
-        return ::metal::name(a, b, c);                                                                            \
+#define MSL_BUILTIN3(name)                                                                        \
+    template <class A, class B, class C>                                                          \
+    constexpr auto __metal_##name(A a, B b, C c, bool = true)->decltype(::metal::name(a, b, c)) { \
+        return ::metal::name(a, b, c);                                                            \
     }
-MSL_BUILTIN1(exp) MSL_BUILTIN1(exp2) MSL_BUILTIN1(exp10) MSL_BUILTIN1(log) MSL_BUILTIN1(log2) MSL_BUILTIN1(log10)
-MSL_BUILTIN1(sqrt) MSL_BUILTIN1(rsqrt) MSL_BUILTIN1(fabs) MSL_BUILTIN1(floor) MSL_BUILTIN1(ceil) MSL_BUILTIN1(round)
-MSL_BUILTIN1(rint) MSL_BUILTIN1(trunc) MSL_BUILTIN1(sin) MSL_BUILTIN1(cos) MSL_BUILTIN1(tan) MSL_BUILTIN1(sinh)
-MSL_BUILTIN1(cosh) MSL_BUILTIN1(tanh) MSL_BUILTIN1(asin) MSL_BUILTIN1(acos) MSL_BUILTIN1(atan) MSL_BUILTIN1(acosh)
-MSL_BUILTIN1(asinh) MSL_BUILTIN1(atanh) MSL_BUILTIN1(cospi) MSL_BUILTIN1(sinpi) MSL_BUILTIN1(tanpi) MSL_BUILTIN1(fract)
-MSL_BUILTIN1(saturate)
-MSL_BUILTIN2(pow) MSL_BUILTIN2(powr) MSL_BUILTIN2(fmod) MSL_BUILTIN2(atan2) MSL_BUILTIN2(copysign) MSL_BUILTIN2(fmax)
-MSL_BUILTIN2(fmin) MSL_BUILTIN2(divide) MSL_BUILTIN2(ldexp) MSL_BUILTIN2(nextafter)
-MSL_BUILTIN3(fma) MSL_BUILTIN3(fmax3) MSL_BUILTIN3(fmin3) MSL_BUILTIN3(fmedian3)
-template <class A> auto __metal_frexp(A a, int *e) -> decltype(::metal::frexp(a, *e)) { return ::metal::frexp(a, *e); }
+MSL_BUILTIN1(exp)
+MSL_BUILTIN1(exp2) MSL_BUILTIN1(exp10) MSL_BUILTIN1(log) MSL_BUILTIN1(log2) MSL_BUILTIN1(log10) MSL_BUILTIN1(sqrt)
+    MSL_BUILTIN1(rsqrt) MSL_BUILTIN1(fabs) MSL_BUILTIN1(floor) MSL_BUILTIN1(ceil) MSL_BUILTIN1(round) MSL_BUILTIN1(rint)
+        MSL_BUILTIN1(trunc) MSL_BUILTIN1(sin) MSL_BUILTIN1(cos) MSL_BUILTIN1(tan) MSL_BUILTIN1(sinh) MSL_BUILTIN1(cosh)
+            MSL_BUILTIN1(tanh) MSL_BUILTIN1(asin) MSL_BUILTIN1(acos) MSL_BUILTIN1(atan) MSL_BUILTIN1(acosh)
+                MSL_BUILTIN1(asinh) MSL_BUILTIN1(atanh) MSL_BUILTIN1(cospi) MSL_BUILTIN1(sinpi) MSL_BUILTIN1(tanpi)
+                    MSL_BUILTIN1(fract) MSL_BUILTIN1(saturate) MSL_BUILTIN2(pow) MSL_BUILTIN2(powr) MSL_BUILTIN2(fmod)
+                        MSL_BUILTIN2(atan2) MSL_BUILTIN2(copysign) MSL_BUILTIN2(fmax) MSL_BUILTIN2(fmin)
+                            MSL_BUILTIN2(divide) MSL_BUILTIN2(ldexp) MSL_BUILTIN2(nextafter) MSL_BUILTIN3(fma)
+                                MSL_BUILTIN3(fmax3) MSL_BUILTIN3(fmin3) MSL_BUILTIN3(fmedian3) template <class A>
+                                auto __metal_frexp(A a, int *e) -> decltype(::metal::frexp(a, *e)) {
+    return ::metal::frexp(a, *e);
+}
 #undef MSL_BUILTIN1
 #undef MSL_BUILTIN2
 #undef MSL_BUILTIN3

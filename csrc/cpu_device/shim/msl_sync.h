@@ -65,8 +65,7 @@ template <class T> struct gathered {
     }
 };
 
-template <class T>
-gathered<T> exchange(const T &value, const char *what, const char *file, unsigned line) {
+template <class T> gathered<T> exchange(const T &value, const char *what, const char *file, unsigned line) {
     static_assert(sizeof(T) <= MSL_XCHG_BYTES, "value too wide for a SIMD-group exchange");
     static_assert(std::is_trivially_copyable<T>::value, "SIMD-group functions move plain values");
     msl_thread *t = self();
@@ -90,7 +89,9 @@ inline uint32_t lowest(uint32_t lanes) { return (uint32_t)__builtin_ctz(lanes); 
 /* What MSL's SIMD-group functions take: a scalar or vector of float, half, bfloat or an integer
  * type (not bool, not a struct, not a pointer); simd_data<T> is T for those only. */
 #ifdef MSL_STRICT
-template <class T, class = void> struct lane_type { using type = T; };
+template <class T, class = void> struct lane_type {
+    using type = T;
+};
 template <class T>
 struct lane_type<T, std::enable_if_t<!std::is_pointer<T>::value, std::void_t<decltype(std::declval<T &>()[0])>>> {
     using type = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<T &>()[0])>>;
@@ -100,9 +101,9 @@ template <class T> using lane_t = typename lane_type<T>::type;
 template <class T> using lane_t = std::conditional_t<(metal::detail::info<T>::n > 0), metal::detail::elem_t<T>, void>;
 #endif
 template <class E>
-constexpr bool simd_element = std::is_same<E, float>::value || std::is_same<E, half>::value ||
-                              std::is_same<E, bfloat>::value ||
-                              (std::is_integral<E>::value && !std::is_same<E, bool>::value);
+constexpr bool simd_element =
+    std::is_same<E, float>::value || std::is_same<E, half>::value || std::is_same<E, bfloat>::value ||
+    (std::is_integral<E>::value && !std::is_same<E, bool>::value);
 template <class T> using simd_data = std::enable_if_t<simd_element<lane_t<T>>, T>;
 
 /* A tree over the participating lanes, as a butterfly would: the upper half is combined into the
@@ -144,9 +145,7 @@ inline uint32_t below(uint32_t lane) { return (1u << lane) - 1u; }
  * frag_col(L) + 1. */
 inline uint32_t frag_row(uint32_t lane) { return lane / 16 * 4 + lane / 2 % 4; }
 inline uint32_t frag_col(uint32_t lane) { return lane / 8 % 2 * 4 + lane % 2 * 2; }
-inline uint32_t frag_lane(uint32_t row, uint32_t col) {
-    return row / 4 * 16 + col / 4 * 8 + row % 4 * 2 + col % 4 / 2;
-}
+inline uint32_t frag_lane(uint32_t row, uint32_t col) { return row / 4 * 16 + col / 4 * 8 + row % 4 * 2 + col % 4 / 2; }
 
 inline uint32_t lane_id() { return self()->thread_index_in_simdgroup; }
 
@@ -171,13 +170,12 @@ constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a
  * flags go along for checked mode, where only mem_threadgroup orders threadgroup memory. */
 inline void threadgroup_barrier(mem_flags flags, MSL_CALLER) {
     msl_thread *t = msl_rt::self();
-    msl_rt::api->sync(t, MSL_SYNC_THREADGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "threadgroup_barrier",
-                      file, line);
+    msl_rt::api->sync(t, MSL_SYNC_THREADGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "threadgroup_barrier", file,
+                      line);
 }
 
 inline void simdgroup_barrier(mem_flags flags, MSL_CALLER) {
-    msl_rt::simd_sync(MSL_SYNC_SIMDGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "simdgroup_barrier", file,
-                      line);
+    msl_rt::simd_sync(MSL_SYNC_SIMDGROUP_BARRIER | int(flags) << MSL_SYNC_FLAGS_SHIFT, "simdgroup_barrier", file, line);
 }
 
 /* ---- SIMD-group collectives, over the lanes that have not returned ---- */
@@ -255,7 +253,9 @@ template <class T> msl_rt::simd_data<T> simd_shuffle_rotate_up(T x, uint16_t del
 template <class T>
 msl_rt::simd_data<T> simd_shuffle_and_fill_up(T data, T filling_data, uint16_t delta, uint16_t modulo = MSL_SIMD_WIDTH,
                                               MSL_CALLER) {
-    struct pair { T data, fill; };
+    struct pair {
+        T data, fill;
+    };
     auto g = msl_rt::exchange(pair{data, filling_data}, "simd_shuffle_and_fill_up", file, line);
     uint32_t base = g.self / modulo * modulo, i = g.self % modulo;
     return i >= delta ? g.from(base + i - delta).data : g.from(base + i + modulo - delta).fill;
@@ -263,7 +263,9 @@ msl_rt::simd_data<T> simd_shuffle_and_fill_up(T data, T filling_data, uint16_t d
 template <class T>
 msl_rt::simd_data<T> simd_shuffle_and_fill_down(T data, T filling_data, uint16_t delta,
                                                 uint16_t modulo = MSL_SIMD_WIDTH, MSL_CALLER) {
-    struct pair { T data, fill; };
+    struct pair {
+        T data, fill;
+    };
     auto g = msl_rt::exchange(pair{data, filling_data}, "simd_shuffle_and_fill_down", file, line);
     uint32_t base = g.self / modulo * modulo, i = g.self % modulo;
     return i + delta < modulo ? g.from(base + i + delta).data : g.from(base + i + delta - modulo).fill;
@@ -328,14 +330,16 @@ inline uint32_t quad_below(uint32_t lane) { return below(lane) & ~below(lane & ~
 } // namespace msl_rt
 namespace metal {
 
-#define MSL_QUAD_FOLD(name, expr)                                                                                 \
-    template <class T> msl_rt::simd_data<T> quad_##name(T x, MSL_CALLER) {                                         \
+#define MSL_QUAD_FOLD(name, expr)                                                                                   \
+    template <class T> msl_rt::simd_data<T> quad_##name(T x, MSL_CALLER) {                                          \
         return msl_rt::quad_fold(msl_rt::exchange(x, "quad_" #name, file, line), [](T a, T b) { return T(expr); }); \
     }
-MSL_QUAD_FOLD(sum, a + b) MSL_QUAD_FOLD(product, a * b) MSL_QUAD_FOLD(max, max(a, b)) MSL_QUAD_FOLD(min, min(a, b))
-MSL_QUAD_FOLD(and, a & b) MSL_QUAD_FOLD(or, a | b) MSL_QUAD_FOLD(xor, a ^ b)
+MSL_QUAD_FOLD(sum, a + b)
+MSL_QUAD_FOLD(product, a *b) MSL_QUAD_FOLD(max, max(a, b)) MSL_QUAD_FOLD(min, min(a, b)) MSL_QUAD_FOLD(and, a &b)
+    MSL_QUAD_FOLD(or, a | b) MSL_QUAD_FOLD(xor, a ^ b)
 #undef MSL_QUAD_FOLD
-template <class T> msl_rt::simd_data<T> quad_prefix_exclusive_sum(T x, MSL_CALLER) {
+        template <class T>
+        msl_rt::simd_data<T> quad_prefix_exclusive_sum(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "quad_prefix_exclusive_sum", file, line);
     return msl_rt::scan(g, msl_rt::quad_below(g.self), T(0), [](T a, T b) { return T(a + b); });
 }
@@ -404,46 +408,50 @@ inline bool quad_is_first(MSL_CALLER) {
 
 /* Apple's internal SIMD-group builtins, which real headers call (MLX's bfloat SIMD functions), global as
  * compiler builtins are. */
-#define MSL_SIMD_BUILTIN1(name)                                                                                   \
-    template <class T> auto __metal_##name(T x, MSL_CALLER)->decltype(::metal::name(x, line, file)) {                     \
-        return ::metal::name(x, line, file);                                                                               \
+#define MSL_SIMD_BUILTIN1(name)                                                                       \
+    template <class T> auto __metal_##name(T x, MSL_CALLER)->decltype(::metal::name(x, line, file)) { \
+        return ::metal::name(x, line, file);                                                          \
     }
-#define MSL_SIMD_BUILTIN2(name)                                                                                   \
-    template <class T> auto __metal_##name(T x, uint16_t k, MSL_CALLER)->decltype(::metal::name(x, k, line, file)) {      \
-        return ::metal::name(x, k, line, file);                                                                            \
+#define MSL_SIMD_BUILTIN2(name)                                                                                      \
+    template <class T> auto __metal_##name(T x, uint16_t k, MSL_CALLER)->decltype(::metal::name(x, k, line, file)) { \
+        return ::metal::name(x, k, line, file);                                                                      \
     }
-#define MSL_SIMD_BUILTIN_FILL(name)                                                                               \
-    template <class T>                                                                                            \
-    auto __metal_##name(T data, T fill, uint16_t delta, uint16_t modulo, MSL_CALLER)                              \
-        ->decltype(::metal::name(data, fill, delta, modulo, line, file)) {                                                 \
-        return ::metal::name(data, fill, delta, modulo, line, file);                                                       \
+#define MSL_SIMD_BUILTIN_FILL(name)                                                  \
+    template <class T>                                                               \
+    auto __metal_##name(T data, T fill, uint16_t delta, uint16_t modulo, MSL_CALLER) \
+        ->decltype(::metal::name(data, fill, delta, modulo, line, file)) {           \
+        return ::metal::name(data, fill, delta, modulo, line, file);                 \
     }
 /* the bitwise ones also take a float, half or bfloat scalar (as MLX's bfloat simd_xor passes a
  * float), combining its bits */
-#define MSL_SIMD_BITS_BUILTIN(name)                                                                               \
-    template <class T> msl_rt::simd_data<T> __metal_##name(T x, MSL_CALLER) {                                     \
-        if constexpr (std::is_integral<msl_rt::lane_t<T>>::value) {                                               \
-            return ::metal::name(x, line, file);                                                                  \
-        } else {                                                                                                  \
-            using B = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;                                     \
-            return ::metal::as_type<T>(::metal::name(::metal::as_type<B>(x), line, file));                        \
-        }                                                                                                         \
+#define MSL_SIMD_BITS_BUILTIN(name)                                                        \
+    template <class T> msl_rt::simd_data<T> __metal_##name(T x, MSL_CALLER) {              \
+        if constexpr (std::is_integral<msl_rt::lane_t<T>>::value) {                        \
+            return ::metal::name(x, line, file);                                           \
+        } else {                                                                           \
+            using B = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;              \
+            return ::metal::as_type<T>(::metal::name(::metal::as_type<B>(x), line, file)); \
+        }                                                                                  \
     }
-MSL_SIMD_BUILTIN1(simd_sum) MSL_SIMD_BUILTIN1(simd_product) MSL_SIMD_BUILTIN1(simd_max) MSL_SIMD_BUILTIN1(simd_min)
-MSL_SIMD_BITS_BUILTIN(simd_and) MSL_SIMD_BITS_BUILTIN(simd_or) MSL_SIMD_BITS_BUILTIN(simd_xor)
-MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum)
-MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product) MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product)
-MSL_SIMD_BUILTIN1(simd_broadcast_first)
-MSL_SIMD_BUILTIN2(simd_shuffle) MSL_SIMD_BUILTIN2(simd_broadcast) MSL_SIMD_BUILTIN2(simd_shuffle_xor)
-MSL_SIMD_BUILTIN2(simd_shuffle_down) MSL_SIMD_BUILTIN2(simd_shuffle_up) MSL_SIMD_BUILTIN2(simd_shuffle_rotate_down)
-MSL_SIMD_BUILTIN2(simd_shuffle_rotate_up)
-MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up) MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_down)
+MSL_SIMD_BUILTIN1(simd_sum)
+MSL_SIMD_BUILTIN1(simd_product) MSL_SIMD_BUILTIN1(simd_max) MSL_SIMD_BUILTIN1(simd_min) MSL_SIMD_BITS_BUILTIN(simd_and)
+    MSL_SIMD_BITS_BUILTIN(simd_or) MSL_SIMD_BITS_BUILTIN(simd_xor) MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum)
+        MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum) MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product)
+            MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product) MSL_SIMD_BUILTIN1(simd_broadcast_first)
+                MSL_SIMD_BUILTIN2(simd_shuffle) MSL_SIMD_BUILTIN2(simd_broadcast) MSL_SIMD_BUILTIN2(simd_shuffle_xor)
+                    MSL_SIMD_BUILTIN2(simd_shuffle_down) MSL_SIMD_BUILTIN2(simd_shuffle_up)
+                        MSL_SIMD_BUILTIN2(simd_shuffle_rotate_down) MSL_SIMD_BUILTIN2(simd_shuffle_rotate_up)
+                            MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up)
+                                MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_down)
 #undef MSL_SIMD_BUILTIN1
 #undef MSL_SIMD_BUILTIN2
 #undef MSL_SIMD_BUILTIN_FILL
 #undef MSL_SIMD_BITS_BUILTIN
-/* the SIMD-group's width and the caller's lane, in the argument's type */
-template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::self()->threads_per_simdgroup); }
+    /* the SIMD-group's width and the caller's lane, in the argument's type */
+    template <class T>
+    T __metal_get_simdgroup_size(T) {
+    return T(msl_rt::self()->threads_per_simdgroup);
+}
 template <class T> T __metal_get_thread_index_in_simdgroup(T) { return T(msl_rt::lane_id()); }
 
 namespace metal {
@@ -470,8 +478,7 @@ typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
 typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 #endif
 
-template <class T, int Cols, int Rows = Cols>
-simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
+template <class T, int Cols, int Rows = Cols> simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
     simdgroup_matrix<T, Cols, Rows> m;
     m.elements[0] = m.elements[1] = value;
     return m;
@@ -486,24 +493,24 @@ simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
 #define MSL_SIMDGROUP_LOAD_BODY ;
 #define MSL_SIMDGROUP_STORE_BODY ;
 #else
-#define MSL_SIMDGROUP_LOAD_BODY                                                                                   \
-    {                                                                                                             \
-        for (int j = 0; j < 2; j++)                                                                               \
+#define MSL_SIMDGROUP_LOAD_BODY                                                                                    \
+    {                                                                                                              \
+        for (int j = 0; j < 2; j++)                                                                                \
             d.elements[j] = src[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)]; \
     }
-#define MSL_SIMDGROUP_STORE_BODY                                                                                  \
-    {                                                                                                             \
-        for (int j = 0; j < 2; j++)                                                                               \
+#define MSL_SIMDGROUP_STORE_BODY                                                                                   \
+    {                                                                                                              \
+        for (int j = 0; j < 2; j++)                                                                                \
             dst[msl_rt::frag_element_index(j, elements_per_row, matrix_origin, transpose_matrix)] = a.elements[j]; \
     }
 #endif
-#define MSL_SIMDGROUP_LOAD_STORE(space)                                                                           \
-    template <class T, int Cols, int Rows>                                                                        \
-    void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const space T *src, ulong elements_per_row = Cols,    \
-                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) MSL_SIMDGROUP_LOAD_BODY  \
-    template <class T, int Cols, int Rows>                                                                        \
-    void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, space T *dst, ulong elements_per_row = Cols,   \
-                         ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) MSL_SIMDGROUP_STORE_BODY
+#define MSL_SIMDGROUP_LOAD_STORE(space)                                                                             \
+    template <class T, int Cols, int Rows>                                                                          \
+    void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const space T *src, ulong elements_per_row = Cols,      \
+                        ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false)                            \
+        MSL_SIMDGROUP_LOAD_BODY template <class T, int Cols, int Rows>                                              \
+        void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, space T *dst, ulong elements_per_row = Cols, \
+                             ulong2 matrix_origin = ulong2(0), bool transpose_matrix = false) MSL_SIMDGROUP_STORE_BODY
 MSL_SIMDGROUP_LOAD_STORE(device)
 MSL_SIMDGROUP_LOAD_STORE(threadgroup)
 #undef MSL_SIMDGROUP_LOAD_STORE
@@ -518,16 +525,14 @@ namespace msl_rt {
  * each lane then computes its own two outputs in float, rounded once to d's type. d may alias. */
 template <class TD, class TA, class TB, class TC>
 void mma(metal::simdgroup_matrix<TD, 8, 8> &d, const metal::simdgroup_matrix<TA, 8, 8> &a,
-         const metal::simdgroup_matrix<TB, 8, 8> &b, const metal::simdgroup_matrix<TC, 8, 8> *c,
-         const char *what, const char *file, unsigned line) {
+         const metal::simdgroup_matrix<TB, 8, 8> &b, const metal::simdgroup_matrix<TC, 8, 8> *c, const char *what,
+         const char *file, unsigned line) {
     struct operands {
         float a[2], b[2];
-    } mine = {{float(a.elements[0]), float(a.elements[1])},
-              {float(b.elements[0]), float(b.elements[1])}};
+    } mine = {{float(a.elements[0]), float(a.elements[1])}, {float(b.elements[0]), float(b.elements[1])}};
     auto g = exchange(mine, what, file, line);
     if (g.lanes != 0xFFFFFFFFu)
-        api->fail(self(), "simdgroup_matrix operation without all 32 lanes of the SIMD-group",
-                  file, line);
+        api->fail(self(), "simdgroup_matrix operation without all 32 lanes of the SIMD-group", file, line);
     uint32_t row = frag_row(g.self), col = frag_col(g.self);
     float acc[2];
     for (uint32_t j = 0; j < 2; j++) {
@@ -559,14 +564,16 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, const si
 
 /* a * b and a + b of SIMD-group matrices, as simdgroup_multiply and element by element */
 template <class T, int Cols, int Rows, int K>
-simdgroup_matrix<T, Cols, Rows> operator*(const simdgroup_matrix<T, K, Rows> &a, const simdgroup_matrix<T, Cols, K> &b) {
+simdgroup_matrix<T, Cols, Rows> operator*(const simdgroup_matrix<T, K, Rows> &a,
+                                          const simdgroup_matrix<T, Cols, K> &b) {
     simdgroup_matrix<T, Cols, Rows> d;
     const simdgroup_matrix<T, Cols, Rows> *no_c = nullptr;
     msl_rt::mma(d, a, b, no_c, "simdgroup_matrix operator*", __FILE__, __LINE__);
     return d;
 }
 template <class T, int Cols, int Rows>
-simdgroup_matrix<T, Cols, Rows> operator+(const simdgroup_matrix<T, Cols, Rows> &a, const simdgroup_matrix<T, Cols, Rows> &b) {
+simdgroup_matrix<T, Cols, Rows> operator+(const simdgroup_matrix<T, Cols, Rows> &a,
+                                          const simdgroup_matrix<T, Cols, Rows> &b) {
     simdgroup_matrix<T, Cols, Rows> d;
     d.elements = a.elements + b.elements;
     return d;
@@ -584,8 +591,7 @@ enum memory_order {
 
 /* Holds the value's 32 bits, so every operation is one on a uint32_t. */
 template <class T> struct atomic {
-    static_assert(std::is_same<T, int>::value || std::is_same<T, unsigned>::value ||
-                      std::is_same<T, float>::value,
+    static_assert(std::is_same<T, int>::value || std::is_same<T, unsigned>::value || std::is_same<T, float>::value,
                   "Metal atomics hold int, uint or float");
     typedef T value_type;
     uint32_t bits;
@@ -643,20 +649,19 @@ bool atomic_compare_exchange_weak_explicit(A *object, msl_rt::atomic_value<A> *e
                                            msl_rt::atomic_value<A> desired, memory_order success,
                                            memory_order failure) {
     uint32_t seen = msl_rt::to_bits(*expected);
-    bool ok = __atomic_compare_exchange_n(msl_rt::atomic_bits(object), &seen, msl_rt::to_bits(desired), true,
-                                          success, failure);
+    bool ok = __atomic_compare_exchange_n(msl_rt::atomic_bits(object), &seen, msl_rt::to_bits(desired), true, success,
+                                          failure);
     if (!ok) *expected = msl_rt::from_bits<msl_rt::atomic_value<A>>(seen);
     return ok;
 }
 
 /* int and uint add, subtract and combine bits alike in two's complement: one builtin on the bits. */
-#define MSL_ATOMIC_FETCH(name, builtin, op)                                                                     \
-    template <class A, class V = msl_rt::atomic_value<A>>                                                       \
-    V atomic_fetch_##name##_explicit(A *object, msl_rt::atomic_value<A> operand, memory_order order) {          \
-        if constexpr (std::is_floating_point<V>::value)                                                         \
-            return msl_rt::atomic_update(object, order, [operand](V v) { return v op operand; });               \
-        else                                                                                                    \
-            return msl_rt::from_bits<V>(builtin(msl_rt::atomic_bits(object), msl_rt::to_bits(operand), order)); \
+#define MSL_ATOMIC_FETCH(name, builtin, op)                                                                      \
+    template <class A, class V = msl_rt::atomic_value<A>>                                                        \
+    V atomic_fetch_##name##_explicit(A *object, msl_rt::atomic_value<A> operand, memory_order order) {           \
+        if constexpr (std::is_floating_point<V>::value)                                                          \
+            return msl_rt::atomic_update(object, order, [operand](V v) { return v op operand; });                \
+        else return msl_rt::from_bits<V>(builtin(msl_rt::atomic_bits(object), msl_rt::to_bits(operand), order)); \
     }
 MSL_ATOMIC_FETCH(add, __atomic_fetch_add, +)
 MSL_ATOMIC_FETCH(sub, __atomic_fetch_sub, -)

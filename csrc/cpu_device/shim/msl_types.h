@@ -79,18 +79,26 @@ using std::remove_reference_t;
 using std::true_type;
 
 /* T without its address space (Metal's remove_addrspace) */
-template <class T> struct remove_addrspace { using type = T; };
-template <class T> struct remove_addrspace<MSL_DEVICE T> { using type = T; };
-template <class T> struct remove_addrspace<MSL_CONSTANT T> { using type = T; };
-template <class T> struct remove_addrspace<MSL_THREADGROUP T> { using type = T; };
+template <class T> struct remove_addrspace {
+    using type = T;
+};
+template <class T> struct remove_addrspace<MSL_DEVICE T> {
+    using type = T;
+};
+template <class T> struct remove_addrspace<MSL_CONSTANT T> {
+    using type = T;
+};
+template <class T> struct remove_addrspace<MSL_THREADGROUP T> {
+    using type = T;
+};
 template <class T> using remove_addrspace_t = typename remove_addrspace<T>::type;
 
 /* Apple's internal traits that real headers use (under `#pragma METAL internals : enable`) */
 template <class... B> struct _disjunction : std::disjunction<B...> {};
 template <class... B> struct _conjunction : std::conjunction<B...> {};
 
-#define MSL_TRAIT(name, expr)                                                                                     \
-    template <class T> struct name : bool_constant<(expr)> {};                                                    \
+#define MSL_TRAIT(name, expr)                                  \
+    template <class T> struct name : bool_constant<(expr)> {}; \
     template <class T> constexpr bool name##_v = name<T>::value;
 MSL_TRAIT(is_floating_point, std::is_floating_point_v<T> || detail::fp16_v<T>)
 MSL_TRAIT(is_integral, std::is_integral_v<T> && !detail::fp16_v<T>)
@@ -200,8 +208,8 @@ struct half_format {
         if (u >= 0x40f0000000000000u) /* >= 65536: inf, or NaN kept quiet with its top payload bits */
             return storage(sign | (u > 0x7ff0000000000000u ? 0x7e00u | (u >> 42 & 0x3ffu) : 0x7c00u));
         if (u < 0x3f10000000000000u) /* below 2^-14: adding 2^28 rounds to a multiple of 2^-24 */
-            return storage(sign | (__builtin_bit_cast(uint64_t, __builtin_bit_cast(double, u) + 0x1p28) -
-                                   0x41b0000000000000u));
+            return storage(
+                sign | (__builtin_bit_cast(uint64_t, __builtin_bit_cast(double, u) + 0x1p28) - 0x41b0000000000000u));
         /* rebias the exponent (15 - 1023), round the 42 dropped bits to nearest even */
         return storage(sign | (u + 0xc100000000000000u + 0x1ffffffffffu + (u >> 42 & 1u)) >> 42);
     }
@@ -227,7 +235,8 @@ template <class F> struct fp16 {
     typename F::storage v;
 
     fp16() = default;
-    template <class T, std::enable_if_t<scalar_v<T> && implicit_from<F, T>, int> = 0> constexpr fp16(T x) : v(F::from(x)) {}
+    template <class T, std::enable_if_t<scalar_v<T> && implicit_from<F, T>, int> = 0>
+    constexpr fp16(T x) : v(F::from(x)) {}
     template <class T, std::enable_if_t<scalar_v<T> && !implicit_from<F, T>, int> = 0>
     explicit constexpr fp16(T x) : v(F::from(x)) {}
     /* a class converting to float (a user's bfloat16_t): float to half is a standard conversion
@@ -258,16 +267,23 @@ template <class F> struct fp16 {
     template <class T> constexpr fp16 &operator/=(T x) { return *this = fp16(*this / x); }
     constexpr fp16 &operator++() { return *this += 1; }
     constexpr fp16 &operator--() { return *this -= 1; }
-    constexpr fp16 operator++(int) { fp16 old = *this; *this += 1; return old; }
-    constexpr fp16 operator--(int) { fp16 old = *this; *this -= 1; return old; }
+    constexpr fp16 operator++(int) {
+        fp16 old = *this;
+        *this += 1;
+        return old;
+    }
+    constexpr fp16 operator--(int) {
+        fp16 old = *this;
+        *this -= 1;
+        return old;
+    }
 };
 
 /* MSL's usual arithmetic conversions: half with half or an integer gives half, with float gives
  * float; half with bfloat gives float; MSL has no double, a double (a literal such as 1.0) acts
  * as float. */
 template <class A, class B, class = void> struct arith {};
-template <class A, class B>
-struct arith<A, B, std::enable_if_t<std::is_arithmetic_v<A> && std::is_arithmetic_v<B>>> {
+template <class A, class B> struct arith<A, B, std::enable_if_t<std::is_arithmetic_v<A> && std::is_arithmetic_v<B>>> {
     using type = std::conditional_t<std::is_same_v<std::common_type_t<A, B>, double>, float, std::common_type_t<A, B>>;
 };
 template <class S, class T> struct arith<S, T, std::enable_if_t<fp16_v<S> && fp16_v<T>>> {
@@ -276,34 +292,37 @@ template <class S, class T> struct arith<S, T, std::enable_if_t<fp16_v<S> && fp1
 template <class S, class A> struct arith<S, A, std::enable_if_t<fp16_v<S> && std::is_arithmetic_v<A>>> {
     using type = std::conditional_t<std::is_floating_point_v<A>, float, S>;
 };
-template <class A, class S>
-struct arith<A, S, std::enable_if_t<std::is_arithmetic_v<A> && fp16_v<S>>> : arith<S, A> {};
+template <class A, class S> struct arith<A, S, std::enable_if_t<std::is_arithmetic_v<A> && fp16_v<S>>> : arith<S, A> {};
 template <class A, class B> using arith_t = typename arith<A, B>::type;
 
 /* Operators of half and bfloat (found by argument-dependent lookup): both operands converted to
  * the result type, computed in float, rounded to the result type. */
 template <class A, class B> using fp16_op_t = std::enable_if_t<fp16_v<A> || fp16_v<B>, arith_t<A, B>>;
-#define MSL_FP16_OP(op)                                                                                           \
-    template <class A, class B, class R = fp16_op_t<A, B>> constexpr R operator op(A a, B b) {                    \
-        return R(float(R(a)) op float(R(b)));                                                                     \
+#define MSL_FP16_OP(op)                                                                        \
+    template <class A, class B, class R = fp16_op_t<A, B>> constexpr R operator op(A a, B b) { \
+        return R(float(R(a)) op float(R(b)));                                                  \
     }
-#define MSL_FP16_CMP(op)                                                                                          \
-    template <class A, class B, class R = fp16_op_t<A, B>> constexpr bool operator op(A a, B b) {                 \
-        return float(R(a)) op float(R(b));                                                                        \
+#define MSL_FP16_CMP(op)                                                                          \
+    template <class A, class B, class R = fp16_op_t<A, B>> constexpr bool operator op(A a, B b) { \
+        return float(R(a)) op float(R(b));                                                        \
     }
-MSL_FP16_OP(+) MSL_FP16_OP(-) MSL_FP16_OP(*) MSL_FP16_OP(/)
-MSL_FP16_CMP(==) MSL_FP16_CMP(!=) MSL_FP16_CMP(<) MSL_FP16_CMP(<=) MSL_FP16_CMP(>) MSL_FP16_CMP(>=)
+MSL_FP16_OP(+)
+MSL_FP16_OP(-) MSL_FP16_OP(*) MSL_FP16_OP(/) MSL_FP16_CMP(==) MSL_FP16_CMP(!=) MSL_FP16_CMP(<) MSL_FP16_CMP(<=)
+    MSL_FP16_CMP(>) MSL_FP16_CMP(>=)
 #undef MSL_FP16_OP
 #undef MSL_FP16_CMP
 
-/* ---- vectors ---- */
+    /* ---- vectors ---- */
 
-template <class V> struct packed_vec;
+    template <class V>
+    struct packed_vec;
 template <class T, int N, int A> struct vec_storage;
 
 /* What a value is as a vector operand: its lane count (0: not a scalar nor a vector), the plain
  * type it converts to, its element type. */
-template <class X, class = void> struct info { static constexpr int n = 0; };
+template <class X, class = void> struct info {
+    static constexpr int n = 0;
+};
 template <class X> struct info<X, std::enable_if_t<scalar_v<X>>> {
     static constexpr int n = 1;
     using type = std::conditional_t<std::is_same_v<X, double>, float, X>;
@@ -364,34 +383,39 @@ using swz = std::conditional_t<((I < N) && ...), swizzle<T, N, vec<T, int(sizeof
 
 /* F(name, indices...) for every swizzle of length 2 to 4 over the names a, b, c, d: SWZ0 has one
  * letter n and its index i, SWZ1 emits the two-letter names, SWZ2 three, SWZ3 four. */
-#define MSL_SWIZZLES(F, a, b, c, d)                                                                               \
-    MSL_SWZ0(F, a, b, c, d, a, 0) MSL_SWZ0(F, a, b, c, d, b, 1)                                                   \
-    MSL_SWZ0(F, a, b, c, d, c, 2) MSL_SWZ0(F, a, b, c, d, d, 3)
-#define MSL_SWZ0(F, a, b, c, d, n, i)                                                                             \
-    MSL_SWZ1(F, a, b, c, d, n##a, i, 0) MSL_SWZ1(F, a, b, c, d, n##b, i, 1)                                       \
-    MSL_SWZ1(F, a, b, c, d, n##c, i, 2) MSL_SWZ1(F, a, b, c, d, n##d, i, 3)
-#define MSL_SWZ1(F, a, b, c, d, n, ...)                                                                           \
-    F(n, __VA_ARGS__)                                                                                             \
-    MSL_SWZ2(F, a, b, c, d, n##a, __VA_ARGS__, 0) MSL_SWZ2(F, a, b, c, d, n##b, __VA_ARGS__, 1)                   \
-    MSL_SWZ2(F, a, b, c, d, n##c, __VA_ARGS__, 2) MSL_SWZ2(F, a, b, c, d, n##d, __VA_ARGS__, 3)
-#define MSL_SWZ2(F, a, b, c, d, n, ...)                                                                           \
-    F(n, __VA_ARGS__)                                                                                             \
-    MSL_SWZ3(F, n##a, __VA_ARGS__, 0) MSL_SWZ3(F, n##b, __VA_ARGS__, 1)                                           \
-    MSL_SWZ3(F, n##c, __VA_ARGS__, 2) MSL_SWZ3(F, n##d, __VA_ARGS__, 3)
+#define MSL_SWIZZLES(F, a, b, c, d) \
+    MSL_SWZ0(F, a, b, c, d, a, 0)   \
+    MSL_SWZ0(F, a, b, c, d, b, 1) MSL_SWZ0(F, a, b, c, d, c, 2) MSL_SWZ0(F, a, b, c, d, d, 3)
+#define MSL_SWZ0(F, a, b, c, d, n, i)   \
+    MSL_SWZ1(F, a, b, c, d, n##a, i, 0) \
+    MSL_SWZ1(F, a, b, c, d, n##b, i, 1) MSL_SWZ1(F, a, b, c, d, n##c, i, 2) MSL_SWZ1(F, a, b, c, d, n##d, i, 3)
+#define MSL_SWZ1(F, a, b, c, d, n, ...)                                                         \
+    F(n, __VA_ARGS__)                                                                           \
+    MSL_SWZ2(F, a, b, c, d, n##a, __VA_ARGS__, 0)                                               \
+    MSL_SWZ2(F, a, b, c, d, n##b, __VA_ARGS__, 1) MSL_SWZ2(F, a, b, c, d, n##c, __VA_ARGS__, 2) \
+        MSL_SWZ2(F, a, b, c, d, n##d, __VA_ARGS__, 3)
+#define MSL_SWZ2(F, a, b, c, d, n, ...) \
+    F(n, __VA_ARGS__)                   \
+    MSL_SWZ3(F, n##a, __VA_ARGS__, 0)   \
+    MSL_SWZ3(F, n##b, __VA_ARGS__, 1) MSL_SWZ3(F, n##c, __VA_ARGS__, 2) MSL_SWZ3(F, n##d, __VA_ARGS__, 3)
 #define MSL_SWZ3(F, n, ...) F(n, __VA_ARGS__)
 #define MSL_SWIZZLE_MEMBER(name, ...) swz<T, N, __VA_ARGS__> name;
 #define MSL_ID(...) __VA_ARGS__
 /* N lanes aligned to A: the elements, the one-letter names, every swizzle. */
-#define MSL_VEC_STORAGE(n, xyzw, rgba)                                                                             \
-    template <class T, int A> struct alignas(A) vec_storage<T, n, A> {                                            \
-        static constexpr int N = n;                                                                               \
-        union {                                                                                                   \
-            T e[n];                                                                                               \
-            struct { T MSL_ID xyzw; };                                                                            \
-            struct { T MSL_ID rgba; };                                                                            \
-            MSL_SWIZZLES(MSL_SWIZZLE_MEMBER, x, y, z, w)                                                          \
-            MSL_SWIZZLES(MSL_SWIZZLE_MEMBER, r, g, b, a)                                                          \
-        };                                                                                                        \
+#define MSL_VEC_STORAGE(n, xyzw, rgba)                                 \
+    template <class T, int A> struct alignas(A) vec_storage<T, n, A> { \
+        static constexpr int N = n;                                    \
+        union {                                                        \
+            T e[n];                                                    \
+            struct {                                                   \
+                T MSL_ID xyzw;                                         \
+            };                                                         \
+            struct {                                                   \
+                T MSL_ID rgba;                                         \
+            };                                                         \
+            MSL_SWIZZLES(MSL_SWIZZLE_MEMBER, x, y, z, w)               \
+            MSL_SWIZZLES(MSL_SWIZZLE_MEMBER, r, g, b, a)               \
+        };                                                             \
     };
 MSL_VEC_STORAGE(2, (x, y), (r, g))
 MSL_VEC_STORAGE(3, (x, y, z), (r, g, b))
@@ -429,12 +453,13 @@ template <class V> struct packed_vec : vec_storage<elem_t<V>, info<V>::n, aligno
 template <class X> constexpr bool proxy_v = false;
 template <class T, int N, class V, int... I> constexpr bool proxy_v<swizzle<T, N, V, I...>> = true;
 template <class V> constexpr bool proxy_v<packed_vec<V>> = true;
-#define MSL_COMPOUND(op)                                                                                          \
+#define MSL_COMPOUND(op)                                                                                               \
     template <class X, class R, std::enable_if_t<proxy_v<X>, int> = 0> constexpr X &operator op##=(X &x, const R &r) { \
-        return x = value_t<X>(x) op r;                                                                            \
+        return x = value_t<X>(x) op r;                                                                                 \
     }
-MSL_COMPOUND(+) MSL_COMPOUND(-) MSL_COMPOUND(*) MSL_COMPOUND(/) MSL_COMPOUND(%)
-MSL_COMPOUND(&) MSL_COMPOUND(|) MSL_COMPOUND(^) MSL_COMPOUND(<<) MSL_COMPOUND(>>)
+MSL_COMPOUND(+)
+MSL_COMPOUND(-) MSL_COMPOUND(*) MSL_COMPOUND(/) MSL_COMPOUND(%) MSL_COMPOUND(&) MSL_COMPOUND(|) MSL_COMPOUND(^)
+    MSL_COMPOUND(<<) MSL_COMPOUND(>>)
 #undef MSL_COMPOUND
 
 } // namespace detail
@@ -456,8 +481,9 @@ template <class T, int N> struct vec : detail::vec_storage<T, N, detail::vec_ali
     }
     /* concatenation of scalars and vectors: float4(xy, z, w), float4(float3, 1.0f), ...; lanes
      * beyond the operands are 0, for a brace-initialiser with fewer (float4 v = {xy, 1.0f}) */
-    template <class... X, std::enable_if_t<(sizeof...(X) > 1) && ((detail::info<X>::n > 0) && ...) &&
-                                               (detail::info<X>::n + ...) <= N, int> = 0>
+    template <class... X,
+              std::enable_if_t<
+                  (sizeof...(X) > 1) && ((detail::info<X>::n > 0) && ...) && (detail::info<X>::n + ...) <= N, int> = 0>
     constexpr vec(const X &...x) : vec::vec_storage{} {
         int k = 0;
         (put(k, x), ...);
@@ -474,20 +500,22 @@ template <class T, int N> struct vec : detail::vec_storage<T, N, detail::vec_ali
     constexpr T &operator[](int i) { return this->e[i]; }
     constexpr const T &operator[](int i) const { return this->e[i]; }
 
-#define MSL_LANES(R, expr)                                                                                        \
-    R r{};                                                                                                        \
-    for (int i = 0; i < N; i++) r[i] = expr;                                                                      \
+#define MSL_LANES(R, expr)                   \
+    R r{};                                   \
+    for (int i = 0; i < N; i++) r[i] = expr; \
     return r;
-#define MSL_VEC_OP(op)                                                                                            \
-    friend constexpr vec operator op(const vec &a, const vec &b) { MSL_LANES(vec, a[i] op b[i]) }                 \
+#define MSL_VEC_OP(op)                                                                            \
+    friend constexpr vec operator op(const vec &a, const vec &b) { MSL_LANES(vec, a[i] op b[i]) } \
     friend constexpr vec &operator op##=(vec &a, const vec &b) { return a = a op b; }
-#define MSL_VEC_CMP(op)                                                                                           \
+#define MSL_VEC_CMP(op) \
     friend constexpr bools operator op(const vec &a, const vec &b) { MSL_LANES(bools, a[i] op b[i]) }
-    MSL_VEC_OP(+) MSL_VEC_OP(-) MSL_VEC_OP(*) MSL_VEC_OP(/) MSL_VEC_OP(%)
-    MSL_VEC_OP(&) MSL_VEC_OP(|) MSL_VEC_OP(^) MSL_VEC_OP(<<) MSL_VEC_OP(>>)
-    MSL_VEC_CMP(==) MSL_VEC_CMP(!=) MSL_VEC_CMP(<) MSL_VEC_CMP(<=) MSL_VEC_CMP(>) MSL_VEC_CMP(>=)
-    MSL_VEC_CMP(&&) MSL_VEC_CMP(||)
-    friend constexpr vec operator+(const vec &a) { return a; }
+    MSL_VEC_OP(+)
+    MSL_VEC_OP(-) MSL_VEC_OP(*) MSL_VEC_OP(/) MSL_VEC_OP(%) MSL_VEC_OP(&) MSL_VEC_OP(|) MSL_VEC_OP(^) MSL_VEC_OP(<<)
+        MSL_VEC_OP(>>) MSL_VEC_CMP(==) MSL_VEC_CMP(!=) MSL_VEC_CMP(<) MSL_VEC_CMP(<=) MSL_VEC_CMP(>) MSL_VEC_CMP(>=)
+            MSL_VEC_CMP(&&) MSL_VEC_CMP(||) friend constexpr vec
+            operator+(const vec &a) {
+        return a;
+    }
     friend constexpr vec operator-(const vec &a) { MSL_LANES(vec, -a[i]) }
     friend constexpr vec operator~(const vec &a) { MSL_LANES(vec, ~a[i]) }
     friend constexpr bools operator!(const vec &a) { MSL_LANES(bools, !a[i]) }
@@ -543,12 +571,12 @@ template <class T, class U> constexpr T as_type(const U &x) {
 
 /* ---- both modes ---- */
 
-#define MSL_VECTOR_TYPES(T, name)                                                                                 \
-    typedef metal::vec<T, 2> name##2;                                                                             \
-    typedef metal::vec<T, 3> name##3;                                                                             \
-    typedef metal::vec<T, 4> name##4;                                                                             \
-    typedef metal::detail::packed_vec<name##2> packed_##name##2;                                                  \
-    typedef metal::detail::packed_vec<name##3> packed_##name##3;                                                  \
+#define MSL_VECTOR_TYPES(T, name)                                \
+    typedef metal::vec<T, 2> name##2;                            \
+    typedef metal::vec<T, 3> name##3;                            \
+    typedef metal::vec<T, 4> name##4;                            \
+    typedef metal::detail::packed_vec<name##2> packed_##name##2; \
+    typedef metal::detail::packed_vec<name##3> packed_##name##3; \
     typedef metal::detail::packed_vec<name##4> packed_##name##4;
 MSL_VECTOR_TYPES(float, float)
 MSL_VECTOR_TYPES(half, half)
@@ -567,11 +595,15 @@ MSL_VECTOR_TYPES(bool, bool)
 namespace metal {
 template <class T, int Cols, int Rows> struct matrix;
 }
-#define MSL_MATRIX_TYPES(T)                                                                                       \
-    typedef metal::matrix<T, 2, 2> T##2x2; typedef metal::matrix<T, 2, 3> T##2x3;                                 \
-    typedef metal::matrix<T, 2, 4> T##2x4; typedef metal::matrix<T, 3, 2> T##3x2;                                 \
-    typedef metal::matrix<T, 3, 3> T##3x3; typedef metal::matrix<T, 3, 4> T##3x4;                                 \
-    typedef metal::matrix<T, 4, 2> T##4x2; typedef metal::matrix<T, 4, 3> T##4x3;                                 \
+#define MSL_MATRIX_TYPES(T)                \
+    typedef metal::matrix<T, 2, 2> T##2x2; \
+    typedef metal::matrix<T, 2, 3> T##2x3; \
+    typedef metal::matrix<T, 2, 4> T##2x4; \
+    typedef metal::matrix<T, 3, 2> T##3x2; \
+    typedef metal::matrix<T, 3, 3> T##3x3; \
+    typedef metal::matrix<T, 3, 4> T##3x4; \
+    typedef metal::matrix<T, 4, 2> T##4x2; \
+    typedef metal::matrix<T, 4, 3> T##4x3; \
     typedef metal::matrix<T, 4, 4> T##4x4;
 MSL_MATRIX_TYPES(float)
 MSL_MATRIX_TYPES(half)
@@ -615,11 +647,13 @@ template <class T, int Cols, int Rows> struct matrix {
     }
     /* from the columns */
     template <class... V, std::enable_if_t<sizeof...(V) == Cols && (Cols > 1) &&
-                                               ((sizeof(V) == sizeof(vec<T, Rows>) && !std::is_arithmetic_v<V>) && ...), int> = 0>
+                                               ((sizeof(V) == sizeof(vec<T, Rows>) && !std::is_arithmetic_v<V>)&&...),
+                                           int> = 0>
     constexpr matrix(const V &...v) : columns{vec<T, Rows>(v)...} {}
     /* from Cols * Rows scalars, column by column */
     template <class... S, std::enable_if_t<sizeof...(S) == Cols * Rows && (Cols * Rows > 4 || Rows == 2) &&
-                                               (std::is_arithmetic_v<S> && ...), int> = 0>
+                                               (std::is_arithmetic_v<S> && ...),
+                                           int> = 0>
     constexpr matrix(S... s) : columns{} {
         T v[] = {T(s)...};
         for (int i = 0; i < Cols * Rows; i++) columns[i / Rows][i % Rows] = v[i];
