@@ -14,14 +14,17 @@
 using namespace metal;
 
 template <typename T>
-[[kernel, max_total_threads_per_threadgroup(32 * FA_BACKWARD_DELTA_ROWS)]] void fa_backward_delta(
-    const device T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]], const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
-    const device float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
-    device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
-    constant fa_backward_params &p [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
-    const device float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
-    device float *sink_grad [[buffer(FA_BACKWARD_BUFFER_SINK_GRAD)]], uint3 group [[threadgroup_position_in_grid]],
-    ushort sg [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(32 * FA_BACKWARD_DELTA_ROWS)]] void
+fa_backward_delta(const device T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
+                  const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+                  const device float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+                  device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+                  constant fa_backward_params &p [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+                  const device float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
+                  device float *sink_grad [[buffer(FA_BACKWARD_BUFFER_SINK_GRAD)]],
+                  uint3 group [[threadgroup_position_in_grid]],
+                  ushort sg [[simdgroup_index_in_threadgroup]],
+                  ushort lane [[thread_index_in_simdgroup]]) {
   constant fa_params &f = p.forward;
   const long b = group.z;
   const long h = group.y;

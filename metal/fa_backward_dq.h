@@ -30,18 +30,24 @@
 using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
-[[kernel, max_total_threads_per_threadgroup(32 * WM)]] void fa_backward_dq(
-    const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]], const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
-    const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]], const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
-    const device float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
-    const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]], device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],
-    constant fa_backward_params &p [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
-    const device uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
-    const device float *alibi_slopes [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
-    constant fa_params *sequence_table [[buffer(FA_BACKWARD_BUFFER_SEQUENCES)]],
-    const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
-    uint3 groups [[threadgroups_per_grid]], uint tid [[thread_index_in_threadgroup]],
-    ushort sg [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(32 * WM)]] void
+fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+               const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+               const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+               const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+               const device float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+               const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+               device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],
+               constant fa_backward_params &p [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+               const device uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
+               const device float *alibi_slopes [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
+               constant fa_params *sequence_table [[buffer(FA_BACKWARD_BUFFER_SEQUENCES)]],
+               const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]],
+               uint3 group [[threadgroup_position_in_grid]],
+               uint3 groups [[threadgroups_per_grid]],
+               uint tid [[thread_index_in_threadgroup]],
+               ushort sg [[simdgroup_index_in_threadgroup]],
+               ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int BQ = 8 * WM;
   constexpr int K_PITCH = BD + FA_TILE_PAD;
   constexpr int V_PITCH = BDV + FA_TILE_PAD;

@@ -69,8 +69,8 @@ inline int fa_decode_column(ushort lane, int e) {
 // This lane's COLS elements of a row of `dim` columns (0 past it), as float. `as_vectors` reads each
 // whole chunk at once, which needs unit column stride and a W-aligned chunk address.
 template <typename T, int COLS>
-inline void fa_decode_load(thread float (&dst)[COLS], const device T *row, long col_stride, int dim, ushort lane,
-                           bool as_vectors) {
+inline void
+fa_decode_load(thread float (&dst)[COLS], const device T *row, long col_stride, int dim, ushort lane, bool as_vectors) {
   constexpr int W = COLS < 4 ? COLS : 4;
   for (int c = 0; c < COLS / W; ++c) {
     const int col = fa_decode_column<W>(lane, c * W);
@@ -91,8 +91,11 @@ inline void fa_decode_load(thread float (&dst)[COLS], const device T *row, long 
 // the value row, weighted by the probability times its dropout factor (fa_dropout.h), its
 // accumulator.
 template <int COLS>
-inline void fa_decode_accumulate(thread fa_online_softmax &state, thread float (&acc)[COLS], float score,
-                                 float dropout_factor, thread const float (&v_reg)[COLS]) {
+inline void fa_decode_accumulate(thread fa_online_softmax &state,
+                                 thread float (&acc)[COLS],
+                                 float score,
+                                 float dropout_factor,
+                                 thread const float (&v_reg)[COLS]) {
   const fa_softmax_step step = fa_softmax_push(state, score);
   const float weight = step.weight * dropout_factor;
   for (int c = 0; c < COLS; ++c) {
@@ -102,8 +105,10 @@ inline void fa_decode_accumulate(thread fa_online_softmax &state, thread float (
 
 template <typename T, int COLS, int ROWS>
 [[kernel, max_total_threads_per_threadgroup(32 * FA_DECODE_SIMD_GROUPS)]] void
-fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-          const device T *v [[buffer(FA_FORWARD_BUFFER_V)]], device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+          const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+          const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
+          device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
           device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
           constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
           device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
@@ -112,8 +117,10 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [
           const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
           constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
           const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
-          const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
-          uint tid [[thread_index_in_threadgroup]], ushort sg [[simdgroup_index_in_threadgroup]],
+          const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
+          uint3 group [[threadgroup_position_in_grid]],
+          uint tid [[thread_index_in_threadgroup]],
+          ushort sg [[simdgroup_index_in_threadgroup]],
           ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int SG = FA_DECODE_SIMD_GROUPS;
   constexpr int W = COLS < 4 ? COLS : 4;

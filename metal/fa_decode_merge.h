@@ -16,12 +16,14 @@ using namespace metal;
 
 template <typename T, int COLS>
 [[kernel, max_total_threads_per_threadgroup(32)]] void
-fa_decode_merge(device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]], device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+fa_decode_merge(device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+                device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
                 constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
                 const device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
                 const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
                 constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
-                uint3 group [[threadgroup_position_in_grid]], ushort lane [[thread_index_in_simdgroup]]) {
+                uint3 group [[threadgroup_position_in_grid]],
+                ushort lane [[thread_index_in_simdgroup]]) {
   const int i = int(group.x);
   const long h = group.y;
   const long b = group.z;

@@ -81,8 +81,8 @@ inline float fa_dropout_factor(constant fa_params &p, fa_dropout_rng r, long b, 
 
 // The factors of two neighbours along one axis, (i, j) and (i, j + 1) (along_keys) or (i, j) and
 // (i + 1, j): one Philox call when the pair shares a block, two when it straddles blocks.
-inline float2 fa_dropout_factor_pair(constant fa_params &p, fa_dropout_rng r, long b, long h, int i, int j,
-                                     bool along_keys) {
+inline float2
+fa_dropout_factor_pair(constant fa_params &p, fa_dropout_rng r, long b, long h, int i, int j, bool along_keys) {
   if (!fa_dropout_applies()) {
     return float2(1.0f);
   }
@@ -98,8 +98,8 @@ inline float2 fa_dropout_factor_pair(constant fa_params &p, fa_dropout_rng r, lo
 // Dropout over NB fragments of a query-side tile (forward, dQ), in place: the lane's row is `row`,
 // its elements e of fragment f are keys key0 + 8 f + e (fa_fragments.h's layout).
 template <int NB, typename F>
-inline void fa_dropout_frags(constant fa_params &p, fa_dropout_rng r, thread F *frags, long b, long h, int row,
-                             int key0) {
+inline void
+fa_dropout_frags(constant fa_params &p, fa_dropout_rng r, thread F *frags, long b, long h, int row, int key0) {
   if (!fa_dropout_applies()) {
     return;
   }
@@ -112,8 +112,8 @@ inline void fa_dropout_frags(constant fa_params &p, fa_dropout_rng r, thread F *
 
 // The probability pass (FA_DROPOUT_PROBS, the simple kernel): probability `prob` of (i, j) as
 // flash-attn's return_attn_probs shows it, negated where dropout drops it.
-inline float fa_dropout_signed_probability(constant fa_params &p, fa_dropout_rng r, long b, long h, int i, int j,
-                                           float prob) {
+inline float
+fa_dropout_signed_probability(constant fa_params &p, fa_dropout_rng r, long b, long h, int i, int j, float prob) {
   const uint word = fa_dropout_word_of(fa_dropout_block(r, b, h, i, j), i, j);
   return word < p.dropout_drop_below ? -prob : prob;
 }

@@ -31,8 +31,10 @@ using namespace metal;
 
 template <typename T, int BD, int BDV, int BK, int WM>
 [[kernel, max_total_threads_per_threadgroup(32 * WM)]] void
-fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-           const device T *v [[buffer(FA_FORWARD_BUFFER_V)]], device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+           const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+           const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
+           device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
            device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
            constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
            const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
@@ -40,9 +42,12 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k 
            const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
            constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
            const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
-           const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
-           uint3 groups [[threadgroups_per_grid]], uint tid [[thread_index_in_threadgroup]],
-           ushort sg [[simdgroup_index_in_threadgroup]], ushort lane [[thread_index_in_simdgroup]]) {
+           const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
+           uint3 group [[threadgroup_position_in_grid]],
+           uint3 groups [[threadgroups_per_grid]],
+           uint tid [[thread_index_in_threadgroup]],
+           ushort sg [[simdgroup_index_in_threadgroup]],
+           ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int BQ = 8 * WM;
   constexpr int K_PITCH = BD + FA_TILE_PAD;
   constexpr int V_PITCH = BDV + FA_TILE_PAD;

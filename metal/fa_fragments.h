@@ -43,8 +43,8 @@ inline void fa_frag_fill(thread fa_frag &f, float value) {
 
 // Fragment (r, c) = tile[(row0 + r) * pitch + col0 + c], converted to the fragment's element type E.
 template <typename E, typename T>
-inline void fa_frag_load(thread metal::simdgroup_matrix<E, 8, 8> &f, const threadgroup T *tile, int pitch, int row0,
-                         int col0, ushort2 at) {
+inline void fa_frag_load(
+    thread metal::simdgroup_matrix<E, 8, 8> &f, const threadgroup T *tile, int pitch, int row0, int col0, ushort2 at) {
   const threadgroup T *p = tile + (row0 + at.y) * pitch + col0 + at.x;
   f.thread_elements()[0] = static_cast<E>(p[0]);
   f.thread_elements()[1] = static_cast<E>(p[1]);
@@ -52,8 +52,8 @@ inline void fa_frag_load(thread metal::simdgroup_matrix<E, 8, 8> &f, const threa
 
 // Fragment (r, c) = tile[(col0 + c) * pitch + row0 + r]: the transpose of a row-major tile.
 template <typename E, typename T>
-inline void fa_frag_load_transposed(thread metal::simdgroup_matrix<E, 8, 8> &f, const threadgroup T *tile, int pitch,
-                                    int row0, int col0, ushort2 at) {
+inline void fa_frag_load_transposed(
+    thread metal::simdgroup_matrix<E, 8, 8> &f, const threadgroup T *tile, int pitch, int row0, int col0, ushort2 at) {
   const threadgroup T *p = tile + (col0 + at.x) * pitch + row0 + at.y;
   f.thread_elements()[0] = static_cast<E>(p[0]);
   f.thread_elements()[1] = static_cast<E>(p[pitch]);
@@ -63,8 +63,12 @@ inline void fa_frag_load_transposed(thread metal::simdgroup_matrix<E, 8, 8> &f, 
 // columns 8 d + at.x and + 1 of fragment d), zeros past valid_cols or for a row outside the
 // matrix (row_valid false: nothing is read).
 template <typename T, int N, typename E>
-inline void fa_frags_load_row(thread metal::simdgroup_matrix<E, 8, 8> *f, const device T *row, long col_stride,
-                              bool row_valid, int valid_cols, ushort2 at) {
+inline void fa_frags_load_row(thread metal::simdgroup_matrix<E, 8, 8> *f,
+                              const device T *row,
+                              long col_stride,
+                              bool row_valid,
+                              int valid_cols,
+                              ushort2 at) {
   for (int d = 0; d < N; ++d) {
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * d + at.x + e;
@@ -85,8 +89,8 @@ inline void fa_frags_scale(thread fa_frag *f, float factor) {
 // The reverse: the lane's row of N fragments times factor into device memory, columns below
 // valid_cols only (the caller skips rows outside the matrix).
 template <typename T, int N>
-inline void fa_frags_store_row(const thread fa_frag *f, device T *row, long col_stride, int valid_cols, float factor,
-                               ushort2 at) {
+inline void
+fa_frags_store_row(const thread fa_frag *f, device T *row, long col_stride, int valid_cols, float factor, ushort2 at) {
   for (int d = 0; d < N; ++d) {
     for (int e = 0; e < 2; ++e) {
       const int col = 8 * d + at.x + e;
@@ -103,8 +107,12 @@ inline void fa_frags_store_row(const thread fa_frag *f, device T *row, long col_
 // specialisation's width and are zero): the others are skipped, so a padded width costs registers
 // but no matrix work.
 template <typename T, int ND, int NB, typename E>
-inline void fa_frags_multiply_transposed(thread fa_frag *acc, const thread metal::simdgroup_matrix<E, 8, 8> *a,
-                                         const threadgroup T *tile, int pitch, int slices, ushort2 at) {
+inline void fa_frags_multiply_transposed(thread fa_frag *acc,
+                                         const thread metal::simdgroup_matrix<E, 8, 8> *a,
+                                         const threadgroup T *tile,
+                                         int pitch,
+                                         int slices,
+                                         ushort2 at) {
   for (int j = 0; j < NB; ++j) {
     for (int d = 0; d < ND; ++d) {
       if (d < slices) {
@@ -120,8 +128,8 @@ inline void fa_frags_multiply_transposed(thread fa_frag *acc, const thread metal
 // (8 x 8 NA), B the first 8 NA rows of a row-major tile. P V in the forward, dS K, P^T dO, dS^T Q
 // backward. Output slices past `slices` are padding (never stored) and are skipped.
 template <typename T, int NA, int ND>
-inline void fa_frags_multiply(thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile, int pitch,
-                              int slices, ushort2 at) {
+inline void fa_frags_multiply(
+    thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile, int pitch, int slices, ushort2 at) {
   for (int d = 0; d < ND; ++d) {
     if (d < slices) {
       for (int j = 0; j < NA; ++j) {

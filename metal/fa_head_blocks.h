@@ -45,9 +45,17 @@ inline fa_column_block fa_column_block_of(long grid_head, int blocks) {
 // it (it synchronises); `compute` false (a blocked tile) only loads. The caller has synchronised
 // since the tile was last read; the tile holds the last block afterwards.
 template <typename T, int BW, int NB, int THREADS, typename E>
-inline void fa_frags_multiply_streamed(thread fa_frag *acc, thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
-                                       const device T *a_row, long a_col_stride, bool a_valid, threadgroup T *tile,
-                                       fa_tile_rows<T> b_rows, int valid_b_rows, int dim, bool compute, uint tid,
+inline void fa_frags_multiply_streamed(thread fa_frag *acc,
+                                       thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
+                                       const device T *a_row,
+                                       long a_col_stride,
+                                       bool a_valid,
+                                       threadgroup T *tile,
+                                       fa_tile_rows<T> b_rows,
+                                       int valid_b_rows,
+                                       int dim,
+                                       bool compute,
+                                       uint tid,
                                        ushort2 at) {
   constexpr int PITCH = BW + FA_TILE_PAD;
   const int blocks = fa_head_blocks(dim, BW);
@@ -70,9 +78,17 @@ inline void fa_frags_multiply_streamed(thread fa_frag *acc, thread metal::simdgr
 // loaded once (fa_load_resident_row) times the tile loaded with the others (fa_load_resident_tile);
 // wider, streamed as above. Every thread calls it (streaming synchronises).
 template <typename T, int BW, int NB, int THREADS, typename E>
-inline void fa_frags_multiply_head(thread fa_frag *acc, thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
-                                   const device T *a_row, long a_col_stride, bool a_valid, threadgroup T *tile,
-                                   fa_tile_rows<T> b_rows, int valid_b_rows, int dim, bool compute, uint tid,
+inline void fa_frags_multiply_head(thread fa_frag *acc,
+                                   thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
+                                   const device T *a_row,
+                                   long a_col_stride,
+                                   bool a_valid,
+                                   threadgroup T *tile,
+                                   fa_tile_rows<T> b_rows,
+                                   int valid_b_rows,
+                                   int dim,
+                                   bool compute,
+                                   uint tid,
                                    ushort2 at) {
   if (dim > BW) {
     fa_frags_multiply_streamed<T, BW, NB, THREADS>(acc, a_frag, a_row, a_col_stride, a_valid, tile, b_rows,
@@ -84,8 +100,12 @@ inline void fa_frags_multiply_head(thread fa_frag *acc, thread metal::simdgroup_
 
 // A resident operand's fragments (dim <= 8 N), once per kernel; a streamed one's load per block.
 template <typename T, int N, typename E>
-inline void fa_load_resident_row(thread metal::simdgroup_matrix<E, 8, 8> *f, const device T *row, long col_stride,
-                                 bool row_valid, int dim, ushort2 at) {
+inline void fa_load_resident_row(thread metal::simdgroup_matrix<E, 8, 8> *f,
+                                 const device T *row,
+                                 long col_stride,
+                                 bool row_valid,
+                                 int dim,
+                                 ushort2 at) {
   if (dim <= 8 * N) {
     fa_frags_load_row<T, N>(f, row, col_stride, row_valid, dim, at);
   }

@@ -35,8 +35,14 @@ constexpr int fa_tile_vectors(int elements) { return (elements + FA_TILE_VEC - 1
 // tile[r * pitch + c] = src[r * row_stride + c * col_stride] for r < valid_rows, c < valid_cols;
 // 0 elsewhere in the ROWS x COLS block. 64-bit offsets: strides of large views overflow 32 bits.
 template <typename T, int ROWS, int COLS, int THREADS>
-inline void fa_load_tile_strided(threadgroup T *tile, int pitch, const device T *src, long row_stride, long col_stride,
-                                 int valid_rows, int valid_cols, uint tid) {
+inline void fa_load_tile_strided(threadgroup T *tile,
+                                 int pitch,
+                                 const device T *src,
+                                 long row_stride,
+                                 long col_stride,
+                                 int valid_rows,
+                                 int valid_cols,
+                                 uint tid) {
   for (int i = int(tid); i < ROWS * COLS; i += THREADS) {
     const int r = i / COLS;
     const int c = i % COLS;
@@ -47,8 +53,8 @@ inline void fa_load_tile_strided(threadgroup T *tile, int pitch, const device T 
 // The same for a contiguous view (see above): thread tid moves vectors tid, tid + THREADS, ... of
 // the block, each FA_TILE_VEC elements of one row.
 template <typename T, int ROWS, int COLS, int THREADS>
-inline void fa_load_tile_contiguous(threadgroup T *tile, int pitch, const device T *src, int row_stride, int valid_rows,
-                                    int valid_cols, uint tid) {
+inline void fa_load_tile_contiguous(
+    threadgroup T *tile, int pitch, const device T *src, int row_stride, int valid_rows, int valid_cols, uint tid) {
   typedef metal::vec<T, FA_TILE_VEC> tile_vec;
   constexpr int ROW_VECTORS = COLS / FA_TILE_VEC;
   constexpr int VECTORS = ROWS * ROW_VECTORS;
@@ -113,8 +119,14 @@ inline fa_tile_rows<T> fa_rows(const device T *src, long row_stride, long col_st
 // in `view` (k or v, `strides` its own), advancing `tile_rows` keys at a time; through the block
 // table under FA_FC_PAGED.
 template <typename T>
-inline fa_tile_rows<T> fa_kv_tiles(const device T *view, constant fa_params &p, constant fa_i64 *strides,
-                                   const device int *block_table, long b, long kv_h, int first_key, int tile_rows) {
+inline fa_tile_rows<T> fa_kv_tiles(const device T *view,
+                                   constant fa_params &p,
+                                   constant fa_i64 *strides,
+                                   const device int *block_table,
+                                   long b,
+                                   long kv_h,
+                                   int first_key,
+                                   int tile_rows) {
   if (fa_paged) {
     fa_tile_rows<T> rows = {view + kv_h * strides[1],
                             strides[2],
@@ -169,8 +181,8 @@ inline void fa_tile_advance(thread fa_tile_rows<T> &rows) {
 // and a read of the table, cached), as vectors where the planner chose the contiguous path (every
 // row start of the pool is then aligned), else element by element.
 template <typename T, int ROWS, int COLS, int THREADS>
-inline void fa_load_tile_paged(threadgroup T *tile, int pitch, fa_tile_rows<T> src, int valid_rows, int valid_cols,
-                               uint tid) {
+inline void
+fa_load_tile_paged(threadgroup T *tile, int pitch, fa_tile_rows<T> src, int valid_rows, int valid_cols, uint tid) {
   if (fa_contiguous_tiles) {
     typedef metal::vec<T, FA_TILE_VEC> tile_vec;
     constexpr int ROW_VECTORS = COLS / FA_TILE_VEC;
@@ -197,8 +209,8 @@ inline void fa_load_tile_paged(threadgroup T *tile, int pitch, fa_tile_rows<T> s
 // walk starts on a page boundary) is rows a stride apart from its first: the plain paths, after
 // one division per tile (uniform over the threadgroup).
 template <typename T, int ROWS, int COLS, int THREADS>
-inline void fa_load_tile(threadgroup T *tile, int pitch, fa_tile_rows<T> src, int valid_rows, int valid_cols,
-                         uint tid) {
+inline void
+fa_load_tile(threadgroup T *tile, int pitch, fa_tile_rows<T> src, int valid_rows, int valid_cols, uint tid) {
   if (fa_paged && src.paged) {
     if (src.position % src.page_size + valid_rows > src.page_size) {
       fa_load_tile_paged<T, ROWS, COLS, THREADS>(tile, pitch, src, valid_rows, valid_cols, tid);

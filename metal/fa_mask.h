@@ -119,8 +119,16 @@ struct fa_tile_start {
 // vote: no load when every one is blocked. `votes` holds 2 WM entries, used by halves on
 // alternate tiles, so a SIMD-group that skips ahead never overwrites votes still being read.
 template <int NB, int WM>
-inline fa_tile_start fa_start_tile(int tile_class, const device uchar *mask, long offset, long stride, int valid_cols,
-                                   bool lane_valid, threadgroup bool *votes, int tile, ushort sg, ushort lane,
+inline fa_tile_start fa_start_tile(int tile_class,
+                                   const device uchar *mask,
+                                   long offset,
+                                   long stride,
+                                   int valid_cols,
+                                   bool lane_valid,
+                                   threadgroup bool *votes,
+                                   int tile,
+                                   ushort sg,
+                                   ushort lane,
                                    ushort2 at) {
   fa_tile_start start = {tile_class, ~0u, true};
   if (fa_mask_kind != FA_MASK_BOOL) {

@@ -69,7 +69,8 @@ template <typename T>
 [[kernel, max_total_threads_per_threadgroup(FA_SEQUENCE_TABLE_THREADS)]] void
 fa_sequence_table(const device int *entries [[buffer(FA_TABLE_BUFFER_ENTRIES)]],
                   device fa_params *table [[buffer(FA_TABLE_BUFFER_OUT)]],
-                  constant fa_params &p [[buffer(FA_TABLE_BUFFER_PARAMS)]], uint b [[thread_position_in_grid]]) {
+                  constant fa_params &p [[buffer(FA_TABLE_BUFFER_PARAMS)]],
+                  uint b [[thread_position_in_grid]]) {
   if (b >= uint(p.batch)) {
     return;
   }

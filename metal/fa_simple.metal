@@ -21,8 +21,10 @@ using namespace metal;
 
 template <typename T>
 [[kernel, max_total_threads_per_threadgroup(32 * FA_SIMPLE_ROWS_PER_GROUP)]] void
-fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-          const device T *v [[buffer(FA_FORWARD_BUFFER_V)]], device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+          const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+          const device T *v [[buffer(FA_FORWARD_BUFFER_V)]],
+          device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
           device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
           constant fa_params &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
           device float *probs [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
@@ -30,8 +32,10 @@ fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]], const device T *k [
           const device float *alibi_slopes [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
           const device float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
           constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
-          const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]], uint3 group [[threadgroup_position_in_grid]],
-          uint simd_group [[simdgroup_index_in_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+          const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
+          uint3 group [[threadgroup_position_in_grid]],
+          uint simd_group [[simdgroup_index_in_threadgroup]],
+          uint lane [[thread_index_in_simdgroup]]) {
   const int row = int(group.x) * FA_SIMPLE_ROWS_PER_GROUP + int(simd_group);
   const fa_i64 b = group.z;
   constant fa_params &p = fa_sequence_params(params, sequence_table, b);
