@@ -564,7 +564,7 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     return FA_OK;
 }
 
-static int32_t plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
+static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)fa_dtype_bytes(a->q.dtype));
     int32_t rc = fa_plan_check_column_grid(a->q.sizes[1], fa_plan_head_blocks(a->v.sizes[3], t.bdv), st);
     if (rc != FA_OK) {
@@ -736,7 +736,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     switch (kernel) {
     case FA_KERNEL_SIMPLE: rc = plan_simple(a, plan); break;
     case FA_KERNEL_DECODE: rc = plan_decode(a, plan, st); break;
-    default: rc = plan_forward(a, plan, st);
+    default: rc = plan_prefill(a, plan, st);
     }
     if (rc == FA_OK && plan->sequences && plan->n_dispatches > 0) {
         fa_sequence_set_builder(&plan->sequence_builder, &plan->dispatches[0], plan->dispatches[0].source_name,
