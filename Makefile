@@ -1,5 +1,5 @@
-# The two commands of the README. Each sets up what it needs in .venv (reusing a torch already
-# installed system-wide), rebuilds the extension when C, C++ or Metal sources change, then runs.
+# The README's commands. Each sets up what it needs in .venv (reusing a torch already installed
+# system-wide), rebuilds the extension when C, C++ or Metal sources change, then runs.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ SOURCES := $(shell find csrc metal tools -type f) setup.py pyproject.toml
 # What the tests need besides torch (both venvs install it).
 TEST_DEPS := numpy pytest hypothesis "transformers==5.24.0" "diffusers==0.42.1" pybind11 "setuptools>=64" wheel
 
-.PHONY: demo test test-fast test-torch bench strict-check metal-offline-check doctor clean
+.PHONY: demo test test-fast test-torch bench strict-check metal-offline-check doctor format clean
 
 demo: $(VENV)/.built
 	$(PY) -m flashattn_mps.demo
@@ -70,6 +70,15 @@ $(VENV)/.deps:
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
+
+# The formatters, with the repository's configurations (.clang-format, pyproject's [tool.ruff]):
+# clang-format 16 (Debian's clang-format-16) for csrc/ and metal/, ruff for the Python.
+CLANG_FORMAT ?= clang-format-16
+format: $(VENV)/.deps
+	$(PY) -m pip install -q ruff
+	$(CLANG_FORMAT) -i $$(git ls-files 'csrc/*.c' 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.m' 'metal/*.h' 'metal/*.metal')
+	$(PY) -m ruff check --fix -q .
+	$(PY) -m ruff format -q .
 
 clean:
 	rm -rf build $(VENV) .venv-torch-* flashattn_mps/*.so *.egg-info
