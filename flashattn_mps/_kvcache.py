@@ -91,11 +91,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              sinks)
     q = _update_cache(call)
     if _is_traced():  # the attention op (no gradient, as flash-attn's)
-        scale, causal, band, softcap, alibi, sinks = call.options[:6]
         views = [t.detach().transpose(1, 2) for t in (q, call.k_cache, call.v_cache)]
-        out, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, 0.0, None,
-                                           sinks, Sequences(call.table, q.shape[1], call.max_keys, call.block_table),
-                                           call.options.num_splits)
+        out, lse = attention_through_torch(*views, None, call.options, True, True, None,
+                                           Sequences(call.table, q.shape[1], call.max_keys, call.block_table))
         out = out.transpose(1, 2)
     else:
         args, options, out, lse = _attention_arguments(call, q)

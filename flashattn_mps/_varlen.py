@@ -143,7 +143,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_attn_probs, block_table, sinks)
     if call.paged is not None:
         return _paged_attention(call, "flash_attn_varlen_func")
-    return packed_attention(*call[:7], *call.options[:6], call.options.dropout_p, call.return_attn_probs)
+    return packed_attention(*call[:7], call.options, call.return_attn_probs)
 
 
 class PagedKeys(NamedTuple):
@@ -225,20 +225,22 @@ def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: 
                        dim=1).contiguous()
 
 
-def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
-                     softcap: float, alibi=None, sinks=None, dropout_p=0.0, return_attn_probs=False):
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, options: AttentionOptions,
+                     return_attn_probs=False):
     """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
-    caller; the kernels clamp the table whatever it holds): no host read of the tensors. alibi: the
-    (batch, H) view or None; sinks: a checked (H,) float32 tensor or None."""
+    caller; the kernels clamp the table whatever it holds): no host read of the tensors. options:
+    the call's checked AttentionOptions (alibi the (batch, H) view or None, sinks a checked (H,)
+    float32 tensor or None)."""
     table = packed_table(cu_seqlens_q, cu_seqlens_k)
+    scale, causal, band, softcap, alibi, sinks, dropout_p = options[:7]
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     through_torch = _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks))
     if not through_torch and (q.is_neg() or k.is_neg() or v.is_neg()):  # (attention_through_torch resolves them)
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     views = [packed_view(t) for t in (q, k, v)]
     if through_torch:
-        out4, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, dropout_p,
-                                            rng_state, sinks, Sequences(table, max_q, max_k))
+        out4, lse = attention_through_torch(*views, None, options, True, True, rng_state,
+                                            Sequences(table, max_q, max_k))
         out = out4.squeeze(0).transpose(0, 1)  # (total_q, H, Dv), as allocated
     else:
         out = q.new_empty((*q.shape[:2], v.shape[2]))
@@ -249,8 +251,8 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
     if not return_attn_probs:
         return out
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    probs = attention_probabilities(*(t.detach() for t in (*views, out4)), lse, causal, scale, band, softcap, alibi,
-                                    dropout_p, rng_state, Sequences(table, max_q, max_k))
+    probs = attention_probabilities(*(t.detach() for t in (*views, out4)), lse, options, rng_state,
+                                    Sequences(table, max_q, max_k))
     past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
     return out, _flash_attn_lse(lse[0]).masked_fill(past, math.inf), probs.to(q.dtype)
 
@@ -302,8 +304,7 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     plan = plan_run(*views, lse, scale, causal, band, softcap, alibi, sequences, sinks=sinks, dropout_p=dropout_p,
                     rng_state=rng_state)
     if call.return_attn_probs and probs_pass_runs(lse):
-        tensors, options, _ = probs_arguments(*views, lse, None, causal, scale, band, softcap, alibi, dropout_p,
-                                              rng_state, sequences)
+        tensors, options, _ = probs_arguments(*views, lse, None, call.options, rng_state, sequences)
         plan["dispatches"] += plan_forward(_device(q), tensors, options)["dispatches"]
     return plan
 
@@ -354,12 +355,10 @@ def _paged_attention(call: _VarlenCall, who: str):
         call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
     if _is_traced():  # the attention op, with the same table
         block_table, capacity = call.paged
-        scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
         table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k, paged=True)
         views = [packed_view(call.q), call.k.transpose(1, 2), call.v.transpose(1, 2)]
-        out4 = attention_through_torch(*views, None, causal, scale, False, band, True, softcap, alibi, dropout_p,
-                                       rng_state, sinks, Sequences(table, call.max_q, min(call.max_k, capacity),
-                                                                   block_table))
+        out4 = attention_through_torch(*views, None, call.options, False, True, rng_state,
+                                       Sequences(table, call.max_q, min(call.max_k, capacity), block_table))
         return out4.squeeze(0).transpose(0, 1)
     args, options, out = _paged_arguments(call)
     run_forward(*args, **options, rng_state=rng_state)
