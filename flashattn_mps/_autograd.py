@@ -87,8 +87,10 @@ def _save(ctx, q, k, v, out, lse, mask, options: AttentionOptions, rng_state, ta
           max_kv_len=0, block_table=None) -> None:
     """What the gradients need, the same for _Attention and the ops: the tensors (the options'
     ALiBi slopes and sinks among them) saved for backward, the options' other fields on ctx."""
-    ctx.save_for_backward(q, k, v, out, lse, mask, options.alibi, rng_state, options.sinks, table)
-    ctx.options = options._replace(alibi=None, sinks=None)
+    alibi, sinks = options.alibi, options.sinks
+    ctx.save_for_backward(q, k, v, out, lse, mask, alibi, rng_state, sinks, table)
+    # (Without tensors, the common case, the value itself: no copy on the forward's path.)
+    ctx.options = options if alibi is None and sinks is None else options._replace(alibi=None, sinks=None)
     ctx.sequence_lengths = (max_q_len, max_kv_len)
     ctx.paged = block_table is not None
     ctx.mark_non_differentiable(lse)
@@ -105,7 +107,7 @@ def _gradients(ctx, dout, traced: bool):
         )
     if ctx.paged:
         raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn")
-    options = ctx.options._replace(alibi=alibi, sinks=sinks)
+    options = ctx.options if alibi is None and sinks is None else ctx.options._replace(alibi=alibi, sinks=sinks)
     max_q_len, max_kv_len = ctx.sequence_lengths
     if traced:
         dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, mask, options.causal, options.scale,
