@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import _C, _metal_mode, _sources
-from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_call, core_options
+from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_call
 
 _CONTIGUOUS = torch.contiguous_format
 
@@ -125,29 +125,24 @@ def _sequence_slots(tensors: dict, sequences) -> tuple:
     return max_q, max_kv
 
 
-def run_forward(q, k, v, out, lse, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO, sinks=None,
-                dropout_p=0.0, rng_state=None, num_splits=0, mask=None, write_probs=False, workspace=None,
-                unbatched=False) -> None:
+def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> None:
     """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
-    checked; sequences: sequence_args' tuple or None."""
+    checked (an AttentionOptions); sequences: sequence_args' tuple or None."""
     device = device_code(q)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
-               "rng_state": _rng_words(rng_state), "sinks": sinks}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi,
+               "rng_state": _rng_words(rng_state), "sinks": options.sinks}
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, write_probs, max_q, max_kv,
-                           unbatched)
-    forward(device, tensors, options, _WORKSPACES[device] if workspace is None else workspace)
+    forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
 
 
-def plan_run(q, k, v, out, lse, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO, sinks=None,
-             dropout_p=0.0, rng_state=None, num_splits=0, mask=None, write_probs=False) -> dict:
+def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> dict:
     """What run_forward with these arguments would launch, as explain_plan shows it, without
     running (the planner reads shapes, strides and options, never an element)."""
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
-               "rng_state": _rng_words(rng_state), "sinks": sinks}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi,
+               "rng_state": _rng_words(rng_state), "sinks": options.sinks}
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, write_probs, max_q, max_kv)
-    return explained(plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options), q.device)
+    return explained(plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors,
+                                  options.core(False, max_q, max_kv)), q.device)
 
 
 def forward_core(q, k, v, mask, options: AttentionOptions, with_lse: bool, seq_major=False, rng_state=None,

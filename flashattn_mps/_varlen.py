@@ -232,7 +232,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
     the call's checked AttentionOptions (alibi the (batch, H) view or None, sinks a checked (H,)
     float32 tensor or None)."""
     table = packed_table(cu_seqlens_q, cu_seqlens_k)
-    scale, causal, band, softcap, alibi, sinks, dropout_p = options[:7]
+    sinks, dropout_p = options.sinks, options.dropout_p
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     through_torch = _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks))
     if not through_torch and (q.is_neg() or k.is_neg() or v.is_neg()):  # (attention_through_torch resolves them)
@@ -246,8 +246,7 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
         out = q.new_empty((*q.shape[:2], v.shape[2]))
         lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         out4 = packed_view(out)
-        run_forward(*views, out4, lse, scale, causal, band, softcap, alibi, sequence_args(table, max_q, max_k),
-                    sinks=sinks, dropout_p=dropout_p, rng_state=rng_state)
+        run_forward(*views, out4, lse, options, sequence_args(table, max_q, max_k), rng_state)
     if not return_attn_probs:
         return out
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
@@ -283,15 +282,15 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if backward:
             raise ValueError("explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
                              "there is no backward to explain")
-        args, options, _ = _paged_arguments(call)
-        return plan_run(*args, **options, rng_state=rng_state)
+        args, _ = _paged_arguments(call)
+        return plan_run(*args, rng_state)
     table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
     # The forward's out (total_q, H, Dv) and its (1, H, total_q) float32 lse, unwritten.
     out = q.new_empty((*q.shape[:2], v.shape[2]))
     lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     views = [packed_view(t) for t in (q, k, v, out)]
     sequences = sequence_args(table, call.max_q, call.max_k)
-    scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
+    alibi, sinks = call.options.alibi, call.options.sinks
     if backward:  # planning reads no element: the gradients only carry shapes and strides
         q4, k4, v4, out4 = views
         tensors = {"q": q4, "k": k4, "v": v4, "out": out4, "lse": lse, "dout": out4, "delta": torch.empty_like(lse),
@@ -301,8 +300,7 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                    "sequence_scratch": sequences[1]}
         options = call.options.core(max_q_len=call.max_q, max_kv_len=call.max_k)
         return explained({"dispatches": plan_backward(_device(q), tensors, options)}, q.device)
-    plan = plan_run(*views, lse, scale, causal, band, softcap, alibi, sequences, sinks=sinks, dropout_p=dropout_p,
-                    rng_state=rng_state)
+    plan = plan_run(*views, lse, call.options, sequences, rng_state)
     if call.return_attn_probs and probs_pass_runs(lse):
         tensors, options, _ = probs_arguments(*views, lse, None, call.options, rng_state, sequences)
         plan["dispatches"] += plan_forward(_device(q), tensors, options)["dispatches"]
@@ -339,8 +337,7 @@ def _paged_arguments(call: _VarlenCall):
     out = q.new_empty((*q.shape[:2], v_pool.shape[3]))
     views = [packed_view(q), k_pool.transpose(1, 2), v_pool.transpose(1, 2), packed_view(out)]
     sequences = sequence_args(table, call.max_q, min(call.max_k, capacity), block_table)
-    return ((*views, None, *call.options[:5], sequences), dict(sinks=call.options.sinks,
-                                                                dropout_p=call.options.dropout_p), out)
+    return (*views, None, call.options, sequences), out
 
 
 def _paged_attention(call: _VarlenCall, who: str):
@@ -360,6 +357,6 @@ def _paged_attention(call: _VarlenCall, who: str):
         out4 = attention_through_torch(*views, None, call.options, False, True, rng_state,
                                        Sequences(table, call.max_q, min(call.max_k, capacity), block_table))
         return out4.squeeze(0).transpose(0, 1)
-    args, options, out = _paged_arguments(call)
-    run_forward(*args, **options, rng_state=rng_state)
+    args, out = _paged_arguments(call)
+    run_forward(*args, rng_state)
     return out
