@@ -5,7 +5,9 @@ The hot path checks only what the C core cannot see (Python types, devices, torc
 autograd and tracing), allocates the outputs and hands the tensors themselves to `_C.forward`, which
 reads their storage and runs the cached plan (csrc/fa_plan_cache.c). When the core refuses a call,
 `check_call` runs to name the problem in Python's terms before the core's message is passed on.
-Calls that need autograd or are traced go through flashattn_mps._autograd."""
+A call's options are checked once into one AttentionOptions value (attention_options), which
+travels down to the core (attend_with). Calls that need autograd or are traced go through
+flashattn_mps._autograd."""
 from __future__ import annotations
 
 import math
@@ -17,9 +19,9 @@ from . import _C
 from ._autograd import attention_through_torch as _attention_through_torch
 from ._core import (_rng_words, backward_core, describe, dropout_rng_state, explained, forward_core,  # noqa: F401
                     plan_backward, plan_forward, probs_core)
-from ._options import (_DEVICE_CODES, _KERNELS, band_of, check_alibi, check_call, check_causal_and_scale,
-                       check_dropout, check_kernel, check_mask, check_sinks, check_softcap, core_options, given,
-                       scale_value, supported_mask_dtype)  # noqa: F401 (re-exported)
+from ._options import (_DEVICE_CODES, _KERNELS, AttentionOptions, band_of, check_alibi, check_call,
+                       check_causal_and_scale, check_dropout, check_kernel, check_mask, check_sinks, check_softcap,
+                       core_options, given, scale_value, supported_mask_dtype)  # noqa: F401 (re-exported)
 
 _scale_value, _validate_sinks = scale_value, check_sinks  # the names flashattn_mps.integrations imports
 
@@ -136,36 +138,53 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
            band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as band_of gives): the lean entry the SDPA
-    drop-in and flash_attn_func call. causal and scale are checked here (cheaply when they are a
-    bool and a float or None). seq_major: q is a (B, L, H, E) tensor viewed as (B, H, L, E), and
-    out is allocated the same way (flash_attn_func's layout); the flash-attn API it serves has its
-    log-sum-exp convention too (_flash_attn_lse). softcap: a checked float; alibi_slopes: None or
-    the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one (both checked here);
-    dropout_p: a checked float, with rng_state the call's generator state (drawn here when None and
-    dropout_p > 0)."""
+    drop-in calls; attention_options then attend_with. seq_major: q is a (B, L, H, E) tensor viewed
+    as (B, H, L, E), and out is allocated the same way (flash_attn_func's layout); the flash-attn
+    API it serves has its log-sum-exp convention too (_flash_attn_lse). softcap: a checked float;
+    alibi_slopes: None or the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one
+    (both checked by attention_options); dropout_p: a checked float, with rng_state the call's
+    generator state (drawn when None and dropout_p > 0)."""
+    options = attention_options(q, k, v, attn_mask, causal, scale, kernel, band, softcap, alibi_slopes, dropout_p,
+                                sinks)
+    return attend_with(q, k, v, attn_mask, options, return_lse, seq_major, rng_state)
+
+
+def attention_options(q, k, v, attn_mask, causal, scale, kernel: int = _C.KERNEL_AUTO, band=None, softcap=0.0,
+                      alibi_slopes=None, dropout_p=0.0, sinks=None) -> AttentionOptions:
+    """The AttentionOptions of a dense call whose kernel, band, softcap and dropout_p are checked:
+    causal and scale are checked here (cheaply when they are a bool and a float or None) and the
+    scale resolved, the user's ALiBi slopes and sinks checked against q (the (B, Hq) view, float32
+    sinks)."""
     if (causal is not True and causal is not False) or not (scale is None or type(scale) is float):
         scale = check_causal_and_scale(causal, scale)
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         check_call(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if dropout_p > 0.0 and rng_state is None:
+    if scale is None:  # (a q without dims is refused by forward_core's checks)
+        scale = scale_value(q.shape[-1] if q.dim() else 0, None)
+    alibi = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
+    return AttentionOptions(scale, causal, band, softcap, alibi, None if sinks is None else check_sinks(sinks, q),
+                            dropout_p, kernel)
+
+
+def attend_with(q, k, v, attn_mask, options: AttentionOptions, return_lse=False, seq_major=False, rng_state=None):
+    """attend over attention_options' value: the direct path (forward_core) for eager calls without
+    gradients, else attention_through_torch."""
+    if options.dropout_p > 0.0 and rng_state is None:
         rng_state = dropout_rng_state(q.device)  # outside the ops, so their fake implementations need none
+    sinks = options.sinks
     if _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks)):
-        if kernel != _C.KERNEL_AUTO:
+        if options.kernel != _C.KERNEL_AUTO:
             names = {code: name for name, code in _KERNELS.items()}
             raise ValueError(
-                f"flash_attention: kernel={names.get(kernel, kernel)!r} selects a forward kernel for tests and "
-                "benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
+                f"flash_attention: kernel={names.get(options.kernel, options.kernel)!r} selects a forward kernel for "
+                "tests and benchmarks of the forward; differentiable or compiled calls take kernel='auto'"
             )
-        result = _attention_through_torch(q, k, v, attn_mask, causal, scale, return_lse, band, seq_major, softcap,
-                                          alibi_slopes, dropout_p, rng_state, sinks)
+        result = _attention_through_torch(q, k, v, attn_mask, options, return_lse, seq_major, rng_state)
         return (result[0], _flash_attn_lse(result[1])) if return_lse and seq_major else result
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
-    alibi = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
-    sinks = None if sinks is None else check_sinks(sinks, q)
-    out, lse = forward_core(q, k, v, mask, causal, scale, kernel, return_lse, band, seq_major, softcap, alibi,
-                            dropout_p, rng_state, sinks)
+    out, lse = forward_core(q, k, v, mask, options, return_lse, seq_major, rng_state)
     if not return_lse:
         return out
     return out, (_flash_attn_lse(lse) if seq_major else lse)

@@ -18,6 +18,10 @@ cache's block_table (forward only); attention_forward checks the table's content
 so torch.compile traces them without graph breaks (dynamic shapes too), and register_autograd
 joins them.
 
+A call's options travel as one checked `_options.AttentionOptions` value from its entry point
+through attention_through_torch and `_Attention` to the cores; an op builds it from its flat
+arguments (`_op_options`), its autograd formula once from its inputs (`_setup_context`).
+
 A custom op's eager dispatch costs tens of microseconds in PyTorch, so eager calls that need
 gradients take `_Attention`, an autograd.Function over the same cores (`_core.forward_core`,
 `_core.backward_core`); both save the same context and differentiate with `_gradients`, so the
@@ -33,7 +37,7 @@ import torch
 
 from . import _C
 from ._core import backward_core, forward_core, probs_core, sequence_args
-from ._options import alibi_view, check_alibi, check_call, check_mask, check_sinks, scale_value
+from ._options import AttentionOptions, alibi_view, check_alibi, check_call, check_mask, check_sinks
 
 
 class Sequences(NamedTuple):
@@ -79,11 +83,15 @@ def _core_sequences(table, max_q_len: int, max_kv_len: int, block_table=None):
     return sequence_args(table, max_q_len, max(max_kv_len, 0), block_table)
 
 
-def _save(ctx, q, k, v, out, lse, mask, alibi, rng_state, sinks, causal, scale, band, softcap, dropout_p,
-          table=None, max_q_len=0, max_kv_len=0, block_table=None) -> None:
-    """What the gradients need, the same for _Attention and the ops."""
+def _save(ctx, q, k, v, out, lse, mask, options: AttentionOptions, rng_state, table=None, max_q_len=0,
+          max_kv_len=0, block_table=None) -> None:
+    """What the gradients need, the same for _Attention and the ops: the tensors (the options'
+    ALiBi slopes and sinks among them) saved for backward, the options' other fields on ctx."""
+    alibi, sinks = options.alibi, options.sinks
     ctx.save_for_backward(q, k, v, out, lse, mask, alibi, rng_state, sinks, table)
-    ctx.options = (causal, scale, band, softcap, dropout_p, max_q_len, max_kv_len)
+    # (Without tensors, the common case, the value itself: no copy on the forward's path.)
+    ctx.options = options if alibi is None and sinks is None else options._replace(alibi=None, sinks=None)
+    ctx.sequence_lengths = (max_q_len, max_kv_len)
     ctx.paged = block_table is not None
     ctx.mark_non_differentiable(lse)
 
@@ -99,89 +107,80 @@ def _gradients(ctx, dout, traced: bool):
         )
     if ctx.paged:
         raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn")
-    causal, scale, band, softcap, dropout_p, max_q_len, max_kv_len = ctx.options
+    options = ctx.options if alibi is None and sinks is None else ctx.options._replace(alibi=alibi, sinks=sinks)
+    max_q_len, max_kv_len = ctx.sequence_lengths
     if traced:
-        dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, mask, causal, scale,
-                                                None if band is None else list(band), softcap, alibi, dropout_p,
+        dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, mask, options.causal, options.scale,
+                                                _band_list(options.band), options.softcap, alibi, options.dropout_p,
                                                 rng_state, sinks, table, max_q_len, max_kv_len)
         return dq, dk, dv, None if sinks is None else dsinks
-    grads = backward_core(dout, q, k, v, out, lse, mask, causal, scale, band, softcap, alibi, dropout_p, rng_state,
-                          sinks, _core_sequences(table, max_q_len, max_kv_len))
+    grads = backward_core(dout, q, k, v, out, lse, mask, options, rng_state,
+                          _core_sequences(table, max_q_len, max_kv_len))
     return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None
 
 
 class _Attention(torch.autograd.Function):
-    """Eager autograd: (q, k, v, the (B, Hq, L, S) mask view or None, causal, scale, band,
-    seq_major, softcap, the (B, Hq) ALiBi view, dropout_p, rng_state, sinks, Sequences or None)
-    -> (out, lse)."""
+    """Eager autograd: (q, k, v, the (B, Hq, L, S) mask view or None, the call's AttentionOptions
+    (checked: the (B, Hq) ALiBi view, float32 sinks), seq_major, rng_state, options.sinks again,
+    Sequences or None) -> (out, lse). The sinks are an argument of their own because autograd
+    differentiates only the tensors passed directly, not those inside a tuple."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, band, seq_major, softcap, alibi, dropout_p, rng_state, sinks,
-                sequences):
+    def forward(ctx, q, k, v, mask, options, seq_major, rng_state, _sinks, sequences):
         if sequences is None:
-            out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap,
-                                    alibi, dropout_p, rng_state, sinks)
-            _save(ctx, q, k, v, out, lse, mask, alibi, rng_state, sinks, causal, scale, band, softcap, dropout_p)
+            out, lse = forward_core(q, k, v, mask, options, True, seq_major, rng_state)
+            _save(ctx, q, k, v, out, lse, mask, options, rng_state)
             return out, lse
         table, max_q, max_kv, block_table = sequences
-        out, lse = forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, band, seq_major, softcap, alibi,
-                                dropout_p, rng_state, sinks, _core_sequences(table, max_q, max_kv, block_table))
-        _save(ctx, q, k, v, out, lse, mask, alibi, rng_state, sinks, causal, scale, band, softcap, dropout_p, table,
-              max_q, max_kv, block_table)
+        out, lse = forward_core(q, k, v, mask, options, True, seq_major, rng_state,
+                                _core_sequences(table, max_q, max_kv, block_table))
+        _save(ctx, q, k, v, out, lse, mask, options, rng_state, table, max_q, max_kv, block_table)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         dq, dk, dv, dsinks = _gradients(ctx, dout, traced=False)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None
+        return dq, dk, dv, None, None, None, None, dsinks, None
 
 
 def _is_traced() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def attention_through_torch(q, k, v, attn_mask, causal: bool, scale: Optional[float], return_lse: bool, band=None,
-                            seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-                            sinks=None, sequences: Optional[Sequences] = None, num_splits=0):
+def attention_through_torch(q, k, v, attn_mask, options: AttentionOptions, return_lse: bool, seq_major=False,
+                            rng_state=None, sequences: Optional[Sequences] = None):
     """Attention for calls that need autograd or are being traced (torch.compile, export, make_fx,
     fake tensors): traced calls record the attention_forward op, eager ones run _Attention.
-    alibi_slopes: the user's (Hq,) or (B, Hq) slopes; sinks: the user's (Hq,) logits (both
-    checked here); sequences: a packed or cached call's (q, k, v then (B, H, L, D) views)."""
-    scale = scale_value(q.shape[-1], scale)
+    options: the call's checked AttentionOptions (scale resolved, the (B, Hq) ALiBi view, float32
+    sinks); attn_mask: the user's mask (checked here); sequences: a packed or cached call's (q, k,
+    v then (B, H, L, D) views)."""
     if _is_traced():
-        if sequences is None:
-            check_call(q, k, v, causal, scale, attn_mask)  # traced once; fake tensors are never checked by C
+        if sequences is None:  # traced once; fake tensors are never checked by C
+            check_call(q, k, v, options.causal, options.scale, attn_mask)
         table, max_q, max_kv, block_table = (None, 0, 0, None) if sequences is None else sequences
         out, lse = torch.ops.flashattn_mps.attention_forward(
-            q, k, v, attn_mask, causal, scale, None if band is None else list(band), seq_major, softcap,
-            alibi_slopes, dropout_p, rng_state,
-            sinks if sinks is None or sinks.dtype == torch.float32 else sinks.float(),  # the op checks
-            table, max_q, max_kv, block_table, num_splits,
+            q, k, v, attn_mask, options.causal, options.scale, _band_list(options.band), seq_major, options.softcap,
+            options.alibi, options.dropout_p, rng_state, options.sinks, table, max_q, max_kv, block_table,
+            options.num_splits,
         )
     else:
         mask = None if attn_mask is None else check_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
-        table = None if sequences is None else sequences.table
-        alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table)
-        sinks = None if sinks is None else check_sinks(sinks, q)
-        out, lse = _Attention.apply(q, k, v, mask, causal, scale, band, seq_major, softcap, alibi, dropout_p,
-                                    rng_state, sinks, sequences)
+        out, lse = _Attention.apply(q, k, v, mask, options, seq_major, rng_state, options.sinks, sequences)
     return (out, lse) if return_lse else out
 
 
-def attention_probabilities(q, k, v, out, lse, causal: bool, scale: float, band=None, softcap=0.0, alibi_slopes=None,
-                            dropout_p=0.0, rng_state=None, sequences: Optional[Sequences] = None) -> torch.Tensor:
+def attention_probabilities(q, k, v, out, lse, options: AttentionOptions, rng_state=None,
+                            sequences: Optional[Sequences] = None) -> torch.Tensor:
     """return_attn_probs' probabilities of the call that returned out and lse (detached): the
-    attention_probs op when traced, else _core.probs_core. alibi_slopes: the user's slopes."""
+    attention_probs op when traced, else _core.probs_core. options: the call's, checked."""
     table, max_q, max_kv, _ = (None, 0, 0, None) if sequences is None else sequences
     if _is_traced():
-        return torch.ops.flashattn_mps.attention_probs(q, k, v, out, lse, causal, scale,
-                                                       None if band is None else list(band), softcap, alibi_slopes,
-                                                       dropout_p, rng_state, table, max_q, max_kv)
-    alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table)
-    return probs_core(q, k, v, out, lse, None, causal, scale, band, softcap, alibi, dropout_p, rng_state,
-                      _core_sequences(table, max_q, max_kv))
+        return torch.ops.flashattn_mps.attention_probs(q, k, v, out, lse, options.causal, options.scale,
+                                                       _band_list(options.band), options.softcap, options.alibi,
+                                                       options.dropout_p, rng_state, table, max_q, max_kv)
+    return probs_core(q, k, v, out, lse, None, options, rng_state, _core_sequences(table, max_q, max_kv))
 
 
 def _op_alibi(slopes, q, table):
@@ -191,8 +190,18 @@ def _op_alibi(slopes, q, table):
     return alibi_view(slopes, table.shape[0], q.shape[1], q.device, "flash_attention")
 
 
-def _band_tuple(band: Optional[list[int]]):
-    return None if band is None else tuple(band)
+def _op_options(q, causal: bool, scale: float, band, softcap: float, alibi_slopes, dropout_p: float, sinks, table,
+                num_splits: int = 0) -> AttentionOptions:
+    """The AttentionOptions of an op's flat arguments, its ALiBi slopes and sinks checked (the op
+    may be called with anything)."""
+    return AttentionOptions(scale, causal, None if band is None else tuple(band), softcap,
+                            None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table),
+                            None if sinks is None else check_sinks(sinks, q), dropout_p, _C.KERNEL_AUTO, num_splits)
+
+
+def _band_list(band) -> Optional[list[int]]:
+    """An AttentionOptions band as the ops' band argument."""
+    return None if band is None else list(band)
 
 
 @torch.library.custom_op("flashattn_mps::attention_forward", mutates_args=())
@@ -217,13 +226,11 @@ def attention_forward(
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
-    alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, sequences)
-    sinks = None if sinks is None else check_sinks(sinks, q)
+    options = _op_options(q, causal, scale, band, softcap, alibi_slopes, dropout_p, sinks, sequences, num_splits)
     if sequences is not None:
         check_sequences(sequences, q, k, max_q_len, max_kv_len, block_table)
-    return forward_core(q, k, v, mask, causal, scale, _C.KERNEL_AUTO, True, _band_tuple(band), seq_major, softcap,
-                        alibi, dropout_p, rng_state, sinks,
-                        _core_sequences(sequences, max_q_len, max_kv_len, block_table), num_splits)
+    return forward_core(q, k, v, mask, options, True, seq_major, rng_state,
+                        _core_sequences(sequences, max_q_len, max_kv_len, block_table))
 
 
 @attention_forward.register_fake
@@ -259,9 +266,8 @@ def attention_backward(
     max_kv_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
-    alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, sequences)
-    grads = backward_core(dout, q, k, v, out, lse, mask, causal, scale, _band_tuple(band), softcap, alibi, dropout_p,
-                          rng_state, None if sinks is None else check_sinks(sinks, q),
+    options = _op_options(q, causal, scale, band, softcap, alibi_slopes, dropout_p, sinks, sequences)
+    grads = backward_core(dout, q, k, v, out, lse, mask, options, rng_state,
                           _core_sequences(sequences, max_q_len, max_kv_len))
     return (*grads, _no_sink_gradient(q)) if sinks is None else grads
 
@@ -283,9 +289,10 @@ def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0,
 def _setup_context(ctx, inputs, output) -> None:
     (q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes, dropout_p, rng_state, sinks,
      sequences, max_q_len, max_kv_len, block_table, _num_splits) = inputs
-    out, lse = output
-    _save(ctx, q, k, v, out, lse, attn_mask, alibi_slopes, rng_state, sinks, causal, scale, band, softcap, dropout_p,
-          sequences, max_q_len, max_kv_len, block_table)
+    out, lse = output  # the options as the op got them: attention_backward checks the slopes and sinks again
+    options = AttentionOptions(scale, causal, None if band is None else tuple(band), softcap, alibi_slopes, sinks,
+                               dropout_p)
+    _save(ctx, q, k, v, out, lse, attn_mask, options, rng_state, sequences, max_q_len, max_kv_len, block_table)
 
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
@@ -316,9 +323,8 @@ def attention_probs(
 ) -> torch.Tensor:
     """return_attn_probs' probabilities of the call that returned out and lse (_core.probs_core),
     an op so that compiled and exported code can ask for them too."""
-    alibi = None if alibi_slopes is None else _op_alibi(alibi_slopes, q, sequences)
-    return probs_core(q, k, v, out, lse, None, causal, scale, _band_tuple(band), softcap, alibi, dropout_p, rng_state,
-                      _core_sequences(sequences, max_q_len, max_kv_len))
+    options = _op_options(q, causal, scale, band, softcap, alibi_slopes, dropout_p, None, sequences)
+    return probs_core(q, k, v, out, lse, None, options, rng_state, _core_sequences(sequences, max_q_len, max_kv_len))
 
 
 @attention_probs.register_fake

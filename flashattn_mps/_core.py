@@ -5,16 +5,17 @@ The binding's contract: `forward(device, tensors, options, workspace)`,
 `backward(device, tensors, options)` and `plan_backward(device, tensors, options)`, where
 `tensors` maps slot names (q, k, v, out, lse, mask, alibi_slopes, rng_state, sinks, sequences,
 sequence_scratch, block_table; for the backward also dout, delta, dq, dk, dv, sink_grad) to tensors
-or None, and `options` is the tuple `_options.core_options` builds (scale, causal, bottom_right,
-window_left, window_right, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
-max_kv_len, unbatched). Above them: forward_core, backward_core and probs_core allocate the outputs
-of an attention call whose options are checked and run it; every entry point ends in one of them."""
+or None, and `options` is the tuple `AttentionOptions.core` (or `_options.core_options`) builds
+(scale, causal, bottom_right, window_left, window_right, softcap, dropout_p, kernel, num_splits,
+write_probs, max_q_len, max_kv_len, unbatched). Above them: forward_core, backward_core and
+probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
+value, they turn into that tuple, and run it; every entry point ends in one of them."""
 from __future__ import annotations
 
 import torch
 
 from . import _C, _metal_mode, _sources
-from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, check_call, core_options, scale_value
+from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_call
 
 _CONTIGUOUS = torch.contiguous_format
 
@@ -124,37 +125,34 @@ def _sequence_slots(tensors: dict, sequences) -> tuple:
     return max_q, max_kv
 
 
-def run_forward(q, k, v, out, lse, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO, sinks=None,
-                dropout_p=0.0, rng_state=None, num_splits=0, mask=None, write_probs=False, workspace=None,
-                unbatched=False) -> None:
+def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> None:
     """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
-    checked; sequences: sequence_args' tuple or None."""
+    checked (an AttentionOptions); sequences: sequence_args' tuple or None."""
     device = device_code(q)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
-               "rng_state": _rng_words(rng_state), "sinks": sinks}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi,
+               "rng_state": _rng_words(rng_state), "sinks": options.sinks}
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, write_probs, max_q, max_kv,
-                           unbatched)
-    forward(device, tensors, options, _WORKSPACES[device] if workspace is None else workspace)
+    forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
 
 
-def plan_run(q, k, v, out, lse, scale, causal, band, softcap, alibi, sequences, kernel=_C.KERNEL_AUTO, sinks=None,
-             dropout_p=0.0, rng_state=None, num_splits=0, mask=None, write_probs=False) -> dict:
+def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> dict:
     """What run_forward with these arguments would launch, as explain_plan shows it, without
     running (the planner reads shapes, strides and options, never an element)."""
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
-               "rng_state": _rng_words(rng_state), "sinks": sinks}
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi,
+               "rng_state": _rng_words(rng_state), "sinks": options.sinks}
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, write_probs, max_q, max_kv)
-    return explained(plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options), q.device)
+    return explained(plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors,
+                                  options.core(False, max_q, max_kv)), q.device)
 
 
-def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool, band=None, seq_major=False,
-                 softcap=0.0, alibi=None, dropout_p=0.0, rng_state=None, sinks=None, sequences=None, num_splits=0):
-    """Runs the forward on tensors whose options are checked and whose mask (or None) is the
-    (B, Hq, L, S) view: returns out and lse (None unless with_lse). Every path ends here.
-    sequences: sequence_args' tuple of a packed or cached call over (B, H, L, D) views, or None.
-    seq_major: out is allocated (B, L, H, Ev) in memory, seen as (B, H, L, Ev)."""
+def forward_core(q, k, v, mask, options: AttentionOptions, with_lse: bool, seq_major=False, rng_state=None,
+                 sequences=None):
+    """Runs the forward on tensors whose options are checked (options: the call's AttentionOptions,
+    with the (B, Hq) ALiBi view and float32 sinks) and whose mask (or None) is the (B, Hq, L, S)
+    view: returns out and lse (None unless with_lse). Every path ends here. rng_state: dropout's
+    generator words. sequences: sequence_args' tuple of a packed or cached call over (B, H, L, D)
+    views, or None. seq_major: out is allocated (B, L, H, Ev) in memory, seen as (B, H, L, Ev)."""
+    scale, causal, band, softcap, alibi, sinks, dropout_p, kernel, num_splits = options
     if q.is_cpu:  # _C checks that every tensor is on this device
         device = _C.DEVICE_CPU
     elif q.is_mps:
@@ -169,8 +167,6 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     if q.is_neg() or k.is_neg() or v.is_neg():
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     shape = q.shape
-    if scale is None:
-        scale = scale_value(shape[-1], None)
     rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
     value_dim = v.shape[-1]
     if seq_major:  # (B, L, H, Ev) in memory, seen as (B, H, L, Ev)
@@ -187,26 +183,23 @@ def forward_core(q, k, v, mask, causal: bool, scale, kernel: int, with_lse: bool
     max_q = max_kv = 0
     if sequences is not None:
         max_q, max_kv = _sequence_slots(tensors, sequences)
-    if band is None:  # (core_options, inline: this is every plain call's path)
-        options = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
-                   dims == 3)
+    if band is None:  # (AttentionOptions.core, inline: this is every plain call's path)
+        core = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3)
     else:
-        options = core_options(scale, causal, band, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv,
-                               dims == 3)
+        core = options.core(False, max_q, max_kv, dims == 3)
     try:
-        forward(device, tensors, options, _WORKSPACES[device])
+        forward(device, tensors, core, _WORKSPACES[device])
     except (TypeError, ValueError):
         check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 
 
-def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
-                  dropout_p=0.0, rng_state=None, sinks=None, sequences=None):
-    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None; dropout_p and
+def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_state=None, sequences=None):
+    """dq, dk, dv of forward_core's call (mask as the (B, Hq, L, S) view or None; options and
     rng_state the forward's, so the same probabilities are dropped), and after them dsinks, the
-    (Hq,) float32 gradient of the sinks, when sinks (float32 (Hq,)) is given. With sequences, the
-    rows of q, k and v no sequence holds get zero gradients and no share of dsinks."""
+    (Hq,) float32 gradient of the sinks, when options.sinks (float32 (Hq,)) is given. With
+    sequences, the rows of q, k and v no sequence holds get zero gradients and no share of dsinks."""
     device = device_code(q)  # _C checks every tensor's device
     if dout.is_neg():
         dout = dout.resolve_neg()
@@ -216,13 +209,14 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     # Each row's term of the sinks' gradient (B, Hq, L), summed below over batch and rows, deterministically.
+    sinks = options.sinks
     sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta, "dq": dq, "dk": dk,
-               "dv": dv, "mask": mask, "alibi_slopes": alibi, "rng_state": _rng_words(rng_state), "sinks": sinks,
-               "sink_grad": sink_grad}
+               "dv": dv, "mask": mask, "alibi_slopes": options.alibi, "rng_state": _rng_words(rng_state),
+               "sinks": sinks, "sink_grad": sink_grad}
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    backward(device, tensors, core_options(scale, causal, band, softcap, dropout_p, max_q_len=max_q,
-                                           max_kv_len=max_kv, unbatched=q.dim() == 3))
+    backward(device, tensors, options._replace(kernel=_C.KERNEL_AUTO, num_splits=0).core(
+        max_q_len=max_q, max_kv_len=max_kv, unbatched=q.dim() == 3))
     if sinks is None:
         return dq, dk, dv
     if sequences is not None:  # rows past the last sequence hold no term
@@ -232,21 +226,20 @@ def backward_core(dout, q, k, v, out, lse, mask, causal: bool, scale: float, ban
     return dq, dk, dv, sink_grad.sum(dim=-1).reshape(-1, sink_grad.shape[-2]).sum(dim=0)
 
 
-def probs_arguments(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
-                    dropout_p=0.0, rng_state=None, sequences=None):
+def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_state=None, sequences=None):
     """The probability pass's slots and options, as forward and plan_forward take them, and the
     shape of the probabilities it writes: (B, Hq, L, S), or with sequences (sequence_args) the
-    grid's (sequences, Hq, max_seqlen_q, max_seqlen_k), each sequence in its top-left block."""
+    grid's (sequences, Hq, max_seqlen_q, max_seqlen_k), each sequence in its top-left block. The
+    pass reads no sinks (the lse includes them) and runs the simple kernel whatever options.kernel."""
     if rng_state is None:  # no dropout: every probability is kept whatever the words
         rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
     shape = (*q.shape[:-1], k.shape[-2]) if sequences is None else \
         (sequences[0].shape[0], q.shape[-3], sequences[2], sequences[3])
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": options.alibi,
                "rng_state": _rng_words(rng_state)}
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    options = core_options(scale, causal, band, softcap, dropout_p, _C.KERNEL_SIMPLE, 0, True, max_q, max_kv,
-                           q.dim() == 3)
-    return tensors, options, shape
+    core = options._replace(kernel=_C.KERNEL_SIMPLE, num_splits=0).core(True, max_q, max_kv, q.dim() == 3)
+    return tensors, core, shape
 
 
 def probs_pass_runs(lse: torch.Tensor) -> bool:
@@ -255,20 +248,18 @@ def probs_pass_runs(lse: torch.Tensor) -> bool:
     return lse.numel() > 0
 
 
-def probs_core(q, k, v, out, lse, mask, causal: bool, scale: float, band=None, softcap=0.0, alibi=None,
-               dropout_p=0.0, rng_state=None, sequences=None) -> torch.Tensor:
+def probs_core(q, k, v, out, lse, mask, options: AttentionOptions, rng_state=None, sequences=None) -> torch.Tensor:
     """The attention probabilities of forward_core's call that returned out and lse, as flash-attn's
     return_attn_probs shows them: (B, Hq, L, S) float32, exp(s_ij - lse_i) for every key row i sees,
     negated where dropout dropped it (0 elsewhere). The simple kernel's probability pass computes
     them from the same scores and generator as the attention kernels (csrc/fa_core.h, write_probs);
     an L x S array, for tests. sequences: a varlen call's, with its (1, Hq, total, D) views (the
     layout probs_arguments says)."""
-    tensors, options, shape = probs_arguments(q, k, v, out, lse, mask, causal, scale, band, softcap, alibi, dropout_p,
-                                              rng_state, sequences)
+    tensors, core, shape = probs_arguments(q, k, v, out, lse, mask, options, rng_state, sequences)
     probs = torch.zeros(shape, dtype=torch.float32, device=q.device)
     if not probs_pass_runs(lse):
         return probs
-    forward(device_code(q), tensors, options, probs.view(-1))
+    forward(device_code(q), tensors, core, probs.view(-1))
     return probs
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._api import attend
+from ._api import attend_with, attention_options
 from ._autograd import attention_probabilities
 from ._core import dropout_rng_state
-from ._options import check_bool, check_common, check_dropout, given, scale_value
+from ._options import check_bool, check_common, check_dropout, given
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -65,14 +65,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    options = attention_options(qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, band, softcap, alibi_slopes,
+                                dropout_p, sinks)
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
-    result = attend(qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, return_attn_probs, band, True, softcap,
-                    alibi_slopes, dropout_p, rng_state, sinks)
+    result = attend_with(qh, kh, vh, None, options, return_attn_probs, True, rng_state)
     if not return_attn_probs:
         return result.transpose(1, 2)
     out, lse = result
-    scale = scale_value(q.shape[-1], softmax_scale)
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    probs = attention_probabilities(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, causal, scale, band,
-                                    softcap, alibi_slopes, dropout_p, rng_state)
+    probs = attention_probabilities(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, options, rng_state)
     return out.transpose(1, 2), lse, probs.to(q.dtype)

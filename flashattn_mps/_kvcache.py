@@ -91,15 +91,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              sinks)
     q = _update_cache(call)
     if _is_traced():  # the attention op (no gradient, as flash-attn's)
-        scale, causal, band, softcap, alibi, sinks = call.options[:6]
         views = [t.detach().transpose(1, 2) for t in (q, call.k_cache, call.v_cache)]
-        out, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, 0.0, None,
-                                           sinks, Sequences(call.table, q.shape[1], call.max_keys, call.block_table),
-                                           call.options.num_splits)
+        out, lse = attention_through_torch(*views, None, call.options, True, True, None,
+                                           Sequences(call.table, q.shape[1], call.max_keys, call.block_table))
         out = out.transpose(1, 2)
     else:
-        args, options, out, lse = _attention_arguments(call, q)
-        run_forward(*args, **options)
+        args, out, lse = _attention_arguments(call, q)
+        run_forward(*args)
     return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
 
 
@@ -121,8 +119,8 @@ def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
                              window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
                              sinks)
     rotated = q if call.rotary is None else torch.empty_like(q, memory_format=torch.contiguous_format)
-    args, options, _, _ = _attention_arguments(call, rotated)
-    return plan_run(*args, **options)
+    args, _, _ = _attention_arguments(call, rotated)
+    return plan_run(*args)
 
 
 class _CacheCall(NamedTuple):
@@ -269,5 +267,5 @@ def _attention_arguments(call: _CacheCall, q: torch.Tensor):
     lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) \
         if call.return_softmax_lse else None
     views = [t.transpose(1, 2) for t in (q, call.k_cache, call.v_cache, out)]
-    args = (*views, lse, *call.options[:5], sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
-    return args, dict(sinks=call.options.sinks, num_splits=call.options.num_splits), out, lse
+    args = (*views, lse, call.options, sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
+    return args, out, lse

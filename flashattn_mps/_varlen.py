@@ -143,7 +143,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          return_attn_probs, block_table, sinks)
     if call.paged is not None:
         return _paged_attention(call, "flash_attn_varlen_func")
-    return packed_attention(*call[:7], *call.options[:6], call.options.dropout_p, call.return_attn_probs)
+    return packed_attention(*call[:7], call.options, call.return_attn_probs)
 
 
 class PagedKeys(NamedTuple):
@@ -225,32 +225,33 @@ def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: 
                        dim=1).contiguous()
 
 
-def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, scale: float, causal: bool, band,
-                     softcap: float, alibi=None, sinks=None, dropout_p=0.0, return_attn_probs=False):
+def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, options: AttentionOptions,
+                     return_attn_probs=False):
     """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
-    caller; the kernels clamp the table whatever it holds): no host read of the tensors. alibi: the
-    (batch, H) view or None; sinks: a checked (H,) float32 tensor or None."""
+    caller; the kernels clamp the table whatever it holds): no host read of the tensors. options:
+    the call's checked AttentionOptions (alibi the (batch, H) view or None, sinks a checked (H,)
+    float32 tensor or None)."""
     table = packed_table(cu_seqlens_q, cu_seqlens_k)
+    sinks, dropout_p = options.sinks, options.dropout_p
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     through_torch = _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks))
     if not through_torch and (q.is_neg() or k.is_neg() or v.is_neg()):  # (attention_through_torch resolves them)
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     views = [packed_view(t) for t in (q, k, v)]
     if through_torch:
-        out4, lse = attention_through_torch(*views, None, causal, scale, True, band, True, softcap, alibi, dropout_p,
-                                            rng_state, sinks, Sequences(table, max_q, max_k))
+        out4, lse = attention_through_torch(*views, None, options, True, True, rng_state,
+                                            Sequences(table, max_q, max_k))
         out = out4.squeeze(0).transpose(0, 1)  # (total_q, H, Dv), as allocated
     else:
         out = q.new_empty((*q.shape[:2], v.shape[2]))
         lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         out4 = packed_view(out)
-        run_forward(*views, out4, lse, scale, causal, band, softcap, alibi, sequence_args(table, max_q, max_k),
-                    sinks=sinks, dropout_p=dropout_p, rng_state=rng_state)
+        run_forward(*views, out4, lse, options, sequence_args(table, max_q, max_k), rng_state)
     if not return_attn_probs:
         return out
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    probs = attention_probabilities(*(t.detach() for t in (*views, out4)), lse, causal, scale, band, softcap, alibi,
-                                    dropout_p, rng_state, Sequences(table, max_q, max_k))
+    probs = attention_probabilities(*(t.detach() for t in (*views, out4)), lse, options, rng_state,
+                                    Sequences(table, max_q, max_k))
     past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
     return out, _flash_attn_lse(lse[0]).masked_fill(past, math.inf), probs.to(q.dtype)
 
@@ -281,15 +282,15 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if backward:
             raise ValueError("explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
                              "there is no backward to explain")
-        args, options, _ = _paged_arguments(call)
-        return plan_run(*args, **options, rng_state=rng_state)
+        args, _ = _paged_arguments(call)
+        return plan_run(*args, rng_state)
     table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
     # The forward's out (total_q, H, Dv) and its (1, H, total_q) float32 lse, unwritten.
     out = q.new_empty((*q.shape[:2], v.shape[2]))
     lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     views = [packed_view(t) for t in (q, k, v, out)]
     sequences = sequence_args(table, call.max_q, call.max_k)
-    scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
+    alibi, sinks = call.options.alibi, call.options.sinks
     if backward:  # planning reads no element: the gradients only carry shapes and strides
         q4, k4, v4, out4 = views
         tensors = {"q": q4, "k": k4, "v": v4, "out": out4, "lse": lse, "dout": out4, "delta": torch.empty_like(lse),
@@ -299,11 +300,9 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                    "sequence_scratch": sequences[1]}
         options = call.options.core(max_q_len=call.max_q, max_kv_len=call.max_k)
         return explained({"dispatches": plan_backward(_device(q), tensors, options)}, q.device)
-    plan = plan_run(*views, lse, scale, causal, band, softcap, alibi, sequences, sinks=sinks, dropout_p=dropout_p,
-                    rng_state=rng_state)
+    plan = plan_run(*views, lse, call.options, sequences, rng_state)
     if call.return_attn_probs and probs_pass_runs(lse):
-        tensors, options, _ = probs_arguments(*views, lse, None, causal, scale, band, softcap, alibi, dropout_p,
-                                              rng_state, sequences)
+        tensors, options, _ = probs_arguments(*views, lse, None, call.options, rng_state, sequences)
         plan["dispatches"] += plan_forward(_device(q), tensors, options)["dispatches"]
     return plan
 
@@ -338,8 +337,7 @@ def _paged_arguments(call: _VarlenCall):
     out = q.new_empty((*q.shape[:2], v_pool.shape[3]))
     views = [packed_view(q), k_pool.transpose(1, 2), v_pool.transpose(1, 2), packed_view(out)]
     sequences = sequence_args(table, call.max_q, min(call.max_k, capacity), block_table)
-    return ((*views, None, *call.options[:5], sequences), dict(sinks=call.options.sinks,
-                                                                dropout_p=call.options.dropout_p), out)
+    return (*views, None, call.options, sequences), out
 
 
 def _paged_attention(call: _VarlenCall, who: str):
@@ -354,13 +352,11 @@ def _paged_attention(call: _VarlenCall, who: str):
         call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
     if _is_traced():  # the attention op, with the same table
         block_table, capacity = call.paged
-        scale, causal, band, softcap, alibi, sinks, dropout_p = call.options[:7]
         table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k, paged=True)
         views = [packed_view(call.q), call.k.transpose(1, 2), call.v.transpose(1, 2)]
-        out4 = attention_through_torch(*views, None, causal, scale, False, band, True, softcap, alibi, dropout_p,
-                                       rng_state, sinks, Sequences(table, call.max_q, min(call.max_k, capacity),
-                                                                   block_table))
+        out4 = attention_through_torch(*views, None, call.options, False, True, rng_state,
+                                       Sequences(table, call.max_q, min(call.max_k, capacity), block_table))
         return out4.squeeze(0).transpose(0, 1)
-    args, options, out = _paged_arguments(call)
-    run_forward(*args, **options, rng_state=rng_state)
+    args, out = _paged_arguments(call)
+    run_forward(*args, rng_state)
     return out

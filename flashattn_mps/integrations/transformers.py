@@ -253,6 +253,7 @@ def _attend_packed(module, query, key, value, dropout, scaling, is_causal, slidi
     sequence; transformers' sliding window of `w` keys is flash-attn's window_size (w - 1, 0));
     dropout, softcap and sinks in the kernels too."""
     from .._api import _scale_value, _validate_sinks
+    from .._options import AttentionOptions
     from .._varlen import flash_attn_varlen_func, packed_attention
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -261,8 +262,9 @@ def _attend_packed(module, query, key, value, dropout, scaling, is_causal, slidi
     cu_q, cu_k = cu_q.to(query.device), cu_k.to(query.device)
     if trusted:
         sinks = None if sinks is None else _validate_sinks(sinks, query[0])
-        out = packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, _scale_value(q.shape[-1], scaling), causal,
-                               (1, *window), softcap, None, sinks, float(dropout))
+        options = AttentionOptions(_scale_value(q.shape[-1], scaling), causal, (1, *window), softcap, None, sinks,
+                                   float(dropout))
+        out = packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, options)
     else:
         out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, float(dropout), softmax_scale=scaling,
                                      causal=causal, window_size=window, softcap=softcap, sinks=sinks)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flashattn_mps import flash_attn_func, flash_attn_with_kvcache
+from flashattn_mps._options import AttentionOptions
 from helpers import ALL_DTYPES, max_error, randn, reference, slopes
 
 
@@ -199,15 +200,15 @@ def test_core_clamps_block_tables_it_cannot_trust(gen):
     views = [t.transpose(1, 2) for t in (q, pool, pool, out)]
     for kernel in (_C.KERNEL_DECODE, _C.KERNEL_FORWARD):  # both read pages through the table
         out.fill_(float("nan"))
-        _varlen.run_forward(*views, None, 0.25, False, (1, -1, -1), 0.0, None,
-                            _varlen.sequence_args(entries, 1, 8, bad_pages), kernel)
+        _varlen.run_forward(*views, None, AttentionOptions(0.25, False, (1, -1, -1), kernel=kernel),
+                            _varlen.sequence_args(entries, 1, 8, bad_pages))
         assert out.isfinite().all(), kernel
     with pytest.raises(TypeError, match="block_table: must be a contiguous"):
-        _varlen.run_forward(*views, None, 0.25, False, (1, -1, -1), 0.0, None,
+        _varlen.run_forward(*views, None, AttentionOptions(0.25, False, (1, -1, -1)),
                             _varlen.sequence_args(entries, 1, 8, bad_pages.float()))
     with pytest.raises(ValueError, match="prefill and decode kernels only"):
-        _varlen.run_forward(*views, None, 0.25, False, (1, -1, -1), 0.0, None,
-                            _varlen.sequence_args(entries, 1, 8, bad_pages), _C.KERNEL_SIMPLE)
+        _varlen.run_forward(*views, None, AttentionOptions(0.25, False, (1, -1, -1), kernel=_C.KERNEL_SIMPLE),
+                            _varlen.sequence_args(entries, 1, 8, bad_pages))
 
 
 def test_paged_decode_example_matches_recomputation(monkeypatch, capsys):

@@ -7,6 +7,7 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
+from flashattn_mps._options import AttentionOptions
 from helpers import (FORWARD_NAMES, core_options, slots, ALL_DTYPES, assert_gradients_match, max_error, randn, slopes, check_packed,
                      packed_inputs, per_sequence_reference, prefix_sums)
 
@@ -47,8 +48,8 @@ def test_every_kernel_reads_the_table(gen, kernel, causal):
                          ck[:-1], ck.diff()], 1).contiguous()
     out = torch.full((q.shape[0], 4, 16), float("nan"))
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
-    _varlen.run_forward(*views, None, 0.25, causal, (1, -1, -1), 0.0, None,
-                        _varlen.sequence_args(table, max(lens_q), max(lens_k)), kernel)
+    _varlen.run_forward(*views, None, AttentionOptions(0.25, causal, (1, -1, -1), kernel=kernel),
+                        _varlen.sequence_args(table, max(lens_q), max(lens_k)))
     check_packed(out, inputs, lens_q, lens_k, causal=causal, scale=0.25)
 
 
@@ -130,8 +131,8 @@ def test_core_clamps_a_table_it_cannot_trust(gen, entry):
     out = torch.zeros_like(q)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
     for kernel in (_C.KERNEL_DECODE, _C.KERNEL_FORWARD, _C.KERNEL_SIMPLE):
-        _varlen.run_forward(*views, None, 0.3, False, (1, -1, -1), 0.0, None, _varlen.sequence_args(table, 4, 4),
-                            kernel)
+        _varlen.run_forward(*views, None, AttentionOptions(0.3, False, (1, -1, -1), kernel=kernel),
+                            _varlen.sequence_args(table, 4, 4))
         assert out.isfinite().all()
 
 
@@ -141,7 +142,7 @@ def test_core_rejects_malformed_tables(gen):
     out = storage[:96].view(6, 2, 8)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
     good = torch.zeros(2, 6, dtype=torch.int32)
-    run = lambda seq: _varlen.run_forward(*views, None, 0.3, False, None, 0.0, None, seq)
+    run = lambda seq: _varlen.run_forward(*views, None, AttentionOptions(0.3, False), seq)
     with pytest.raises(TypeError, match="sequences: the table must be int32"):
         run(_varlen.sequence_args(good.float(), 4, 4))
     with pytest.raises(ValueError, match=r"contiguous \(B, 6\)"):

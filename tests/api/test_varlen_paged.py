@@ -33,7 +33,8 @@ def paged_pool(gen, keys, values, lens_k, page_size, extra_columns=1, spare=3):
 def run_kernel(monkeypatch, kernel):
     """flash_attn_varlen_func's forward on the given _C.KERNEL_* code."""
     real = _varlen.run_forward
-    monkeypatch.setattr(_varlen, "run_forward", lambda *args, **kw: real(*args, **{**kw, "kernel": kernel}))
+    monkeypatch.setattr(_varlen, "run_forward", lambda q, k, v, out, lse, options, *rest:
+                        real(q, k, v, out, lse, options._replace(kernel=kernel), *rest))
 
 
 # (lens_q, lens_k, page_size, (hq, hkv), (e, ev), kernel, (causal, window, softcap, ALiBi kind, sinks)):

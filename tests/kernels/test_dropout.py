@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import flashattn_mps
 from flashattn_mps import _C, _api, _sources, explain_plan, flash_attention, flash_attn_func, metal_cpu
+from flashattn_mps._options import AttentionOptions
 from helpers import (FORWARD_NAMES, core_options, slots, ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product,
                      reference as flash_reference, visible)
 
@@ -24,7 +25,7 @@ def keep_mask(q, k, v, rng_state, dropout_p):
     probability pass's signs (visiting every key: no band, no mask)."""
     lse = torch.zeros(q.shape[:-1], dtype=torch.float32)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    probs = _api.probs_core(q, k, v, out, lse, None, False, 1.0, None, 0.0, None, dropout_p, rng_state)
+    probs = _api.probs_core(q, k, v, out, lse, None, AttentionOptions(1.0, False, dropout_p=dropout_p), rng_state)
     return ~torch.signbit(probs)
 
 

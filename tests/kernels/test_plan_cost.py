@@ -10,6 +10,7 @@ import torch
 
 from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_plan, explain_varlen_plan, flash_attn_varlen_func,
                           flash_attn_with_kvcache)
+from flashattn_mps._options import AttentionOptions
 from helpers import DEFINITION, preprocessed
 
 
@@ -275,8 +276,8 @@ def test_explain_varlen_plan_is_the_kernel_that_runs(gen, core_plans, lens_q, le
     def forced(kernel):
         result = torch.zeros_like(out)
         views = [_varlen.packed_view(t) for t in (q, k, v, result)]
-        _varlen.run_forward(*views, None, 16 ** -0.5, True, (1, -1, -1), 0.0, None,
-                            _varlen.sequence_args(table, max(lens_q), max(lens_k)), kernel)
+        _varlen.run_forward(*views, None, AttentionOptions(16 ** -0.5, True, (1, -1, -1), kernel=kernel),
+                            _varlen.sequence_args(table, max(lens_q), max(lens_k)))
         return result
 
     reported = _C.KERNEL_FORWARD if attention[0] == "fa_forward_float" else _C.KERNEL_DECODE
