@@ -7,13 +7,13 @@ CPU tensors run the same Metal kernels on the CPU Metal device (see `flashattn_m
 `flash_attn_func` is flash-attn 2's function of that name ((B, L, H, D) layout, bottom-right causal,
 sliding windows) over the same kernels.
 """
-from ._C import MetalCompileError, MetalDispatchError
+from . import _autograd  # noqa: F401  registers the torch.library ops that make flash_attention differentiable
 from ._api import explain_plan, flash_attention
+from ._C import MetalCompileError, MetalDispatchError
 from ._flash_attn import flash_attn_func
-from ._varlen import explain_varlen_plan, flash_attn_varlen_func
 from ._kvcache import explain_kvcache_plan, flash_attn_with_kvcache
-from . import _autograd  # registers the torch.library ops that make flash_attention differentiable
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
+from ._varlen import explain_varlen_plan, flash_attn_varlen_func
 
 __version__ = "0.1.0"
 __all__ = [

@@ -17,11 +17,34 @@ import torch
 
 from . import _C
 from ._autograd import attention_through_torch as _attention_through_torch
-from ._core import (_rng_words, backward_core, describe, dropout_rng_state, explained, forward_core,  # noqa: F401
-                    plan_backward, plan_forward, probs_core)
-from ._options import (_DEVICE_CODES, _KERNELS, AttentionOptions, band_of, check_alibi, check_call,
-                       check_causal_and_scale, check_dropout, check_kernel, check_mask, check_sinks, check_softcap,
-                       core_options, given, scale_value, supported_mask_dtype)  # noqa: F401 (re-exported)
+from ._core import (  # noqa: F401
+    _rng_words,
+    backward_core,
+    describe,
+    dropout_rng_state,
+    explained,
+    forward_core,
+    plan_backward,
+    plan_forward,
+    probs_core,
+)
+from ._options import (
+    _DEVICE_CODES,
+    _KERNELS,
+    AttentionOptions,
+    band_of,
+    check_alibi,
+    check_call,
+    check_causal_and_scale,
+    check_dropout,
+    check_kernel,
+    check_mask,
+    check_sinks,
+    check_softcap,
+    core_options,  # noqa: F401 (re-exported)
+    given,
+    scale_value,
+)
 
 _scale_value, _validate_sinks = scale_value, check_sinks  # the names flashattn_mps.integrations imports
 

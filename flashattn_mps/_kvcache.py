@@ -26,8 +26,17 @@ import torch
 from ._api import _flash_attn_lse
 from ._autograd import Sequences, _is_traced, attention_through_torch
 from ._core import plan_run, run_forward, sequence_args
-from ._options import (AttentionOptions, alibi_view, check_bool, check_common, check_int, check_lengths_tensor,
-                       check_scale, check_sinks, given)
+from ._options import (
+    AttentionOptions,
+    alibi_view,
+    check_bool,
+    check_common,
+    check_int,
+    check_lengths_tensor,
+    check_scale,
+    check_sinks,
+    given,
+)
 from ._varlen import block_table_rows, check_block_table, check_pages_used
 
 

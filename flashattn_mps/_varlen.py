@@ -29,10 +29,31 @@ import torch
 from . import _C
 from ._api import _flash_attn_lse, _routes_through_torch, _sinks_need_grad
 from ._autograd import Sequences, _is_traced, attention_probabilities, attention_through_torch
-from ._core import (_rng_words, dropout_rng_state, explained, plan_backward, plan_forward,
-                    plan_run, planning_rng_state, probs_arguments, probs_pass_runs, run_forward, sequence_args)
-from ._options import (AttentionOptions, alibi_view, check_bool, check_common, check_dropout, check_int,
-                       check_lengths_tensor, check_scale, check_sinks, given)
+from ._core import (
+    _rng_words,
+    dropout_rng_state,
+    explained,
+    plan_backward,
+    plan_forward,
+    plan_run,
+    planning_rng_state,
+    probs_arguments,
+    probs_pass_runs,
+    run_forward,
+    sequence_args,
+)
+from ._options import (
+    AttentionOptions,
+    alibi_view,
+    check_bool,
+    check_common,
+    check_dropout,
+    check_int,
+    check_lengths_tensor,
+    check_scale,
+    check_sinks,
+    given,
+)
 
 _NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
 

@@ -25,7 +25,8 @@ with both, only races between SIMD-groups are reported (docs/cpu-device.md, "Loc
 from __future__ import annotations
 
 import re
-from typing import Mapping, Optional, Sequence, Union
+from collections.abc import Mapping, Sequence
+from typing import Optional, Union
 
 import torch
 

@@ -51,7 +51,7 @@ def c_literal(data: bytes) -> str:
         elif c == "\t":
             out.append("\\t")
         else:
-            out.append("\\%03o" % b)  # always 3 octal digits: never absorbs a following digit
+            out.append(f"\\{b:03o}")  # always 3 octal digits: never absorbs a following digit
     out.append('"')
     return "".join(out)
 

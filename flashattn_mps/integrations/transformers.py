@@ -23,9 +23,14 @@ from typing import Optional
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import create_position_bias_mask
-from transformers.masking_utils import (_ignore_causal_mask_sdpa, _non_vmap_expansion_sdpa, prepare_padding_mask,
-                                        sdpa_mask, sliding_window_bidirectional_mask_function,
-                                        sliding_window_causal_mask_function)
+from transformers.masking_utils import (
+    _ignore_causal_mask_sdpa,
+    _non_vmap_expansion_sdpa,
+    prepare_padding_mask,
+    sdpa_mask,
+    sliding_window_bidirectional_mask_function,
+    sliding_window_causal_mask_function,
+)
 
 from .._api import flash_attention
 from .._sdpa import _attend, _plan, log

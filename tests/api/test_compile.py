@@ -11,7 +11,6 @@ import torch
 from flashattn_mps import flash_attn_varlen_func, flash_attn_with_kvcache
 
 
-
 def _prefix_sums(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 

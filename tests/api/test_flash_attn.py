@@ -8,9 +8,25 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import explain_plan, flash_attention, flash_attn_func
-from helpers import (FORWARD_NAMES, ALL_DTYPES, assert_gradients_match, core_options, max_error, randn, sample_product, slots, KERNELS, LENGTHS, VARIANTS,
-                     check, flash_inputs, forward_case, reference, sdpa_view, slopes)
-
+from helpers import (
+    ALL_DTYPES,
+    FORWARD_NAMES,
+    KERNELS,
+    LENGTHS,
+    VARIANTS,
+    assert_gradients_match,
+    check,
+    core_options,
+    flash_inputs,
+    forward_case,
+    max_error,
+    randn,
+    reference,
+    sample_product,
+    sdpa_view,
+    slopes,
+    slots,
+)
 
 FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=40, seed=16,
                                cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
@@ -18,7 +34,7 @@ FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=4
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
 def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
-    (l, s), (causal, window, softcap, _) = lengths, variant
+    (l, _), (causal, window, softcap, _) = lengths, variant
     q, k, v, alibi = forward_case(gen, lengths, variant, dtype)
     if kernel == "auto":
         out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)

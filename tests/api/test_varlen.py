@@ -8,9 +8,20 @@ import torch
 import flashattn_mps
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
 from flashattn_mps._options import AttentionOptions
-from helpers import (FORWARD_NAMES, core_options, slots, ALL_DTYPES, assert_gradients_match, max_error, randn, slopes, check_packed,
-                     packed_inputs, per_sequence_reference, prefix_sums)
-
+from helpers import (
+    ALL_DTYPES,
+    FORWARD_NAMES,
+    assert_gradients_match,
+    check_packed,
+    core_options,
+    max_error,
+    packed_inputs,
+    per_sequence_reference,
+    prefix_sums,
+    randn,
+    slopes,
+    slots,
+)
 
 # Length mixes: empty and length-1 sequences, queries longer and shorter than keys, one long
 # sequence among short ones; max_seqlen_q of at most 8 takes the decode kernel, longer the prefill.

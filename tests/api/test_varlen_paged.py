@@ -6,10 +6,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_varlen_plan, flash_attn_varlen_func,
-                           flash_attn_with_kvcache)
+from flashattn_mps import (
+    _C,
+    _varlen,
+    explain_kvcache_plan,
+    explain_varlen_plan,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
 from flashattn_mps import metal_cpu as mc
-from helpers import BACKWARD_NAMES, ALL_DTYPES, core_options, randn, slopes, slots, check_packed, packed_inputs, prefix_sums
+from helpers import (
+    ALL_DTYPES,
+    BACKWARD_NAMES,
+    check_packed,
+    core_options,
+    packed_inputs,
+    prefix_sums,
+    randn,
+    slopes,
+    slots,
+)
 
 
 def paged_pool(gen, keys, values, lens_k, page_size, extra_columns=1, spare=3):

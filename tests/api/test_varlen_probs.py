@@ -11,8 +11,20 @@ import pytest
 import torch
 
 from flashattn_mps import _C, _varlen, flash_attn_varlen_func
-from helpers import (FORWARD_NAMES, core_options, slots, assert_gradients_match, max_error, randn, reference, slopes, variant_scores, packed_inputs,
-                     pieces, prefix_sums)
+from helpers import (
+    FORWARD_NAMES,
+    assert_gradients_match,
+    core_options,
+    max_error,
+    packed_inputs,
+    pieces,
+    prefix_sums,
+    randn,
+    reference,
+    slopes,
+    slots,
+    variant_scores,
+)
 
 # (lens_q, lens_k, dtype, (Hq, Hkv), causal, window, softcap, ALiBi kind, sinks, dropout_p, extra):
 # empty and length-1 sequences, queries longer and shorter than keys, a sequence without keys;

@@ -24,7 +24,6 @@ from flashattn_mps import metal_cpu
 from flashattn_mps.metal_cpu import MetalCompileError, compile_library
 from flashattn_mps.strict_check import find_clang
 
-
 CLANG = find_clang()  # a clang for the tests that wrap the CPU device's compiler
 
 HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
@@ -193,7 +192,7 @@ def test_read_only_cache_is_usable(cache):
         print(name, torch.equal(out, x + 1))
     """
     before = sorted(os.listdir(cache))
-    for base, dirs, files in os.walk(cache):
+    for base, _, _ in os.walk(cache):
         os.chmod(base, 0o500)
     try:
         if os.geteuid() == 0:  # root writes through permissions: a read-only bind mount instead
@@ -204,7 +203,7 @@ def test_read_only_cache_is_usable(cache):
         else:
             result = run_python(code, cache)
     finally:
-        for base, dirs, files in os.walk(cache):
+        for base, _, _ in os.walk(cache):
             os.chmod(base, 0o700)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["cached", "True", "fresh", "True"]

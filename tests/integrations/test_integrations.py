@@ -274,8 +274,11 @@ def test_variants_where_the_kernels_do_not_take_the_call(q_length, causal, caplo
 def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     """Called without a mask (a module used on its own), sliding_window is still honoured, aligned
     as transformers' own sliding masks, by the kernels' band (no mask)."""
-    from transformers.masking_utils import (sdpa_mask, sliding_window_bidirectional_mask_function,
-                                            sliding_window_causal_mask_function)
+    from transformers.masking_utils import (
+        sdpa_mask,
+        sliding_window_bidirectional_mask_function,
+        sliding_window_causal_mask_function,
+    )
 
     gen = torch.Generator().manual_seed(5)
     kv_length, window = 10, 3

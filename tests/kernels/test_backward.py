@@ -11,8 +11,19 @@ import torch.nn.functional as F
 
 from flashattn_mps import _C, flash_attention
 from flashattn_mps._api import describe
-from helpers import (ALL_DTYPES, LAYOUTS, core_options, product_case_tensors, sample_product, layout_tensor, max_error,
-                     peak_memory_growth, randn, sdpa, FUDGE)
+from helpers import (
+    ALL_DTYPES,
+    FUDGE,
+    LAYOUTS,
+    core_options,
+    layout_tensor,
+    max_error,
+    peak_memory_growth,
+    product_case_tensors,
+    randn,
+    sample_product,
+    sdpa,
+)
 
 HEAD_DIMS = [32, 59, 64, 96, 128, 256]
 LENGTHS = [(113, 203), (203, 113), (128, 217), (1, 147), (37, 37)]

@@ -11,7 +11,7 @@ import torch
 
 from flashattn_mps import _C, _sources, explain_plan, flash_attention
 from flashattn_mps._api import describe
-from helpers import FORWARD_NAMES, ALL_DTYPES, assert_matches_sdpa, core_options, max_error, randn, sdpa, slots
+from helpers import ALL_DTYPES, FORWARD_NAMES, assert_matches_sdpa, core_options, max_error, randn, sdpa, slots
 
 QUERY_LENS = [1, 2, 5, 8]
 KV_LENS = [1, 7, 9, 32, 63, 67, 129, 400, 2000, 8192]

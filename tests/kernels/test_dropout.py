@@ -16,8 +16,18 @@ import torch.nn.functional as F
 import flashattn_mps
 from flashattn_mps import _C, _api, _sources, explain_plan, flash_attention, flash_attn_func, metal_cpu
 from flashattn_mps._options import AttentionOptions
-from helpers import (FORWARD_NAMES, core_options, slots, ALL_DTYPES, assert_gradients_match, max_error, randn, sample_product,
-                     reference as flash_reference, visible)
+from helpers import (
+    ALL_DTYPES,
+    FORWARD_NAMES,
+    assert_gradients_match,
+    core_options,
+    max_error,
+    randn,
+    sample_product,
+    slots,
+    visible,
+)
+from helpers import reference as flash_reference
 
 
 def keep_mask(q, k, v, rng_state, dropout_p):

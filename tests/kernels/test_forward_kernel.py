@@ -10,8 +10,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flashattn_mps import explain_plan, flash_attention
-from helpers import (ALL_DTYPES, LAYOUTS, assert_matches_sdpa, layout_tensor, max_error, peak_memory_growth,
-                      product_case_tensors, randn, sample_product, sdpa)
+from helpers import (
+    ALL_DTYPES,
+    LAYOUTS,
+    assert_matches_sdpa,
+    layout_tensor,
+    max_error,
+    peak_memory_growth,
+    product_case_tensors,
+    randn,
+    sample_product,
+    sdpa,
+)
 
 HEAD_DIMS = [8, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 256]
 LENGTHS = [(113, 203), (128, 217), (203, 113), (1023, 1024), (1, 147), (37, 37)]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from flashattn_mps import _C, explain, explain_plan, flash_attention, scaled_dot_product_attention
-from helpers import ALL_DTYPES, max_error, randn, sample_product, FUDGE, reference
+from helpers import ALL_DTYPES, FUDGE, max_error, randn, reference, sample_product
 
 # slow: every kernel at head dims 320 to 576, each case a few seconds
 pytestmark = pytest.mark.slow

@@ -8,8 +8,15 @@ import re
 import pytest
 import torch
 
-from flashattn_mps import (_C, _varlen, explain_kvcache_plan, explain_plan, explain_varlen_plan, flash_attn_varlen_func,
-                          flash_attn_with_kvcache)
+from flashattn_mps import (
+    _C,
+    _varlen,
+    explain_kvcache_plan,
+    explain_plan,
+    explain_varlen_plan,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
 from flashattn_mps._options import AttentionOptions
 from helpers import DEFINITION, preprocessed
 

@@ -8,8 +8,26 @@ import torch
 
 import flashattn_mps
 from flashattn_mps import _C, explain_plan, flash_attention, flash_attn_func
-from helpers import (BACKWARD_NAMES, FORWARD_NAMES, core_options, slots, ALL_DTYPES, max_error, randn, sample_product, KERNELS, LENGTHS, VARIANTS, check, flash_inputs,
-                     forward_case, reference, sdpa_view, slopes, variant_scores)
+from helpers import (
+    ALL_DTYPES,
+    BACKWARD_NAMES,
+    FORWARD_NAMES,
+    KERNELS,
+    LENGTHS,
+    VARIANTS,
+    check,
+    core_options,
+    flash_inputs,
+    forward_case,
+    max_error,
+    randn,
+    reference,
+    sample_product,
+    sdpa_view,
+    slopes,
+    slots,
+    variant_scores,
+)
 
 
 def sink_logits(gen, h, spread=2.0):
