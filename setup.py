@@ -3,6 +3,7 @@ runtime and its Python API), and flashattn_mps._C, the attention library (the C 
 layer and, on macOS, the Metal backend), which reaches the device only through the table
 _metal_cpu exports as a capsule. No torch headers or libraries are used, so one build serves every
 supported torch."""
+
 import os
 import subprocess
 import sys

@@ -17,6 +17,7 @@ read once, the outputs written) for every implementation, so useful_tflops and m
 them on the same work; for this project's kernels also kernel_flops (issued, padding included) with
 issued_tflops, threadgroup_bytes and registers (per thread) of the largest dispatch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,16 @@ def cost_columns(q, k, v, causal, kernel, seconds):
     moved = costs[0]["min_bytes_read"] + costs[-1]["min_bytes_written"]  # inputs and outputs, once each
     ours = kernel is not None
     issued = sum(c["flops"] for c in costs)
-    return dict(useful_flops=useful, min_bytes=moved, useful_tflops=useful / seconds / 1e12,
-                min_gb_per_s=moved / seconds / 1e9, kernel_flops=issued if ours else "",
-                issued_tflops=issued / seconds / 1e12 if ours else "",
-                threadgroup_bytes=max(c["threadgroup_bytes"] for c in costs) if ours else "",
-                registers=max(c["registers"] for c in costs) if ours else "")
+    return dict(
+        useful_flops=useful,
+        min_bytes=moved,
+        useful_tflops=useful / seconds / 1e12,
+        min_gb_per_s=moved / seconds / 1e9,
+        kernel_flops=issued if ours else "",
+        issued_tflops=issued / seconds / 1e12 if ours else "",
+        threadgroup_bytes=max(c["threadgroup_bytes"] for c in costs) if ours else "",
+        registers=max(c["registers"] for c in costs) if ours else "",
+    )
 
 
 def implementations(device):
@@ -146,17 +152,30 @@ def run_decode(quick: bool, device, where: str, repeats: int):
         kv_bytes = k.nbytes + v.nbytes
         for name, make in decode_implementations(device).items():
             seconds = timed(make(q, k, v), device, repeats)
-            row = dict(device=where, impl=name, batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, head_dim=d,
-                       dtype=dtype_name, ms=seconds * 1e3, kv_gb_per_s=kv_bytes / seconds / 1e9,
-                       **cost_columns(q, k, v, False, "decode" if name == "flash_attention" else None, seconds))
+            row = dict(
+                device=where,
+                impl=name,
+                batch=b,
+                q_heads=hq,
+                kv_heads=hkv,
+                kv_len=s,
+                head_dim=d,
+                dtype=dtype_name,
+                ms=seconds * 1e3,
+                kv_gb_per_s=kv_bytes / seconds / 1e9,
+                **cost_columns(q, k, v, False, "decode" if name == "flash_attention" else None, seconds),
+            )
             rows.append(row)
-            print(f"{name:>16} {b:>2} {hq:>3} {hkv:>3} {s:>6} {d:>4} {dtype_name:>9} {row['ms']:>10.3f} "
-                  f"{row['kv_gb_per_s']:>8.2f}")
+            print(
+                f"{name:>16} {b:>2} {hq:>3} {hkv:>3} {s:>6} {d:>4} {dtype_name:>9} {row['ms']:>10.3f} "
+                f"{row['kv_gb_per_s']:>8.2f}"
+            )
     return rows
 
 
 def training_implementations(device):
     """name -> make(q, k, v, dout, causal) returning one forward+backward step (gradients of q, k, v)."""
+
     def torch_step(attention):
         def make(q, k, v, dout, c):
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -209,7 +228,9 @@ def training_sweep(quick: bool, device):
 def run_training(quick: bool, device, where: str, repeats: int):
     rows = []
     print("\nforward+backward: TFLOPS counted as 3.5x the forward's FLOPs (FlashAttention-2's convention)")
-    print(f"{'impl':>18} {'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'dtype':>9} {'ms':>10} {'TFLOPS':>8} {'peak MiB':>9}")
+    print(
+        f"{'impl':>18} {'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'dtype':>9} {'ms':>10} {'TFLOPS':>8} {'peak MiB':>9}"
+    )
     for b, h, n, d, causal, dtype_name in training_sweep(quick, device):
         gen = torch.Generator().manual_seed(0)
         q, k, v, dout = (torch.randn(b, h, n, d, generator=gen).to(device, DTYPES[dtype_name]) for _ in range(4))
@@ -217,12 +238,24 @@ def run_training(quick: bool, device, where: str, repeats: int):
         for name, make in training_implementations(device).items():
             step = make(q, k, v, dout, causal)
             seconds = timed(step, device, repeats)
-            row = dict(device=where, impl=name, batch=b, heads=h, seq=n, head_dim=d, causal=causal,
-                       dtype=dtype_name, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                       peak_mib=peak_memory(step, device) / 2**20)
+            row = dict(
+                device=where,
+                impl=name,
+                batch=b,
+                heads=h,
+                seq=n,
+                head_dim=d,
+                causal=causal,
+                dtype=dtype_name,
+                ms=seconds * 1e3,
+                tflops=flops / seconds / 1e12,
+                peak_mib=peak_memory(step, device) / 2**20,
+            )
             rows.append(row)
-            print(f"{name:>18} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
-                  f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}")
+            print(
+                f"{name:>18} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
+                f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}"
+            )
     return rows
 
 
@@ -237,8 +270,13 @@ def write_csv(path, rows):
 def sweep(quick: bool, device):
     if device.type == "mps":
         lengths = [512, 1024, 2048, 4096] if quick else [512, 1024, 2048, 4096, 8192, 16384, 32768]
-        return [(1, 16, n, d, c, dt) for n in lengths for d in (64, 128) for c in (False, True)
-                for dt in (("float16",) if quick else DTYPES)]
+        return [
+            (1, 16, n, d, c, dt)
+            for n in lengths
+            for d in (64, 128)
+            for c in (False, True)
+            for dt in (("float16",) if quick else DTYPES)
+        ]
     lengths = [128, 256] if quick else [128, 256, 512]
     return [(1, 4, n, d, c, "float16") for n in lengths for d in (64, 128) for c in (False, True)]
 
@@ -253,7 +291,9 @@ def main(argv=None):
     repeats = 5 if device.type == "mps" else 2
     rows = []
     print(f"device: {where}")
-    print(f"{'impl':>16} {'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'dtype':>9} {'ms':>10} {'TFLOPS':>8} {'peak MiB':>9}")
+    print(
+        f"{'impl':>16} {'B':>2} {'H':>3} {'L':>6} {'D':>4} {'causal':>6} {'dtype':>9} {'ms':>10} {'TFLOPS':>8} {'peak MiB':>9}"
+    )
     for b, h, n, d, causal, dtype_name in sweep(args.quick, device):
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(b, h, n, d, generator=gen).to(device, DTYPES[dtype_name]) for _ in range(3))
@@ -262,12 +302,25 @@ def main(argv=None):
             call = make(q, k, v, causal)
             seconds = timed(call, device, repeats)
             peak = peak_memory(call, device)
-            row = dict(device=where, impl=name, batch=b, heads=h, seq=n, head_dim=d, causal=causal,
-                       dtype=dtype_name, ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak / 2**20,
-                       **cost_columns(q, k, v, causal, KERNEL_OF.get(name), seconds))
+            row = dict(
+                device=where,
+                impl=name,
+                batch=b,
+                heads=h,
+                seq=n,
+                head_dim=d,
+                causal=causal,
+                dtype=dtype_name,
+                ms=seconds * 1e3,
+                tflops=flops / seconds / 1e12,
+                peak_mib=peak / 2**20,
+                **cost_columns(q, k, v, causal, KERNEL_OF.get(name), seconds),
+            )
             rows.append(row)
-            print(f"{name:>16} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
-                  f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}")
+            print(
+                f"{name:>16} {b:>2} {h:>3} {n:>6} {d:>4} {str(causal):>6} {dtype_name:>9} "
+                f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}"
+            )
     decode_rows = run_decode(args.quick, device, where, repeats)
     training_rows = run_training(args.quick, device, where, repeats)
     os.makedirs(args.out, exist_ok=True)
@@ -291,8 +344,14 @@ def plot(rows, path, where):
     for ax, causal in zip(axes, (False, True)):
         for impl in sorted({r["impl"] for r in rows}):
             for d in sorted({r["head_dim"] for r in rows}):
-                pts = [(r["seq"], r["tflops"]) for r in rows if r["impl"] == impl and r["head_dim"] == d
-                       and r["causal"] == causal and r["dtype"] == rows[0]["dtype"]]
+                pts = [
+                    (r["seq"], r["tflops"])
+                    for r in rows
+                    if r["impl"] == impl
+                    and r["head_dim"] == d
+                    and r["causal"] == causal
+                    and r["dtype"] == rows[0]["dtype"]
+                ]
                 if pts:
                     ax.plot(*zip(*sorted(pts)), marker="o", label=f"{impl} D={d}")
         ax.set_xscale("log", base=2)

@@ -13,6 +13,7 @@ thread of the process). On a machine shared with other work the CPU-time figures
 compare: a busy neighbour stretches wall time, much less the CPU time a dispatch needs. Writes
 benchmarks/results/cpu_device.csv.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -71,11 +72,21 @@ def main(argv=None):
         wall, cpu = best_times(lambda: lib.dispatch("sync_loop", (groups,), (1024,), buffers), args.repeats)
         syncs = groups * 1024 * args.iterations * 2
         busy = min(groups, cores)
-        rows.append(dict(case="sync", threadgroups=groups, cores_busy=busy, syncs_per_s=syncs / wall,
-                         syncs_per_s_per_core=syncs / wall / busy, syncs_per_cpu_s=syncs / cpu))
-        print(f"{groups:>4} threadgroups on {busy} core(s): {syncs / wall / 1e6:8.1f} M thread-syncs/s "
-              f"({syncs / wall / busy / 1e6:.1f} M/s per core; target >= 20), "
-              f"{syncs / cpu / 1e6:.1f} M per CPU-second")
+        rows.append(
+            dict(
+                case="sync",
+                threadgroups=groups,
+                cores_busy=busy,
+                syncs_per_s=syncs / wall,
+                syncs_per_s_per_core=syncs / wall / busy,
+                syncs_per_cpu_s=syncs / cpu,
+            )
+        )
+        print(
+            f"{groups:>4} threadgroups on {busy} core(s): {syncs / wall / 1e6:8.1f} M thread-syncs/s "
+            f"({syncs / wall / busy / 1e6:.1f} M/s per core; target >= 20), "
+            f"{syncs / cpu / 1e6:.1f} M per CPU-second"
+        )
     g = torch.Generator().manual_seed(0)
     for name, L, S in ATTENTION_CASES:
         q, k, v = (torch.randn(1, 4, n, 64, generator=g).half() for n in (L, S, S))
@@ -84,8 +95,16 @@ def main(argv=None):
         print(f"{name} (float16, L={L}, S={S}, 4 heads, E=64): {wall * 1e3:.1f} ms, {cpu * 1e3:.1f} ms of CPU")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "cpu_device.csv")
-    fields = ["case", "threadgroups", "cores_busy", "syncs_per_s", "syncs_per_s_per_core", "syncs_per_cpu_s",
-              "ms_per_call", "cpu_ms_per_call"]
+    fields = [
+        "case",
+        "threadgroups",
+        "cores_busy",
+        "syncs_per_s",
+        "syncs_per_s_per_core",
+        "syncs_per_cpu_s",
+        "ms_per_call",
+        "cpu_ms_per_call",
+    ]
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()

@@ -12,6 +12,7 @@ call at most 10 us and at most torch's tiny SDPA; the autograd path at most 3x t
 
 Writes benchmarks/results/host_overhead_<device>.csv and prints a table. Not a timed test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,11 +64,14 @@ def measure(name, shape, mode, device, dtype, calls):
     q, k, v = tensors(shape, device, dtype, requires_grad=mode == "requires_grad")
     context = torch.inference_mode() if mode == "inference_mode" else contextlib.nullcontext()
     if mode == "dropin":
+
         def call():
             flashattn_mps.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     else:
+
         def call():
             flashattn_mps.flash_attention(q, k, v)
+
     with context:
         return per_call_us(call, calls)
 
@@ -91,15 +95,17 @@ def main() -> int:
         for mode in ("plain", "requires_grad", "inference_mode", "dropin"):
             us = measure(name, shape, mode, args.device, dtype, args.calls)
             factor = 3 if mode == "requires_grad" else 1  # the autograd path may cost 3x
-            rows.append({
-                "shape": name,
-                "mode": mode,
-                "us_per_call": round(us, 2),
-                "goal_us": factor * GOAL_US,
-                "within_goal": us <= factor * GOAL_US,
-                "torch_tiny_sdpa_us": round(torch_sdpa, 2),
-                "within_torch": us <= factor * torch_sdpa,  # at most torch's tiny call (3x with grad)
-            })
+            rows.append(
+                {
+                    "shape": name,
+                    "mode": mode,
+                    "us_per_call": round(us, 2),
+                    "goal_us": factor * GOAL_US,
+                    "within_goal": us <= factor * GOAL_US,
+                    "torch_tiny_sdpa_us": round(torch_sdpa, 2),
+                    "within_torch": us <= factor * torch_sdpa,  # at most torch's tiny call (3x with grad)
+                }
+            )
 
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
@@ -113,8 +119,10 @@ def main() -> int:
     print(f"torch SDPA on tiny CPU tensors: {torch_sdpa:.2f} us plain, {torch_sdpa_grad:.2f} us with requires_grad")
     print(f"{'shape':8s} {'mode':15s} {'us/call':>8s} {'goal':>6s} {'met':>4s} {'<= torch (3x w/ grad)':>22s}")
     for r in rows:
-        print(f"{r['shape']:8s} {r['mode']:15s} {r['us_per_call']:8.2f} {r['goal_us']:6.0f} "
-              f"{'yes' if r['within_goal'] else 'no':>4s} {'yes' if r['within_torch'] else 'no':>22s}")
+        print(
+            f"{r['shape']:8s} {r['mode']:15s} {r['us_per_call']:8.2f} {r['goal_us']:6.0f} "
+            f"{'yes' if r['within_goal'] else 'no':>4s} {'yes' if r['within_torch'] else 'no':>22s}"
+        )
     print(f"wrote {path}")
     return 0
 

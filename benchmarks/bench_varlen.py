@@ -16,6 +16,7 @@ Writes benchmarks/results/varlen_<device>.csv and prints a table (median millise
 Metal device the figures measure the kernels' work, not a GPU; the Mac rows come from running it there.
 Not a timed test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ from flashattn_mps import flash_attn_func, flash_attn_varlen_func, flash_attn_wi
 # (name, sequence lengths, heads, kv heads, head dim)
 VARLEN_CASES = [("mixed", [200, 13, 64, 7, 128], 4, 2, 64), ("one long", [256, 8, 8, 8], 4, 4, 64)]
 # (name, sequence lengths, heads, kv heads, head dim, page size)
-PAGED_CASES = [("mixed, pages of 64", [200, 13, 64, 7, 128], 4, 2, 64, 64),
-               ("mixed, pages of 3", [200, 13, 64, 7, 128], 4, 2, 64, 3)]
+PAGED_CASES = [
+    ("mixed, pages of 64", [200, 13, 64, 7, 128], 4, 2, 64, 64),
+    ("mixed, pages of 3", [200, 13, 64, 7, 128], 4, 2, 64, 3),
+]
 # (name, batch, cache lengths, heads, kv heads, head dim)
 DECODE_CASES = [("decode", 4, [300, 40, 700, 120], 8, 2, 64)]
 
@@ -61,7 +64,7 @@ def varlen_rows(device, repeat):
         padded = [torch.zeros(len(lengths), longest, h, d, device=device, dtype=torch.float16) for h in (hq, hkv, hkv)]
         for b, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
             for t, src in zip(padded, (q, k, v)):
-                t[b, :n] = src[start:start + n]
+                t[b, :n] = src[start : start + n]
         varlen = timed(lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True), device, repeat)
         pad = timed(lambda: flash_attn_func(*padded, causal=True), device, repeat)
         rows.append(dict(case=f"varlen {name}", ours_ms=varlen, baseline="padded to the longest", baseline_ms=pad))
@@ -81,10 +84,13 @@ def paged_rows(device, repeat):
         for b, (start, n) in enumerate(zip(cu[:-1].tolist(), lengths)):
             positions = torch.arange(n)
             for pool, src in zip(pools, (k, v)):
-                pool[table[b][positions // page].to(device), (positions % page).to(device)] = src[start:start + n]
+                pool[table[b][positions // page].to(device), (positions % page).to(device)] = src[start : start + n]
         table = table.to(torch.int32).to(device)
-        paged = timed(lambda: flash_attn_varlen_func(q, *pools, cu, cu, longest, longest, causal=True,
-                                                     block_table=table), device, repeat)
+        paged = timed(
+            lambda: flash_attn_varlen_func(q, *pools, cu, cu, longest, longest, causal=True, block_table=table),
+            device,
+            repeat,
+        )
         packed = timed(lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True), device, repeat)
         rows.append(dict(case=f"paged {name}", ours_ms=paged, baseline="packed keys, same kernel", baseline_ms=packed))
     return rows
@@ -99,11 +105,22 @@ def decode_rows(device, repeat):
         q = torch.randn(batch, 1, hq, d, device=device, dtype=torch.float16)
         new_k, new_v = (torch.randn(batch, 1, hkv, d, device=device, dtype=torch.float16) for _ in range(2))
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
-        cached = timed(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=seqlens,
-                                                       causal=True), device, repeat)
-        sliced = timed(lambda: [flash_attn_func(q[b:b + 1], k_cache[b:b + 1, :n + 1], v_cache[b:b + 1, :n + 1],
-                                                causal=True) for b, n in enumerate(lengths)], device, repeat)
-        rows.append(dict(case=f"kvcache {name}", ours_ms=cached, baseline="flash_attn_func per row", baseline_ms=sliced))
+        cached = timed(
+            lambda: flash_attn_with_kvcache(q, k_cache, v_cache, new_k, new_v, cache_seqlens=seqlens, causal=True),
+            device,
+            repeat,
+        )
+        sliced = timed(
+            lambda: [
+                flash_attn_func(q[b : b + 1], k_cache[b : b + 1, : n + 1], v_cache[b : b + 1, : n + 1], causal=True)
+                for b, n in enumerate(lengths)
+            ],
+            device,
+            repeat,
+        )
+        rows.append(
+            dict(case=f"kvcache {name}", ours_ms=cached, baseline="flash_attn_func per row", baseline_ms=sliced)
+        )
     return rows
 
 
@@ -112,9 +129,16 @@ def main():
     parser.add_argument("--device", default="mps" if torch.backends.mps.is_available() else "cpu")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    rows = varlen_rows(args.device, args.repeat) + paged_rows(args.device, args.repeat) + \
-        decode_rows(args.device, args.repeat)
-    out = Path(__file__).resolve().parent / "results" / f"varlen_{'cpu_device' if args.device == 'cpu' else args.device}.csv"
+    rows = (
+        varlen_rows(args.device, args.repeat)
+        + paged_rows(args.device, args.repeat)
+        + decode_rows(args.device, args.repeat)
+    )
+    out = (
+        Path(__file__).resolve().parent
+        / "results"
+        / f"varlen_{'cpu_device' if args.device == 'cpu' else args.device}.csv"
+    )
     with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["case", "ours_ms", "baseline", "baseline_ms"])
         writer.writeheader()

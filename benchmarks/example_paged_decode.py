@@ -8,6 +8,7 @@ recomputing the whole prefix with `flash_attn_func` at every step.
 
     python benchmarks/example_paged_decode.py [--device cpu|mps] [--steps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,19 +31,23 @@ class TinyDecoder(torch.nn.Module):
 
     def split(self, layer, x):
         q, k, v = self.qkv[layer](x).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
-        return (q.unflatten(-1, (HEADS, HEAD_DIM)), k.unflatten(-1, (KV_HEADS, HEAD_DIM)),
-                v.unflatten(-1, (KV_HEADS, HEAD_DIM)))
+        return (
+            q.unflatten(-1, (HEADS, HEAD_DIM)),
+            k.unflatten(-1, (KV_HEADS, HEAD_DIM)),
+            v.unflatten(-1, (KV_HEADS, HEAD_DIM)),
+        )
 
 
 def rotary_tables(positions, device):
-    angles = torch.arange(positions, device=device)[:, None] / 10000 ** (torch.arange(0, HEAD_DIM, 2, device=device)
-                                                                         / HEAD_DIM)
+    angles = torch.arange(positions, device=device)[:, None] / 10000 ** (
+        torch.arange(0, HEAD_DIM, 2, device=device) / HEAD_DIM
+    )
     return angles.cos(), angles.sin()
 
 
 def rotate(x, cos, sin, start):  # GPT-NeoX layout, as rotary_interleaved=False
     half = HEAD_DIM // 2
-    c, s = cos[start:start + x.shape[1]][None, :, None], sin[start:start + x.shape[1]][None, :, None]
+    c, s = cos[start : start + x.shape[1]][None, :, None], sin[start : start + x.shape[1]][None, :, None]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1)
 
@@ -62,19 +67,35 @@ def paged_decode(model, prompt, steps, cos, sin, device, generator):
     batch, pages_per_sequence = prompt.shape[0], -(-(prompt.shape[1] + steps) // PAGE)
     pool = batch * pages_per_sequence + 4
     free = torch.randperm(pool, generator=generator).tolist()  # pages handed out in no particular order
-    block_table = torch.tensor([[free.pop() for _ in range(pages_per_sequence)] for _ in range(batch)],
-                               dtype=torch.int32, device=device)
-    caches = [(torch.zeros(pool, PAGE, KV_HEADS, HEAD_DIM, device=device),
-               torch.zeros(pool, PAGE, KV_HEADS, HEAD_DIM, device=device)) for _ in range(LAYERS)]
+    block_table = torch.tensor(
+        [[free.pop() for _ in range(pages_per_sequence)] for _ in range(batch)], dtype=torch.int32, device=device
+    )
+    caches = [
+        (
+            torch.zeros(pool, PAGE, KV_HEADS, HEAD_DIM, device=device),
+            torch.zeros(pool, PAGE, KV_HEADS, HEAD_DIM, device=device),
+        )
+        for _ in range(LAYERS)
+    ]
     lengths = torch.zeros(batch, dtype=torch.int32, device=device)
     tokens, generated = prompt, []
     for _ in range(steps):
         x = model.embed(tokens)
         for layer, (k_cache, v_cache) in enumerate(caches):
             q, k, v = model.split(layer, x)
-            out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
-                                          cache_seqlens=lengths, block_table=block_table, causal=True,
-                                          rotary_interleaved=False)
+            out = flash_attn_with_kvcache(
+                q,
+                k_cache,
+                v_cache,
+                k,
+                v,
+                rotary_cos=cos,
+                rotary_sin=sin,
+                cache_seqlens=lengths,
+                block_table=block_table,
+                causal=True,
+                rotary_interleaved=False,
+            )
             x = x + model.proj[layer](out.flatten(-2))
         lengths += tokens.shape[1]
         tokens = model.head(x[:, -1]).argmax(-1, keepdim=True)
@@ -95,7 +116,7 @@ def main():
     expected, tokens = [], prompt
     for _ in range(args.steps):
         tokens = torch.cat([tokens, full_recompute(model, tokens, cos, sin)[:, None]], 1)
-    expected = tokens[:, prompt.shape[1]:]
+    expected = tokens[:, prompt.shape[1] :]
     print("paged decode:", generated.tolist())
     print("recomputed:  ", expected.tolist())
     assert torch.equal(generated, expected), "paged decoding disagrees with recomputing the prefix"

@@ -7,6 +7,7 @@ CPU tensors run the same Metal kernels on the CPU Metal device (see `flashattn_m
 `flash_attn_func` is flash-attn 2's function of that name ((B, L, H, D) layout, bottom-right causal,
 sliding windows) over the same kernels.
 """
+
 from . import _autograd  # noqa: F401  registers the torch.library ops that make flash_attention differentiable
 from ._api import explain_plan, flash_attention
 from ._C import MetalCompileError, MetalDispatchError

@@ -8,6 +8,7 @@ reads their storage and runs the cached plan (csrc/fa_plan_cache.c). When the co
 A call's options are checked once into one AttentionOptions value (attention_options), which
 travels down to the core (attend_with). Calls that need autograd or are traced go through
 flashattn_mps._autograd."""
+
 from __future__ import annotations
 
 import math
@@ -147,18 +148,56 @@ def flash_attention(
     the torch.library ops of flashattn_mps._autograd; the log-sum-exp carries no gradient and
     double backward raises.
     """
-    if type(kernel) is str and kernel == "auto" and return_lse is False and window_size is None \
-            and (causal is True or causal is False) and softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0 \
-            and sinks is None and window_align is None:
+    if (
+        type(kernel) is str
+        and kernel == "auto"
+        and return_lse is False
+        and window_size is None
+        and (causal is True or causal is False)
+        and softcap == 0.0
+        and alibi_slopes is None
+        and dropout_p == 0.0
+        and sinks is None
+        and window_align is None
+    ):
         return attend(q, k, v, attn_mask, causal, scale)
     causal, band = band_of(causal, window_size, window_align)
-    return attend(q, k, v, attn_mask, causal, scale, check_kernel(kernel, return_lse), return_lse, band, False,
-                  check_softcap(softcap, "flash_attention"), alibi_slopes,
-                  check_dropout(dropout_p, "flash_attention"), None, sinks)
+    return attend(
+        q,
+        k,
+        v,
+        attn_mask,
+        causal,
+        scale,
+        check_kernel(kernel, return_lse),
+        return_lse,
+        band,
+        False,
+        check_softcap(softcap, "flash_attention"),
+        alibi_slopes,
+        check_dropout(dropout_p, "flash_attention"),
+        None,
+        sinks,
+    )
 
 
-def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.KERNEL_AUTO, return_lse=False,
-           band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None, sinks=None):
+def attend(
+    q,
+    k,
+    v,
+    attn_mask=None,
+    causal=False,
+    scale=None,
+    kernel: int = _C.KERNEL_AUTO,
+    return_lse=False,
+    band=None,
+    seq_major=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    rng_state=None,
+    sinks=None,
+):
     """flash_attention with its options already checked (kernel a _C.KERNEL_* code, return_lse a
     bool, band None or (bottom_right, left, right) ints as band_of gives): the lean entry the SDPA
     drop-in calls; attention_options then attend_with. seq_major: q is a (B, L, H, E) tensor viewed
@@ -167,13 +206,26 @@ def attend(q, k, v, attn_mask=None, causal=False, scale=None, kernel: int = _C.K
     alibi_slopes: None or the user's (H,) or (B, H) tensor, sinks None or the user's (H,) one
     (both checked by attention_options); dropout_p: a checked float, with rng_state the call's
     generator state (drawn when None and dropout_p > 0)."""
-    options = attention_options(q, k, v, attn_mask, causal, scale, kernel, band, softcap, alibi_slopes, dropout_p,
-                                sinks)
+    options = attention_options(
+        q, k, v, attn_mask, causal, scale, kernel, band, softcap, alibi_slopes, dropout_p, sinks
+    )
     return attend_with(q, k, v, attn_mask, options, return_lse, seq_major, rng_state)
 
 
-def attention_options(q, k, v, attn_mask, causal, scale, kernel: int = _C.KERNEL_AUTO, band=None, softcap=0.0,
-                      alibi_slopes=None, dropout_p=0.0, sinks=None) -> AttentionOptions:
+def attention_options(
+    q,
+    k,
+    v,
+    attn_mask,
+    causal,
+    scale,
+    kernel: int = _C.KERNEL_AUTO,
+    band=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    sinks=None,
+) -> AttentionOptions:
     """The AttentionOptions of a dense call whose kernel, band, softcap and dropout_p are checked:
     causal and scale are checked here (cheaply when they are a bool and a float or None) and the
     scale resolved, the user's ALiBi slopes and sinks checked against q (the (B, Hq) view, float32
@@ -187,8 +239,9 @@ def attention_options(q, k, v, attn_mask, causal, scale, kernel: int = _C.KERNEL
     if scale is None:  # (a q without dims is refused by forward_core's checks)
         scale = scale_value(q.shape[-1] if q.dim() else 0, None)
     alibi = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
-    return AttentionOptions(scale, causal, band, softcap, alibi, None if sinks is None else check_sinks(sinks, q),
-                            dropout_p, kernel)
+    return AttentionOptions(
+        scale, causal, band, softcap, alibi, None if sinks is None else check_sinks(sinks, q), dropout_p, kernel
+    )
 
 
 def attend_with(q, k, v, attn_mask, options: AttentionOptions, return_lse=False, seq_major=False, rng_state=None):
@@ -221,9 +274,23 @@ def _flash_attn_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse.isnan() | (lse == -math.inf), math.inf)
 
 
-def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_mask=None,
-                 kernel: str = "auto", window_size=None, softcap: float = 0.0, alibi_slopes=None,
-                 dropout_p: float = 0.0, sinks=None, window_align=None, backward: bool = False) -> dict:
+def explain_plan(
+    q,
+    k,
+    v,
+    causal=False,
+    scale: Optional[float] = None,
+    *,
+    attn_mask=None,
+    kernel: str = "auto",
+    window_size=None,
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    dropout_p: float = 0.0,
+    sinks=None,
+    window_align=None,
+    backward: bool = False,
+) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size, ...)`
     would launch, without running it:
     {"dispatches": [{"source", "function", "macros", "constants", "grid", "threadgroup", "cost"}, ...],
@@ -254,19 +321,31 @@ def explain_plan(q, k, v, causal=False, scale: Optional[float] = None, *, attn_m
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     device, scale = _DEVICE_CODES[q.device.type], scale_value(q.shape[-1], scale)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "mask": mask,
-               "alibi_slopes": None if alibi_slopes is None else check_alibi(alibi_slopes, q),
-               "rng_state": _rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)),
-               "sinks": None if sinks is None else check_sinks(sinks, q)}
-    options = core_options(scale, causal, band, check_softcap(softcap, "explain_plan"),
-                           check_dropout(dropout_p, "explain_plan"), code)
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "mask": mask,
+        "alibi_slopes": None if alibi_slopes is None else check_alibi(alibi_slopes, q),
+        "rng_state": _rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)),
+        "sinks": None if sinks is None else check_sinks(sinks, q),
+    }
+    options = core_options(
+        scale, causal, band, check_softcap(softcap, "explain_plan"), check_dropout(dropout_p, "explain_plan"), code
+    )
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        tensors.update(lse=rows, dout=out, delta=rows.clone(), dq=torch.empty_like(q), dk=torch.empty_like(k),
-                       dv=torch.empty_like(v), sink_grad=None if sinks is None else rows)
+        tensors.update(
+            lse=rows,
+            dout=out,
+            delta=rows.clone(),
+            dq=torch.empty_like(q),
+            dk=torch.empty_like(k),
+            dv=torch.empty_like(v),
+            sink_grad=None if sinks is None else rows,
+        )
         return {"dispatches": plan_backward(device, tensors, options)}
     if backward is not False:
         raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
     return explained(plan_forward(device, tensors, options), q.device)
-
-

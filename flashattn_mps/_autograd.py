@@ -29,6 +29,7 @@ gradients, the refusal of double backward and the sinks' gradient exist once. Th
 itself not differentiable: asking for a graph of the gradients (create_graph=True, double
 backward) raises instead of returning wrong second derivatives.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -43,14 +44,16 @@ from ._options import AttentionOptions, alibi_view, check_alibi, check_call, che
 class Sequences(NamedTuple):
     """The sequences of a packed or cached call: the (B, 6) int32 table on q's device, the grid's
     lengths (max_kv_len < 0: the table's longest key range) and a paged cache's block table."""
+
     table: torch.Tensor
     max_q_len: int
     max_kv_len: int
     block_table: Optional[torch.Tensor] = None
 
 
-def check_sequences(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, max_q_len: int, max_kv_len: int,
-                    block_table=None) -> None:
+def check_sequences(
+    table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, max_q_len: int, max_kv_len: int, block_table=None
+) -> None:
     """The sequence table's contents against the (B, H, L, D) views and the grid's lengths, read on
     the host: what the entry points check on their own arguments before tracing, checked again when
     an op runs (a compiled call's only check). max_kv_len < 0: not bounded."""
@@ -60,18 +63,23 @@ def check_sequences(table: torch.Tensor, q: torch.Tensor, k: torch.Tensor, max_q
     page_size = k.shape[2]
     for b, (_, q_start, q_len, k_batch, k_start, k_len) in enumerate(rows):
         if q_len < 0 or k_len < 0 or q_start < 0 or k_start < 0 or q_start + q_len > q.shape[2]:
-            raise ValueError(f"{who}: sequence {b} ({rows[b]}) is outside q's {q.shape[2]} rows or has a negative "
-                             "length")
+            raise ValueError(
+                f"{who}: sequence {b} ({rows[b]}) is outside q's {q.shape[2]} rows or has a negative length"
+            )
         if q_len > max_q_len or 0 <= max_kv_len < k_len:
-            raise ValueError(f"{who}: sequence {b} has {q_len} query rows and {k_len} keys, past max_q_len = "
-                             f"{max_q_len} or max_kv_len = {max_kv_len}")
+            raise ValueError(
+                f"{who}: sequence {b} has {q_len} query rows and {k_len} keys, past max_q_len = "
+                f"{max_q_len} or max_kv_len = {max_kv_len}"
+            )
         if pages is None and (not 0 <= k_batch < k.shape[0] or k_start + k_len > k.shape[2]):
             raise ValueError(f"{who}: sequence {b}'s keys ({rows[b]}) are outside k's {tuple(k.shape)} view")
         if pages is not None:
-            used = pages[b][:-(-(k_start + k_len) // page_size)] if k_start + k_len else []
+            used = pages[b][: -(-(k_start + k_len) // page_size)] if k_start + k_len else []
             if k_start + k_len > page_size * len(pages[b]) or any(not 0 <= p < k.shape[0] for p in used):
-                raise ValueError(f"{who}: sequence {b}'s {k_start + k_len} key positions are past its block_table "
-                                 f"row or name a page outside the pool of {k.shape[0]}")
+                raise ValueError(
+                    f"{who}: sequence {b}'s {k_start + k_len} key positions are past its block_table "
+                    f"row or name a page outside the pool of {k.shape[0]}"
+                )
 
 
 def _core_sequences(table, max_q_len: int, max_kv_len: int, block_table=None):
@@ -83,8 +91,21 @@ def _core_sequences(table, max_q_len: int, max_kv_len: int, block_table=None):
     return sequence_args(table, max_q_len, max(max_kv_len, 0), block_table)
 
 
-def _save(ctx, q, k, v, out, lse, mask, options: AttentionOptions, rng_state, table=None, max_q_len=0,
-          max_kv_len=0, block_table=None) -> None:
+def _save(
+    ctx,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    mask,
+    options: AttentionOptions,
+    rng_state,
+    table=None,
+    max_q_len=0,
+    max_kv_len=0,
+    block_table=None,
+) -> None:
     """What the gradients need, the same for _Attention and the ops: the tensors (the options'
     ALiBi slopes and sinks among them) saved for backward, the options' other fields on ctx."""
     alibi, sinks = options.alibi, options.sinks
@@ -110,12 +131,30 @@ def _gradients(ctx, dout, traced: bool):
     options = ctx.options if alibi is None and sinks is None else ctx.options._replace(alibi=alibi, sinks=sinks)
     max_q_len, max_kv_len = ctx.sequence_lengths
     if traced:
-        dq, dk, dv, dsinks = attention_backward(dout, q, k, v, out, lse, mask, options.causal, options.scale,
-                                                _band_list(options.band), options.softcap, alibi, options.dropout_p,
-                                                rng_state, sinks, table, max_q_len, max_kv_len)
+        dq, dk, dv, dsinks = attention_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            mask,
+            options.causal,
+            options.scale,
+            _band_list(options.band),
+            options.softcap,
+            alibi,
+            options.dropout_p,
+            rng_state,
+            sinks,
+            table,
+            max_q_len,
+            max_kv_len,
+        )
         return dq, dk, dv, None if sinks is None else dsinks
-    grads = backward_core(dout, q, k, v, out, lse, mask, options, rng_state,
-                          _core_sequences(table, max_q_len, max_kv_len))
+    grads = backward_core(
+        dout, q, k, v, out, lse, mask, options, rng_state, _core_sequences(table, max_q_len, max_kv_len)
+    )
     return grads[0], grads[1], grads[2], grads[3] if sinks is not None else None
 
 
@@ -132,8 +171,9 @@ class _Attention(torch.autograd.Function):
             _save(ctx, q, k, v, out, lse, mask, options, rng_state)
             return out, lse
         table, max_q, max_kv, block_table = sequences
-        out, lse = forward_core(q, k, v, mask, options, True, seq_major, rng_state,
-                                _core_sequences(table, max_q, max_kv, block_table))
+        out, lse = forward_core(
+            q, k, v, mask, options, True, seq_major, rng_state, _core_sequences(table, max_q, max_kv, block_table)
+        )
         _save(ctx, q, k, v, out, lse, mask, options, rng_state, table, max_q, max_kv, block_table)
         return out, lse
 
@@ -147,8 +187,17 @@ def _is_traced() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def attention_through_torch(q, k, v, attn_mask, options: AttentionOptions, return_lse: bool, seq_major=False,
-                            rng_state=None, sequences: Optional[Sequences] = None):
+def attention_through_torch(
+    q,
+    k,
+    v,
+    attn_mask,
+    options: AttentionOptions,
+    return_lse: bool,
+    seq_major=False,
+    rng_state=None,
+    sequences: Optional[Sequences] = None,
+):
     """Attention for calls that need autograd or are being traced (torch.compile, export, make_fx,
     fake tensors): traced calls record the attention_forward op, eager ones run _Attention.
     options: the call's checked AttentionOptions (scale resolved, the (B, Hq) ALiBi view, float32
@@ -159,8 +208,23 @@ def attention_through_torch(q, k, v, attn_mask, options: AttentionOptions, retur
             check_call(q, k, v, options.causal, options.scale, attn_mask)
         table, max_q, max_kv, block_table = (None, 0, 0, None) if sequences is None else sequences
         out, lse = torch.ops.flashattn_mps.attention_forward(
-            q, k, v, attn_mask, options.causal, options.scale, _band_list(options.band), seq_major, options.softcap,
-            options.alibi, options.dropout_p, rng_state, options.sinks, table, max_q, max_kv, block_table,
+            q,
+            k,
+            v,
+            attn_mask,
+            options.causal,
+            options.scale,
+            _band_list(options.band),
+            seq_major,
+            options.softcap,
+            options.alibi,
+            options.dropout_p,
+            rng_state,
+            options.sinks,
+            table,
+            max_q,
+            max_kv,
+            block_table,
             options.num_splits,
         )
     else:
@@ -171,15 +235,30 @@ def attention_through_torch(q, k, v, attn_mask, options: AttentionOptions, retur
     return (out, lse) if return_lse else out
 
 
-def attention_probabilities(q, k, v, out, lse, options: AttentionOptions, rng_state=None,
-                            sequences: Optional[Sequences] = None) -> torch.Tensor:
+def attention_probabilities(
+    q, k, v, out, lse, options: AttentionOptions, rng_state=None, sequences: Optional[Sequences] = None
+) -> torch.Tensor:
     """return_attn_probs' probabilities of the call that returned out and lse (detached): the
     attention_probs op when traced, else _core.probs_core. options: the call's, checked."""
     table, max_q, max_kv, _ = (None, 0, 0, None) if sequences is None else sequences
     if _is_traced():
-        return torch.ops.flashattn_mps.attention_probs(q, k, v, out, lse, options.causal, options.scale,
-                                                       _band_list(options.band), options.softcap, options.alibi,
-                                                       options.dropout_p, rng_state, table, max_q, max_kv)
+        return torch.ops.flashattn_mps.attention_probs(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            options.causal,
+            options.scale,
+            _band_list(options.band),
+            options.softcap,
+            options.alibi,
+            options.dropout_p,
+            rng_state,
+            table,
+            max_q,
+            max_kv,
+        )
     return probs_core(q, k, v, out, lse, None, options, rng_state, _core_sequences(table, max_q, max_kv))
 
 
@@ -190,13 +269,31 @@ def _op_alibi(slopes, q, table):
     return alibi_view(slopes, table.shape[0], q.shape[1], q.device, "flash_attention")
 
 
-def _op_options(q, causal: bool, scale: float, band, softcap: float, alibi_slopes, dropout_p: float, sinks, table,
-                num_splits: int = 0) -> AttentionOptions:
+def _op_options(
+    q,
+    causal: bool,
+    scale: float,
+    band,
+    softcap: float,
+    alibi_slopes,
+    dropout_p: float,
+    sinks,
+    table,
+    num_splits: int = 0,
+) -> AttentionOptions:
     """The AttentionOptions of an op's flat arguments, its ALiBi slopes and sinks checked (the op
     may be called with anything)."""
-    return AttentionOptions(scale, causal, None if band is None else tuple(band), softcap,
-                            None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table),
-                            None if sinks is None else check_sinks(sinks, q), dropout_p, _C.KERNEL_AUTO, num_splits)
+    return AttentionOptions(
+        scale,
+        causal,
+        None if band is None else tuple(band),
+        softcap,
+        None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table),
+        None if sinks is None else check_sinks(sinks, q),
+        dropout_p,
+        _C.KERNEL_AUTO,
+        num_splits,
+    )
 
 
 def _band_list(band) -> Optional[list[int]]:
@@ -229,13 +326,40 @@ def attention_forward(
     options = _op_options(q, causal, scale, band, softcap, alibi_slopes, dropout_p, sinks, sequences, num_splits)
     if sequences is not None:
         check_sequences(sequences, q, k, max_q_len, max_kv_len, block_table)
-    return forward_core(q, k, v, mask, options, True, seq_major, rng_state,
-                        _core_sequences(sequences, max_q_len, max_kv_len, block_table))
+    return forward_core(
+        q,
+        k,
+        v,
+        mask,
+        options,
+        True,
+        seq_major,
+        rng_state,
+        _core_sequences(sequences, max_q_len, max_kv_len, block_table),
+    )
 
 
 @attention_forward.register_fake
-def _(q, k, v, attn_mask, causal, scale, band=None, seq_major=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-      rng_state=None, sinks=None, sequences=None, max_q_len=0, max_kv_len=0, block_table=None, num_splits=0):
+def _(
+    q,
+    k,
+    v,
+    attn_mask,
+    causal,
+    scale,
+    band=None,
+    seq_major=False,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    rng_state=None,
+    sinks=None,
+    sequences=None,
+    max_q_len=0,
+    max_kv_len=0,
+    block_table=None,
+    num_splits=0,
+):
     if seq_major:
         out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
     else:
@@ -267,8 +391,9 @@ def attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
     options = _op_options(q, causal, scale, band, softcap, alibi_slopes, dropout_p, sinks, sequences)
-    grads = backward_core(dout, q, k, v, out, lse, mask, options, rng_state,
-                          _core_sequences(sequences, max_q_len, max_kv_len))
+    grads = backward_core(
+        dout, q, k, v, out, lse, mask, options, rng_state, _core_sequences(sequences, max_q_len, max_kv_len)
+    )
     return (*grads, _no_sink_gradient(q)) if sinks is None else grads
 
 
@@ -278,8 +403,26 @@ def _no_sink_gradient(q: torch.Tensor) -> torch.Tensor:
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-      rng_state=None, sinks=None, sequences=None, max_q_len=0, max_kv_len=0):
+def _(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    attn_mask,
+    causal,
+    scale,
+    band=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    rng_state=None,
+    sinks=None,
+    sequences=None,
+    max_q_len=0,
+    max_kv_len=0,
+):
     dsinks = _no_sink_gradient(q) if sinks is None else q.new_empty(sinks.shape, dtype=torch.float32)
     if sequences is not None:  # zeros_like in the op: q's strides
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
@@ -287,11 +430,30 @@ def _(dout, q, k, v, out, lse, attn_mask, causal, scale, band=None, softcap=0.0,
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (q, k, v, attn_mask, causal, scale, band, _seq_major, softcap, alibi_slopes, dropout_p, rng_state, sinks,
-     sequences, max_q_len, max_kv_len, block_table, _num_splits) = inputs
+    (
+        q,
+        k,
+        v,
+        attn_mask,
+        causal,
+        scale,
+        band,
+        _seq_major,
+        softcap,
+        alibi_slopes,
+        dropout_p,
+        rng_state,
+        sinks,
+        sequences,
+        max_q_len,
+        max_kv_len,
+        block_table,
+        _num_splits,
+    ) = inputs
     out, lse = output  # the options as the op got them: attention_backward checks the slopes and sinks again
-    options = AttentionOptions(scale, causal, None if band is None else tuple(band), softcap, alibi_slopes, sinks,
-                               dropout_p)
+    options = AttentionOptions(
+        scale, causal, None if band is None else tuple(band), softcap, alibi_slopes, sinks, dropout_p
+    )
     _save(ctx, q, k, v, out, lse, attn_mask, options, rng_state, sequences, max_q_len, max_kv_len, block_table)
 
 
@@ -328,8 +490,23 @@ def attention_probs(
 
 
 @attention_probs.register_fake
-def _(q, k, v, out, lse, causal, scale, band=None, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
-      sequences=None, max_q_len=0, max_kv_len=0):
+def _(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    causal,
+    scale,
+    band=None,
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    rng_state=None,
+    sequences=None,
+    max_q_len=0,
+    max_kv_len=0,
+):
     if sequences is not None:
         return q.new_empty((sequences.shape[0], q.shape[-3], max_q_len, max_kv_len), dtype=torch.float32)
     return q.new_empty((*q.shape[:-1], k.shape[-2]), dtype=torch.float32)

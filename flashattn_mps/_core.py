@@ -10,6 +10,7 @@ or None, and `options` is the tuple `AttentionOptions.core` (or `_options.core_o
 write_probs, max_q_len, max_kv_len, unbatched). Above them: forward_core, backward_core and
 probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
 value, they turn into that tuple, and run it; every entry point ends in one of them."""
+
 from __future__ import annotations
 
 import torch
@@ -129,8 +130,16 @@ def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_sta
     """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
     checked (an AttentionOptions); sequences: sequence_args' tuple or None."""
     device = device_code(q)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi,
-               "rng_state": _rng_words(rng_state), "sinks": options.sinks}
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "lse": lse,
+        "alibi_slopes": options.alibi,
+        "rng_state": _rng_words(rng_state),
+        "sinks": options.sinks,
+    }
     max_q, max_kv = _sequence_slots(tensors, sequences)
     forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
 
@@ -138,15 +147,26 @@ def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_sta
 def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> dict:
     """What run_forward with these arguments would launch, as explain_plan shows it, without
     running (the planner reads shapes, strides and options, never an element)."""
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi,
-               "rng_state": _rng_words(rng_state), "sinks": options.sinks}
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "lse": lse,
+        "alibi_slopes": options.alibi,
+        "rng_state": _rng_words(rng_state),
+        "sinks": options.sinks,
+    }
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    return explained(plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors,
-                                  options.core(False, max_q, max_kv)), q.device)
+    return explained(
+        plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options.core(False, max_q, max_kv)),
+        q.device,
+    )
 
 
-def forward_core(q, k, v, mask, options: AttentionOptions, with_lse: bool, seq_major=False, rng_state=None,
-                 sequences=None):
+def forward_core(
+    q, k, v, mask, options: AttentionOptions, with_lse: bool, seq_major=False, rng_state=None, sequences=None
+):
     """Runs the forward on tensors whose options are checked (options: the call's AttentionOptions,
     with the (B, Hq) ALiBi view and float32 sinks) and whose mask (or None) is the (B, Hq, L, S)
     view: returns out and lse (None unless with_lse). Every path ends here. rng_state: dropout's
@@ -178,8 +198,17 @@ def forward_core(q, k, v, mask, options: AttentionOptions, with_lse: bool, seq_m
     lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
     if not _sources.registered:
         _sources.ensure_registered()
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": alibi,
-               "rng_state": None if rng_state is None else _rng_words(rng_state), "sinks": sinks}
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "lse": lse,
+        "mask": mask,
+        "alibi_slopes": alibi,
+        "rng_state": None if rng_state is None else _rng_words(rng_state),
+        "sinks": sinks,
+    }
     max_q = max_kv = 0
     if sequences is not None:
         max_q, max_kv = _sequence_slots(tensors, sequences)
@@ -211,12 +240,31 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
     # Each row's term of the sinks' gradient (B, Hq, L), summed below over batch and rows, deterministically.
     sinks = options.sinks
     sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "delta": delta, "dq": dq, "dk": dk,
-               "dv": dv, "mask": mask, "alibi_slopes": options.alibi, "rng_state": _rng_words(rng_state),
-               "sinks": sinks, "sink_grad": sink_grad}
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "lse": lse,
+        "dout": dout,
+        "delta": delta,
+        "dq": dq,
+        "dk": dk,
+        "dv": dv,
+        "mask": mask,
+        "alibi_slopes": options.alibi,
+        "rng_state": _rng_words(rng_state),
+        "sinks": sinks,
+        "sink_grad": sink_grad,
+    }
     max_q, max_kv = _sequence_slots(tensors, sequences)
-    backward(device, tensors, options._replace(kernel=_C.KERNEL_AUTO, num_splits=0).core(
-        max_q_len=max_q, max_kv_len=max_kv, unbatched=q.dim() == 3))
+    backward(
+        device,
+        tensors,
+        options._replace(kernel=_C.KERNEL_AUTO, num_splits=0).core(
+            max_q_len=max_q, max_kv_len=max_kv, unbatched=q.dim() == 3
+        ),
+    )
     if sinks is None:
         return dq, dk, dv
     if sequences is not None:  # rows past the last sequence hold no term
@@ -233,10 +281,21 @@ def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_stat
     pass reads no sinks (the lse includes them) and runs the simple kernel whatever options.kernel."""
     if rng_state is None:  # no dropout: every probability is kept whatever the words
         rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
-    shape = (*q.shape[:-1], k.shape[-2]) if sequences is None else \
-        (sequences[0].shape[0], q.shape[-3], sequences[2], sequences[3])
-    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask, "alibi_slopes": options.alibi,
-               "rng_state": _rng_words(rng_state)}
+    shape = (
+        (*q.shape[:-1], k.shape[-2])
+        if sequences is None
+        else (sequences[0].shape[0], q.shape[-3], sequences[2], sequences[3])
+    )
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "out": out,
+        "lse": lse,
+        "mask": mask,
+        "alibi_slopes": options.alibi,
+        "rng_state": _rng_words(rng_state),
+    }
     max_q, max_kv = _sequence_slots(tensors, sequences)
     core = options._replace(kernel=_C.KERNEL_SIMPLE, num_splits=0).core(True, max_q, max_kv, q.dim() == 3)
     return tensors, core, shape

@@ -4,6 +4,7 @@ flash-attn's layout is (batch, seqlen, heads, headdim); it is viewed as (B, H, L
 (no copy: the kernels read any strides) and the output is written straight into a new contiguous
 (B, L, H, Dv) tensor. Its causal mask and windows are bottom-right aligned: query i's diagonal key
 is i + S - L."""
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,21 @@ from ._core import dropout_rng_state
 from ._options import check_bool, check_common, check_dropout, given
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    *,
+    sinks=None,
+):
     """flash-attn 2's flash_attn_func: attention of q (B, L, H, D) over k, v (B, S, Hkv, D) and
     (B, S, Hkv, Dv); Hq a multiple of Hkv (MQA/GQA: query head h reads kv head h // (Hq // Hkv)).
 
@@ -65,8 +79,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                 f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    options = attention_options(qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, band, softcap, alibi_slopes,
-                                dropout_p, sinks)
+    options = attention_options(
+        qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, band, softcap, alibi_slopes, dropout_p, sinks
+    )
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     result = attend_with(qh, kh, vh, None, options, return_attn_probs, True, rng_state)
     if not return_attn_probs:

@@ -17,6 +17,7 @@ with indexed stores torch.compile understands, the sequence table is built with 
 attention is the flashattn_mps::attention_forward op (which reads the table's longest key range
 itself), and the checks that would read the lengths, the block table or the rotary positions on the
 host are skipped."""
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -53,14 +54,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: to
     else:  # GPT-NeoX: pairs (i, i + half)
         x1, x2 = rot[..., :half], rot[..., half:]
         rotated = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
-    return torch.cat([rotated.to(x.dtype), x[..., 2 * half:]], dim=-1)
+    return torch.cat([rotated.to(x.dtype), x[..., 2 * half :]], dim=-1)
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            sinks=None):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    sinks=None,
+):
     """flash-attn 2's flash_attn_with_kvcache.
 
     Args, as flash-attn's:
@@ -94,15 +113,41 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Returns out (batch, seqlen_q, nheads, headdim_v) (and the lse). Not differentiable, as
     flash-attn's. explain_kvcache_plan, given the same arguments, shows what it launches.
     """
-    call = _check_cache_call("flash_attn_with_kvcache", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                             cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                             sinks)
+    call = _check_cache_call(
+        "flash_attn_with_kvcache",
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+        return_softmax_lse,
+        sinks,
+    )
     q = _update_cache(call)
     if _is_traced():  # the attention op (no gradient, as flash-attn's)
         views = [t.detach().transpose(1, 2) for t in (q, call.k_cache, call.v_cache)]
-        out, lse = attention_through_torch(*views, None, call.options, True, True, None,
-                                           Sequences(call.table, q.shape[1], call.max_keys, call.block_table))
+        out, lse = attention_through_torch(
+            *views,
+            None,
+            call.options,
+            True,
+            True,
+            None,
+            Sequences(call.table, q.shape[1], call.max_keys, call.block_table),
+        )
         out = out.transpose(1, 2)
     else:
         args, out, lse = _attention_arguments(call, q)
@@ -110,10 +155,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return (out, _flash_attn_lse(lse)) if return_softmax_lse else out
 
 
-def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                         cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                         window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                         return_softmax_lse=False, *, sinks=None) -> dict:
+def explain_kvcache_plan(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    sinks=None,
+) -> dict:
     """What `flash_attn_with_kvcache` with exactly these arguments would launch, without running it:
     its checks (the same host reads of the length and block tables), and nothing written: the cache
     is not appended to, q is not rotated (the kernels would read the rotation's new contiguous q,
@@ -123,10 +187,29 @@ def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
     (and "metal_stream" on MPS), the dispatches in launch order: the sequence table's kernel
     (fa_sequence_table_*), then the attention kernel (fa_decode_* for seqlen_q <= 8, paged or not,
     followed by fa_decode_merge_* when split_count > 1; else the prefill fa_forward_*)."""
-    call = _check_cache_call("explain_kvcache_plan", q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
-                             cache_seqlens, cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
-                             window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                             sinks)
+    call = _check_cache_call(
+        "explain_kvcache_plan",
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+        return_softmax_lse,
+        sinks,
+    )
     rotated = q if call.rotary is None else torch.empty_like(q, memory_format=torch.contiguous_format)
     args, _, _ = _attention_arguments(call, rotated)
     return plan_run(*args)
@@ -134,25 +217,46 @@ def explain_kvcache_plan(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, r
 
 class _CacheCall(NamedTuple):
     """A flash_attn_with_kvcache call after its checks, before it touches anything."""
+
     q: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     k: Optional[torch.Tensor]
     v: Optional[torch.Tensor]
     rotary: Optional[tuple]  # (cos, sin, interleaved, steps of q's rows) or None
-    starts: torch.Tensor     # (batch,) int64: each sequence's cache position of its first new key
-    rows: torch.Tensor       # (batch,) int32: the cache row of each batch entry (unpaged)
-    page_size: int           # with a block table, else 0
+    starts: torch.Tensor  # (batch,) int64: each sequence's cache position of its first new key
+    rows: torch.Tensor  # (batch,) int32: the cache row of each batch entry (unpaged)
+    page_size: int  # with a block table, else 0
     block_table: Optional[torch.Tensor]
-    table: torch.Tensor      # the (batch, 6) int32 sequence table on q's device
-    max_keys: int            # the longest key range; -1 when traced (the op reads it from the table)
+    table: torch.Tensor  # the (batch, 6) int32 sequence table on q's device
+    max_keys: int  # the longest key range; -1 when traced (the op reads it from the table)
     options: AttentionOptions
     return_softmax_lse: bool
 
 
-def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                      cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
-                      alibi_slopes, num_splits, return_softmax_lse, sinks) -> _CacheCall:
+def _check_cache_call(
+    who,
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+    sinks,
+) -> _CacheCall:
     """flash_attn_with_kvcache's checks (explain_kvcache_plan's too), every one before the cache is
     written; the host reads of the small length and block tables are the function's own."""
     band, softcap = check_common(who, causal, window_size, softcap, False)
@@ -167,8 +271,9 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
         if t.dim() != 4:
             raise ValueError(f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}")
         if t.device != q.device or t.dtype != q.dtype:
-            raise TypeError(f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got "
-                            f"{t.dtype}, {t.device}")
+            raise TypeError(
+                f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
+            )
     if (k is None) != (v is None):
         raise ValueError(f"{who}: k and v must be given together")
     batch, seqlen_q = q.shape[0], q.shape[1]
@@ -178,13 +283,18 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     if paged:  # k_cache is the pool (pages, page_size, nheads_k, headdim)
         if cache_batch_idx is not None:
             raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
-        pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who,
-                                            ("k_cache", "v_cache"))
+        pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who, ("k_cache", "v_cache"))
         cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
-    if k is not None and (k.shape[0] != batch or v.shape[:2] != k.shape[:2] or k.shape[2:] != k_cache.shape[2:]
-                          or v.shape[2:] != v_cache.shape[2:]):
-        raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, seqlen_new) rows of "
-                         f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} for q {tuple(q.shape)}")
+    if k is not None and (
+        k.shape[0] != batch
+        or v.shape[:2] != k.shape[:2]
+        or k.shape[2:] != k_cache.shape[2:]
+        or v.shape[2:] != v_cache.shape[2:]
+    ):
+        raise ValueError(
+            f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, seqlen_new) rows of "
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} for q {tuple(q.shape)}"
+        )
 
     # The lengths as (batch,) tensors on q's device: the table and the cache's update are torch ops.
     device = q.device
@@ -211,14 +321,18 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
             if pages is not None and 0 <= lengths[b] <= cache_len - new:
                 check_pages_used(pages, b, lengths[b] + new, page_size, pool, who)
             if not 0 <= row_list[b] < cache_batch:
-                raise ValueError(f"{who}: cache_batch_idx[{b}] = {row_list[b]} is outside the cache's {cache_batch} "
-                                 "rows")
+                raise ValueError(
+                    f"{who}: cache_batch_idx[{b}] = {row_list[b]} is outside the cache's {cache_batch} rows"
+                )
             if not 0 <= lengths[b] <= cache_len - new:
-                raise ValueError(f"{who}: cache_seqlens[{b}] = {lengths[b]} with {new} new keys is past the cache's "
-                                 f"{cache_len} positions")
+                raise ValueError(
+                    f"{who}: cache_seqlens[{b}] = {lengths[b]} with {new} new keys is past the cache's "
+                    f"{cache_len} positions"
+                )
             if not 0 <= pads[b] <= lengths[b]:
-                raise ValueError(f"{who}: cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = "
-                                 f"{lengths[b]}]")
+                raise ValueError(
+                    f"{who}: cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {lengths[b]}]"
+                )
         max_keys = max([lengths[b] + new - pads[b] for b in range(batch)], default=0)
 
     rotary = None
@@ -226,25 +340,52 @@ def _check_cache_call(who, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
         if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)):
             raise TypeError(f"{who}: rotary_cos and rotary_sin must be given together as tensors")
         if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape or 2 * rotary_cos.shape[1] > q.shape[3]:
-            raise ValueError(f"{who}: rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim "
-                             f"<= headdim {q.shape[3]}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+            raise ValueError(
+                f"{who}: rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim "
+                f"<= headdim {q.shape[3]}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}"
+            )
         reach = None if lengths is None else max(lengths, default=0) + max(new, seqlen_q if rotates_rows else 1)
         if batch and reach is not None and reach > rotary_cos.shape[0]:
             raise ValueError(f"{who}: rotary_cos has {rotary_cos.shape[0]} positions, the rotated rows reach {reach}")
-        steps = torch.arange(seqlen_q, device=device) if rotates_rows else \
-            torch.zeros(seqlen_q, dtype=torch.int64, device=device)
+        steps = (
+            torch.arange(seqlen_q, device=device)
+            if rotates_rows
+            else torch.zeros(seqlen_q, dtype=torch.int64, device=device)
+        )
         rotary = (rotary_cos, rotary_sin, rotary_interleaved, steps)
 
     # One row per sequence (metal/fa_sequence.h): q batch, first q row, q rows, k batch, first key, keys.
     zeros = torch.zeros(batch, dtype=torch.int32, device=device)
-    table = torch.stack([torch.arange(batch, dtype=torch.int32, device=device), zeros, zeros + seqlen_q,
-                         zeros if paged else rows.int(), leftpad.int(), keys.int()], dim=1).contiguous()
+    table = torch.stack(
+        [
+            torch.arange(batch, dtype=torch.int32, device=device),
+            zeros,
+            zeros + seqlen_q,
+            zeros if paged else rows.int(),
+            leftpad.int(),
+            keys.int(),
+        ],
+        dim=1,
+    ).contiguous()
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = alibi_view(alibi_slopes, batch, q.shape[2], device, who)
     sinks = None if sinks is None else check_sinks(sinks, q.transpose(1, 2), who).detach()
-    return _CacheCall(q, k_cache, v_cache, k, v, rotary, starts, rows, page_size if paged else 0, block_table,
-                      table, max_keys, AttentionOptions(scale, causal, band, softcap, alibi, sinks, 0.0,
-                                                        num_splits=num_splits), return_softmax_lse)
+    return _CacheCall(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary,
+        starts,
+        rows,
+        page_size if paged else 0,
+        block_table,
+        table,
+        max_keys,
+        AttentionOptions(scale, causal, band, softcap, alibi, sinks, 0.0, num_splits=num_splits),
+        return_softmax_lse,
+    )
 
 
 def _update_cache(call: _CacheCall) -> torch.Tensor:
@@ -273,8 +414,11 @@ def _attention_arguments(call: _CacheCall, q: torch.Tensor):
     the out and lse (or None) they fill."""
     batch, seqlen_q = q.shape[0], q.shape[1]
     out = q.new_empty((batch, seqlen_q, q.shape[2], call.v_cache.shape[3]))
-    lse = torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device) \
-        if call.return_softmax_lse else None
+    lse = (
+        torch.empty((batch, q.shape[2], seqlen_q), dtype=torch.float32, device=q.device)
+        if call.return_softmax_lse
+        else None
+    )
     views = [t.transpose(1, 2) for t in (q, call.k_cache, call.v_cache, out)]
     args = (*views, lse, call.options, sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
     return args, out, lse

@@ -19,6 +19,7 @@ Environment variables (read once, at the first MPS call):
 - FLASHATTN_MPS_NO_BUFFER_CHECK=1: skip the test that each MPS storage handle is an
   id<MTLBuffer> (malloc_size, conformsToProtocol); lengths and devices are still checked.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,12 +61,12 @@ def torch_version_tuple(version: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Decision:
-    requested: int      # the mode this torch and environment call for
-    mode: int           # the mode in effect (the backend's answer)
+    requested: int  # the mode this torch and environment call for
+    mode: int  # the mode in effect (the backend's answer)
     debug: bool
     check_buffers: bool
-    reason: str         # why `requested`
-    missing: tuple      # torch symbols not found (mangled names)
+    reason: str  # why `requested`
+    missing: tuple  # torch symbols not found (mangled names)
 
     def describe(self) -> str:
         text = f"Metal stream mode: {MODE_NAMES[self.mode]} ({self.reason}"

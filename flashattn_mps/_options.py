@@ -5,6 +5,7 @@ flash_attn_with_kvcache and the explain functions) checks its arguments with the
 wrong argument gets the same message whichever function it was given to (`who` names the
 function). `AttentionOptions` holds the result; `AttentionOptions.core` turns it into the C
 binding's options tuple (flashattn_mps._core)."""
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,11 @@ _DTYPE_CODES = {
 }
 
 
-_DESCRIPTOR_DTYPES = {**_DTYPE_CODES, torch.bool: _C.DTYPE_BOOL,  # bool only for masks
-                      torch.int32: _C.DTYPE_INT32}  # int32 only for sequence tables (_varlen.py)
+_DESCRIPTOR_DTYPES = {
+    **_DTYPE_CODES,
+    torch.bool: _C.DTYPE_BOOL,  # bool only for masks
+    torch.int32: _C.DTYPE_INT32,
+}  # int32 only for sequence tables (_varlen.py)
 _C.set_tensor_dtypes(_DESCRIPTOR_DTYPES)
 
 
@@ -42,13 +46,13 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def type_name(value) -> str:
-    """"str", "numpy.bool", "list": the type as a user would write it."""
+    """ "str", "numpy.bool", "list": the type as a user would write it."""
     kind = type(value)
     return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def given(value) -> str:
-    """"numpy.bool True", "str '0.5'", "list []": what a caller passed, for messages."""
+    """ "numpy.bool True", "str '0.5'", "list []": what a caller passed, for messages."""
     shown = repr(value) if isinstance(value, str) else str(value)
     return f"{type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
@@ -68,9 +72,7 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _DTYPE_CODES:
-            raise TypeError(
-                f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16"
-            )
+            raise TypeError(f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
@@ -78,6 +80,7 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
             "flash_attention: q, k, v must all be 4-D (B, H, L, E) or all 3-D (H, L, E), got "
             f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
         )
+
     def shapes():  # only for messages: torch.compile cannot trace str() of symbolic shapes
         return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
 
@@ -117,8 +120,11 @@ def check_causal_and_scale(causal, scale) -> float:
 
 def check_window(window_size, who: str) -> tuple:
     """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
-    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2
-            and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+    if not (
+        isinstance(window_size, (tuple, list))
+        and len(window_size) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
+    ):
         raise TypeError(f"{who}: window_size must be a pair of ints (left, right), got {given(window_size)}")
     left, right = window_size
     if left < -1 or right < -1:
@@ -145,8 +151,7 @@ def alibi_view(slopes, batch: int, heads: int, device, who: str):
         )
     if slopes.shape not in ((heads,), (batch, heads)):
         raise ValueError(
-            f"{who}: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got "
-            f"{tuple(slopes.shape)}"
+            f"{who}: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got {tuple(slopes.shape)}"
         )
     slopes = slopes.detach()
     return _resolved(slopes).expand(batch, heads)
@@ -277,7 +282,6 @@ def scale_value(head_dim: int, scale) -> float:
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 0.0
 
 
-
 def check_int(value, name: str, who: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{who}: {name} must be an int, got {given(value)}")
@@ -324,6 +328,7 @@ class AttentionOptions(NamedTuple):
     (alibi_view); sinks: None or the (Hq,) float32 logits (check_sinks); dropout_p: a float in
     [0, 1]; kernel: a _C.KERNEL_* code; num_splits: the decode kernel's split-K, 0 for the
     planner's choice."""
+
     scale: float
     causal: bool
     band: Optional[tuple] = None
@@ -334,22 +339,69 @@ class AttentionOptions(NamedTuple):
     kernel: int = _C.KERNEL_AUTO
     num_splits: int = 0
 
-    def core(self, write_probs: bool = False, max_q_len: int = 0, max_kv_len: int = 0,
-             unbatched: bool = False) -> tuple:
+    def core(
+        self, write_probs: bool = False, max_q_len: int = 0, max_kv_len: int = 0, unbatched: bool = False
+    ) -> tuple:
         """The C binding's options tuple (_C.OPTION_FIELDS' order, flashattn_mps._core)."""
-        return core_options(self.scale, self.causal, self.band, self.softcap, self.dropout_p, self.kernel,
-                            self.num_splits, write_probs, max_q_len, max_kv_len, unbatched)
+        return core_options(
+            self.scale,
+            self.causal,
+            self.band,
+            self.softcap,
+            self.dropout_p,
+            self.kernel,
+            self.num_splits,
+            write_probs,
+            max_q_len,
+            max_kv_len,
+            unbatched,
+        )
 
 
-def core_options(scale: float, causal: bool, band=None, softcap: float = 0.0, dropout_p: float = 0.0,
-                 kernel: int = _C.KERNEL_AUTO, num_splits: int = 0, write_probs: bool = False, max_q_len: int = 0,
-                 max_kv_len: int = 0, unbatched: bool = False) -> tuple:
+def core_options(
+    scale: float,
+    causal: bool,
+    band=None,
+    softcap: float = 0.0,
+    dropout_p: float = 0.0,
+    kernel: int = _C.KERNEL_AUTO,
+    num_splits: int = 0,
+    write_probs: bool = False,
+    max_q_len: int = 0,
+    max_kv_len: int = 0,
+    unbatched: bool = False,
+) -> tuple:
     """The C binding's options tuple: scale, causal, bottom_right, window_left, window_right,
     softcap, dropout_p, kernel, num_splits, write_probs, max_q_len, max_kv_len, unbatched. A band of
     None is no window on SDPA's top-left diagonal (bottom_right False, both sides -1)."""
     if band is None:
-        return (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
-                max_kv_len, unbatched)
-    return (scale, causal, bool(band[0]), band[1], band[2], softcap, dropout_p, kernel, num_splits, write_probs,
-            max_q_len, max_kv_len, unbatched)
-
+        return (
+            scale,
+            causal,
+            False,
+            -1,
+            -1,
+            softcap,
+            dropout_p,
+            kernel,
+            num_splits,
+            write_probs,
+            max_q_len,
+            max_kv_len,
+            unbatched,
+        )
+    return (
+        scale,
+        causal,
+        bool(band[0]),
+        band[1],
+        band[2],
+        softcap,
+        dropout_p,
+        kernel,
+        num_splits,
+        write_probs,
+        max_q_len,
+        max_kv_len,
+        unbatched,
+    )

@@ -1,5 +1,6 @@
 """The SDPA drop-in: torch's signature and semantics, our kernels where they apply, torch's own
 SDPA (visibly) where they do not, and patch()/unpatch() to switch a whole model over."""
+
 from __future__ import annotations
 
 import functools
@@ -58,8 +59,15 @@ def _float_argument(x):
         return float(np.real(x))
     if isinstance(x, (float, int)):  # bool included
         return float(x)
-    if (isinstance(x, torch.Tensor) and type(x) is torch.Tensor and x.dim() == 0 and not x.requires_grad
-            and not x.is_complex() and x.device.type != "meta" and not torch.compiler.is_compiling()):
+    if (
+        isinstance(x, torch.Tensor)
+        and type(x) is torch.Tensor
+        and x.dim() == 0
+        and not x.requires_grad
+        and not x.is_complex()
+        and x.device.type != "meta"
+        and not torch.compiler.is_compiling()
+    ):
         return float(x.item())
     return _NOT_ACCEPTED
 
@@ -120,8 +128,9 @@ def _autocast(call: _KernelCall) -> tuple:
         eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
         return t.to(dtype) if eligible else t
 
-    return call._replace(query=cast(call.query), key=cast(call.key), value=cast(call.value),
-                         attn_mask=cast(call.attn_mask)), dtype
+    return call._replace(
+        query=cast(call.query), key=cast(call.key), value=cast(call.value), attn_mask=cast(call.attn_mask)
+    ), dtype
 
 
 def _as_4d(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -138,8 +147,9 @@ def _as_4d(t: torch.Tensor) -> Optional[torch.Tensor]:
         return None
 
 
-def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-          allow_cpu=True) -> Route:
+def route(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, allow_cpu=True
+) -> Route:
     """Decide the path without running anything. Invalid calls route to torch, which raises exactly
     what it raises for them."""
     return _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu)[0]
@@ -149,7 +159,9 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     """(Route, _KernelCall for the kernels or None)."""
     scalars = _scalar_arguments(dropout_p, is_causal, scale, enable_gqa)
     if scalars is None:
-        return Route("torch", "dropout_p, is_causal, scale or enable_gqa of a type torch does not accept (torch raises)"), None
+        return Route(
+            "torch", "dropout_p, is_causal, scale or enable_gqa of a type torch does not accept (torch raises)"
+        ), None
     dropout_p, scale = scalars
     tensors = (query, key, value)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
@@ -161,11 +173,17 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
     mask_is_bias = isinstance(attn_mask, CausalBias)
     subclassed = [t for t in (*tensors, None if mask_is_bias else attn_mask) if _overrides_torch_function(t)]
     if subclassed:
-        return Route("torch", f"a {type(subclassed[0]).__name__} argument: tensor subclasses with "
-                              "__torch_function__ decide for themselves"), None
+        return Route(
+            "torch",
+            f"a {type(subclassed[0]).__name__} argument: tensor subclasses with "
+            "__torch_function__ decide for themselves",
+        ), None
     if not _fused_backends_allowed():
-        return Route("torch", "torch.nn.attention.sdpa_kernel excludes FLASH_ATTENTION and EFFICIENT_ATTENTION, "
-                              "the backends the kernels stand in for"), None
+        return Route(
+            "torch",
+            "torch.nn.attention.sdpa_kernel excludes FLASH_ATTENTION and EFFICIENT_ATTENTION, "
+            "the backends the kernels stand in for",
+        ), None
     masking = "attn_mask" if attn_mask is not None else "causal" if is_causal else "no mask"
     if mask_is_bias:
         if is_causal:
@@ -239,8 +257,9 @@ def _kernel_refusal(call: _KernelCall, dropout_p: float, enable_gqa: bool, allow
     return None
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
+def scaled_dot_product_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """`torch.nn.functional.scaled_dot_product_attention` with the same signature, semantics, errors
     and results, computed by flashattn_mps kernels (MPS tensors on Metal, CPU tensors on the CPU
     Metal device) without an L x S matrix; dropout_p > 0 drops probabilities in the kernels
@@ -256,15 +275,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu):
     decision, call = _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu)
-    if is_causal is True and attn_mask is not None and not isinstance(attn_mask, CausalBias) \
-            and _scalar_arguments(dropout_p, is_causal, scale, enable_gqa) is not None:
+    if (
+        is_causal is True
+        and attn_mask is not None
+        and not isinstance(attn_mask, CausalBias)
+        and _scalar_arguments(dropout_p, is_causal, scale, enable_gqa) is not None
+    ):
         # what torch raises on meta and MPS tensors (its CPU kernel lets it pass)
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("scaled_dot_product_attention -> %s", decision)
     if call is None:
-        return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                              scale=scale, enable_gqa=enable_gqa)
+        return _original_sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     return _run_kernel(call)
 
 
@@ -308,8 +339,9 @@ class patch:
     def __init__(self, cpu: bool = False):
         allow_cpu = bool(cpu)
 
-        def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                         scale=None, enable_gqa=False):
+        def scaled_dot_product_attention(
+            query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+        ):
             return _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, allow_cpu)
 
         self.cpu = allow_cpu

@@ -4,6 +4,7 @@ Metal compiles one source string at a time, so every project header a `.metal` f
 `#include "..."` is inlined here, with `#line` directives so compiler messages and runtime
 diagnostics name the original file and line. `#include <...>` (Metal's own headers) is kept.
 """
+
 from __future__ import annotations
 
 import re

@@ -19,6 +19,7 @@ fa_sequence_args), so even unvalidated contents could only cut a sequence short.
 Eager calls without gradients run the core directly; calls that need gradients or are traced go
 through flashattn_mps._autograd (the attention ops and their autograd, shared with every entry
 point)."""
+
 from __future__ import annotations
 
 import math
@@ -76,21 +77,30 @@ def _check_prefix_sums(cu: torch.Tensor, name: str, total, max_len: int, max_nam
     return lengths
 
 
-def check_block_table(block_table, batch: int, k_pool: torch.Tensor, v_pool: torch.Tensor, device, who: str,
-                      names=("k", "v")):
+def check_block_table(
+    block_table, batch: int, k_pool: torch.Tensor, v_pool: torch.Tensor, device, who: str, names=("k", "v")
+):
     """A paged KV cache as flash-attn takes it: k_pool and v_pool (num_blocks, page_block_size,
     nheads_k, headdim[_v]; the caller's `names`) sharing their pages, block_table a (batch,
     max_num_blocks) int32 tensor on `device`. Returns the pool's pages and the page size (no host
     read: block_table_rows reads the table)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
         raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1 \
-            or block_table.device != device:
-        raise ValueError(f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
-                         f"got {tuple(block_table.shape)} on {block_table.device}")
+    if (
+        block_table.dim() != 2
+        or block_table.shape[0] != batch
+        or block_table.shape[1] < 1
+        or block_table.device != device
+    ):
+        raise ValueError(
+            f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
+            f"got {tuple(block_table.shape)} on {block_table.device}"
+        )
     if v_pool.shape[:2] != k_pool.shape[:2]:
-        raise ValueError(f"{who}: the paged {names[0]} {tuple(k_pool.shape)} and {names[1]} {tuple(v_pool.shape)} "
-                         "must share their pages (num_blocks, page_block_size)")
+        raise ValueError(
+            f"{who}: the paged {names[0]} {tuple(k_pool.shape)} and {names[1]} {tuple(v_pool.shape)} "
+            "must share their pages (num_blocks, page_block_size)"
+        )
     return k_pool.shape[0], k_pool.shape[1]
 
 
@@ -102,7 +112,7 @@ def block_table_rows(block_table: torch.Tensor) -> list:
 def check_pages_used(pages: list, b: int, keys: int, page_size: int, pool: int, who: str) -> None:
     """The pages sequence b's first `keys` positions live in (row b of the block table) are
     inside the pool."""
-    bad = [page for page in pages[b][:-(-keys // page_size)] if not 0 <= page < pool]
+    bad = [page for page in pages[b][: -(-keys // page_size)] if not 0 <= page < pool]
     if bad:
         raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
 
@@ -112,9 +122,26 @@ def packed_view(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).unsqueeze(0)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    sinks=None,
+):
     """flash-attn 2's flash_attn_varlen_func: attention within each of `batch` packed sequences.
 
     Args, as flash-attn's:
@@ -159,9 +186,26 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence). Not with block_table. explain_varlen_plan, given the same arguments, shows what it
     launches.
     """
-    call = _check_varlen("flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                         return_attn_probs, block_table, sinks)
+    call = _check_varlen(
+        "flash_attn_varlen_func",
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        block_table,
+        sinks,
+    )
     if call.paged is not None:
         return _paged_attention(call, "flash_attn_varlen_func")
     return packed_attention(*call[:7], call.options, call.return_attn_probs)
@@ -169,12 +213,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 class PagedKeys(NamedTuple):
     """A varlen call's paged KV cache: the block table and the positions a table row holds."""
+
     block_table: torch.Tensor
     capacity: int
 
 
 class _VarlenCall(NamedTuple):
     """A flash_attn_varlen_func call after its checks."""
+
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -187,9 +233,26 @@ class _VarlenCall(NamedTuple):
     paged: Optional[PagedKeys]  # with a block_table: k and v are the pool
 
 
-def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-                  sinks) -> _VarlenCall:
+def _check_varlen(
+    who,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    return_attn_probs,
+    block_table,
+    sinks,
+) -> _VarlenCall:
     """flash_attn_varlen_func's checks (explain_varlen_plan's too), raising as flash-attn does. The
     checks of the tables' contents read them on the host, so traced calls skip them."""
     band, softcap = check_common(who, causal, window_size, softcap, deterministic)
@@ -214,8 +277,9 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     traced = _is_traced()
     if not traced:
         _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
-        key_lengths = _check_prefix_sums(cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k,
-                                         "max_seqlen_k", who)
+        key_lengths = _check_prefix_sums(
+            cu_seqlens_k, "cu_seqlens_k", None if paged else k.shape[0], max_k, "max_seqlen_k", who
+        )
     scale = check_scale(softmax_scale, q.shape[-1], who)
     alibi = alibi_view(alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], q.device, who)
     sinks = None if sinks is None else check_sinks(sinks, q.transpose(0, 1), who)
@@ -227,13 +291,24 @@ def _check_varlen(who, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
             pages = block_table_rows(block_table)
             for b, keys in enumerate(key_lengths):
                 if keys > capacity:
-                    raise ValueError(f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} "
-                                     f"positions of its block_table row ({block_table.shape[1]} pages of {page_size})")
+                    raise ValueError(
+                        f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} "
+                        f"positions of its block_table row ({block_table.shape[1]} pages of {page_size})"
+                    )
                 check_pages_used(pages, b, keys, page_size, pool, who)
         paging = PagedKeys(block_table, capacity)
-    return _VarlenCall(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k,
-                       AttentionOptions(scale, causal, band, softcap, alibi, sinks, dropout_p), return_attn_probs,
-                       paging)
+    return _VarlenCall(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_q,
+        max_k,
+        AttentionOptions(scale, causal, band, softcap, alibi, sinks, dropout_p),
+        return_attn_probs,
+        paging,
+    )
 
 
 def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: bool = False) -> torch.Tensor:
@@ -242,12 +317,14 @@ def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: 
     pages, not at its prefix sum."""
     zeros = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_q.device)
     key_starts = zeros if paged else cu_seqlens_k[:-1]
-    return torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, key_starts, cu_seqlens_k.diff()],
-                       dim=1).contiguous()
+    return torch.stack(
+        [zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, key_starts, cu_seqlens_k.diff()], dim=1
+    ).contiguous()
 
 
-def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, options: AttentionOptions,
-                     return_attn_probs=False):
+def packed_attention(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, options: AttentionOptions, return_attn_probs=False
+):
     """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
     caller; the kernels clamp the table whatever it holds): no host read of the tensors. options:
     the call's checked AttentionOptions (alibi the (batch, H) view or None, sinks a checked (H,)
@@ -260,8 +337,9 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     views = [packed_view(t) for t in (q, k, v)]
     if through_torch:
-        out4, lse = attention_through_torch(*views, None, options, True, True, rng_state,
-                                            Sequences(table, max_q, max_k))
+        out4, lse = attention_through_torch(
+            *views, None, options, True, True, rng_state, Sequences(table, max_q, max_k)
+        )
         out = out4.squeeze(0).transpose(0, 1)  # (total_q, H, Dv), as allocated
     else:
         out = q.new_empty((*q.shape[:2], v.shape[2]))
@@ -271,16 +349,34 @@ def packed_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int
     if not return_attn_probs:
         return out
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
-    probs = attention_probabilities(*(t.detach() for t in (*views, out4)), lse, options, rng_state,
-                                    Sequences(table, max_q, max_k))
+    probs = attention_probabilities(
+        *(t.detach() for t in (*views, out4)), lse, options, rng_state, Sequences(table, max_q, max_k)
+    )
     past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
     return out, _flash_attn_lse(lse[0]).masked_fill(past, math.inf), probs.to(q.dtype)
 
 
-def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                        deterministic=False, return_attn_probs=False, block_table=None, *, sinks=None,
-                        backward=False) -> dict:
+def explain_varlen_plan(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    sinks=None,
+    backward=False,
+) -> dict:
     """What `flash_attn_varlen_func` with exactly these arguments would launch, without running it
     (its checks are the function's own, so a call it refuses is refused here, with the same host
     read of the prefix sums; no other element is read and torch's generator is not drawn from).
@@ -294,15 +390,34 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     delta, dkdv and dq, for a gradient of out laid out as out (a strided one may change the
     dkdv kernel's load path, function constant 3). With a block_table, the forward over the pages
     (forward only: backward=True raises)."""
-    call = _check_varlen("explain_varlen_plan", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                         return_attn_probs, block_table, sinks)
+    call = _check_varlen(
+        "explain_varlen_plan",
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        block_table,
+        sinks,
+    )
     check_bool(backward, "backward", "explain_varlen_plan")
     rng_state = planning_rng_state(q.device)
     if call.paged is not None:
         if backward:
-            raise ValueError("explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
-                             "there is no backward to explain")
+            raise ValueError(
+                "explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
+                "there is no backward to explain"
+            )
         args, _ = _paged_arguments(call)
         return plan_run(*args, rng_state)
     table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
@@ -314,11 +429,24 @@ def explain_varlen_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     alibi, sinks = call.options.alibi, call.options.sinks
     if backward:  # planning reads no element: the gradients only carry shapes and strides
         q4, k4, v4, out4 = views
-        tensors = {"q": q4, "k": k4, "v": v4, "out": out4, "lse": lse, "dout": out4, "delta": torch.empty_like(lse),
-                   "dq": torch.empty_like(q4), "dk": torch.empty_like(k4), "dv": torch.empty_like(v4),
-                   "alibi_slopes": alibi, "rng_state": _rng_words(rng_state), "sinks": sinks,
-                   "sink_grad": None if sinks is None else torch.empty_like(lse), "sequences": table,
-                   "sequence_scratch": sequences[1]}
+        tensors = {
+            "q": q4,
+            "k": k4,
+            "v": v4,
+            "out": out4,
+            "lse": lse,
+            "dout": out4,
+            "delta": torch.empty_like(lse),
+            "dq": torch.empty_like(q4),
+            "dk": torch.empty_like(k4),
+            "dv": torch.empty_like(v4),
+            "alibi_slopes": alibi,
+            "rng_state": _rng_words(rng_state),
+            "sinks": sinks,
+            "sink_grad": None if sinks is None else torch.empty_like(lse),
+            "sequences": table,
+            "sequence_scratch": sequences[1],
+        }
         options = call.options.core(max_q_len=call.max_q, max_kv_len=call.max_k)
         return explained({"dispatches": plan_backward(_device(q), tensors, options)}, q.device)
     plan = plan_run(*views, lse, call.options, sequences, rng_state)
@@ -339,14 +467,19 @@ def _check_paged_views(q, k, v, who: str) -> None:
         raise ValueError(f"{who}: q must be 3-D (total_q, nheads, headdim), got {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{who}: with block_table, {name} must be the 4-D pool (num_blocks, page_block_size, "
-                             f"nheads_k, headdim), got {tuple(t.shape)}")
+            raise ValueError(
+                f"{who}: with block_table, {name} must be the 4-D pool (num_blocks, page_block_size, "
+                f"nheads_k, headdim), got {tuple(t.shape)}"
+            )
         if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, "
-                            f"{t.device}")
+            raise TypeError(
+                f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
+            )
     if k.shape[2] != v.shape[2] or k.shape[3] != q.shape[2]:
-        raise ValueError(f"{who}: the paged k {tuple(k.shape)} and v {tuple(v.shape)} must share nheads_k, and k's "
-                         f"headdim must be q's {tuple(q.shape)}")
+        raise ValueError(
+            f"{who}: the paged k {tuple(k.shape)} and v {tuple(v.shape)} must share nheads_k, and k's "
+            f"headdim must be q's {tuple(q.shape)}"
+        )
 
 
 def _paged_arguments(call: _VarlenCall):
@@ -364,10 +497,13 @@ def _paged_arguments(call: _VarlenCall):
 def _paged_attention(call: _VarlenCall, who: str):
     """flash_attn_varlen_func over a paged KV cache, after its checks: one forward over the
     sequence table, the kernels reading each sequence's keys through the block table."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (call.q, call.k, call.v, call.options.sinks)):
-        raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
-                           "sinks must not require grad (use torch.no_grad() or detach them)")
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.options.sinks)
+    ):
+        raise RuntimeError(
+            f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
+            "sinks must not require grad (use torch.no_grad() or detach them)"
+        )
     rng_state = dropout_rng_state(call.q.device) if call.options.dropout_p > 0.0 else None
     if not _is_traced() and (call.q.is_neg() or call.k.is_neg() or call.v.is_neg()):
         call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
@@ -375,8 +511,15 @@ def _paged_attention(call: _VarlenCall, who: str):
         block_table, capacity = call.paged
         table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k, paged=True)
         views = [packed_view(call.q), call.k.transpose(1, 2), call.v.transpose(1, 2)]
-        out4 = attention_through_torch(*views, None, call.options, False, True, rng_state,
-                                       Sequences(table, call.max_q, min(call.max_k, capacity), block_table))
+        out4 = attention_through_torch(
+            *views,
+            None,
+            call.options,
+            False,
+            True,
+            rng_state,
+            Sequences(table, call.max_q, min(call.max_k, capacity), block_table),
+        )
         return out4.squeeze(0).transpose(0, 1)
     args, out = _paged_arguments(call)
     run_forward(*args, rng_state)

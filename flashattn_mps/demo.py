@@ -5,6 +5,7 @@
 Runs on MPS (Metal) on a Mac with Apple silicon, else on the CPU Metal device, which executes the
 very same Metal kernels on the CPU (its timings are not GPU timings).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,12 +62,16 @@ def main(argv=None) -> int:
     error = (out.cpu().double() - golden).abs().max().item()
     reference_error = (reference.cpu().double() - golden).abs().max().item()
     tolerance = max(1e-5, 5 * reference_error)
-    print(f"max |error| vs float64 SDPA: {error:.3e} (SDPA in {args.dtype}: {reference_error:.3e}; "
-          f"tolerance {tolerance:.3e}) -> {'OK' if error <= tolerance else 'FAIL'}")
+    print(
+        f"max |error| vs float64 SDPA: {error:.3e} (SDPA in {args.dtype}: {reference_error:.3e}; "
+        f"tolerance {tolerance:.3e}) -> {'OK' if error <= tolerance else 'FAIL'}"
+    )
     print(f"time: {elapsed * 1e3:.1f} ms" + ("" if device.type == "mps" else " (CPU Metal device, not a GPU timing)"))
     scores = b * h * n * n * 4
-    print(f"memory: an L x S float32 score matrix would need {_mib(scores)}; "
-          f"flash_attention allocated only its output, {_mib(out.numel() * out.element_size())}")
+    print(
+        f"memory: an L x S float32 score matrix would need {_mib(scores)}; "
+        f"flash_attention allocated only its output, {_mib(out.numel() * out.element_size())}"
+    )
     return 0 if error <= tolerance else 1
 
 

@@ -13,6 +13,7 @@ device)), and a short timing against that SDPA. On MPS the checks run on Metal; 
 run on the CPU Metal device (same kernel sources) and the report says the Metal path was not
 checked. Each line is ok, failed or skipped, with why; the exit code is 1 if anything failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,11 @@ def _run(name: str, probe: Callable[[], Check]) -> Check:
 
 # --- system, versions, Metal --------------------------------------------------------------------
 
+
 def _package_version() -> str:
     try:
         from importlib.metadata import version
+
         return version("flashattn-mps")
     except Exception:  # noqa: BLE001 - a source checkout without metadata
         return "unknown (not installed as a distribution)"
@@ -74,14 +77,24 @@ def system_checks() -> list[Check]:
     return [
         Check("macOS", OK, mac) if mac else Check("macOS", SKIPPED, f"not macOS: {platform.platform()}"),
         Check("chip", OK, _chip()),
-        Check("versions", OK, f"python {platform.python_version()}, torch {torch.__version__}, "
-              f"flashattn_mps {_package_version()}",
-              {"python": platform.python_version(), "torch": torch.__version__, "flashattn_mps": _package_version()}),
-        Check("torch MPS", OK if mps_available else SKIPPED,
-              "available" if mps_available else
-              f"not available (built with MPS: {torch.backends.mps.is_built()}): no Apple GPU for torch"),
-        Check("Metal backend", OK if _C.HAS_METAL_BACKEND else SKIPPED,
-              "built into this extension" if _C.HAS_METAL_BACKEND else "not in this build (only macOS builds have it)"),
+        Check(
+            "versions",
+            OK,
+            f"python {platform.python_version()}, torch {torch.__version__}, flashattn_mps {_package_version()}",
+            {"python": platform.python_version(), "torch": torch.__version__, "flashattn_mps": _package_version()},
+        ),
+        Check(
+            "torch MPS",
+            OK if mps_available else SKIPPED,
+            "available"
+            if mps_available
+            else f"not available (built with MPS: {torch.backends.mps.is_built()}): no Apple GPU for torch",
+        ),
+        Check(
+            "Metal backend",
+            OK if _C.HAS_METAL_BACKEND else SKIPPED,
+            "built into this extension" if _C.HAS_METAL_BACKEND else "not in this build (only macOS builds have it)",
+        ),
     ]
 
 
@@ -91,8 +104,10 @@ def _describe_language(info: dict) -> str:
     if info["math_mode"] >= 0:
         modes = {0: "safe", 1: "relaxed", 2: "fast"}
         functions = {0: "fast", 1: "precise"}
-        math = (f"mathMode {modes.get(info['math_mode'], info['math_mode'])}, FP32 functions "
-                f"{functions.get(info['math_fp32_functions'], info['math_fp32_functions'])}")
+        math = (
+            f"mathMode {modes.get(info['math_mode'], info['math_mode'])}, FP32 functions "
+            f"{functions.get(info['math_fp32_functions'], info['math_fp32_functions'])}"
+        )
     else:
         math = f"fastMathEnabled {'YES' if info['fast_math'] else 'NO'}"
     return f"{language}, {math}"
@@ -101,8 +116,13 @@ def _describe_language(info: dict) -> str:
 def metal_checks() -> list[Check]:
     """The Metal facts; only where torch has MPS and this build has the backend."""
     if not (torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND):
-        return [Check("Metal path", SKIPPED, "not checked: needs torch MPS and a macOS build; the parity checks "
-                      "below ran on the CPU Metal device")]
+        return [
+            Check(
+                "Metal path",
+                SKIPPED,
+                "not checked: needs torch MPS and a macOS build; the parity checks below ran on the CPU Metal device",
+            )
+        ]
     checks = []
     decision = _metal_mode.current()
 
@@ -113,32 +133,48 @@ def metal_checks() -> list[Check]:
     def symbols() -> Check:
         found = _C.metal_torch_symbols()
         missing = [name for name, ok in found.items() if not ok]
-        return Check("torch symbols", OK if not missing else SKIPPED,
-                     f"all {len(found)} found" if not missing else f"not found: {', '.join(missing)}", found)
+        return Check(
+            "torch symbols",
+            OK if not missing else SKIPPED,
+            f"all {len(found)} found" if not missing else f"not found: {', '.join(missing)}",
+            found,
+        )
 
     def device() -> Check:
         info = _C.metal_device_info()
         same = info["torch_registry_id"] is None or info["torch_registry_id"] == info["registry_id"]
-        torch_side = ("torch's device unknown (its command buffer was not reachable)"
-                      if info["torch_registry_id"] is None else
-                      f"torch's registryID {info['torch_registry_id']:#x} ({'same' if same else 'DIFFERENT'})")
-        return Check("Metal device", OK if same else FAILED,
-                     f"{info['name']}, registryID {info['registry_id']:#x}, chosen by {info['chosen_by']}; {torch_side}",
-                     info)
+        torch_side = (
+            "torch's device unknown (its command buffer was not reachable)"
+            if info["torch_registry_id"] is None
+            else f"torch's registryID {info['torch_registry_id']:#x} ({'same' if same else 'DIFFERENT'})"
+        )
+        return Check(
+            "Metal device",
+            OK if same else FAILED,
+            f"{info['name']}, registryID {info['registry_id']:#x}, chosen by {info['chosen_by']}; {torch_side}",
+            info,
+        )
 
     def families() -> Check:
         info = _C.metal_device_info()
         supported = [name for name, ok in info["families"].items() if ok]
         apple7 = info["families"]["Apple7"]
-        return Check("GPU families", OK if apple7 else FAILED,
-                     f"{', '.join(supported) or 'none'}; max threadgroup memory {info['max_threadgroup_memory']} bytes"
-                     + ("" if apple7 else "; simdgroup_matrix needs Apple7 (M1) or newer"), info["families"])
+        return Check(
+            "GPU families",
+            OK if apple7 else FAILED,
+            f"{', '.join(supported) or 'none'}; max threadgroup memory {info['max_threadgroup_memory']} bytes"
+            + ("" if apple7 else "; simdgroup_matrix needs Apple7 (M1) or newer"),
+            info["families"],
+        )
 
     def options() -> Check:
         info = _C.metal_device_info()
         unsafe = info["fast_math"] or info["math_mode"] > 0
-        return Check("compile options", FAILED if unsafe else OK, _describe_language(info)
-                     + ("; fast math breaks -inf masking and NaN propagation" if unsafe else ""))
+        return Check(
+            "compile options",
+            FAILED if unsafe else OK,
+            _describe_language(info) + ("; fast math breaks -inf masking and NaN propagation" if unsafe else ""),
+        )
 
     def buffer() -> Check:
         t = torch.zeros(16, device="mps")
@@ -148,28 +184,39 @@ def metal_checks() -> list[Check]:
             _C.metal_check_buffer(handle, t.untyped_storage().nbytes())
         except TypeError as e:
             return Check("MPS buffer", FAILED, f"class {cls}; the buffer check rejects it: {e}", {"class": cls})
-        return Check("MPS buffer", OK, f"class {cls}; the buffer check accepts it"
-                     + ("" if decision.check_buffers else " (identity test off: FLASHATTN_MPS_NO_BUFFER_CHECK)"),
-                     {"class": cls})
+        return Check(
+            "MPS buffer",
+            OK,
+            f"class {cls}; the buffer check accepts it"
+            + ("" if decision.check_buffers else " (identity test off: FLASHATTN_MPS_NO_BUFFER_CHECK)"),
+            {"class": cls},
+        )
 
-    for name, probe in (("stream mode", stream), ("torch symbols", symbols), ("Metal device", device),
-                        ("GPU families", families), ("compile options", options), ("MPS buffer", buffer)):
+    for name, probe in (
+        ("stream mode", stream),
+        ("torch symbols", symbols),
+        ("Metal device", device),
+        ("GPU families", families),
+        ("compile options", options),
+        ("MPS buffer", buffer),
+    ):
         checks.append(_run(name, probe))
     return checks
 
 
 # --- parity --------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     name: str
     dtype: torch.dtype
-    shape: tuple          # (B, Hq, Hkv, L, S, E)
+    shape: tuple  # (B, Hq, Hkv, L, S, E)
     causal: bool = False
-    mask: Optional[str] = None      # None, "bool" or "float"
+    mask: Optional[str] = None  # None, "bool" or "float"
     backward: bool = False
-    family: str = "fa_forward"      # the planner's first function must start with this
-    split: Optional[bool] = None    # the plan must (not) split the keys
+    family: str = "fa_forward"  # the planner's first function must start with this
+    split: Optional[bool] = None  # the plan must (not) split the keys
 
 
 PARITY_CASES = [
@@ -268,16 +315,22 @@ def parity_check(case: Case, device: str) -> Check:
             worst = (error, tolerance, ("dq", "dk", "dv")[index] if case.backward else "out")
     error, tolerance, which = worst
     status = OK if error <= tolerance else FAILED
-    return Check(f"parity {case.name}", status,
-                 f"{which}: error {error:.2e} {'<=' if status == OK else '>'} tolerance {tolerance:.2e} on {device}",
-                 {"error": error, "tolerance": tolerance, "tensor": which, "device": device})
+    return Check(
+        f"parity {case.name}",
+        status,
+        f"{which}: error {error:.2e} {'<=' if status == OK else '>'} tolerance {tolerance:.2e} on {device}",
+        {"error": error, "tolerance": tolerance, "tensor": which, "device": device},
+    )
 
 
 # --- timing --------------------------------------------------------------------------------------
 
+
 def timing_check(device: str) -> Check:
     if device != "mps":
-        return Check("timing", SKIPPED, "only on MPS (CPU Metal device timings say nothing about a Mac; see benchmarks/)")
+        return Check(
+            "timing", SKIPPED, "only on MPS (CPU Metal device timings say nothing about a Mac; see benchmarks/)"
+        )
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 16, 2048, 64, generator=gen).to(torch.float16).to("mps") for _ in range(3))
 
@@ -295,11 +348,17 @@ def timing_check(device: str) -> Check:
 
     ours = median_ms(lambda: flash_attention(q, k, v, causal=True))
     theirs = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    return Check("timing", OK, f"(1, 16, 2048, 64) float16 causal: flashattn_mps {ours:.2f} ms, "
-                 f"torch SDPA {theirs:.2f} ms ({theirs / ours:.2f}x)", {"flashattn_mps_ms": ours, "sdpa_ms": theirs})
+    return Check(
+        "timing",
+        OK,
+        f"(1, 16, 2048, 64) float16 causal: flashattn_mps {ours:.2f} ms, "
+        f"torch SDPA {theirs:.2f} ms ({theirs / ours:.2f}x)",
+        {"flashattn_mps_ms": ours, "sdpa_ms": theirs},
+    )
 
 
 # --- report --------------------------------------------------------------------------------------
+
 
 def collect() -> tuple[str, list[Check]]:
     """(device the kernel checks ran on, every check)."""
@@ -318,8 +377,18 @@ def main(argv=None) -> int:
     device, checks = collect()
     failed = [c for c in checks if c.status == FAILED]
     if args.json:
-        print(json.dumps({"ok": not failed, "metal_checked": device == "mps", "kernel_device": device,
-                          "checks": [asdict(c) for c in checks]}, indent=2, default=str))
+        print(
+            json.dumps(
+                {
+                    "ok": not failed,
+                    "metal_checked": device == "mps",
+                    "kernel_device": device,
+                    "checks": [asdict(c) for c in checks],
+                },
+                indent=2,
+                default=str,
+            )
+        )
     else:
         width = max(len(c.name) for c in checks)
         for c in checks:

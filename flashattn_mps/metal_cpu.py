@@ -22,6 +22,7 @@ another lane's read (llama.cpp's do), which otherwise see the other lane's value
 late. Metal does not promise lockstep: a checked library without it reports such code as a race;
 with both, only races between SIMD-groups are reported (docs/cpu-device.md, "Lockstep").
 """
+
 from __future__ import annotations
 
 import re

@@ -15,6 +15,7 @@ and again with -std=metal3.0 (macOS 13, no bfloat: the sources must compile with
 __HAVE_BFLOAT__) unless the specialisation is a bfloat one. Any error fails the check (exit 1);
 warnings are listed once each.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,8 +86,9 @@ def check_one(xcrun: str, work: Work, src: str, out_dir: str, index: int) -> Res
     output = compiled.stdout + compiled.stderr
     if compiled.returncode != 0:
         return Result(work, False, output)
-    linked = subprocess.run([xcrun, "-sdk", "macosx", "metallib", stem + ".air", "-o", stem + ".metallib"],
-                            capture_output=True, text=True)
+    linked = subprocess.run(
+        [xcrun, "-sdk", "macosx", "metallib", stem + ".air", "-o", stem + ".metallib"], capture_output=True, text=True
+    )
     return Result(work, linked.returncode == 0, output + linked.stdout + linked.stderr)
 
 
@@ -116,8 +118,9 @@ def run(xcrun: str | None = None, jobs: int | None = None, sources=None, keep: s
             with open(paths[name], "w") as f:
                 f.write(texts[name])
         with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-            return list(pool.map(lambda iw: check_one(tool, iw[1], paths[iw[1].source], out_dir, iw[0]),
-                                 enumerate(items)))
+            return list(
+                pool.map(lambda iw: check_one(tool, iw[1], paths[iw[1].source], out_dir, iw[0]), enumerate(items))
+            )
 
 
 def main(argv=None) -> int:
@@ -138,8 +141,10 @@ def main(argv=None) -> int:
     warnings = sorted({line for r in results if r.ok for line in r.output.splitlines() if "warning:" in line})
     for line in warnings:
         print(f"warning (once): {line}", file=sys.stderr)
-    print(f"metal offline check: {len(results) - len(failed)} of {len(results)} compiles passed, "
-          f"{len(warnings)} distinct warnings")
+    print(
+        f"metal offline check: {len(results) - len(failed)} of {len(results)} compiles passed, "
+        f"{len(warnings)} distinct warnings"
+    )
     return 1 if failed else 0
 
 

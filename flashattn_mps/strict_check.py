@@ -27,6 +27,7 @@ mode, against the shim in strict mode:
   (msl_kernel.h), as by the CPU device.
 It cannot see numerics, register pressure, races, nor anything only Apple's back end checks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -78,8 +79,9 @@ def find_clang(explicit: str | None = None) -> str:
         if candidate and shutil.which(candidate):
             return shutil.which(candidate)
     raise FileNotFoundError(
-        "the strict MSL check needs clang++ >= 16, and PATH holds none of " + ", ".join(CLANG_CANDIDATES) +
-        " (Debian/Ubuntu: apt-get install clang-16); "
+        "the strict MSL check needs clang++ >= 16, and PATH holds none of "
+        + ", ".join(CLANG_CANDIDATES)
+        + " (Debian/Ubuntu: apt-get install clang-16); "
         "set FLASHATTN_MPS_CLANG to its path"
     )
 
@@ -111,8 +113,7 @@ def violations_of(output: str, shim_dir: str) -> list[str]:
     return found
 
 
-def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
-               include_dirs: tuple) -> str | Result:
+def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, include_dirs: tuple) -> str | Result:
     """The source preprocessed and rewritten by the prepass in strict mode, or the failed Result."""
     if not text.startswith("#line"):
         text = f'#line 1 "{name}"\n' + text  # name the file in clang's messages
@@ -121,9 +122,13 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
     # The CPU device's own preprocessing flags; only Metal's headers (the shim's stand-ins) are
     # found: no C++ standard library.
     expanded = subprocess.run(
-        [clang, *_metal_cpu.preprocessor_flags(), "-nostdinc++", "-I", os.path.join(shim_dir, "include")] + includes
-        + defines + ["-"],
-        input=text, capture_output=True, text=True,
+        [clang, *_metal_cpu.preprocessor_flags(), "-nostdinc++", "-I", os.path.join(shim_dir, "include")]
+        + includes
+        + defines
+        + ["-"],
+        input=text,
+        capture_output=True,
+        text=True,
     )
     if expanded.returncode != 0:
         found = violations_of(expanded.stderr, shim_dir)
@@ -138,18 +143,31 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple,
 def _syntax_check(clang: str, shim_dir: str, rewritten: str) -> tuple[bool, str, list[str]]:
     """clang's front end on rewritten source against the strict shim: (ok, output, violations)."""
     checked = subprocess.run(
-        [clang, "-x", "c++", "-std=gnu++17", "-fsyntax-only", "-DMSL_STRICT", "-Wno-unknown-attributes",
-         "-Wfloat-conversion", "-Werror=vla-extension",
-         # bfloat is char16_t here, whose arithmetic gives int: {a * b} is no narrowing in MSL
-         "-Wno-c++11-narrowing", "-include", os.path.join(shim_dir, "msl_shim.h"), "-"],
-        input=rewritten, capture_output=True, text=True,
+        [
+            clang,
+            "-x",
+            "c++",
+            "-std=gnu++17",
+            "-fsyntax-only",
+            "-DMSL_STRICT",
+            "-Wno-unknown-attributes",
+            "-Wfloat-conversion",
+            "-Werror=vla-extension",
+            # bfloat is char16_t here, whose arithmetic gives int: {a * b} is no narrowing in MSL
+            "-Wno-c++11-narrowing",
+            "-include",
+            os.path.join(shim_dir, "msl_shim.h"),
+            "-",
+        ],
+        input=rewritten,
+        capture_output=True,
+        text=True,
     )
     found = violations_of(checked.stderr, shim_dir)
     return checked.returncode == 0 and not found, checked.stderr, found
 
 
-def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (),
-              include_dirs: tuple = ()) -> Result:
+def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (), include_dirs: tuple = ()) -> Result:
     """Checks one source under one set of macros."""
     rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs)
     if isinstance(rewritten, Result):
@@ -175,8 +193,9 @@ def check_batch(clang: str, shim_dir: str, work: list[tuple[str, str, tuple]]) -
         ok, output, _ = _syntax_check(clang, shim_dir, "".join(parts))
         for k, (name, text, macros) in enumerate(work):
             if results[k] is None:
-                results[k] = Result(name, macros, True, output) if ok else check_one(
-                    clang, shim_dir, name, text, macros)
+                results[k] = (
+                    Result(name, macros, True, output) if ok else check_one(clang, shim_dir, name, text, macros)
+                )
     return results
 
 
@@ -189,13 +208,14 @@ def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> l
     missing = sorted(set(sources) - {w[0] for w in work})
     # A .metal file the planner never emits would go unchecked: check it unspecialised too.
     work += [(name, sources[name], ()) for name in missing]
-    batches = [work[i:i + batch] for i in range(0, len(work), batch)]
+    batches = [work[i : i + batch] for i in range(0, len(work), batch)]
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         return [r for results in pool.map(lambda b: check_batch(compiler, shim_dir, b), batches) for r in results]
 
 
-def run_files(paths: list[str], macros: tuple = (), clang: str | None = None, jobs: int | None = None,
-              include_dirs: tuple = ()) -> list[Result]:
+def run_files(
+    paths: list[str], macros: tuple = (), clang: str | None = None, jobs: int | None = None, include_dirs: tuple = ()
+) -> list[Result]:
     """Check the given MSL sources under the given macros."""
     compiler = find_clang(clang)
     shim_dir = _metal_cpu.shim_dir()
@@ -220,10 +240,23 @@ def _macro(text: str) -> tuple[str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", metavar="FILE.metal", help="sources to check (default: the planner's)")
-    parser.add_argument("-D", dest="macros", action="append", type=_macro, default=[], metavar="NAME=VALUE",
-                        help="a macro for the given files")
-    parser.add_argument("-I", dest="include_dirs", action="append", default=[], metavar="DIR",
-                        help="a directory for the given files' #include \"...\"")
+    parser.add_argument(
+        "-D",
+        dest="macros",
+        action="append",
+        type=_macro,
+        default=[],
+        metavar="NAME=VALUE",
+        help="a macro for the given files",
+    )
+    parser.add_argument(
+        "-I",
+        dest="include_dirs",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help='a directory for the given files\' #include "..."',
+    )
     parser.add_argument("--clang", help="clang++ to use")
     parser.add_argument("--jobs", type=int, help="parallel clang processes (default: all cores)")
     args = parser.parse_args(argv)

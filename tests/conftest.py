@@ -1,4 +1,5 @@
 """The fixtures every test folder shares (the helpers are in helpers.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,6 +32,7 @@ def core_calls(monkeypatch):
 
     counts = {"forward": 0, "backward": 0, "masked": 0}  # masked: forward calls given an attn_mask
     for name in ("forward", "backward"):
+
         def counting(*args, _real=getattr(flashattn_mps._C, name), _name=name, **kwargs):  # noqa: B008 (bound per name)
             counts[_name] += 1
             # _C.forward(device, tensors, options, workspace): tensors a dict slot name -> tensor

@@ -3,6 +3,7 @@ float64 SDPA golden and PyTorch's tolerance rule, inputs in every memory layout,
 parameter products, peak memory in a fresh process, the float64 references of flash-attn's options
 (bands, softcap, ALiBi, sinks, dropout), packed sequences, and the kernel sources as the compiler
 sees them."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,8 +24,9 @@ def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
     """torch's SDPA through its math backend, as PyTorch's own tests take their reference: the
     default CPU kernel of torch 2.13 returns NaN for causal rows with a negative scale."""
     with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
-                                              enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
 
 
 def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
@@ -43,6 +45,7 @@ def assert_gradients_match(grads, reference, inputs, dout, names="qkv", factor=5
     """grads (of the kernels' out, against dout) beside the gradients of reference(*leaves) for
     fresh leaves made from the inputs, in float64 (golden) and in the inputs' dtype, by PyTorch's
     rule: error <= max(1e-5, factor x the same-dtype reference's error)."""
+
     def reference_grads(tensors):
         leaves = [t.detach().clone().requires_grad_() for t in tensors]
         expected = reference(*leaves)
@@ -86,7 +89,7 @@ def layout_tensor(gen, layout, b, h, n, d, dtype):
     if layout == "blhd":
         return randn(gen, b, n, h, d, dtype=dtype).transpose(1, 2)
     base = randn(gen, b + 1, h + 1, n + 3, d + 5, dtype=dtype)  # sliced view with a storage offset
-    return base[1:, 1:, 2:n + 2, 3:d + 3]
+    return base[1:, 1:, 2 : n + 2, 3 : d + 3]
 
 
 PEAK_RSS = """
@@ -134,8 +137,11 @@ def product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs):
     when ev_differs, in the given memory layout."""
     (lq, lk), ev = lengths, (max(1, (e * 3) // 4) if ev_differs else e)
     hkv = 2 if gqa < 8 else 1
-    return (layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype), layout_tensor(gen, layout, 1, hkv, lk, e, dtype),
-            layout_tensor(gen, layout, 1, hkv, lk, ev, dtype))
+    return (
+        layout_tensor(gen, layout, 1, hkv * gqa, lq, e, dtype),
+        layout_tensor(gen, layout, 1, hkv, lk, e, dtype),
+        layout_tensor(gen, layout, 1, hkv, lk, ev, dtype),
+    )
 
 
 # PyTorch's rule for gradients (test_transformers.py): error vs a float64 golden <= max(1e-5,
@@ -181,8 +187,21 @@ def variant_scores(q, k, causal=False, bottom_right=False, window=None, scale=No
     return scores, visible(q.shape[2], k.shape[2], causal, bottom_right, window)
 
 
-def reference(q, k, v, causal=False, bottom_right=False, window=None, scale=None, attn_mask=None, softcap=0.0,
-              alibi=None, sinks=None, dropout_mask=None, dropout_p=0.0):
+def reference(
+    q,
+    k,
+    v,
+    causal=False,
+    bottom_right=False,
+    window=None,
+    scale=None,
+    attn_mask=None,
+    softcap=0.0,
+    alibi=None,
+    sinks=None,
+    dropout_mask=None,
+    dropout_p=0.0,
+):
     """Attention in the inputs' dtype from materialised scores, SDPA layout (B, H, L, D), in
     flash-attn's order: scale, softcap, ALiBi (slopes (H,) or (B, H)), masks; rows that see no key
     give zeros. sinks (H,): one more logit per row, of no value, in the softmax (GPT-OSS's eager).
@@ -220,7 +239,11 @@ def check(actual, inputs, factor=5.0, **options):
 
 
 def flash_inputs(gen, b, l, s, hq, hkv, e, ev, dtype):
-    return randn(gen, b, l, hq, e, dtype=dtype), randn(gen, b, s, hkv, e, dtype=dtype), randn(gen, b, s, hkv, ev, dtype=dtype)
+    return (
+        randn(gen, b, l, hq, e, dtype=dtype),
+        randn(gen, b, s, hkv, e, dtype=dtype),
+        randn(gen, b, s, hkv, ev, dtype=dtype),
+    )
 
 
 def sdpa_view(*tensors):
@@ -228,14 +251,27 @@ def sdpa_view(*tensors):
 
 
 # (causal, window, softcap, ALiBi slopes' shape): flash-attn's options, alone and together.
-VARIANTS = [(True, (-1, -1), 0.0, None), (False, (5, 3), 0.0, None), (True, (7, -1), 0.0, None),
-            (False, (-1, 0), 0.0, None), (False, (0, 0), 0.0, None), (False, (2, -1), 0.0, None),
-            (True, (0, 4), 0.0, None), (False, (40, 40), 0.0, None), (False, (-1, -1), 0.7, None),
-            (True, (-1, -1), 2.0, None), (False, (6, 1), 0.5, None), (True, (3, -1), 1.5, None),
-            (False, (-1, -1), 0.0, "h"), (True, (-1, -1), 0.0, "bh"), (True, (9, -1), 1.0, "h"),
-            (False, (4, 4), 0.0, "bh")]
+VARIANTS = [
+    (True, (-1, -1), 0.0, None),
+    (False, (5, 3), 0.0, None),
+    (True, (7, -1), 0.0, None),
+    (False, (-1, 0), 0.0, None),
+    (False, (0, 0), 0.0, None),
+    (False, (2, -1), 0.0, None),
+    (True, (0, 4), 0.0, None),
+    (False, (40, 40), 0.0, None),
+    (False, (-1, -1), 0.7, None),
+    (True, (-1, -1), 2.0, None),
+    (False, (6, 1), 0.5, None),
+    (True, (3, -1), 1.5, None),
+    (False, (-1, -1), 0.0, "h"),
+    (True, (-1, -1), 0.0, "bh"),
+    (True, (9, -1), 1.0, "h"),
+    (False, (4, 4), 0.0, "bh"),
+]
 LENGTHS = [(37, 53), (53, 37), (1, 40), (3, 70), (24, 24), (70, 9)]
 KERNELS = ["auto", "forward", "decode", "simple"]
+
 
 def slopes(gen, kind, b, h):
     """ALiBi slopes of the given shape kind, or None."""
@@ -257,13 +293,16 @@ def prefix_sums(lengths):
 
 
 def packed_inputs(gen, lens_q, lens_k, hq, hkv, e, ev, dtype):
-    return (randn(gen, sum(lens_q), hq, e, dtype=dtype), randn(gen, sum(lens_k), hkv, e, dtype=dtype),
-            randn(gen, sum(lens_k), hkv, ev, dtype=dtype))
+    return (
+        randn(gen, sum(lens_q), hq, e, dtype=dtype),
+        randn(gen, sum(lens_k), hkv, e, dtype=dtype),
+        randn(gen, sum(lens_k), hkv, ev, dtype=dtype),
+    )
 
 
 def pieces(t, cu, b):
     """Sequence b of a packed (total, H, D) tensor as a (1, H, L_b, D) SDPA view."""
-    return t[int(cu[b]):int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
+    return t[int(cu[b]) : int(cu[b + 1])].transpose(0, 1).unsqueeze(0)
 
 
 def per_sequence_reference(q, k, v, lens_q, lens_k, alibi=None, **options):
@@ -272,8 +311,7 @@ def per_sequence_reference(q, k, v, lens_q, lens_k, alibi=None, **options):
     outs = []
     for b in range(len(lens_q)):
         slope = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
-        out = reference(pieces(q, cq, b), pieces(k, ck, b), pieces(v, ck, b), bottom_right=True, alibi=slope,
-                        **options)
+        out = reference(pieces(q, cq, b), pieces(k, ck, b), pieces(v, ck, b), bottom_right=True, alibi=slope, **options)
         outs.append(out[0].transpose(0, 1))
     return torch.cat(outs) if outs else q.new_empty(0, q.shape[1], v.shape[2])
 
@@ -292,12 +330,18 @@ def preprocessed(source: str, macros: dict) -> str:
     defines = [f"-D{k}={v}" for k, v in macros.items()]
     result = subprocess.run(
         [clang, *_metal_cpu.preprocessor_flags(), "-P", "-I", f"{_metal_cpu.shim_dir()}/include", *defines, "-"],
-        input=_sources.kernel_sources()[source], capture_output=True, text=True, check=True)
+        input=_sources.kernel_sources()[source],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return result.stdout
 
 
-DEFINITION = re.compile(r'template\s*<([^>]*)>\s*\[\[kernel,\s*max_total_threads_per_threadgroup\(([^)]*)\)\]\]'
-                        r'\s*void\s+(\w+)\s*\(')
+DEFINITION = re.compile(
+    r"template\s*<([^>]*)>\s*\[\[kernel,\s*max_total_threads_per_threadgroup\(([^)]*)\)\]\]"
+    r"\s*void\s+(\w+)\s*\("
+)
 
 
 # Direct calls of the C layer: _C.forward / backward / plan_* take (device, tensors by slot name, options).
@@ -308,9 +352,21 @@ BACKWARD_NAMES = ("q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv"
 def core_options(**fields) -> tuple:
     """A direct _C call's options tuple, in _C.OPTION_FIELDS' order: SDPA's defaults (scale 1) with
     these fields changed."""
-    values = dict(scale=1.0, causal=False, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0,
-                  dropout_p=0.0, kernel=_C.KERNEL_AUTO, num_splits=0, write_probs=False, max_q_len=0, max_kv_len=0,
-                  unbatched=False)
+    values = dict(
+        scale=1.0,
+        causal=False,
+        bottom_right=False,
+        window_left=-1,
+        window_right=-1,
+        softcap=0.0,
+        dropout_p=0.0,
+        kernel=_C.KERNEL_AUTO,
+        num_splits=0,
+        write_probs=False,
+        max_q_len=0,
+        max_kv_len=0,
+        unbatched=False,
+    )
     unknown = set(fields) - set(values)
     assert not unknown, f"not an option field: {unknown}"
     values.update(fields)

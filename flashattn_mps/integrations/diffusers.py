@@ -9,6 +9,7 @@ UNet2DConditionModel, DiT, PixArt, the VAE's mid-block attention, ...), computin
 default `AttnProcessor2_0` computes with the attention through the SDPA drop-in. Unlike
 `AttnProcessor2_0` it applies the module's `scale` (the same 1/sqrt(head dim) unless `scale_qk` is
 off or a custom scale was given, where diffusers falls back to its unfused processor)."""
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,16 @@ class MPSAttnProcessor:
     def __init__(self, cpu: bool = False):
         self.cpu = bool(cpu)
 
-    def __call__(self, attn: Attention, hidden_states: torch.Tensor, encoder_hidden_states=None, attention_mask=None,
-                 temb=None, *args, **kwargs) -> torch.Tensor:
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
         residual = hidden_states
         if attn.spatial_norm is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)

@@ -14,6 +14,7 @@ themselves (`sliding_window`), as they do the causal flag, so no L x S mask exis
 call goes through the SDPA drop-in's routing, so what the kernels do not cover (devices or dtypes
 they lack) still reaches torch, visibly (`flashattn_mps.explain`, logger "flashattn_mps"): torch's SDPA,
 or for softcap and sinks, which SDPA cannot express, attention on materialised scores."""
+
 from __future__ import annotations
 
 import functools
@@ -56,23 +57,59 @@ def register(name: str = DEFAULT_NAME, cpu: bool = False) -> str:
     return name
 
 
-def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
-                   mask_function=None, attention_mask=None, local_size: Optional[int] = None,
-                   allow_is_causal_skip: bool = True, **kwargs) -> Optional[torch.Tensor]:
+def attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset=0,
+    kv_offset: int = 0,
+    mask_function=None,
+    attention_mask=None,
+    local_size: Optional[int] = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs,
+) -> Optional[torch.Tensor]:
     """transformers' mask interface: `sdpa_mask`'s masks, but None for a sliding-window mask
     (causal or bidirectional) the kernels apply themselves from `sliding_window` (see `_native_window`)."""
-    if _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
-                      allow_is_causal_skip, kwargs.get("allow_is_bidirectional_skip", False),
-                      kwargs.get("device", "cpu")):
+    if _native_window(
+        q_length,
+        kv_length,
+        q_offset,
+        kv_offset,
+        mask_function,
+        attention_mask,
+        local_size,
+        allow_is_causal_skip,
+        kwargs.get("allow_is_bidirectional_skip", False),
+        kwargs.get("device", "cpu"),
+    ):
         return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                     kv_offset=kv_offset, attention_mask=attention_mask, local_size=local_size,
-                     allow_is_causal_skip=allow_is_causal_skip,
-                     **({} if mask_function is None else {"mask_function": mask_function}), **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        local_size=local_size,
+        allow_is_causal_skip=allow_is_causal_skip,
+        **({} if mask_function is None else {"mask_function": mask_function}),
+        **kwargs,
+    )
 
 
-def _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size,
-                   allow_is_causal_skip, allow_is_bidirectional_skip, device) -> bool:
+def _native_window(
+    q_length,
+    kv_length,
+    q_offset,
+    kv_offset,
+    mask_function,
+    attention_mask,
+    local_size,
+    allow_is_causal_skip,
+    allow_is_bidirectional_skip,
+    device,
+) -> bool:
     """Whether the mask asked for is exactly transformers' sliding-window causal mask (or, asked
     with allow_is_bidirectional_skip, its bidirectional one: ModernBERT's) over keys without
     padding, aligned as attention_forward aligns a window without a mask: queries and keys at the
@@ -84,8 +121,9 @@ def _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, atte
         return False
     if not isinstance(q_offset, int) or not isinstance(kv_offset, int):
         return False  # a static cache's tensor offset: its value cannot be read while tracing
-    aligned = (q_length == kv_length and q_offset == kv_offset) or \
-              (q_length == 1 and q_offset == kv_offset + kv_length - 1)
+    aligned = (q_length == kv_length and q_offset == kv_offset) or (
+        q_length == 1 and q_offset == kv_offset + kv_length - 1
+    )
     if not aligned:
         return False
     padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
@@ -95,7 +133,9 @@ def _native_window(q_length, kv_length, q_offset, kv_offset, mask_function, atte
     probe = torch.arange(2 * local_size + 2, device=device)
     zero = torch.zeros(1, dtype=torch.long, device=device)
     expanded = _non_vmap_expansion_sdpa(zero, zero, probe, probe)
-    pattern = sliding_window_causal_mask_function if allow_is_causal_skip else sliding_window_bidirectional_mask_function
+    pattern = (
+        sliding_window_causal_mask_function if allow_is_causal_skip else sliding_window_bidirectional_mask_function
+    )
     expected = pattern(local_size)(*expanded)
     return bool(torch.equal(mask_function(*expanded).expand_as(expected), expected))
 
@@ -132,8 +172,19 @@ def attention_forward(
     sinks = s_aux if s_aux is not None else kwargs.get("sinks")
     packed = _packed_sequences(query, kwargs)
     if packed is not None:  # padding-free: packed sequences go to the varlen kernels
-        return _attend_packed(module, query, key, value, dropout, scaling, is_causal, sliding_window,
-                              float(softcap or 0.0), sinks, *packed), None
+        return _attend_packed(
+            module,
+            query,
+            key,
+            value,
+            dropout,
+            scaling,
+            is_causal,
+            sliding_window,
+            float(softcap or 0.0),
+            sinks,
+            *packed,
+        ), None
     q_length, kv_length = query.shape[2], key.shape[2]
     wants_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     causal = wants_causal and attention_mask is None and q_length > 1  # a mask already holds causality
@@ -150,38 +201,72 @@ def attention_forward(
     if window is None and not softcap and sinks is None:
         out = _attend(query, key, value, attention_mask, dropout, causal, scaling, gqa, allow_cpu)
     else:
-        out = _attend_variants(query, key, value, attention_mask, dropout, causal, scaling, gqa, allow_cpu,
-                               window, float(softcap or 0.0), sinks,
-                               wants_causal and q_length == 1 and attention_mask is None)
+        out = _attend_variants(
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout,
+            causal,
+            scaling,
+            gqa,
+            allow_cpu,
+            window,
+            float(softcap or 0.0),
+            sinks,
+            wants_causal and q_length == 1 and attention_mask is None,
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _attend_variants(query, key, value, mask, dropout, causal, scaling, gqa, allow_cpu, window, softcap, sinks,
-                     decode_causal):
+def _attend_variants(
+    query, key, value, mask, dropout, causal, scaling, gqa, allow_cpu, window, softcap, sinks, decode_causal
+):
     """A call with a window, softcap or sinks: the kernels take them natively where the drop-in's
     routing takes the call (training dropout included); elsewhere (devices or dtypes the kernels lack)
     attention on materialised scores with the same variants. A single query (decode_causal when
     causal) has its window on the last key: bottom-right."""
     decision, call = _plan(query, key, value, mask, dropout, causal, scaling, gqa, allow_cpu)
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
-        variants = ", ".join(name for name, on in (("sliding window", window is not None), ("softcap", softcap > 0),
-                                                   ("sinks", sinks is not None)) if on)
-        log.debug("transformers attention with %s -> %s", variants, decision if call is not None else
-                  "materialised scores (torch): " + decision.reason)
+        variants = ", ".join(
+            name
+            for name, on in (
+                ("sliding window", window is not None),
+                ("softcap", softcap > 0),
+                ("sinks", sinks is not None),
+            )
+            if on
+        )
+        log.debug(
+            "transformers attention with %s -> %s",
+            variants,
+            decision if call is not None else "materialised scores (torch): " + decision.reason,
+        )
     if call is None:
-        return _materialised_attention(query, key, value, mask, dropout, causal, scaling, window, softcap, sinks,
-                                       decode_causal)
+        return _materialised_attention(
+            query, key, value, mask, dropout, causal, scaling, window, softcap, sinks, decode_causal
+        )
     query, key, value, mask, _, scale, dropout_p = call  # autocast applied
     if decode_causal:
         causal_mode, align = "bottom_right", None
     else:  # a single bidirectional query's window is centred on the last key too
         causal_mode, align = causal, ("bottom_right" if query.shape[2] == 1 and not causal else None)
-    return flash_attention(query, key, value, causal_mode, scale, attn_mask=mask, window_size=window, softcap=softcap,
-                           sinks=sinks, window_align=align, dropout_p=dropout_p)
+    return flash_attention(
+        query,
+        key,
+        value,
+        causal_mode,
+        scale,
+        attn_mask=mask,
+        window_size=window,
+        softcap=softcap,
+        sinks=sinks,
+        window_align=align,
+        dropout_p=dropout_p,
+    )
 
 
-def _materialised_attention(query, key, value, mask, dropout, causal, scaling, window, softcap, sinks,
-                            decode_causal):
+def _materialised_attention(query, key, value, mask, dropout, causal, scaling, window, softcap, sinks, decode_causal):
     """Attention in torch on an L x S score matrix, for calls with variants the kernels cannot take."""
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
@@ -252,8 +337,23 @@ def _packed_sequences(query: torch.Tensor, kwargs: dict):
     return packed
 
 
-def _attend_packed(module, query, key, value, dropout, scaling, is_causal, sliding_window, softcap, sinks, cu_q, cu_k,
-                   max_q, max_k, trusted):
+def _attend_packed(
+    module,
+    query,
+    key,
+    value,
+    dropout,
+    scaling,
+    is_causal,
+    sliding_window,
+    softcap,
+    sinks,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    trusted,
+):
     """The (1, L, Hq, Ev) output of packed sequences through the varlen kernels (causal per
     sequence; transformers' sliding window of `w` keys is flash-attn's window_size (w - 1, 0));
     dropout, softcap and sinks in the kernels too."""
@@ -267,10 +367,24 @@ def _attend_packed(module, query, key, value, dropout, scaling, is_causal, slidi
     cu_q, cu_k = cu_q.to(query.device), cu_k.to(query.device)
     if trusted:
         sinks = None if sinks is None else _validate_sinks(sinks, query[0])
-        options = AttentionOptions(_scale_value(q.shape[-1], scaling), causal, (1, *window), softcap, None, sinks,
-                                   float(dropout))
+        options = AttentionOptions(
+            _scale_value(q.shape[-1], scaling), causal, (1, *window), softcap, None, sinks, float(dropout)
+        )
         out = packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, options)
     else:
-        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, float(dropout), softmax_scale=scaling,
-                                     causal=causal, window_size=window, softcap=softcap, sinks=sinks)
+        out = flash_attn_varlen_func(
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            float(dropout),
+            softmax_scale=scaling,
+            causal=causal,
+            window_size=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return out.unsqueeze(0)

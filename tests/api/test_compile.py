@@ -3,6 +3,7 @@ under torch.compile(fullgraph=True, dynamic=True): no graph break, and the resul
 gradients, the cache's contents) of the compiled call are the eager call's. Each compile takes tens
 of seconds on a small machine, so these are few and marked slow. Traced entry points cannot read the
 tables on the host, so the attention op checks them when it runs."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,12 @@ def test_varlen_compiles_fullgraph_forward_and_backward():
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for lens_q, lens_k in (([3, 5, 2], [4, 5, 7]), ([6, 1], [9, 2])):  # a second shape: no recompile needed
         total_q, total_k = sum(lens_q), sum(lens_k)
-        leaves = [torch.randn(total_q, 4, 16, generator=gen), torch.randn(total_k, 2, 16, generator=gen),
-                  torch.randn(total_k, 2, 8, generator=gen), torch.randn(4, generator=gen)]
+        leaves = [
+            torch.randn(total_q, 4, 16, generator=gen),
+            torch.randn(total_k, 2, 16, generator=gen),
+            torch.randn(total_k, 2, 8, generator=gen),
+            torch.randn(4, generator=gen),
+        ]
         args = (_prefix_sums(lens_q), _prefix_sums(lens_k), max(lens_q), max(lens_k))
         results = []
         for run in (compiled, fn):
@@ -53,8 +58,17 @@ def test_kvcache_compiles_fullgraph_appending(paged):
         block_table = torch.arange(pages - 1, -1, -1, dtype=torch.int32).reshape(batch, capacity // page)
 
     def fn(q, k_cache, v_cache, k, v, cache_seqlens, block_table):
-        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, causal=True,
-                                       block_table=block_table, return_softmax_lse=True)
+        return flash_attn_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens=cache_seqlens,
+            causal=True,
+            block_table=block_table,
+            return_softmax_lse=True,
+        )
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     for new, lengths in ((1, [5, 17]), (3, [0, 20])):
@@ -84,5 +98,17 @@ def test_the_op_checks_the_sequence_table():
     pool = torch.randn(3, 2, 4, 8)  # 3 pages of 4 positions, seen as (pages, Hkv, page_size, D)
     paged = torch.tensor([[0, 0, 2, 0, 0, 6]], dtype=torch.int32)
     with pytest.raises(ValueError, match="outside the pool of 3"):
-        op(q, pool, pool, None, False, 0.5, None, True, sequences=paged, max_q_len=2, max_kv_len=6,
-           block_table=torch.tensor([[1, 3]], dtype=torch.int32))
+        op(
+            q,
+            pool,
+            pool,
+            None,
+            False,
+            0.5,
+            None,
+            True,
+            sequences=paged,
+            max_q_len=2,
+            max_kv_len=6,
+            block_table=torch.tensor([[1, 3]], dtype=torch.int32),
+        )

@@ -1,5 +1,6 @@
 """Bad input: clear errors naming the argument and the shapes; malformed descriptors rejected by
 the C layer without crashing."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,11 @@ from helpers import BACKWARD_NAMES, FORWARD_NAMES, core_options, slots
 
 
 def qkv(b=1, hq=2, hkv=2, lq=4, lk=5, e=8, ev=8, dtype=torch.float32):
-    return torch.randn(b, hq, lq, e, dtype=dtype), torch.randn(b, hkv, lk, e, dtype=dtype), torch.randn(b, hkv, lk, ev, dtype=dtype)
+    return (
+        torch.randn(b, hq, lq, e, dtype=dtype),
+        torch.randn(b, hkv, lk, e, dtype=dtype),
+        torch.randn(b, hkv, lk, ev, dtype=dtype),
+    )
 
 
 def test_not_a_tensor():
@@ -50,10 +55,16 @@ def test_mixed_devices():
 @pytest.mark.parametrize(
     "shapes,message",
     [
-        (((1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 6, 8)), r"k and v must have the same heads and sequence length: q \(1, 2, 4, 8\)"),
+        (
+            ((1, 2, 4, 8), (1, 2, 5, 8), (1, 2, 6, 8)),
+            r"k and v must have the same heads and sequence length: q \(1, 2, 4, 8\)",
+        ),
         (((1, 2, 4, 8), (1, 2, 5, 16), (1, 2, 5, 8)), r"q and k must have the same head dim"),
         (((2, 2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"batch sizes differ"),
-        (((1, 3, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"query heads \(3\) must be a multiple of the number of key/value heads \(2\)"),
+        (
+            ((1, 3, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)),
+            r"query heads \(3\) must be a multiple of the number of key/value heads \(2\)",
+        ),
         (((1, 2, 4, 8), (1, 3, 5, 8), (1, 2, 5, 8)), r"k and v must have the same heads"),
         (((2, 4, 8), (1, 2, 5, 8), (1, 2, 5, 8)), r"must all be 4-D \(B, H, L, E\) or all 3-D"),
         (((1, 1, 2, 4, 8),) * 3, r"must all be 4-D"),
@@ -87,6 +98,7 @@ def test_requires_grad_is_differentiated_not_ignored():
 
 # --- the C layer, called directly with malformed descriptors -------------------------------------
 
+
 def good_descriptors():
     q, k, v = qkv()
     out = torch.empty(1, 2, 4, 8)
@@ -105,10 +117,10 @@ def test_c_layer_accepts_good_descriptors():
 @pytest.mark.parametrize(
     "index,field,value,error,message",
     [
-        (0, 0, 0, ValueError, "q: the view"),                # NULL storage
+        (0, 0, 0, ValueError, "q: the view"),  # NULL storage
         (1, 1, 16, ValueError, "k: the view .* does not fit its storage of 16 bytes"),
-        (2, 2, 1 << 40, ValueError, "v: the view"),          # offset past the end
-        (0, 2, -4, ValueError, "q: the view"),               # negative offset
+        (2, 2, 1 << 40, ValueError, "v: the view"),  # offset past the end
+        (0, 2, -4, ValueError, "q: the view"),  # negative offset
         (3, 3, 7, TypeError, "out: unknown dtype code 7"),
         (0, 4, (1, 2, 4), ValueError, "q: expected a 4-D descriptor"),
         (1, 5, (80, 40, 8, -1), ValueError, "k: negative size or stride"),
@@ -152,6 +164,7 @@ def test_mps_device_code_without_metal():
 
 # --- arguments torch's own kernels read differently from their bytes, and messages --------------
 
+
 def negated_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor equal to t whose memory holds -t: torch's negative bit, as z.conj().imag has it."""
     z = torch.complex(torch.zeros_like(t, dtype=torch.float32), -t.float())
@@ -186,7 +199,9 @@ def test_negative_bit_gradients_are_resolved():
 def test_option_messages_name_the_argument_what_was_given_and_what_is_accepted():
     np = pytest.importorskip("numpy")
     q, k, v = qkv()
-    with pytest.raises(TypeError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple'\], got list \[\]"):
+    with pytest.raises(
+        TypeError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple'\], got list \[\]"
+    ):
         flash_attention(q, k, v, kernel=[])
     with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got numpy.bool_? True"):
         flash_attention(q, k, v, causal=np.bool_(True))
@@ -218,7 +233,9 @@ def test_c_layer_casting_messages_name_the_field(field, value, error, message):
 def test_c_layer_tensor_arguments_are_checked():
     q, k, v = qkv()
     out = torch.empty(1, 2, 4, 8)
-    with pytest.raises(TypeError, match=r"k: got a torch.Tensor of dtype torch.float64; expected a torch.Tensor of dtype float32"):
+    with pytest.raises(
+        TypeError, match=r"k: got a torch.Tensor of dtype torch.float64; expected a torch.Tensor of dtype float32"
+    ):
         _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k.double(), v, out)), core_options(scale=0.5))
     with pytest.raises(TypeError, match="v must be a torch.Tensor, a 6-field descriptor or None, got object"):
         _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, object(), out)), core_options(scale=0.5))
@@ -238,6 +255,7 @@ def test_raw_cpu_library_dispatch_names_a_bad_buffer():
 
 # ---- the C layer refuses misaligned offsets, aliased outputs and 0-d masks ----
 
+
 def descriptors(dtype=torch.float32):
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=dtype) for _ in range(3))
     out = torch.empty(1, 2, 4, 8, dtype=dtype)
@@ -256,8 +274,11 @@ def test_c_layer_rejects_misaligned_offsets_aliases_and_0d_masks():
     for name, index in (("q", 0), ("out", 3)):
         bad = list(descs)
         bad[index] = descs[index][:2] + (2,) + descs[index][3:]
-        with pytest.raises(ValueError, match=f"{name}: byte offset 2 is not a multiple of the float32 element "
-                                             r"size \(4 bytes\)"):
+        with pytest.raises(
+            ValueError,
+            match=f"{name}: byte offset 2 is not a multiple of the float32 element "
+            r"size \(4 bytes\)",
+        ):
             forward_c(bad)
     for victim, name in ((0, "q"), (2, "v")):
         bad = list(descs)
@@ -286,8 +307,11 @@ def test_c_layer_rejects_backward_outputs_that_alias():
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
     args = [describe(t) for t in (q, k, v, out, lse, dout, delta, dq, dk, dv)]
     _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, args), core_options(scale=0.5))
-    for index, clash, message in ((7, 8, "dq .* overlaps dk"), (9, 5, "dv .* overlaps dout"),
-                                  (6, 4, "delta .* overlaps lse")):
+    for index, clash, message in (
+        (7, 8, "dq .* overlaps dk"),
+        (9, 5, "dv .* overlaps dout"),
+        (6, 4, "delta .* overlaps lse"),
+    ):
         bad = list(args)
         bad[index] = args[clash]
         with pytest.raises(ValueError, match=message):

@@ -1,6 +1,7 @@
 """flash_attn_func (flash-attn 2's API) and the options of flash_attention beyond SDPA: bottom-right
 causal, sliding windows, softcap and ALiBi, in every kernel (prefill, decode with split-K, simple, backward), against
 float64 references written in plain torch on materialised scores."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,14 @@ from helpers import (
     slots,
 )
 
-FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=40, seed=16,
-                               cost=lambda c: c[0][0] * c[0][1], per_value=3, max_cost=4000)
+FORWARD_CASES = sample_product(
+    [LENGTHS, VARIANTS, ALL_DTYPES, KERNELS],
+    count=40,
+    seed=16,
+    cost=lambda c: c[0][0] * c[0][1],
+    per_value=3,
+    max_cost=4000,
+)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
@@ -41,15 +48,28 @@ def test_forward_matches_reference(gen, lengths, variant, dtype, kernel):
         assert out.shape == (2, l, 4, 24) and out.is_contiguous()
         out, bottom_right = out.transpose(1, 2), True
     else:  # flash_attention's options with a chosen kernel: without causal the window is top-left
-        out = flash_attention(*sdpa_view(q, k, v), causal="bottom_right" if causal else False, window_size=window,
-                              kernel=kernel, softcap=softcap, alibi_slopes=alibi)
+        out = flash_attention(
+            *sdpa_view(q, k, v),
+            causal="bottom_right" if causal else False,
+            window_size=window,
+            kernel=kernel,
+            softcap=softcap,
+            alibi_slopes=alibi,
+        )
         bottom_right = causal
-    check(out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window, softcap=softcap,
-          alibi=alibi)
+    check(
+        out, sdpa_view(q, k, v), causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi
+    )
 
 
-GRADIENT_CASES = sample_product([LENGTHS[:3] + [(24, 24)], VARIANTS[:4] + VARIANTS[-7:], ALL_DTYPES], count=12, seed=61,
-                                cost=lambda c: c[0][0] * c[0][1], per_value=2, max_cost=3000)
+GRADIENT_CASES = sample_product(
+    [LENGTHS[:3] + [(24, 24)], VARIANTS[:4] + VARIANTS[-7:], ALL_DTYPES],
+    count=12,
+    seed=61,
+    cost=lambda c: c[0][0] * c[0][1],
+    per_value=2,
+    max_cost=3000,
+)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype", GRADIENT_CASES)
@@ -61,8 +81,14 @@ def test_gradients_match_reference(gen, lengths, variant, dtype):
     alibi = slopes(gen, alibi_kind, 1, 4)
     out = flash_attn_func(*inputs, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
     grads = torch.autograd.grad(out, inputs, dout)
-    assert_gradients_match(grads, lambda *t: reference(*sdpa_view(*t), causal=causal, bottom_right=True, window=window,
-                                                       softcap=softcap, alibi=alibi).transpose(1, 2), inputs, dout)
+    assert_gradients_match(
+        grads,
+        lambda *t: reference(
+            *sdpa_view(*t), causal=causal, bottom_right=True, window=window, softcap=softcap, alibi=alibi
+        ).transpose(1, 2),
+        inputs,
+        dout,
+    )
 
 
 @pytest.mark.parametrize("window, splits", [((300, 0), 1), ((700, 200), 2), ((1500, -1), 5)])
@@ -72,8 +98,13 @@ def test_decode_split_k_over_the_window(gen, window, splits):
     q, k, v = flash_inputs(gen, 1, 2, 3000, 4, 1, 32, 32, torch.float32)
     plan = explain_plan(*sdpa_view(q, k, v), causal="bottom_right", window_size=window)
     assert plan["split_count"] == splits
-    check(flash_attn_func(q, k, v, causal=True, window_size=window).transpose(1, 2), sdpa_view(q, k, v),
-          causal=True, bottom_right=True, window=window)
+    check(
+        flash_attn_func(q, k, v, causal=True, window_size=window).transpose(1, 2),
+        sdpa_view(q, k, v),
+        causal=True,
+        bottom_right=True,
+        window=window,
+    )
 
 
 def test_top_left_window_and_attn_mask(gen):
@@ -96,8 +127,12 @@ def test_bottom_right_causal_without_window_and_empty_rows(gen):
     assert (out[:, :14] == 0).all()
     out.sum().backward()
     assert (q.grad[:, :14] == 0).all() and q.grad[:, 14:].abs().sum() > 0
-    check(flash_attention(*sdpa_view(q.detach(), k.detach(), v.detach()), causal="bottom_right"),
-          sdpa_view(q.detach(), k.detach(), v.detach()), causal=True, bottom_right=True)
+    check(
+        flash_attention(*sdpa_view(q.detach(), k.detach(), v.detach()), causal="bottom_right"),
+        sdpa_view(q.detach(), k.detach(), v.detach()),
+        causal=True,
+        bottom_right=True,
+    )
 
 
 def test_one_plan_per_band(gen):
@@ -105,14 +140,22 @@ def test_one_plan_per_band(gen):
     q, k, v = flash_inputs(gen, 1, 33, 33, 2, 2, 16, 16, torch.float32)
     per_head, per_batch_head = torch.tensor([0.3, 0.1]), torch.tensor([[0.1, 0.3]])
     for causal, window, softcap, alibi in [
-            (False, (2, 2), 0.0, None), (False, (-1, -1), 0.0, None), (True, (4, 0), 0.0, None),
-            (False, (2, 2), 0.0, None), (True, (4, 0), 0.3, None), (True, (-1, -1), 0.0, per_head),
-            (True, (-1, -1), 0.0, per_batch_head), (True, (-1, -1), 0.0, per_head[:1].expand(2)),
-            (True, (-1, -1), 0.0, None)]:
-        out = flash_attn_func(q * 3, k, v, causal=causal, window_size=window, softcap=softcap,
-                              alibi_slopes=alibi).transpose(1, 2)
-        check(out, sdpa_view(q * 3, k, v), causal=causal, bottom_right=True, window=window, softcap=softcap,
-              alibi=alibi)
+        (False, (2, 2), 0.0, None),
+        (False, (-1, -1), 0.0, None),
+        (True, (4, 0), 0.0, None),
+        (False, (2, 2), 0.0, None),
+        (True, (4, 0), 0.3, None),
+        (True, (-1, -1), 0.0, per_head),
+        (True, (-1, -1), 0.0, per_batch_head),
+        (True, (-1, -1), 0.0, per_head[:1].expand(2)),
+        (True, (-1, -1), 0.0, None),
+    ]:
+        out = flash_attn_func(
+            q * 3, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi
+        ).transpose(1, 2)
+        check(
+            out, sdpa_view(q * 3, k, v), causal=causal, bottom_right=True, window=window, softcap=softcap, alibi=alibi
+        )
 
 
 def test_any_input_strides(gen):
@@ -144,13 +187,21 @@ def test_tiles_visited_grow_with_the_window_not_with_s():
         assert tiles(plan(1, 65536, (1024, 0), kernel)) > 3 * tiles(plan(1, 65536, (256, 0), kernel))
 
 
-@pytest.mark.parametrize("option, value, error", [
-    ("dropout_p", 1.5, ValueError), ("softcap", -1.0, ValueError), ("softcap", "1", TypeError),
-    ("alibi_slopes", torch.ones(3), ValueError), ("alibi_slopes", torch.ones(2, dtype=torch.float64), TypeError),
-    ("return_attn_probs", 1, TypeError),
-    ("window_size", (3,), TypeError), ("window_size", (-2, 0), ValueError), ("window_size", (1.0, 2), TypeError),
-    ("causal", "yes", TypeError),
-])
+@pytest.mark.parametrize(
+    "option, value, error",
+    [
+        ("dropout_p", 1.5, ValueError),
+        ("softcap", -1.0, ValueError),
+        ("softcap", "1", TypeError),
+        ("alibi_slopes", torch.ones(3), ValueError),
+        ("alibi_slopes", torch.ones(2, dtype=torch.float64), TypeError),
+        ("return_attn_probs", 1, TypeError),
+        ("window_size", (3,), TypeError),
+        ("window_size", (-2, 0), ValueError),
+        ("window_size", (1.0, 2), TypeError),
+        ("causal", "yes", TypeError),
+    ],
+)
 def test_flash_attn_func_refuses_clearly(gen, option, value, error):
     q, k, v = flash_inputs(gen, 1, 4, 4, 2, 2, 16, 16, torch.float32)
     with pytest.raises(error, match=option.split("_p")[0].split("_s")[0]):
@@ -164,15 +215,20 @@ def test_flash_attention_refuses_bad_band_options(gen):
     with pytest.raises(ValueError, match="window_size"):
         flash_attention(q, q, q, window_size=(0, -3))
     with pytest.raises(ValueError, match="window_size"):
-        flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q))),
-                                 core_options(window_left=-5, window_right=0))
+        flashattn_mps._C.forward(
+            flashattn_mps._C.DEVICE_CPU,
+            slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q))),
+            core_options(window_left=-5, window_right=0),
+        )
 
 
 def test_opcheck_with_band(gen):
     """The torch.library ops carry the band and flash_attn_func's output layout."""
     q, k, v = (t.requires_grad_() for t in sdpa_view(*flash_inputs(gen, 1, 9, 12, 2, 1, 16, 8, torch.float32)))
-    torch.library.opcheck(torch.ops.flashattn_mps.attention_forward,
-                          (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, torch.tensor([0.2, 0.4])))
+    torch.library.opcheck(
+        torch.ops.flashattn_mps.attention_forward,
+        (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, torch.tensor([0.2, 0.4])),
+    )
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -220,9 +276,11 @@ def test_c_layer_refuses_malformed_alibi_slopes(gen):
     zero_d = (storage.data_ptr(), storage.nbytes(), 0, flashattn_mps._C.DTYPE_FLOAT32, (), ())
     for bad, message in ((zero_d, "alibi_slopes"), (slopes[None, :1], r"alibi_slopes: must be \(B, Hq\)")):
         with pytest.raises(ValueError, match=message):
-            flashattn_mps._C.forward(flashattn_mps._C.DEVICE_CPU,
-                                     slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q)), alibi_slopes=bad),
-                                     core_options())
+            flashattn_mps._C.forward(
+                flashattn_mps._C.DEVICE_CPU,
+                slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q)), alibi_slopes=bad),
+                core_options(),
+            )
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -231,8 +289,9 @@ def test_window_align_bottom_right_without_causal(gen, kernel):
     bidirectional window (anchored on i + S - L), in every kernel; ALiBi takes the same diagonal."""
     q, k, v = flash_inputs(gen, 1, 9, 30, 2, 1, 16, 16, torch.float32)
     alibi = torch.tensor([0.3, 0.1])
-    out = flash_attention(*sdpa_view(q, k, v), window_size=(5, 3), window_align="bottom_right", kernel=kernel,
-                          alibi_slopes=alibi)
+    out = flash_attention(
+        *sdpa_view(q, k, v), window_size=(5, 3), window_align="bottom_right", kernel=kernel, alibi_slopes=alibi
+    )
     check(out, sdpa_view(q, k, v), bottom_right=True, window=(5, 3), alibi=alibi)
     if kernel == "auto":
         expected = flash_attn_func(q, k, v, window_size=(5, 3), alibi_slopes=alibi).transpose(1, 2)
@@ -259,8 +318,9 @@ def test_flash_attn_layout_lse_is_plus_infinity_for_rows_without_keys(gen):
     k[0, 1, 1, 0] = float("nan")  # key 1 of head 1: rows that see it get a NaN sum
     for grad in (False, True):
         inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-        out, lse = attend(*(t.transpose(1, 2) for t in inputs), None, True, None, return_lse=True, band=(1, -1, -1),
-                          seq_major=True)
+        out, lse = attend(
+            *(t.transpose(1, 2) for t in inputs), None, True, None, return_lse=True, band=(1, -1, -1), seq_major=True
+        )
         assert (lse[0, :, :3] == float("inf")).all() and lse[0, 0, 3:].isfinite().all()
         assert (lse[0, 1, 4:] == float("inf")).all()
         _, sdpa_lse = flash_attention(*sdpa_view(q, k, v), causal="bottom_right", return_lse=True)

@@ -1,6 +1,7 @@
 """The lean host path: cached plans still check every call's storage, new kernel text is
 never run through an old pipeline, FLASHATTN_MPS_SKIP_EXECUTION skips only the kernels, and the two
 autograd routes (an autograd.Function eagerly, the torch.library ops when traced) agree."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,13 @@ def sources():
 
 
 def run_python(source: str, **env) -> str:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(source)], capture_output=True, text=True,
-                            env={**os.environ, **env}, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -34,8 +40,11 @@ def test_a_cached_plan_still_checks_the_storage_of_every_call(gen):
     descs = [describe(t) for t in (q, k, v, out)]
     _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, descs), core_options(scale=0.5))  # plans and caches this shape
     assert_matches_sdpa(out, q, k, v, scale=0.5)
-    for index, field, value, message in [(1, 1, 16, "k: the view"), (3, 0, 0, "out: the view"),
-                                         (2, 2, 1 << 40, "v: the view")]:
+    for index, field, value, message in [
+        (1, 1, 16, "k: the view"),
+        (3, 0, 0, "out: the view"),
+        (2, 2, 1 << 40, "v: the view"),
+    ]:
         bad = list(descs)
         bad[index] = tuple(value if i == field else f for i, f in enumerate(descs[index]))
         with pytest.raises(ValueError, match=message):  # same shapes: a plan cache hit
@@ -46,8 +55,11 @@ def test_tensors_and_descriptors_reach_the_core_alike(gen):
     q, k, v = randn(gen, 2, 4, 9, 16), randn(gen, 2, 2, 30, 16), randn(gen, 2, 2, 30, 8)[..., ::2]
     by_tensor, by_descriptor = torch.full((2, 4, 9, 4), float("nan")), torch.full((2, 4, 9, 4), float("nan"))
     _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, by_tensor)), core_options(scale=0.3, causal=True))
-    _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, [describe(t) for t in (q, k, v, by_descriptor)]),
-               core_options(scale=0.3, causal=True))
+    _C.forward(
+        _C.DEVICE_CPU,
+        slots(FORWARD_NAMES, [describe(t) for t in (q, k, v, by_descriptor)]),
+        core_options(scale=0.3, causal=True),
+    )
     assert torch.equal(by_tensor, by_descriptor)
     assert_matches_sdpa(by_tensor, q, k, v, causal=True, scale=0.3)
 
@@ -68,8 +80,9 @@ def test_the_workspace_callable_is_asked_only_when_the_plan_needs_it(gen):
     _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k[:, :, :100], v[:, :, :100], out)), options, workspace)
     assert len(asked) == 1  # no split, no workspace
     with pytest.raises(TypeError, match="workspace: must be float32"):
-        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, out)), options,
-                   lambda n: torch.empty(n, dtype=torch.float16))
+        _C.forward(
+            _C.DEVICE_CPU, slots(FORWARD_NAMES, (q, k, v, out)), options, lambda n: torch.empty(n, dtype=torch.float16)
+        )
 
 
 SKIP_EXECUTION = """
@@ -144,8 +157,10 @@ def test_threads_share_the_caches_safely(gen):
     overwrites, the backends' caches) give each call its own result."""
     from concurrent.futures import ThreadPoolExecutor
 
-    cases = [(randn(gen, 1, 2, lq, 16), randn(gen, 1, 1, lk, 16), randn(gen, 1, 1, lk, 8))
-             for lq, lk in [(1, 40), (3, 9), (9, 17), (1, 600)]]
+    cases = [
+        (randn(gen, 1, 2, lq, 16), randn(gen, 1, 1, lk, 16), randn(gen, 1, 1, lk, 8))
+        for lq, lk in [(1, 40), (3, 9), (9, 17), (1, 600)]
+    ]
     expected = [flash_attention(*case) for case in cases]
 
     def run(index):

@@ -1,6 +1,7 @@
 """flash_attn_with_kvcache: in-place appends (rotary both layouts), cache_seqlens, cache_batch_idx,
 cache_leftpad, against a cache updated and attended by hand in float64 (helpers.reference
 per batch entry)."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,24 +41,41 @@ def by_hand(q, k_cache, v_cache, k, v, lengths, rows, leftpad, causal, window, s
     outs = []
     for b in range(q.shape[0]):
         if k is not None:
-            k_cache[rows[b], lengths[b]:lengths[b] + new] = k[b].double()
-            v_cache[rows[b], lengths[b]:lengths[b] + new] = v[b].double()
+            k_cache[rows[b], lengths[b] : lengths[b] + new] = k[b].double()
+            v_cache[rows[b], lengths[b] : lengths[b] + new] = v[b].double()
         keys = slice(leftpad[b], lengths[b] + new)
         slope = None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b])
-        out = reference(q[b:b + 1].transpose(1, 2), k_cache[rows[b]:rows[b] + 1, keys].transpose(1, 2),
-                        v_cache[rows[b]:rows[b] + 1, keys].transpose(1, 2), causal=causal, bottom_right=True,
-                        window=window, softcap=softcap, alibi=slope)
+        out = reference(
+            q[b : b + 1].transpose(1, 2),
+            k_cache[rows[b] : rows[b] + 1, keys].transpose(1, 2),
+            v_cache[rows[b] : rows[b] + 1, keys].transpose(1, 2),
+            causal=causal,
+            bottom_right=True,
+            window=window,
+            softcap=softcap,
+            alibi=slope,
+        )
         outs.append(out.transpose(1, 2))
     return torch.cat(outs), k_cache, v_cache
 
 
 # (batch, seqlen_q, new keys, cache rows, cache length, hq, hkv, e, ev)
-SHAPES = [(3, 1, 1, 3, 40, 4, 2, 16, 16), (2, 4, 4, 5, 300, 2, 2, 32, 32), (4, 1, 0, 4, 20, 6, 3, 16, 8),
-          (2, 12, 3, 2, 64, 4, 1, 32, 32), (1, 2, 2, 3, 700, 8, 2, 64, 64)]
+SHAPES = [
+    (3, 1, 1, 3, 40, 4, 2, 16, 16),
+    (2, 4, 4, 5, 300, 2, 2, 32, 32),
+    (4, 1, 0, 4, 20, 6, 3, 16, 8),
+    (2, 12, 3, 2, 64, 4, 1, 32, 32),
+    (1, 2, 2, 3, 700, 8, 2, 64, 64),
+]
 # (causal, window, softcap, ALiBi, rotary layout or None, cache_batch_idx, cache_leftpad)
-OPTIONS = [(True, (-1, -1), 0.0, None, True, False, False), (True, (-1, -1), 0.0, None, False, True, True),
-           (False, (-1, -1), 0.0, None, True, True, False), (False, (5, 2), 0.0, "h", None, False, True),
-           (True, (8, -1), 1.2, "bh", False, False, False), (False, (-1, -1), 0.0, None, None, True, True)]
+OPTIONS = [
+    (True, (-1, -1), 0.0, None, True, False, False),
+    (True, (-1, -1), 0.0, None, False, True, True),
+    (False, (-1, -1), 0.0, None, True, True, False),
+    (False, (5, 2), 0.0, "h", None, False, True),
+    (True, (8, -1), 1.2, "bh", False, False, False),
+    (False, (-1, -1), 0.0, None, None, True, True),
+]
 
 
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
@@ -83,24 +101,51 @@ def test_appends_in_place_and_attends(gen, shape, option):
     before_k, before_v = k_cache.clone(), v_cache.clone()
 
     out, lse = flash_attn_with_kvcache(
-        q, k_cache, v_cache, k, v, None if rotary is None else rotary[0], None if rotary is None else rotary[1],
-        torch.tensor(lengths, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32) if with_rows else None,
-        torch.tensor(leftpad, dtype=torch.int32) if with_leftpad else None, causal=causal, window_size=window,
-        softcap=softcap, rotary_interleaved=bool(layout), alibi_slopes=alibi, return_softmax_lse=True)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        None if rotary is None else rotary[0],
+        None if rotary is None else rotary[1],
+        torch.tensor(lengths, dtype=torch.int32),
+        torch.tensor(rows, dtype=torch.int32) if with_rows else None,
+        torch.tensor(leftpad, dtype=torch.int32) if with_leftpad else None,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        rotary_interleaved=bool(layout),
+        alibi_slopes=alibi,
+        return_softmax_lse=True,
+    )
 
-    golden, golden_k, golden_v = by_hand(q, before_k, before_v, k, v, lengths, rows, leftpad, causal, window, softcap,
-                                         alibi, rotary)
+    golden, golden_k, golden_v = by_hand(
+        q, before_k, before_v, k, v, lengths, rows, leftpad, causal, window, softcap, alibi, rotary
+    )
     # Every cache entry but the appended ones is bitwise untouched; those hold the (rotated) keys.
     written = torch.zeros(cache_rows, cache_len, dtype=torch.bool)
     for b in range(batch):
-        written[rows[b], lengths[b]:lengths[b] + new] = True
+        written[rows[b], lengths[b] : lengths[b] + new] = True
     assert torch.equal(k_cache[~written], before_k[~written]) and torch.equal(v_cache[~written], before_v[~written])
     assert torch.equal(v_cache[written], golden_v[written].to(dtype))
     assert max_error(k_cache[written], golden_k[written]) <= (0.0 if rotary is None else 2e-2)
     # Attention over what the call wrote, against the float64 attention of those keys.
     if rotary is None:
-        near, _, _ = by_hand(q, k_cache, v_cache, None, None, [n + new for n in lengths], rows, leftpad, causal, window, softcap,
-                             alibi, None)
+        near, _, _ = by_hand(
+            q,
+            k_cache,
+            v_cache,
+            None,
+            None,
+            [n + new for n in lengths],
+            rows,
+            leftpad,
+            causal,
+            window,
+            softcap,
+            alibi,
+            None,
+        )
         assert max_error(out, near) <= max(1e-5, 5 * max_error(near.to(dtype), near) + 5e-3 * (dtype != torch.float32))
     else:
         assert max_error(out, golden) <= {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 8e-2}[dtype]
@@ -110,23 +155,38 @@ def test_appends_in_place_and_attends(gen, shape, option):
     assert torch.equal(lse == float("inf"), (golden == 0).all(-1).transpose(1, 2) & (lse == float("inf")))
 
 
-@pytest.mark.parametrize("change, error, words", [
-    (dict(cache_seqlens=torch.tensor([3, 4], dtype=torch.int64)), TypeError, "cache_seqlens must be int32"),
-    (dict(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\] = 9 with 1 new"),
-    (dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, r"cache_seqlens must be \(2,\)"),
-    (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), ValueError, r"cache_batch_idx\[1\] = 5"),
-    (dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = 4"),
-    (dict(block_table=torch.tensor([[0], [5]], dtype=torch.int32)), ValueError, "names page 5, outside the pool"),
-    (dict(block_table=torch.tensor([[0], [1]])), TypeError, "block_table must be an int32"),
-    (dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, r"block_table must be \(batch"),
-    (dict(block_table=torch.tensor([[0], [1]], dtype=torch.int32), cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)),
-     ValueError, "cannot be combined with block_table"),
-    (dict(num_splits=-1), ValueError, "num_splits"),
-    (dict(k=None), ValueError, "k and v must be given together"),
-])
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(cache_seqlens=torch.tensor([3, 4], dtype=torch.int64)), TypeError, "cache_seqlens must be int32"),
+        (dict(cache_seqlens=torch.tensor([3, 9], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\] = 9 with 1 new"),
+        (dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), ValueError, r"cache_seqlens must be \(2,\)"),
+        (dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32)), ValueError, r"cache_batch_idx\[1\] = 5"),
+        (dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = 4"),
+        (dict(block_table=torch.tensor([[0], [5]], dtype=torch.int32)), ValueError, "names page 5, outside the pool"),
+        (dict(block_table=torch.tensor([[0], [1]])), TypeError, "block_table must be an int32"),
+        (dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32)), ValueError, r"block_table must be \(batch"),
+        (
+            dict(
+                block_table=torch.tensor([[0], [1]], dtype=torch.int32),
+                cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32),
+            ),
+            ValueError,
+            "cannot be combined with block_table",
+        ),
+        (dict(num_splits=-1), ValueError, "num_splits"),
+        (dict(k=None), ValueError, "k and v must be given together"),
+    ],
+)
 def test_errors_name_the_argument(gen, change, error, words):
-    args = dict(q=randn(gen, 2, 1, 2, 8), k_cache=randn(gen, 2, 9, 2, 8), v_cache=randn(gen, 2, 9, 2, 8),
-                k=randn(gen, 2, 1, 2, 8), v=randn(gen, 2, 1, 2, 8), cache_seqlens=torch.tensor([3, 4], dtype=torch.int32))
+    args = dict(
+        q=randn(gen, 2, 1, 2, 8),
+        k_cache=randn(gen, 2, 9, 2, 8),
+        v_cache=randn(gen, 2, 9, 2, 8),
+        k=randn(gen, 2, 1, 2, 8),
+        v=randn(gen, 2, 1, 2, 8),
+        cache_seqlens=torch.tensor([3, 4], dtype=torch.int32),
+    )
     args.update(change)
     before = args["k_cache"].clone()
     with pytest.raises(error, match=words):
@@ -144,21 +204,28 @@ def test_sinks_as_flash_attn_func_on_the_valid_prefix(gen, paged):
     if paged:  # two pages of 6 rows per entry, stored in reverse order
         pool_k = k_cache.reshape(4, 6, 2, 16).flip(0).contiguous()
         pool_v = v_cache.reshape(4, 6, 2, 16).flip(0).contiguous()
-        out = flash_attn_with_kvcache(q, pool_k, pool_v, block_table=torch.tensor([[3, 2], [1, 0]], dtype=torch.int32),
-                                      **args)
+        out = flash_attn_with_kvcache(
+            q, pool_k, pool_v, block_table=torch.tensor([[3, 2], [1, 0]], dtype=torch.int32), **args
+        )
     else:
         out = flash_attn_with_kvcache(q, k_cache, v_cache, **args)
     for b, n in enumerate(lengths):
-        expected = flash_attn_func(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True, sinks=sinks)
-        assert torch.allclose(out[b:b + 1], expected, atol=2e-6), b
+        expected = flash_attn_func(
+            q[b : b + 1], k_cache[b : b + 1, :n], v_cache[b : b + 1, :n], causal=True, sinks=sinks
+        )
+        assert torch.allclose(out[b : b + 1], expected, atol=2e-6), b
 
 
 @pytest.mark.parametrize("case", range(4))
 def test_paged_cache_through_shuffled_block_tables(gen, case):
     """A paged pool with shuffled pages gives what the same cache laid out contiguously gives,
     appends land in the right pages, and every other page entry stays bitwise untouched."""
-    batch, lq, new, page, pages_per_seq, hq, hkv, d = [(3, 1, 1, 16, 5, 4, 2, 16), (2, 3, 2, 7, 9, 2, 2, 32),
-                                                       (2, 1, 0, 32, 3, 8, 2, 64), (2, 12, 4, 5, 20, 4, 1, 16)][case]
+    batch, lq, new, page, pages_per_seq, hq, hkv, d = [
+        (3, 1, 1, 16, 5, 4, 2, 16),
+        (2, 3, 2, 7, 9, 2, 2, 32),
+        (2, 1, 0, 32, 3, 8, 2, 64),
+        (2, 12, 4, 5, 20, 4, 1, 16),
+    ][case]
     dtype = ALL_DTYPES[case % 3]
     causal = case != 2
     capacity = page * pages_per_seq
@@ -172,8 +239,10 @@ def test_paged_cache_through_shuffled_block_tables(gen, case):
     q = randn(gen, batch, lq, hq, d, dtype=dtype)
     k = randn(gen, batch, new, hkv, d, dtype=dtype) if new else None
     v = randn(gen, batch, new, hkv, d, dtype=dtype) if new else None
-    lengths = torch.tensor([capacity - new] + [int(x) for x in torch.randint(0, capacity - new + 1, (batch - 1,),
-                                                                                generator=gen)], dtype=torch.int32)
+    lengths = torch.tensor(
+        [capacity - new] + [int(x) for x in torch.randint(0, capacity - new + 1, (batch - 1,), generator=gen)],
+        dtype=torch.int32,
+    )
     before_k, before_v = k_pool.clone(), v_pool.clone()
     out = flash_attn_with_kvcache(q, k_pool, v_pool, k, v, cache_seqlens=lengths, block_table=table, causal=causal)
     want = flash_attn_with_kvcache(q, contiguous_k, contiguous_v, k, v, cache_seqlens=lengths, causal=causal)
@@ -200,15 +269,27 @@ def test_core_clamps_block_tables_it_cannot_trust(gen):
     views = [t.transpose(1, 2) for t in (q, pool, pool, out)]
     for kernel in (_C.KERNEL_DECODE, _C.KERNEL_FORWARD):  # both read pages through the table
         out.fill_(float("nan"))
-        _varlen.run_forward(*views, None, AttentionOptions(0.25, False, (1, -1, -1), kernel=kernel),
-                            _varlen.sequence_args(entries, 1, 8, bad_pages))
+        _varlen.run_forward(
+            *views,
+            None,
+            AttentionOptions(0.25, False, (1, -1, -1), kernel=kernel),
+            _varlen.sequence_args(entries, 1, 8, bad_pages),
+        )
         assert out.isfinite().all(), kernel
     with pytest.raises(TypeError, match="block_table: must be a contiguous"):
-        _varlen.run_forward(*views, None, AttentionOptions(0.25, False, (1, -1, -1)),
-                            _varlen.sequence_args(entries, 1, 8, bad_pages.float()))
+        _varlen.run_forward(
+            *views,
+            None,
+            AttentionOptions(0.25, False, (1, -1, -1)),
+            _varlen.sequence_args(entries, 1, 8, bad_pages.float()),
+        )
     with pytest.raises(ValueError, match="prefill and decode kernels only"):
-        _varlen.run_forward(*views, None, AttentionOptions(0.25, False, (1, -1, -1), kernel=_C.KERNEL_SIMPLE),
-                            _varlen.sequence_args(entries, 1, 8, bad_pages))
+        _varlen.run_forward(
+            *views,
+            None,
+            AttentionOptions(0.25, False, (1, -1, -1), kernel=_C.KERNEL_SIMPLE),
+            _varlen.sequence_args(entries, 1, 8, bad_pages),
+        )
 
 
 def test_paged_decode_example_matches_recomputation(monkeypatch, capsys):

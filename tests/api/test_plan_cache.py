@@ -1,6 +1,7 @@
 """The plan cache never serves a plan made for other options or other tensors: two calls that
 differ in one option field (each of _C.OPTION_FIELDS in turn) or in one optional tensor's presence
 or shape plan afresh, and repeating a call finds its plan."""
+
 import itertools
 
 import pytest
@@ -10,16 +11,38 @@ from flashattn_mps import _C, _sources
 
 B, H, L, D = 1, 2, 8, 16
 CHANGED = {  # a valid value other than the base's, for every option field
-    "scale": 0.25, "causal": True, "bottom_right": True, "window_left": 3, "window_right": 2, "softcap": 5.0,
-    "dropout_p": 0.1, "kernel": _C.KERNEL_SIMPLE, "num_splits": 2, "write_probs": True, "max_q_len": 4,
-    "max_kv_len": 4, "unbatched": True,
+    "scale": 0.25,
+    "causal": True,
+    "bottom_right": True,
+    "window_left": 3,
+    "window_right": 2,
+    "softcap": 5.0,
+    "dropout_p": 0.1,
+    "kernel": _C.KERNEL_SIMPLE,
+    "num_splits": 2,
+    "write_probs": True,
+    "max_q_len": 4,
+    "max_kv_len": 4,
+    "unbatched": True,
 }
 
 
 def base_options(**changes):
-    values = dict(scale=0.5, causal=False, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0,
-                  dropout_p=0.0, kernel=_C.KERNEL_AUTO, num_splits=0, write_probs=False, max_q_len=0, max_kv_len=0,
-                  unbatched=False)
+    values = dict(
+        scale=0.5,
+        causal=False,
+        bottom_right=False,
+        window_left=-1,
+        window_right=-1,
+        softcap=0.0,
+        dropout_p=0.0,
+        kernel=_C.KERNEL_AUTO,
+        num_splits=0,
+        write_probs=False,
+        max_q_len=0,
+        max_kv_len=0,
+        unbatched=False,
+    )
     values.update(changes)
     return tuple(values[name] for name in _C.OPTION_FIELDS)
 
@@ -45,8 +68,10 @@ def tensors(direction, unbatched=False):
 
 
 def sequence_tensors(max_len=L):
-    return {"sequences": torch.tensor([[0, 0, max_len, 0, 0, max_len]], dtype=torch.int32),
-            "sequence_scratch": torch.zeros(_C.SEQUENCE_PARAMS_BYTES // 4 + 4)}
+    return {
+        "sequences": torch.tensor([[0, 0, max_len, 0, 0, max_len]], dtype=torch.int32),
+        "sequence_scratch": torch.zeros(_C.SEQUENCE_PARAMS_BYTES // 4 + 4),
+    }
 
 
 def plan(direction, by_name, options):
@@ -70,11 +95,11 @@ _CASES = itertools.count(1)
 
 def with_fresh_scale(options, shift):
     i = _C.OPTION_FIELDS.index("scale")
-    return options[:i] + (options[i] + shift,) + options[i + 1:]
+    return options[:i] + (options[i] + shift,) + options[i + 1 :]
 
 
 def assert_keyed(direction, base_tensors, base, changed_tensors, changed):
-    shift = next(_CASES) * 2.0 ** -20  # a scale of this case only, so no earlier case has cached its keys
+    shift = next(_CASES) * 2.0**-20  # a scale of this case only, so no earlier case has cached its keys
     base, changed = with_fresh_scale(base, shift), with_fresh_scale(changed, shift)
     assert plan(direction, base_tensors, base), "a new call found a plan"
     assert not plan(direction, base_tensors, base), "a repeated call plans again"
@@ -84,9 +109,21 @@ def assert_keyed(direction, base_tensors, base, changed_tensors, changed):
 
 def test_the_options_tuple_is_the_c_struct():
     assert set(CHANGED) == set(_C.OPTION_FIELDS)
-    assert _C.OPTION_FIELDS == ("scale", "causal", "bottom_right", "window_left", "window_right", "softcap",
-                                "dropout_p", "kernel", "num_splits", "write_probs", "max_q_len", "max_kv_len",
-                                "unbatched")
+    assert _C.OPTION_FIELDS == (
+        "scale",
+        "causal",
+        "bottom_right",
+        "window_left",
+        "window_right",
+        "softcap",
+        "dropout_p",
+        "kernel",
+        "num_splits",
+        "write_probs",
+        "max_q_len",
+        "max_kv_len",
+        "unbatched",
+    )
     assert _C.FORWARD_SLOTS[:5] == ("q", "k", "v", "out", "lse") and "dq" in _C.BACKWARD_SLOTS
     with pytest.raises(ValueError, match="'dq' is not a forward slot"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, {**tensors("forward"), "dq": None}, base_options())
@@ -112,23 +149,30 @@ def test_every_option_is_part_of_the_plan_key(direction, field):
     else:
         base, changed = base_options(), base_options(**{field: changed_value})
     if field == "unbatched":  # the same views, one as 3-D tensors with a batch dim of 1 added
-        changed_tensors = {name: t.squeeze(0) if t.dim() == 4 or name in ("lse", "delta") and t.dim() == 3 else t
-                           for name, t in base_tensors.items()}
+        changed_tensors = {
+            name: t.squeeze(0) if t.dim() == 4 or name in ("lse", "delta") and t.dim() == 3 else t
+            for name, t in base_tensors.items()
+        }
     assert_keyed(direction, base_tensors, base, changed_tensors, changed)
 
 
 OPTIONAL = {  # an optional slot's tensor, and the same slot with another shape
-    "mask": (lambda: torch.ones(B, H, L, L, dtype=torch.bool), lambda: torch.ones(B, 1, L, L, dtype=torch.bool)
-             .expand(B, H, L, L)),
+    "mask": (
+        lambda: torch.ones(B, H, L, L, dtype=torch.bool),
+        lambda: torch.ones(B, 1, L, L, dtype=torch.bool).expand(B, H, L, L),
+    ),
     "alibi_slopes": (lambda: torch.ones(B, H), lambda: torch.ones(1).expand(B, H)),
     "sinks": (lambda: torch.zeros(H), lambda: torch.zeros(2 * H)[::2]),
 }
 
 
 # The backward requires lse and refuses a block table: those two are optional in the forward only.
-OPTIONAL_CASES = [(direction, slot) for direction in ("forward", "backward")
-                  for slot in (*OPTIONAL, "sequences", "lse", "block_table")
-                  if direction == "forward" or slot not in ("lse", "block_table")]
+OPTIONAL_CASES = [
+    (direction, slot)
+    for direction in ("forward", "backward")
+    for slot in (*OPTIONAL, "sequences", "lse", "block_table")
+    if direction == "forward" or slot not in ("lse", "block_table")
+]
 
 
 @pytest.mark.parametrize("direction, slot", OPTIONAL_CASES)

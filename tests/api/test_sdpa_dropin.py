@@ -1,5 +1,6 @@
 """The SDPA drop-in: masks inside the kernels, torch's signature and errors, visible fallbacks, and
 patch()/unpatch() on real torch modules (CPU tensors through the CPU Metal device)."""
+
 from __future__ import annotations
 
 import itertools
@@ -18,15 +19,19 @@ from helpers import ALL_DTYPES, max_error, randn
 
 def golden_and_reference(q, k, v, mask=None, causal=False, scale=None, enable_gqa=False):
     golden_mask = None if mask is None else mask if mask.dtype == torch.bool else mask.double()
-    golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=golden_mask,
-                                            is_causal=causal, scale=scale, enable_gqa=enable_gqa)
-    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                               enable_gqa=enable_gqa)
+    golden = F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=golden_mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+    )
+    reference = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+    )
     return golden, reference
 
 
 def assert_dropin_matches(q, k, v, mask=None, causal=False, scale=None, enable_gqa=False, factor=5.0):
-    assert explain(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa).startswith("flashattn_mps")
+    assert explain(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa).startswith(
+        "flashattn_mps"
+    )
     out = scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=enable_gqa)
     golden, reference = golden_and_reference(q, k, v, mask, causal, scale, enable_gqa)
     tolerance = max(1e-5, factor * max_error(reference, golden))
@@ -38,7 +43,11 @@ def assert_dropin_matches(q, k, v, mask=None, causal=False, scale=None, enable_g
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_masks_of_every_broadcast_shape(gen, dtype, kind):
     b, h, lq, lk, e = 2, 4, 37, 45, 32
-    q, k, v = randn(gen, b, h, lq, e, dtype=dtype), randn(gen, b, 2, lk, e, dtype=dtype), randn(gen, b, 2, lk, e, dtype=dtype)
+    q, k, v = (
+        randn(gen, b, h, lq, e, dtype=dtype),
+        randn(gen, b, 2, lk, e, dtype=dtype),
+        randn(gen, b, 2, lk, e, dtype=dtype),
+    )
     # PyTorch's patterns: 4-D masks with every dim full or 1, and 2-D ones.
     shapes = list(itertools.product([b, 1], [h, 1], [lq, 1], [lk, 1])) + [(lq, lk), (1, lk), (lq, 1)]
     for shape in shapes:
@@ -49,7 +58,8 @@ def test_masks_of_every_broadcast_shape(gen, dtype, kind):
             mask = keep
         else:
             mask = torch.where(keep, torch.randn(*shape, generator=gen), torch.tensor(float("-inf"))).to(
-                dtype if shape == (lq, lk) else torch.float32)
+                dtype if shape == (lq, lk) else torch.float32
+            )
         assert_dropin_matches(q, k, v, mask, enable_gqa=True)
 
 
@@ -66,7 +76,11 @@ def test_fully_masked_rows_give_zeros(gen, lq):
 def test_key_padding_mask(gen):
     lengths = torch.tensor([30, 17, 1])
     mask = (torch.arange(30)[None, :] < lengths[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    q, k, v = randn(gen, 3, 4, 20, 64, dtype=torch.float16), randn(gen, 3, 4, 30, 64, dtype=torch.float16), randn(gen, 3, 4, 30, 64, dtype=torch.float16)
+    q, k, v = (
+        randn(gen, 3, 4, 20, 64, dtype=torch.float16),
+        randn(gen, 3, 4, 30, 64, dtype=torch.float16),
+        randn(gen, 3, 4, 30, 64, dtype=torch.float16),
+    )
     assert_dropin_matches(q, k, v, mask)
 
 
@@ -117,7 +131,10 @@ FALLBACKS = {
     "float64": (lambda q, k, v: dict(query=q.double(), key=k.double(), value=v.double()), "dtypes"),
     "mask needs grad": (lambda q, k, v: dict(attn_mask=torch.zeros(5, 6, requires_grad=True)), "requires grad"),
     "broadcast batch": (lambda q, k, v: dict(key=k[:1], value=v[:1]), "batch dimensions differ"),
-    "head dim 600": (lambda q, k, v: dict(query=torch.randn(2, 4, 5, 600), key=torch.randn(2, 4, 6, 600)), "head dims above 576"),
+    "head dim 600": (
+        lambda q, k, v: dict(query=torch.randn(2, 4, 5, 600), key=torch.randn(2, 4, 6, 600)),
+        "head dims above 576",
+    ),
     "meta device": (lambda q, k, v: dict(query=q.to("meta"), key=k.to("meta"), value=v.to("meta")), "device"),
 }
 
@@ -169,7 +186,11 @@ def test_patch_routes_only_what_it_should(gen, caplog):
 def run_module(module, x, key_padding=None):
     module.zero_grad()
     x = x.clone().requires_grad_()
-    out = module(x, x, x, key_padding_mask=key_padding, need_weights=False)[0] if isinstance(module, nn.MultiheadAttention) else module(x, src_key_padding_mask=key_padding)
+    out = (
+        module(x, x, x, key_padding_mask=key_padding, need_weights=False)[0]
+        if isinstance(module, nn.MultiheadAttention)
+        else module(x, src_key_padding_mask=key_padding)
+    )
     out.sum().backward()
     return out.detach(), x.grad, [p.grad.clone() for p in module.parameters()]
 
@@ -186,7 +207,9 @@ def test_mask_gradients(gen, dtype, pattern):
         mask = torch.rand(lq, lk, generator=gen) > 0.4
         mask[::4] = False  # rows with no visible key: zero output, zero gradients
     elif pattern == "float_key_padding":
-        mask = torch.zeros(b, 1, 1, lk).masked_fill(torch.arange(lk) >= torch.tensor([50, 23]).view(b, 1, 1, 1), float("-inf"))
+        mask = torch.zeros(b, 1, 1, lk).masked_fill(
+            torch.arange(lk) >= torch.tensor([50, 23]).view(b, 1, 1, 1), float("-inf")
+        )
     elif pattern == "band":
         outside = torch.ones(lq, lk, dtype=torch.bool).triu(1) | torch.ones(lq, lk, dtype=torch.bool).tril(-9)
         mask = torch.zeros(lq, lk, dtype=dtype).masked_fill(outside, float("-inf"))
@@ -197,11 +220,17 @@ def test_mask_gradients(gen, dtype, pattern):
     def grads(fn, *tensors):
         leaves = [t.detach().requires_grad_() for t in tensors]
         fn(*leaves, mask if mask.dtype == torch.bool or leaves[0].dtype != torch.float64 else mask.double()).backward(
-            dout.to(leaves[0].dtype))
+            dout.to(leaves[0].dtype)
+        )
         return [t.grad for t in leaves]
 
     ours = grads(lambda q_, k_, v_, m: scaled_dot_product_attention(q_, k_, v_, attn_mask=m), q, k, v)
-    golden = grads(lambda q_, k_, v_, m: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m), q.double(), k.double(), v.double())
+    golden = grads(
+        lambda q_, k_, v_, m: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m),
+        q.double(),
+        k.double(),
+        v.double(),
+    )
     reference = grads(lambda q_, k_, v_, m: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m), q, k, v)
     for name, a, g, r in zip("qkv", ours, golden, reference):
         tolerance = max(1e-5, GRAD_FUDGE[name] * max_error(r, g))
@@ -236,10 +265,24 @@ class _HasFloat:
 
 
 ARGUMENT_VALUES = {
-    "float": 0.5, "int": 1, "zero": 0, "bool": True, "false": False, "np.float32": np.float32(0.375),
-    "np.float16": np.float16(0.5), "np.int64": np.int64(1), "np.bool_": np.bool_(True), "0-dim tensor": torch.tensor(0.25),
-    "0-dim int tensor": torch.tensor(1), "1-element tensor": torch.tensor([0.5]), "tensor needing grad": torch.tensor(0.5, requires_grad=True),
-    "str": "0.5", "complex": 1j, "None": None, "__float__": _HasFloat(), "np.ndarray": np.array(0.5),
+    "float": 0.5,
+    "int": 1,
+    "zero": 0,
+    "bool": True,
+    "false": False,
+    "np.float32": np.float32(0.375),
+    "np.float16": np.float16(0.5),
+    "np.int64": np.int64(1),
+    "np.bool_": np.bool_(True),
+    "0-dim tensor": torch.tensor(0.25),
+    "0-dim int tensor": torch.tensor(1),
+    "1-element tensor": torch.tensor([0.5]),
+    "tensor needing grad": torch.tensor(0.5, requires_grad=True),
+    "str": "0.5",
+    "complex": 1j,
+    "None": None,
+    "__float__": _HasFloat(),
+    "np.ndarray": np.array(0.5),
 }
 
 
@@ -295,13 +338,19 @@ class LoggingTensor(torch.Tensor):
 
 def test_torch_function_subclasses_go_to_torch(gen, core_calls):
     q, k, v = randn(gen, 1, 2, 5, 8), randn(gen, 1, 2, 6, 8), randn(gen, 1, 2, 6, 8)
-    for subclassed in ({"query": q.as_subclass(LoggingTensor)}, {"attn_mask": torch.zeros(5, 6).as_subclass(LoggingTensor)}):
+    for subclassed in (
+        {"query": q.as_subclass(LoggingTensor)},
+        {"attn_mask": torch.zeros(5, 6).as_subclass(LoggingTensor)},
+    ):
         args = {**dict(query=q, key=k, value=v), **subclassed}
         assert "LoggingTensor" in explain(**args) and explain(**args).startswith("torch's")
         LoggingTensor.seen.clear()
         out = scaled_dot_product_attention(**args)
         assert "scaled_dot_product_attention" in LoggingTensor.seen
-        assert max_error(out.as_subclass(torch.Tensor), F.scaled_dot_product_attention(q.double(), k.double(), v.double())) < 1e-5
+        assert (
+            max_error(out.as_subclass(torch.Tensor), F.scaled_dot_product_attention(q.double(), k.double(), v.double()))
+            < 1e-5
+        )
     assert core_calls["forward"] == 0
     parameter = nn.Parameter(q.clone())  # Parameter disables __torch_function__: the kernels take it
     assert explain(parameter, k, v).startswith("flashattn_mps")
@@ -312,7 +361,9 @@ def test_jit_trace_records_the_custom_op_and_replays(gen):
     mask = torch.rand(9, 9, generator=gen) > 0.3
 
     def attend(q_, k_, v_, m):
-        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True) + F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m)
+        return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True) + F.scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=m
+        )
 
     with patch(cpu=True), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # routing is decided when tracing, as shapes
@@ -350,7 +401,9 @@ def test_nested_tensors_and_vmap_go_to_torch(gen, core_calls):
 
     q, k, v = randn(gen, 3, 2, 5, 8), randn(gen, 3, 2, 6, 8), randn(gen, 3, 2, 6, 8)
     reasons = []
-    out = torch.vmap(lambda a, b, c: (reasons.append(explain(a, b, c)), scaled_dot_product_attention(a, b, c))[1])(q, k, v)
+    out = torch.vmap(lambda a, b, c: (reasons.append(explain(a, b, c)), scaled_dot_product_attention(a, b, c))[1])(
+        q, k, v
+    )
     assert reasons[0].startswith("torch's") and "torch.func" in reasons[0]
     assert max_error(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double())) < 1e-5
     assert core_calls["forward"] == 0
@@ -361,7 +414,9 @@ def test_compile_fullgraph_without_graph_breaks(gen, dynamic, core_calls, caplog
     from torch._dynamo.utils import counters
 
     def attend(q_, k_, v_, m):
-        return scaled_dot_product_attention(q_, k_, v_, is_causal=True) + scaled_dot_product_attention(q_, k_, v_, attn_mask=m)
+        return scaled_dot_product_attention(q_, k_, v_, is_causal=True) + scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=m
+        )
 
     torch._dynamo.reset()
     counters.clear()
@@ -408,7 +463,11 @@ def test_sdpa_kernel_is_honoured(gen, core_calls):
         text = explain(q, k, v)
         scaled_dot_product_attention(q, k, v)
     assert text.startswith("torch's") and "sdpa_kernel" in text and core_calls["forward"] == 0
-    for allowed in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
+    for allowed in (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION],
+    ):
         with sdpa_kernel(allowed):
             assert explain(q, k, v).startswith("flashattn_mps")
             scaled_dot_product_attention(q, k, v)

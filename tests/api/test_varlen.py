@@ -1,5 +1,6 @@
 """flash_attn_varlen_func: packed sequences in one launch (forward in every kernel, backward),
 against float64 references on the unpacked pieces (helpers.reference per sequence)."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,12 +26,24 @@ from helpers import (
 
 # Length mixes: empty and length-1 sequences, queries longer and shorter than keys, one long
 # sequence among short ones; max_seqlen_q of at most 8 takes the decode kernel, longer the prefill.
-MIXES = [([3, 0, 1, 40], [5, 2, 1, 40]), ([1, 1, 1], [17, 0, 300]), ([33, 7], [7, 33]), ([0], [4]),
-         ([5, 8, 2], [9, 8, 600]), ([20, 1, 0, 37], [20, 64, 3, 37])]
+MIXES = [
+    ([3, 0, 1, 40], [5, 2, 1, 40]),
+    ([1, 1, 1], [17, 0, 300]),
+    ([33, 7], [7, 33]),
+    ([0], [4]),
+    ([5, 8, 2], [9, 8, 600]),
+    ([20, 1, 0, 37], [20, 64, 3, 37]),
+]
 # (causal, window, softcap, ALiBi shape kind)
-OPTIONS = [(False, (-1, -1), 0.0, None), (True, (-1, -1), 0.0, None), (False, (4, 2), 0.0, None),
-           (True, (6, -1), 0.7, None), (False, (-1, -1), 0.0, "h"), (True, (3, -1), 0.0, "bh"),
-           (False, (-1, 0), 1.5, "bh")]
+OPTIONS = [
+    (False, (-1, -1), 0.0, None),
+    (True, (-1, -1), 0.0, None),
+    (False, (4, 2), 0.0, None),
+    (True, (6, -1), 0.7, None),
+    (False, (-1, -1), 0.0, "h"),
+    (True, (3, -1), 0.0, "bh"),
+    (False, (-1, 0), 1.5, "bh"),
+]
 
 
 @pytest.mark.parametrize("mix", range(len(MIXES)))
@@ -43,8 +56,17 @@ def test_forward_matches_each_sequence(gen, mix, option):
     e, ev = [(16, 16), (32, 24), (8, 40)][(mix + 2 * option) % 3]
     inputs = packed_inputs(gen, lens_q, lens_k, hq, hkv, e, ev, dtype)
     alibi = slopes(gen, alibi_kind, len(lens_q), hq)
-    out = flash_attn_varlen_func(*inputs, prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k),
-                                 causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+    out = flash_attn_varlen_func(
+        *inputs,
+        prefix_sums(lens_q),
+        prefix_sums(lens_k),
+        max(lens_q),
+        max(lens_k),
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+    )
     check_packed(out, inputs, lens_q, lens_k, causal=causal, window=window, softcap=softcap, alibi=alibi)
 
 
@@ -55,12 +77,18 @@ def test_every_kernel_reads_the_table(gen, kernel, causal):
     inputs = packed_inputs(gen, lens_q, lens_k, 4, 2, 16, 16, torch.float32)
     q, k, v = inputs
     cq, ck = prefix_sums(lens_q), prefix_sums(lens_k)
-    table = torch.stack([torch.zeros(4, dtype=torch.int32), cq[:-1], cq.diff(), torch.zeros(4, dtype=torch.int32),
-                         ck[:-1], ck.diff()], 1).contiguous()
+    table = torch.stack(
+        [torch.zeros(4, dtype=torch.int32), cq[:-1], cq.diff(), torch.zeros(4, dtype=torch.int32), ck[:-1], ck.diff()],
+        1,
+    ).contiguous()
     out = torch.full((q.shape[0], 4, 16), float("nan"))
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
-    _varlen.run_forward(*views, None, AttentionOptions(0.25, causal, (1, -1, -1), kernel=kernel),
-                        _varlen.sequence_args(table, max(lens_q), max(lens_k)))
+    _varlen.run_forward(
+        *views,
+        None,
+        AttentionOptions(0.25, causal, (1, -1, -1), kernel=kernel),
+        _varlen.sequence_args(table, max(lens_q), max(lens_k)),
+    )
     check_packed(out, inputs, lens_q, lens_k, causal=causal, scale=0.25)
 
 
@@ -73,8 +101,12 @@ def test_rows_past_the_last_sequence_are_left_alone(gen):
 
 @pytest.mark.parametrize("case", range(4))
 def test_gradients_match_each_sequence(gen, case):
-    lens_q, lens_k = [([3, 0, 1, 40], [5, 2, 1, 40]), ([33, 7], [7, 33]), ([1, 6], [70, 6]),
-                      ([20, 1, 0, 37], [20, 64, 3, 37])][case]
+    lens_q, lens_k = [
+        ([3, 0, 1, 40], [5, 2, 1, 40]),
+        ([33, 7], [7, 33]),
+        ([1, 6], [70, 6]),
+        ([20, 1, 0, 37], [20, 64, 3, 37]),
+    ][case]
     causal, window, softcap, alibi_kind = OPTIONS[[1, 2, 3, 5][case]]
     hq, hkv = [(4, 2), (2, 2), (6, 3), (4, 1)][case]
     dtype = [torch.float32, torch.float16, torch.bfloat16, torch.float32][case]
@@ -83,8 +115,17 @@ def test_gradients_match_each_sequence(gen, case):
     options = dict(causal=causal, window=window, softcap=softcap, alibi=alibi)
     dout = randn(gen, sum(lens_q), hq, 24, dtype=dtype)
     leaves = [t.clone().requires_grad_() for t in inputs]
-    out = flash_attn_varlen_func(*leaves, prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k),
-                                 causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+    out = flash_attn_varlen_func(
+        *leaves,
+        prefix_sums(lens_q),
+        prefix_sums(lens_k),
+        max(lens_q),
+        max(lens_k),
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+    )
     grads = torch.autograd.grad(out, leaves, dout)
     assert_gradients_match(grads, lambda *t: per_sequence_reference(*t, lens_q, lens_k, **options), inputs, dout)
 
@@ -98,8 +139,11 @@ def test_one_launch_over_every_sequence(gen):
     out = torch.empty_like(q)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
     _, scratch, max_q, max_kv, _ = _varlen.sequence_args(table, 40, 40)
-    plan = _C.plan_forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, views, sequences=table, sequence_scratch=scratch),
-                           core_options(scale=0.25, max_q_len=max_q, max_kv_len=max_kv))
+    plan = _C.plan_forward(
+        _C.DEVICE_CPU,
+        slots(FORWARD_NAMES, views, sequences=table, sequence_scratch=scratch),
+        core_options(scale=0.25, max_q_len=max_q, max_kv_len=max_kv),
+    )
     assert [d["function"] for d in plan["dispatches"]] == ["fa_sequence_table_float", "fa_forward_float"]
     assert plan["dispatches"][1]["grid"] == (2, 4, 3)  # ceil(40 / 32) blocks, Hq, sequences
     assert plan["dispatches"][1]["constants"][12] == 1
@@ -107,33 +151,48 @@ def test_one_launch_over_every_sequence(gen):
 
 def bad_call(gen, **change):
     q, k, v = packed_inputs(gen, [3, 4], [3, 4], 2, 2, 8, 8, torch.float32)
-    args = dict(q=q, k=k, v=v, cu_seqlens_q=prefix_sums([3, 4]), cu_seqlens_k=prefix_sums([3, 4]), max_seqlen_q=4,
-                max_seqlen_k=4)
+    args = dict(
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens_q=prefix_sums([3, 4]),
+        cu_seqlens_k=prefix_sums([3, 4]),
+        max_seqlen_q=4,
+        max_seqlen_k=4,
+    )
     args.update(change)
     return flash_attn_varlen_func(**args)
 
 
-@pytest.mark.parametrize("change, error, words", [
-    (dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int64)), TypeError, "cu_seqlens_q must be int32"),
-    (dict(cu_seqlens_k=[0, 3, 7]), TypeError, "cu_seqlens_k must be an int32"),
-    (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, "non-decreasing"),
-    (dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError, "must start at 0"),
-    (dict(cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32)), ValueError, "past the 7 packed rows"),
-    (dict(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "cu_seqlens_k must be (3,)"),
-    (dict(max_seqlen_q=3), ValueError, "max_seqlen_q = 3"),
-    (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be in"),
-    (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an int"),
-    (dict(dropout_p=1.5), ValueError, "dropout_p must be in"),
-    (dict(sinks=torch.zeros(3)), ValueError, "sinks must be (Hq,)"),
-    (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError, "with block_table, k must be the 4-D pool"),
-])
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int64)), TypeError, "cu_seqlens_q must be int32"),
+        (dict(cu_seqlens_k=[0, 3, 7]), TypeError, "cu_seqlens_k must be an int32"),
+        (dict(cu_seqlens_q=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError, "non-decreasing"),
+        (dict(cu_seqlens_q=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError, "must start at 0"),
+        (dict(cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32)), ValueError, "past the 7 packed rows"),
+        (dict(cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32)), ValueError, "cu_seqlens_k must be (3,)"),
+        (dict(max_seqlen_q=3), ValueError, "max_seqlen_q = 3"),
+        (dict(max_seqlen_k=-1), ValueError, "max_seqlen_k must be in"),
+        (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an int"),
+        (dict(dropout_p=1.5), ValueError, "dropout_p must be in"),
+        (dict(sinks=torch.zeros(3)), ValueError, "sinks must be (Hq,)"),
+        (
+            dict(block_table=torch.zeros(2, 1, dtype=torch.int32)),
+            ValueError,
+            "with block_table, k must be the 4-D pool",
+        ),
+    ],
+)
 def test_errors_name_the_argument(gen, change, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         bad_call(gen, **change)
 
 
-@pytest.mark.parametrize("entry", [[0, 0, 5, 0, 0, 5], [0, 5, 3, 0, 5, 3], [0, -4, 3, 9, 1, 2**31 - 1],
-                                   [7, 2**31 - 1, -1, -5, 6, 4]])
+@pytest.mark.parametrize(
+    "entry", [[0, 0, 5, 0, 0, 5], [0, 5, 3, 0, 5, 3], [0, -4, 3, 9, 1, 2**31 - 1], [7, 2**31 - 1, -1, -5, 6, 4]]
+)
 def test_core_clamps_a_table_it_cannot_trust(gen, entry):
     """The C layer cannot read a table in device memory: out-of-range entries are clamped by the
     table kernel into the views (never an access outside them), cutting the sequence short."""
@@ -142,8 +201,9 @@ def test_core_clamps_a_table_it_cannot_trust(gen, entry):
     out = torch.zeros_like(q)
     views = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v, out)]
     for kernel in (_C.KERNEL_DECODE, _C.KERNEL_FORWARD, _C.KERNEL_SIMPLE):
-        _varlen.run_forward(*views, None, AttentionOptions(0.3, False, (1, -1, -1), kernel=kernel),
-                            _varlen.sequence_args(table, 4, 4))
+        _varlen.run_forward(
+            *views, None, AttentionOptions(0.3, False, (1, -1, -1), kernel=kernel), _varlen.sequence_args(table, 4, 4)
+        )
         assert out.isfinite().all()
 
 
@@ -177,8 +237,15 @@ def test_transformers_padding_free_llama_matches_eager_per_sequence(monkeypatch,
     from flashattn_mps.integrations import transformers as fa_transformers
 
     name = fa_transformers.register(cpu=True)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     torch.manual_seed(0)
     eager = transformers.LlamaForCausalLM(config).eval()
     eager.set_attn_implementation("eager")
@@ -193,8 +260,13 @@ def test_transformers_padding_free_llama_matches_eager_per_sequence(monkeypatch,
     from flashattn_mps import _core
 
     run, check = _core.forward, _varlen._check_prefix_sums
-    monkeypatch.setattr(_core, "forward", lambda device, tensors, *a: tensors.get("sequences") is not None
-                        and calls.append(1) or run(device, tensors, *a))
+    monkeypatch.setattr(
+        _core,
+        "forward",
+        lambda device, tensors, *a: (
+            tensors.get("sequences") is not None and calls.append(1) or run(device, tensors, *a)
+        ),
+    )
     monkeypatch.setattr(_varlen, "_check_prefix_sums", lambda *a, **k: host_checks.append(1) or check(*a, **k))
     extra = {}
     if through == "flash_kwargs":
@@ -219,8 +291,9 @@ def test_sinks_forward_and_gradients_per_sequence(gen, dtype, causal):
     q = torch.cat([q, randn(gen, 3, 4, 16, dtype=dtype)])  # rows past cu_seqlens_q[-1]: no sequence's
     sinks = randn(gen, 4)
     leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
-    out = flash_attn_varlen_func(*leaves[:3], prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k),
-                                 causal=causal, sinks=leaves[3])
+    out = flash_attn_varlen_func(
+        *leaves[:3], prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k), causal=causal, sinks=leaves[3]
+    )
     used = sum(lens_q)
     check_packed(out[:used], (q[:used], k, v), lens_q, lens_k, causal=causal, sinks=sinks.to(dtype))
     dout = randn(gen, *out.shape, dtype=dtype)
@@ -230,8 +303,12 @@ def test_sinks_forward_and_gradients_per_sequence(gen, dtype, causal):
     (expected * dout[:used].double()).sum().backward()
     assert torch.all(leaves[0].grad[used:] == 0)
     bound = 2e-5 if dtype == torch.float32 else 4e-2
-    for name, got, want in (("dq", leaves[0].grad[:used], golden[0].grad), ("dk", leaves[1].grad, golden[1].grad),
-                            ("dv", leaves[2].grad, golden[2].grad), ("dsinks", leaves[3].grad, golden[3].grad)):
+    for name, got, want in (
+        ("dq", leaves[0].grad[:used], golden[0].grad),
+        ("dk", leaves[1].grad, golden[1].grad),
+        ("dv", leaves[2].grad, golden[2].grad),
+        ("dsinks", leaves[3].grad, golden[3].grad),
+    ):
         assert max_error(got, want) <= bound * max(1.0, want.abs().max().item()), (name, max_error(got, want))
 
 

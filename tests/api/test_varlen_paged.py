@@ -1,6 +1,7 @@
 """flash_attn_varlen_func(block_table=...): packed queries against a paged KV cache, read in place
 through the block table by the prefill and the decode kernel, against float64 references on the
 unpacked pieces (each sequence's keys gathered from its pages by hand)."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,15 +43,18 @@ def paged_pool(gen, keys, values, lens_k, page_size, extra_columns=1, spare=3):
         positions = torch.arange(n)
         page, row = table[b].long()[positions // page_size], positions % page_size
         for pool, packed in zip(pools, (keys, values)):
-            pool[page, row] = packed[int(cu[b]):int(cu[b + 1])]
+            pool[page, row] = packed[int(cu[b]) : int(cu[b + 1])]
     return pools[0], pools[1], table
 
 
 def run_kernel(monkeypatch, kernel):
     """flash_attn_varlen_func's forward on the given _C.KERNEL_* code."""
     real = _varlen.run_forward
-    monkeypatch.setattr(_varlen, "run_forward", lambda q, k, v, out, lse, options, *rest:
-                        real(q, k, v, out, lse, options._replace(kernel=kernel), *rest))
+    monkeypatch.setattr(
+        _varlen,
+        "run_forward",
+        lambda q, k, v, out, lse, options, *rest: real(q, k, v, out, lse, options._replace(kernel=kernel), *rest),
+    )
 
 
 # (lens_q, lens_k, page_size, (hq, hkv), (e, ev), kernel, (causal, window, softcap, ALiBi kind, sinks)):
@@ -79,11 +83,24 @@ def test_paged_matches_each_sequence(gen, monkeypatch, case):
     alibi = slopes(gen, alibi_kind, len(lens_q), hq)
     sinks = torch.randn(hq, generator=gen) if with_sinks else None
     run_kernel(monkeypatch, kernel)
-    out = flash_attn_varlen_func(q, k_pool, v_pool, prefix_sums(lens_q), prefix_sums(lens_k), max(lens_q), max(lens_k),
-                                 causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
-                                 block_table=table, sinks=sinks)
-    check_packed(out, (q, k, v), lens_q, lens_k, causal=causal, window=window, softcap=softcap, alibi=alibi,
-                 sinks=sinks)
+    out = flash_attn_varlen_func(
+        q,
+        k_pool,
+        v_pool,
+        prefix_sums(lens_q),
+        prefix_sums(lens_k),
+        max(lens_q),
+        max(lens_k),
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+        block_table=table,
+        sinks=sinks,
+    )
+    check_packed(
+        out, (q, k, v), lens_q, lens_k, causal=causal, window=window, softcap=softcap, alibi=alibi, sinks=sinks
+    )
 
 
 # (lens_q, lens_k, page_size, (e, ev), dtype, kernel, dropout_p)
@@ -119,13 +136,16 @@ def test_kvcache_prefill_on_a_paged_cache(gen):
     k_pool, v_pool, table = paged_pool(gen, k, v, [30, 30], 4, extra_columns=0)
     q = randn(gen, 2, 12, 4, 16)
     lengths, leftpad = torch.tensor([30, 21], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32)
-    out = flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=lengths, cache_leftpad=leftpad, block_table=table,
-                                  causal=True)
-    want = flash_attn_with_kvcache(q, k.reshape(2, 30, 2, 16), v.reshape(2, 30, 2, 16), cache_seqlens=lengths,
-                                   cache_leftpad=leftpad, causal=True)
+    out = flash_attn_with_kvcache(
+        q, k_pool, v_pool, cache_seqlens=lengths, cache_leftpad=leftpad, block_table=table, causal=True
+    )
+    want = flash_attn_with_kvcache(
+        q, k.reshape(2, 30, 2, 16), v.reshape(2, 30, 2, 16), cache_seqlens=lengths, cache_leftpad=leftpad, causal=True
+    )
     assert torch.equal(out, want)
-    plan = explain_kvcache_plan(q, k_pool, v_pool, cache_seqlens=lengths, cache_leftpad=leftpad, block_table=table,
-                                causal=True)
+    plan = explain_kvcache_plan(
+        q, k_pool, v_pool, cache_seqlens=lengths, cache_leftpad=leftpad, block_table=table, causal=True
+    )
     assert [d["function"] for d in plan["dispatches"]] == ["fa_sequence_table_float", "fa_forward_float"]
     assert plan["dispatches"][1]["constants"][13] == 1  # FA_FC_PAGED
 
@@ -186,10 +206,17 @@ def test_the_backward_refuses_a_block_table(gen):
     with pytest.raises(ValueError, match="block_table: the backward does not read a paged KV cache"):
         table, scratch, max_q, max_kv, block_table = sequences
         grads = (torch.zeros_like(q4), torch.zeros_like(pool4), torch.zeros_like(pool4))
-        _C.backward(_C.DEVICE_CPU,
-                    slots(BACKWARD_NAMES, (q4, pool4, pool4, q4, lse, q4, torch.zeros_like(lse), *grads),
-                          sequences=table, sequence_scratch=scratch, block_table=block_table),
-                    core_options(scale=0.25, bottom_right=True, max_q_len=max_q, max_kv_len=max_kv))
+        _C.backward(
+            _C.DEVICE_CPU,
+            slots(
+                BACKWARD_NAMES,
+                (q4, pool4, pool4, q4, lse, q4, torch.zeros_like(lse), *grads),
+                sequences=table,
+                sequence_scratch=scratch,
+                block_table=block_table,
+            ),
+            core_options(scale=0.25, bottom_right=True, max_q_len=max_q, max_kv_len=max_kv),
+        )
 
 
 def test_bad_paged_input_is_refused_by_name(gen):
@@ -200,13 +227,15 @@ def test_bad_paged_input_is_refused_by_name(gen):
     table = torch.tensor([[0, 77], [2, 3]], dtype=torch.int32)
 
     def call(k=k_pool, v=v_pool, block_table=table):
-        return flash_attn_varlen_func(q, k, v, prefix_sums([3, 3]), prefix_sums([2, 7]), 3, 7,
-                                      block_table=block_table)
+        return flash_attn_varlen_func(q, k, v, prefix_sums([3, 3]), prefix_sums([2, 7]), 3, 7, block_table=block_table)
 
     assert call().isfinite().all()
     for change, error, message in [
-        (dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)), ValueError,
-         r"block_table\[1\] names page 9, outside the pool of 5 pages"),
+        (
+            dict(block_table=torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)),
+            ValueError,
+            r"block_table\[1\] names page 9, outside the pool of 5 pages",
+        ),
         (dict(block_table=torch.tensor([[-1, 1], [2, 3]], dtype=torch.int32)), ValueError, "names page -1"),
         (dict(block_table=table.long()), TypeError, "block_table must be an int32"),
         (dict(block_table=table[:1]), ValueError, r"block_table must be \(batch, max_num_blocks\) = \(2"),

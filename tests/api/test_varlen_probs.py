@@ -3,6 +3,7 @@ layout, against float64 references on each unpacked sequence: S_dmask's top-left
 sequence b is its undropped softmax (0 outside the block), its signs the very dropout mask the
 forward applied (out is reconstructed from them), softmax_lse (nheads, total_q) with +inf for rows
 that see no key."""
+
 from __future__ import annotations
 
 import math
@@ -65,13 +66,26 @@ def test_probs_lse_and_mask_match_each_sequence(gen, case):
     sinks = randn(gen, hq) if with_sinks else None
     cq, ck = prefix_sums(lens_q), prefix_sums(lens_k)
     max_q, max_k = max(lens_q) + extra, max(lens_k) + extra
-    out, lse, s_dmask = flash_attn_varlen_func(q, k, v, cq, ck, max_q, max_k, dropout_p=dropout_p, causal=causal,
-                                               window_size=window, softcap=softcap, alibi_slopes=alibi,
-                                               return_attn_probs=True, sinks=sinks)
+    out, lse, s_dmask = flash_attn_varlen_func(
+        q,
+        k,
+        v,
+        cq,
+        ck,
+        max_q,
+        max_k,
+        dropout_p=dropout_p,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=alibi,
+        return_attn_probs=True,
+        sinks=sinks,
+    )
     assert out.shape == (q.shape[0], hq, 24) and out.dtype == dtype
     assert lse.shape == (hq, q.shape[0]) and lse.dtype == torch.float32
     assert s_dmask.shape == (len(lens_q), hq, max_q, max_k) and s_dmask.dtype == dtype
-    assert torch.all(lse[:, int(cq[-1]):] == math.inf)  # rows of no sequence see no key
+    assert torch.all(lse[:, int(cq[-1]) :] == math.inf)  # rows of no sequence see no key
     probs_bound = 1e-5 if dtype == torch.float32 else 1e-2
     dropped_any = False
     for b, (length, keys) in enumerate(zip(lens_q, lens_k)):
@@ -81,21 +95,30 @@ def test_probs_lse_and_mask_match_each_sequence(gen, case):
         outside[:, :length, :keys] = 0
         assert torch.all(outside == 0) and not torch.signbit(outside).any()
         assert max_error(block.abs()[None], probs) <= probs_bound
-        rows = lse[:, int(cq[b]):int(cq[b + 1])][None]
+        rows = lse[:, int(cq[b]) : int(cq[b + 1])][None]
         expected_lse = golden_lse.masked_fill(golden_lse == -math.inf, math.inf)  # flash-attn's convention
-        assert max_error(rows, expected_lse) <= 1e-4 * max(1.0, expected_lse[expected_lse.isfinite()].abs().max().item()
-                                                            if expected_lse.isfinite().any() else 1.0)
+        assert max_error(rows, expected_lse) <= 1e-4 * max(
+            1.0, expected_lse[expected_lse.isfinite()].abs().max().item() if expected_lse.isfinite().any() else 1.0
+        )
         keep = ~torch.signbit(block)[None]
         if dropout_p == 0.0:
             assert keep.all()
         dropped_any |= bool((~keep & seen).any())
         # out rebuilt from the exposed mask: the forward dropped exactly these probabilities.
-        options = dict(causal=causal, bottom_right=True, window=window, softcap=softcap,
-                       alibi=None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b]), sinks=sinks,
-                       dropout_mask=keep, dropout_p=dropout_p)
+        options = dict(
+            causal=causal,
+            bottom_right=True,
+            window=window,
+            softcap=softcap,
+            alibi=None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b]),
+            sinks=sinks,
+            dropout_mask=keep,
+            dropout_p=dropout_p,
+        )
         inputs = [pieces(t, c, b) for t, c in ((q, cq), (k, ck), (v, ck))]
-        golden = reference(*[t.double() for t in inputs], **{**options, "sinks": None if sinks is None else
-                                                             sinks.double()})
+        golden = reference(
+            *[t.double() for t in inputs], **{**options, "sinks": None if sinks is None else sinks.double()}
+        )
         same_dtype = reference(*inputs, **{**options, "sinks": None if sinks is None else sinks.to(dtype)})
         actual = pieces(out, cq, b)
         assert max_error(actual, golden) <= max(1e-5, 5 * max_error(same_dtype, golden))
@@ -119,7 +142,7 @@ def test_gradients_flow_through_out_with_the_probs(gen):
     (out, grads, s_dmask), (plain_out, plain_grads, _) = results
     assert torch.equal(out, plain_out) and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     for b in range(len(lens_q)):
-        keep = ~torch.signbit(s_dmask[b, :, :lens_q[b], :lens_k[b]])[None]
+        keep = ~torch.signbit(s_dmask[b, :, : lens_q[b], : lens_k[b]])[None]
 
         def per_sequence(qp, kp, vp, b=b, keep=keep):
             return reference(qp, kp, vp, causal=True, bottom_right=True, dropout_mask=keep, dropout_p=0.3)
@@ -136,8 +159,9 @@ def test_return_attn_probs_errors(gen):
     with pytest.raises(TypeError, match="return_attn_probs must be a bool"):
         flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, return_attn_probs=1)
     with pytest.raises(NotImplementedError, match="return_attn_probs=True with a block_table"):
-        flash_attn_varlen_func(q, k, v, cu, cu, 3, 3, return_attn_probs=True,
-                               block_table=torch.zeros(1, 1, dtype=torch.int32))
+        flash_attn_varlen_func(
+            q, k, v, cu, cu, 3, 3, return_attn_probs=True, block_table=torch.zeros(1, 1, dtype=torch.int32)
+        )
 
 
 def test_core_refuses_the_probability_pass_through_a_block_table():
@@ -147,8 +171,20 @@ def test_core_refuses_the_probability_pass_through_a_block_table():
     pool = torch.zeros(4, 2, 4, 8)  # (pages, Hkv, page_size, E)
     table = torch.tensor([[0, 0, 1, 0, 0, 6]], dtype=torch.int32)
     sequences = _varlen.sequence_args(table, 1, 6, torch.tensor([[3, 1, 0, 2]], dtype=torch.int32))
-    with pytest.raises(ValueError, match="block_table: a paged KV cache is read by the prefill and decode kernels only"):
+    with pytest.raises(
+        ValueError, match="block_table: a paged KV cache is read by the prefill and decode kernels only"
+    ):
         table, scratch, max_q, max_kv, block_table = sequences
-        _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, pool, pool, out, lse), rng_state=torch.zeros(4),
-                                        sequences=table, sequence_scratch=scratch, block_table=block_table),
-                   core_options(write_probs=True, max_q_len=max_q, max_kv_len=max_kv), torch.zeros(16))
+        _C.forward(
+            _C.DEVICE_CPU,
+            slots(
+                FORWARD_NAMES,
+                (q, pool, pool, out, lse),
+                rng_state=torch.zeros(4),
+                sequences=table,
+                sequence_scratch=scratch,
+                block_table=block_table,
+            ),
+            core_options(write_probs=True, max_q_len=max_q, max_kv_len=max_kv),
+            torch.zeros(16),
+        )

@@ -1,6 +1,7 @@
 """Checked mode of the CPU Metal device (docs/cpu-device.md, "Checked mode"): threadgroup-memory races,
 uninitialised threadgroup reads and out-of-bounds accesses, each reported as MetalDispatchError
 with both source lines and threads (the project's own kernels under it: kernels/test_checked_kernels.py)."""
+
 import re
 import struct
 
@@ -91,9 +92,14 @@ def test_planted_race_reports_both_lines_and_threads():
         run("neighbours", 1, 64, [torch.zeros(64)])  # no barrier between the write and the neighbour's read
     message = str(info.value)
     # Thread 0 runs first: its read of tile[1] comes before thread 1 writes it, a read-then-write race.
-    assert re.search(r"kernel 'neighbours': threadgroup memory data race in threadgroup \(0,0,0\): thread 1 \(1,0,0\) "
-                     r"writes 4 bytes at byte 4 of kernel-scope threadgroup array #1 at " + at("neighbours-write") +
-                     r"; thread 0 \(0,0,0\) read them at " + at("neighbours-read"), message), message
+    assert re.search(
+        r"kernel 'neighbours': threadgroup memory data race in threadgroup \(0,0,0\): thread 1 \(1,0,0\) "
+        r"writes 4 bytes at byte 4 of kernel-scope threadgroup array #1 at "
+        + at("neighbours-write")
+        + r"; thread 0 \(0,0,0\) read them at "
+        + at("neighbours-read"),
+        message,
+    ), message
 
 
 def test_the_barrier_fixes_the_race_and_results_come_back():
@@ -110,34 +116,53 @@ def test_unchecked_library_does_not_look():
 def test_write_after_another_threads_read():
     with pytest.raises(mc.MetalDispatchError) as info:
         run("overwrite", 1, 64, [torch.zeros(64)])
-    assert re.search(r"thread 40 \(40,0,0\) writes 4 bytes at byte 0 of kernel-scope threadgroup array #1 at " +
-                     at("overwrite-write") + r"; thread \d+ \(\d+,0,0\) read them at " + at("overwrite-read"),
-                     str(info.value)), str(info.value)
+    assert re.search(
+        r"thread 40 \(40,0,0\) writes 4 bytes at byte 0 of kernel-scope threadgroup array #1 at "
+        + at("overwrite-write")
+        + r"; thread \d+ \(\d+,0,0\) read them at "
+        + at("overwrite-read"),
+        str(info.value),
+    ), str(info.value)
 
 
-@pytest.mark.parametrize("order, partner, racy", [
-    (1, 1, False),  # simdgroup_barrier orders the lanes of one SIMD-group
-    (1, 32, True),  # ... not lanes of different SIMD-groups
-    (2, 1, True),   # a SIMD collective exchanges values, not memory: it orders nothing
-    (0, 1, True),
-])
+@pytest.mark.parametrize(
+    "order, partner, racy",
+    [
+        (1, 1, False),  # simdgroup_barrier orders the lanes of one SIMD-group
+        (1, 32, True),  # ... not lanes of different SIMD-groups
+        (2, 1, True),  # a SIMD collective exchanges values, not memory: it orders nothing
+        (0, 1, True),
+    ],
+)
 def test_simdgroup_ordering(order, partner, racy):
     if not racy:
         run("lanes", 1, 64, [torch.zeros(64)], order=order, partner=partner)
         return
     with pytest.raises(mc.MetalDispatchError) as info:
         run("lanes", 1, 64, [torch.zeros(64)], order=order, partner=partner)
-    assert re.search("data race.*" + at("lanes-write") + ".*" + at("lanes-read") + "|data race.*" + at("lanes-read") +
-                     ".*" + at("lanes-write"), str(info.value)), str(info.value)
+    assert re.search(
+        "data race.*"
+        + at("lanes-write")
+        + ".*"
+        + at("lanes-read")
+        + "|data race.*"
+        + at("lanes-read")
+        + ".*"
+        + at("lanes-write"),
+        str(info.value),
+    ), str(info.value)
 
 
 def test_uninitialised_read_names_threadgroup_thread_and_line():
     with pytest.raises(mc.MetalDispatchError) as info:
         run("uninitialised", 2, 64, [torch.zeros(128)])  # threadgroup 0 writes all of tile, threadgroup 1 half
     message = str(info.value)
-    found = re.search(r"never written in this threadgroup: thread (\d+) \((\d+),0,0\) of threadgroup \(1,0,0\) "
-                      r"reads 4 bytes at byte (\d+) of kernel-scope threadgroup array #1 \(256 bytes\) at " +
-                      at("uninitialised-read"), message)
+    found = re.search(
+        r"never written in this threadgroup: thread (\d+) \((\d+),0,0\) of threadgroup \(1,0,0\) "
+        r"reads 4 bytes at byte (\d+) of kernel-scope threadgroup array #1 \(256 bytes\) at "
+        + at("uninitialised-read"),
+        message,
+    )
     assert found, message
     thread, x, byte = map(int, found.groups())
     assert thread == x and 32 <= thread < 64 and byte == 4 * thread
@@ -150,9 +175,11 @@ def test_out_of_bounds_write(shift):
     with pytest.raises(mc.MetalDispatchError) as info:
         run("shifted", 1, 64, [out, torch.arange(64.0), int_bytes(shift)])
     thread, offset, bound = (63, 256, 256) if shift > 0 else (0, -4, 288)
-    assert re.search(rf"out-of-bounds access: thread {thread} \({thread},0,0\) of threadgroup \(0,0,0\) writes 4 "
-                     rf"bytes at byte offset {offset} of \[\[buffer\(0\)\]\], which has {bound} bytes, at " +
-                     at("shifted"), str(info.value)), str(info.value)
+    assert re.search(
+        rf"out-of-bounds access: thread {thread} \({thread},0,0\) of threadgroup \(0,0,0\) writes 4 "
+        rf"bytes at byte offset {offset} of \[\[buffer\(0\)\]\], which has {bound} bytes, at " + at("shifted"),
+        str(info.value),
+    ), str(info.value)
     assert base.eq(0).all()  # base[7] was never written
 
 
@@ -165,14 +192,20 @@ def test_in_bounds_writes_land_in_the_bound_view():
 def test_out_of_bounds_read_far_away():
     with pytest.raises(mc.MetalDispatchError) as info:
         run("gather", 1, 64, [torch.zeros(64), torch.zeros(64), int_bytes(1000000)])
-    assert re.search(r"thread 0 \(0,0,0\) of threadgroup \(0,0,0\) reads 4 bytes at byte offset 4000000 of "
-                     r"\[\[buffer\(1\)\]\], which has 256 bytes, at " + at("gather"), str(info.value)), str(info.value)
+    assert re.search(
+        r"thread 0 \(0,0,0\) of threadgroup \(0,0,0\) reads 4 bytes at byte offset 4000000 of "
+        r"\[\[buffer\(1\)\]\], which has 256 bytes, at " + at("gather"),
+        str(info.value),
+    ), str(info.value)
 
 
 def test_out_of_bounds_of_set_bytes():
     # buffer(1) holds 4 bytes (setBytes); reading it from index 1 on runs past them
-    with pytest.raises(mc.MetalDispatchError, match=r"reads 4 bytes at byte offset 4 of \[\[buffer\(1\)\]\], which "
-                                                    r"has 4 bytes"):
+    with pytest.raises(
+        mc.MetalDispatchError,
+        match=r"reads 4 bytes at byte offset 4 of \[\[buffer\(1\)\]\], which "
+        r"has 4 bytes",
+    ):
         run("gather", 1, 2, [torch.zeros(2), int_bytes(7), int_bytes(0)])
 
 
@@ -180,9 +213,11 @@ def test_threadgroup_argument_bounds():
     run("argument", 1, 16, [torch.zeros(16)], threadgroup_memory=[64])
     with pytest.raises(mc.MetalDispatchError) as info:
         run("argument", 1, 16, [torch.zeros(16)], threadgroup_memory=[32])
-    assert re.search(r"thread 8 \(8,0,0\) of threadgroup \(0,0,0\) writes 4 bytes at byte offset 32 of "
-                     r"\[\[threadgroup\(0\)\]\], which has 32 bytes, at " + at("argument-write"),
-                     str(info.value)), str(info.value)
+    assert re.search(
+        r"thread 8 \(8,0,0\) of threadgroup \(0,0,0\) writes 4 bytes at byte offset 32 of "
+        r"\[\[threadgroup\(0\)\]\], which has 32 bytes, at " + at("argument-write"),
+        str(info.value),
+    ), str(info.value)
 
 
 def test_threadgroup_atomics_do_not_race():

@@ -1,4 +1,5 @@
 """The CPU Metal device, with purpose-built kernels checked against NumPy/torch."""
+
 from __future__ import annotations
 
 import os
@@ -62,7 +63,11 @@ def test_builtins_in_a_3d_dispatch():
 
 @pytest.mark.parametrize("kind", ["argument", "kernel_scope"])
 def test_threadgroup_reduction_with_barriers(kind):
-    decl = ("threadgroup float *shared [[threadgroup(0)]],", "") if kind == "argument" else ("", "threadgroup float shared[256];")
+    decl = (
+        ("threadgroup float *shared [[threadgroup(0)]],", "")
+        if kind == "argument"
+        else ("", "threadgroup float shared[256];")
+    )
     lib = build(f"""
         kernel void reduce(const device float *x [[buffer(0)]], device float *out [[buffer(1)]],
                            {decl[0]}
@@ -137,8 +142,8 @@ def test_every_simd_function():
     o = out.view(64, 12).numpy()
     io = iout.view(64, 3).numpy()
     for sg in range(2):
-        v = x[sg * 32:(sg + 1) * 32].numpy().astype(np.float64)
-        iv = ix[sg * 32:(sg + 1) * 32].numpy()
+        v = x[sg * 32 : (sg + 1) * 32].numpy().astype(np.float64)
+        iv = ix[sg * 32 : (sg + 1) * 32].numpy()
         for lane in range(32):
             r = o[sg * 32 + lane]
             np.testing.assert_allclose(r[0], v.sum(), rtol=1e-5, atol=1e-6)
@@ -273,7 +278,8 @@ def test_vectors_swizzles_and_math():
 
 
 def test_function_constants_and_macros():
-    lib = build("""
+    lib = build(
+        """
         constant int scale_by [[function_constant(0)]];
         constant bool add_one [[function_constant(1)]];
         constant float unused_value [[function_constant(2)]];
@@ -284,7 +290,9 @@ def test_function_constants_and_macros():
           if (add_two) { v += 2; }
           out[i * 2] = v;
           out[i * 2 + 1] = is_function_constant_defined(unused_value) ? 1 : 0;
-        }""", macros={"MACRO_FACTOR": 10})
+        }""",
+        macros={"MACRO_FACTOR": 10},
+    )
     out = torch.zeros(64, dtype=torch.int32)
     lib.dispatch("fc", (1,), (32,), [out], constants={0: 3, 1: True})
     assert out[0::2].tolist() == [i * 30 + 3 for i in range(32)] and out[1::2].sum() == 0
@@ -320,21 +328,28 @@ def test_bytes_buffers_and_storage_offsets():
 
 def test_compile_error_names_file_and_line():
     with pytest.raises(MetalCompileError, match=r"broken\.metal:5:.*error"):
-        build("""
+        build(
+            """
             kernel void k(device float *x [[buffer(0)]]) {
               x[0] = undefined_name;
-            }""", name="broken.metal")
+            }""",
+            name="broken.metal",
+        )
 
 
 DIVERGENT = {
-    "partial_barrier": ("""
+    "partial_barrier": (
+        """
         kernel void bad(device float *x [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
           if (tid < 40) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
           }
           x[tid] = 1.0f;
-        }""", r"threadgroup_barrier"),
-    "divergent_simdgroup_barrier": ("""
+        }""",
+        r"threadgroup_barrier",
+    ),
+    "divergent_simdgroup_barrier": (
+        """
         kernel void bad(device float *x [[buffer(0)]], uint lane [[thread_index_in_simdgroup]]) {
           float v = 1.0f;
           if (lane < 16) {
@@ -343,8 +358,11 @@ DIVERGENT = {
             v = simd_sum(v);
           }
           x[lane] = v;
-        }""", r"simdgroup_barrier"),
-    "barrier_lines_differ": ("""
+        }""",
+        r"simdgroup_barrier",
+    ),
+    "barrier_lines_differ": (
+        """
         kernel void bad(device float *x [[buffer(0)]], uint tid [[thread_index_in_threadgroup]]) {
           if (tid < 32) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -352,7 +370,9 @@ DIVERGENT = {
             threadgroup_barrier(mem_flags::mem_threadgroup);
           }
           x[tid] = 1.0f;
-        }""", r"threadgroup_barrier"),
+        }""",
+        r"threadgroup_barrier",
+    ),
 }
 
 
@@ -390,8 +410,12 @@ def test_bad_dispatch_arguments():
 
 @pytest.mark.slow
 def test_concurrent_compilation_from_two_processes(tmp_path):
-    source = HEADER + f"// {uuid.uuid4()}\n" + textwrap.dedent("""
+    source = (
+        HEADER
+        + f"// {uuid.uuid4()}\n"
+        + textwrap.dedent("""
         kernel void k(device float *x [[buffer(0)]], uint i [[thread_position_in_grid]]) { x[i] = float(i); }""")
+    )
     script = textwrap.dedent(f"""
         import torch
         from flashattn_mps.metal_cpu import compile_library
@@ -402,8 +426,12 @@ def test_concurrent_compilation_from_two_processes(tmp_path):
         print("ok")
     """)
     env = dict(os.environ, FLASHATTN_MPS_CACHE=str(tmp_path))
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and out.strip() == "ok", err

@@ -1,5 +1,6 @@
 """The CPU Metal device on what real-world Metal kernels use: each test's small kernel is
 written for the test, after a pattern found in public kernels (MLX, llama.cpp)."""
+
 from __future__ import annotations
 
 import platform
@@ -128,7 +129,9 @@ def test_apple_internal_builtins_of_real_headers():
     e = torch.exp(xf).bfloat16().float()
     assert torch.equal(o[:, 0], e) and torch.equal(o[:, 1], e)
     torch.testing.assert_close(o[:, 2], torch.log(torch.arange(1, 33).float()))
-    assert torch.equal(o[:, 3], torch.full((32,), xf.sum().bfloat16().item()))  # sum of bfloat-exact values, exact in float
+    assert torch.equal(
+        o[:, 3], torch.full((32,), xf.sum().bfloat16().item())
+    )  # sum of bfloat-exact values, exact in float
     assert torch.equal(o[:31, 4], xf[1:]) and o[31, 4] == xf[31]
     assert torch.equal(o[2:, 5], xf[:-2]) and torch.equal(o[:2, 5], torch.tensor([-1.0, -1.0]))
     assert torch.equal(o[:, 6], xf.clamp(min=0.25))
@@ -188,7 +191,8 @@ def test_a_long_compile_log_stays_whole():
 
 
 def test_library_pieces_real_kernels_use():
-    lib = compile_library("""
+    lib = compile_library(
+        """
         #include <metal_stdlib>
         #include <metal_common>
         #include <metal_matrix>
@@ -229,7 +233,9 @@ def test_library_pieces_real_kernels_use():
           simdgroup_load(mb, b, 8);
           simdgroup_float8x8 r = ma * mb + ma;
           simdgroup_store(r, out, 8);
-        }""", name="ecosystem.metal")
+        }""",
+        name="ecosystem.metal",
+    )
     x = torch.arange(32).float()
     out = torch.zeros(32 * 16)
     lib.dispatch("k", (1,), (32,), [x, out])
@@ -416,7 +422,7 @@ def test_simd_functions_act_on_the_active_lanes_in_divergent_control_flow():
     lib.dispatch("k", (1,), (64,), [x, out])
     o = out.view(2, 32, 8)
     for s in range(2):
-        xs = x[32 * s:32 * s + 32]
+        xs = x[32 * s : 32 * s + 32]
         assert (o[s, :12, 0] == xs[:12].sum()).all() and (o[s, 12:, 0] == xs[12:].max()).all()
         assert (o[s, :12, 1] == 0xFFF).all()
         assert (o[s, 12:, 1] == sum(1 << i for i in range(12, 32, 2))).all()
@@ -498,14 +504,20 @@ def test_members_whose_bodies_differ_by_the_address_space_of_this_are_refused():
             kernel void k(device box *b [[buffer(0)]], device float *out [[buffer(1)]]) { out[0] = b[0].get(); }""")
 
 
-@pytest.mark.parametrize("statement", [
-    "threadgroup float *t = out;",                    # device to threadgroup
-    "device float *d = (device float *)c;",           # constant to device, even cast
-    "constant float *k = (constant float *)out;",     # device to constant
-])
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "threadgroup float *t = out;",  # device to threadgroup
+        "device float *d = (device float *)c;",  # constant to device, even cast
+        "constant float *k = (constant float *)out;",  # device to constant
+    ],
+)
 def test_address_space_conversions_are_refused_as_in_msl(statement):
     # the message names the address spaces as MSL does
-    with pytest.raises(MetalCompileError, match=r"mismatching address spaces|'threadgroup float \*' with an lvalue of type 'device float \*'"):
+    with pytest.raises(
+        MetalCompileError,
+        match=r"mismatching address spaces|'threadgroup float \*' with an lvalue of type 'device float \*'",
+    ):
         build(f"""
             kernel void k(device float *out [[buffer(0)]], constant float *c [[buffer(1)]]) {{
               {statement}
@@ -549,13 +561,17 @@ def test_the_compiler_must_be_clang(tmp_path, monkeypatch):
     monkeypatch.delenv("FLASHATTN_MPS_CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     source = "kernel void k(device float *out [[buffer(0)]]) { out[0] = 1.0f; }  // no clang"
-    with pytest.raises(MetalCompileError, match=r"clang\+\+ 16 or newer, and PATH holds none .* apt-get install clang-16"):
+    with pytest.raises(
+        MetalCompileError, match=r"clang\+\+ 16 or newer, and PATH holds none .* apt-get install clang-16"
+    ):
         build(source)
     gxx = tmp_path / "g++"  # what g++ says it is
     gxx.write_text("#!/bin/sh\necho 'g++ (Debian 12.2.0-14) 12.2.0'\n")
     gxx.chmod(0o755)
     monkeypatch.setenv("FLASHATTN_MPS_CXX", str(gxx))
-    with pytest.raises(MetalCompileError, match=r"g\+\+' \(from FLASHATTN_MPS_CXX\) is not clang 16 or newer \(it says: g\+\+ \(Debian"):
+    with pytest.raises(
+        MetalCompileError, match=r"g\+\+' \(from FLASHATTN_MPS_CXX\) is not clang 16 or newer \(it says: g\+\+ \(Debian"
+    ):
         build(source)
 
 
@@ -587,7 +603,9 @@ def test_vectors_aligned_only_to_their_element_load_and_store_as_on_apple_gpus(c
     # and half4 starts 1 or 2 elements past an aligned address: in device memory, through a
     # reference argument, a member and a swizzle, and in threadgroup memory, read back by a
     # neighbouring thread; checked mode finds nothing wrong with such accesses.
-    lib = compile_library(HEADER + textwrap.dedent("""
+    lib = compile_library(
+        HEADER
+        + textwrap.dedent("""
         METAL_FUNC float4 sum(const device float4 &a, const device float4 &b) { return a + b; }
         kernel void k(const device float *x [[buffer(0)]], device float *y [[buffer(1)]],
                       const device half *hx [[buffer(2)]], device half *hy [[buffer(3)]],
@@ -606,7 +624,10 @@ def test_vectors_aligned_only_to_their_element_load_and_store_as_on_apple_gpus(c
           float p = b->x, q = b->y, r = b->z, s = b->w; // scalars the optimiser makes one float4
           c->x = p + 1.0f, c->y = q + 2.0f, c->z = r + 3.0f, c->w = s + 4.0f;
           *((device half4 *)(hy + 1) + i) = ((threadgroup half4 *)((threadgroup half *)htile + 2))[j];
-        }"""), name="aligned.metal", checked=checked)
+        }"""),
+        name="aligned.metal",
+        checked=checked,
+    )
     x = torch.randn(4 * 32 + 4, generator=torch.Generator().manual_seed(0))
     hx = x.half()
     y = torch.zeros(12 * 32 + 12)

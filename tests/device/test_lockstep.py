@@ -2,6 +2,7 @@
 threadgroup-memory accesses in step, as kernels need that exchange values through threadgroup
 memory between lanes with no simdgroup_barrier, relying on the GPU running a SIMD-group's lanes
 together (llama.cpp's flash-attention kernels do)."""
+
 import re
 import time
 
@@ -124,8 +125,11 @@ def test_without_lockstep_lanes_run_one_after_another(kernel):
 def test_checked_lockstep_still_reports_races_between_simdgroups():
     with pytest.raises(mc.MetalDispatchError) as info:
         run("across_simdgroups", 64, checked=True)
-    assert re.search(r"thread 32 \(32,0,0\) writes 4 bytes .* at " + at("across-write") + r"; thread 0 \(0,0,0\) read "
-                     r"them at " + at("across-read"), str(info.value)), str(info.value)
+    assert re.search(
+        r"thread 32 \(32,0,0\) writes 4 bytes .* at " + at("across-write") + r"; thread 0 \(0,0,0\) read "
+        r"them at " + at("across-read"),
+        str(info.value),
+    ), str(info.value)
 
 
 def test_collectives_and_barriers_in_lockstep():

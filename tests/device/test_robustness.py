@@ -5,6 +5,7 @@ awkward tools and names.
 Probes that would kill or hang the interpreter on a regression run in a subprocess, so a
 regression is a failed test, not a dead test run. Tests that damage or plant caches use their own
 temporary cache directories."""
+
 from __future__ import annotations
 
 import json
@@ -27,10 +28,13 @@ from flashattn_mps.strict_check import find_clang
 CLANG = find_clang()  # a clang for the tests that wrap the CPU device's compiler
 
 HEADER = "#include <metal_stdlib>\nusing namespace metal;\n"
-COPY = HEADER + """
+COPY = (
+    HEADER
+    + """
 kernel void copy(device float *out [[buffer(0)]], device const float *in [[buffer(1)]],
                  uint tid [[thread_position_in_grid]]) { out[tid] = in[tid] + 1.0f; }
 """
+)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOBODY = 65534
 
@@ -43,8 +47,14 @@ def unique(source: str) -> str:
 def run_python(code: str, cache, timeout=240, env=None, **popen):
     """Runs code in a fresh interpreter with its own kernel cache; returns the CompletedProcess."""
     environment = dict(os.environ, FLASHATTN_MPS_CACHE=str(cache), PYTHONPATH=ROOT, **(env or {}))
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=environment, capture_output=True,
-                          text=True, timeout=timeout, **popen)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **popen,
+    )
 
 
 def check_copy(lib):
@@ -74,6 +84,7 @@ def cache_entries(cache):
 
 
 # --- 1. cache security -----------------------------------------------------------------------
+
 
 def test_cache_is_created_private_and_foreign_or_shared_folders_are_refused(cache, tmp_path):
     check_copy(compile_library(unique(COPY)))
@@ -116,7 +127,7 @@ def test_planted_or_swapped_cache_entries_are_never_loaded(cache):
     code = f"""
     import torch
     from flashattn_mps.metal_cpu import compile_library
-    lib = compile_library(open({str(cache / 'a.metal')!r}).read())
+    lib = compile_library(open({str(cache / "a.metal")!r}).read())
     x = torch.arange(32, dtype=torch.float32); out = torch.zeros(32)
     lib.dispatch("copy", (1,), (32,), [out, x])
     print(torch.equal(out, x + 1))
@@ -153,6 +164,7 @@ def test_planted_shim_headers_are_replaced(cache):
 
 # --- 2. a damaged library is rebuilt ---------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_truncated_library_is_rebuilt_not_loaded(cache):
     source = unique(COPY)
@@ -162,19 +174,23 @@ def test_truncated_library_is_rebuilt_not_loaded(cache):
     size = len(data)
     replace_file(cache / so, data[: size // 3])  # dlopen of this dies of SIGBUS
     (cache / "k.metal").write_text(source)
-    result = run_python(f"""
+    result = run_python(
+        f"""
     import torch
     from flashattn_mps.metal_cpu import compile_library
-    lib = compile_library(open({str(cache / 'k.metal')!r}).read())
+    lib = compile_library(open({str(cache / "k.metal")!r}).read())
     x = torch.arange(32, dtype=torch.float32); out = torch.zeros(32)
     lib.dispatch("copy", (1,), (32,), [out, x])
     print(torch.equal(out, x + 1))
-    """, cache)
+    """,
+        cache,
+    )
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr
     assert os.path.getsize(cache / so) == size
 
 
 # --- 3. a read-only but complete cache -------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_read_only_cache_is_usable(cache):
@@ -198,8 +214,13 @@ def test_read_only_cache_is_usable(cache):
         if os.geteuid() == 0:  # root writes through permissions: a read-only bind mount instead
             mount = f"mount --bind -o ro '{cache}' '{cache}' && exec \"$0\" \"$@\""
             environment = dict(os.environ, FLASHATTN_MPS_CACHE=str(cache), PYTHONPATH=ROOT)
-            result = subprocess.run(["unshare", "-m", "sh", "-c", mount, sys.executable, "-c", textwrap.dedent(code)],
-                                    env=environment, capture_output=True, text=True, timeout=240)
+            result = subprocess.run(
+                ["unshare", "-m", "sh", "-c", mount, sys.executable, "-c", textwrap.dedent(code)],
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
         else:
             result = run_python(code, cache)
     finally:
@@ -211,6 +232,7 @@ def test_read_only_cache_is_usable(cache):
 
 
 # --- 4. compile timeout, Ctrl-C, the watchdog --------------------------------------------------
+
 
 def hanging_compiler(tmp_path, seconds=613):
     """A compiler that answers --version and then hangs (in a grandchild, as cc1plus would)."""
@@ -236,13 +258,17 @@ def sleepers(seconds):
 def test_compile_times_out_and_kills_the_compiler(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHATTN_MPS_CXX", hanging_compiler(tmp_path, 611))
     monkeypatch.setenv("FLASHATTN_MPS_COMPILE_TIMEOUT", "1.5")
-    result = run_python(f"""
+    result = run_python(
+        f"""
     from flashattn_mps.metal_cpu import compile_library, MetalCompileError
     try:
         compile_library({unique(COPY)!r})
     except MetalCompileError as e:
         print(e)
-    """, cache, timeout=60)
+    """,
+        cache,
+        timeout=60,
+    )
     assert "ran longer than 1.5 s (FLASHATTN_MPS_COMPILE_TIMEOUT)" in result.stdout, result.stderr
     time.sleep(0.5)
     assert sleepers(611) == []
@@ -262,7 +288,9 @@ except KeyboardInterrupt:
     print("KeyboardInterrupt", flush=True)
 """
 
-SPIN = HEADER + """
+SPIN = (
+    HEADER
+    + """
 kernel void spin(device int *flag [[buffer(0)]], uint tid [[thread_position_in_grid]]) {
   volatile device int *f = flag;
   while (f[0] == 0) {}
@@ -272,14 +300,16 @@ kernel void spin_at_barrier(device int *flag [[buffer(0)]], uint tid [[thread_po
   while (f[0] == 0) { threadgroup_barrier(mem_flags::mem_none); }
 }
 """
+)
 
 
 def interrupt(cache, setup, call, env=None):
     """Starts the script, sends SIGINT once it is busy in `call`, returns (stdout, seconds to exit)."""
     code = INTERRUPTED.format(setup=setup, call=call)
     environment = dict(os.environ, FLASHATTN_MPS_CACHE=str(cache), PYTHONPATH=ROOT, **(env or {}))
-    p = subprocess.Popen([sys.executable, "-c", code], env=environment, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
         time.sleep(1.0)
@@ -294,8 +324,9 @@ def interrupt(cache, setup, call, env=None):
 
 @pytest.mark.slow
 def test_ctrl_c_interrupts_a_compile(cache, tmp_path):
-    out, seconds = interrupt(cache, "", f"compile_library({unique(COPY)!r})",
-                             env={"FLASHATTN_MPS_CXX": hanging_compiler(tmp_path, 612)})
+    out, seconds = interrupt(
+        cache, "", f"compile_library({unique(COPY)!r})", env={"FLASHATTN_MPS_CXX": hanging_compiler(tmp_path, 612)}
+    )
     assert "KeyboardInterrupt" in out and seconds < 10, out
     time.sleep(0.5)
     assert sleepers(612) == []
@@ -311,7 +342,8 @@ def test_ctrl_c_interrupts_a_dispatch(cache, kernel, grid):
 
 @pytest.mark.slow
 def test_watchdog_stops_a_dispatch_naming_the_kernel(cache):
-    result = run_python(f"""
+    result = run_python(
+        f"""
     import time, torch
     from flashattn_mps import metal_cpu
     lib = metal_cpu.compile_library({SPIN!r})
@@ -328,7 +360,10 @@ def test_watchdog_stops_a_dispatch_naming_the_kernel(cache):
     metal_cpu.set_watchdog(0)
     lib.dispatch("spin", (8,), (64,), [flag])  # the device still works
     print("after", metal_cpu.watchdog())
-    """, cache, timeout=120)
+    """,
+        cache,
+        timeout=120,
+    )
     lines = result.stdout.splitlines()
     assert len(lines) == 3, result.stderr
     for line, kernel in zip(lines, ("spin", "spin_at_barrier")):
@@ -337,15 +372,20 @@ def test_watchdog_stops_a_dispatch_naming_the_kernel(cache):
     assert lines[2] == "after 0.0"
     with pytest.raises(ValueError, match="watchdog: seconds must be a number"):
         metal_cpu.set_watchdog(-1)
-    result = run_python("import torch\nfrom flashattn_mps import metal_cpu\nmetal_cpu.compile_library("
-                        f"{COPY!r}).dispatch('copy', (1,), (32,), [torch.zeros(32), torch.zeros(32)])", cache,
-                        env={"FLASHATTN_MPS_CPU_WATCHDOG": "soon"})
+    result = run_python(
+        "import torch\nfrom flashattn_mps import metal_cpu\nmetal_cpu.compile_library("
+        f"{COPY!r}).dispatch('copy', (1,), (32,), [torch.zeros(32), torch.zeros(32)])",
+        cache,
+        env={"FLASHATTN_MPS_CPU_WATCHDOG": "soon"},
+    )
     assert "FLASHATTN_MPS_CPU_WATCHDOG='soon': expected seconds >= 0" in result.stderr
 
 
 # --- 5. kernel faults become errors ----------------------------------------------------------
 
-FAULTS = HEADER + """
+FAULTS = (
+    HEADER
+    + """
 int deep(int n, device int *out, thread int *caller) {
   int pad[32];
   pad[1] = n;
@@ -382,11 +422,13 @@ kernel void barrier_sum(device float *out [[buffer(0)]], uint tid [[thread_index
   out[group * 64 + tid] = shared[63 - tid];
 }
 """
+)
 
 
 @pytest.mark.slow
 def test_kernel_faults_raise_and_the_device_survives(cache):
-    result = run_python(f"""
+    result = run_python(
+        f"""
     import struct, torch
     from flashattn_mps.metal_cpu import compile_library, MetalDispatchError
     lib = compile_library({FAULTS!r}, name="faults.metal")
@@ -409,32 +451,40 @@ def test_kernel_faults_raise_and_the_device_survives(cache):
     lib.dispatch("divide", (1,), (4,), [res, pairs])
     print(res[1:4].tolist(), res[5:8].tolist())
     check()
-    """, cache)
+    """,
+        cache,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("kernel 'out_of_bounds': invalid memory access (SIGSEGV) at address 0x"), lines[0]
     assert "in threadgroup (5,0,0), thread (3,0,0)" in lines[0]
     assert "after its sync point at faults.metal:14 (threadgroup_barrier)" in lines[0]
     for line, kernel in zip(lines[1:3], ("recursion", "large_frame")):
-        assert line.startswith(f"kernel '{kernel}': stack overflow: the thread's 256 KiB fiber stack is exhausted"), line
+        assert line.startswith(f"kernel '{kernel}': stack overflow: the thread's 256 KiB fiber stack is exhausted"), (
+            line
+        )
     # as on a GPU: INT_MIN / -1 wraps, x / 0 is an unspecified value, no trap
     assert lines[3] == "[-2147483648, 3, -4] [0, 0, 0]"
 
 
 # --- 6. bounded, released resources ----------------------------------------------------------
 
-BUSY = HEADER + """
+BUSY = (
+    HEADER
+    + """
 kernel void touch_stack(device float *out [[buffer(0)]], uint tid [[thread_position_in_grid]]) {
   volatile float a[24576];  // 96 KiB of each fiber's stack
   for (uint i = 0; i < 24576; i += 1024) a[i] = float(tid);
   out[tid] = a[(tid * 1024) % 24576];
 }
 """
+)
 
 
 @pytest.mark.slow
 def test_many_threads_share_a_bounded_set_of_fiber_stacks(cache):
-    result = run_python(f"""
+    result = run_python(
+        f"""
     import json, threading, torch
     from flashattn_mps.metal_cpu import compile_library
     lib = compile_library({BUSY!r})
@@ -453,7 +503,9 @@ def test_many_threads_share_a_bounded_set_of_fiber_stacks(cache):
     done.set()
     for t in threads: t.join()
     print(json.dumps(dict(errors=errors[:2], maps=maps)))
-    """, cache)
+    """,
+        cache,
+    )
     assert result.returncode == 0, result.stderr
     measured = json.loads(result.stdout)
     assert measured["errors"] == [] and measured["maps"] < 40000, measured
@@ -461,7 +513,8 @@ def test_many_threads_share_a_bounded_set_of_fiber_stacks(cache):
 
 @pytest.mark.slow
 def test_touched_stack_pages_are_returned(cache):
-    result = run_python(f"""
+    result = run_python(
+        f"""
     import time, torch
     from flashattn_mps.metal_cpu import compile_library
     def rss():
@@ -471,7 +524,9 @@ def test_touched_stack_pages_are_returned(cache):
     busy = rss()
     time.sleep(3)
     print(busy, rss())
-    """, cache)
+    """,
+        cache,
+    )
     assert result.returncode == 0, result.stderr
     busy, idle = map(int, result.stdout.split())
     assert busy - idle > 60, (busy, idle)  # about 96 MiB of stack pages go back
@@ -479,7 +534,8 @@ def test_touched_stack_pages_are_returned(cache):
 
 @pytest.mark.slow
 def test_threadgroup_size_overflow_is_refused(cache):
-    result = run_python(f"""
+    result = run_python(
+        f"""
     import torch
     from flashattn_mps.metal_cpu import compile_library
     lib = compile_library({COPY!r})
@@ -487,12 +543,15 @@ def test_threadgroup_size_overflow_is_refused(cache):
         lib._handle.dispatch("copy", (1, 1, 1), (1 << 22, 1 << 21, 1 << 21), [0, 0], [], [])
     except ValueError as e:
         print(e)
-    """, cache)
+    """,
+        cache,
+    )
     assert result.returncode == 0, result.stderr
     assert "threadgroup 4194304 x 2097152 x 2097152 overflows 64 bits; at most 1024 threads" in result.stdout
 
 
 # --- 7. tooling ----------------------------------------------------------------------------
+
 
 def test_compiler_command_with_arguments(cache, monkeypatch):
     monkeypatch.setenv("FLASHATTN_MPS_CXX", f"env LC_ALL=C {CLANG}")  # like "ccache clang++"
@@ -510,10 +569,13 @@ def test_source_names_never_collide_with_build_files(cache, name):
 
 # --- 8. messages -----------------------------------------------------------------------------
 
+
 def test_full_disk_reports_the_compilers_own_message(cache, tmp_path, monkeypatch):
     # The compiler's files can no longer grow (as on a full disk); its messages must still arrive.
     script = tmp_path / "full-disk-c++"
-    script.write_text('#!/bin/sh\ncase " $* " in *" -shared "*) ulimit -f 0; trap "" XFSZ;; esac\nexec ' + CLANG + ' "$@"\n')
+    script.write_text(
+        '#!/bin/sh\ncase " $* " in *" -shared "*) ulimit -f 0; trap "" XFSZ;; esac\nexec ' + CLANG + ' "$@"\n'
+    )
     script.chmod(0o755)
     monkeypatch.setenv("FLASHATTN_MPS_CXX", str(script))
     with pytest.raises(MetalCompileError) as info:
@@ -523,10 +585,15 @@ def test_full_disk_reports_the_compilers_own_message(cache, tmp_path, monkeypatc
 
 
 def test_messages_name_the_kernel_once(cache):
-    lib = compile_library(unique(HEADER + """
+    lib = compile_library(
+        unique(
+            HEADER
+            + """
 kernel void needs_two(device float *a [[buffer(0)]], device float *b [[buffer(1)]],
                       uint tid [[thread_position_in_grid]]) { b[tid] = a[tid]; }
-"""))
+"""
+        )
+    )
     with pytest.raises(ValueError) as info:
         lib.dispatch("needs_two", (1,), (32,), [torch.zeros(32)])
     message = str(info.value)

@@ -2,6 +2,7 @@
 models built from configs (nothing is downloaded), each compared with the library's own SDPA path
 and a float64 copy, with the C core's calls counted to prove the kernels ran. CPU tensors run the
 kernels on the CPU Metal device (cpu=True)."""
+
 from __future__ import annotations
 
 import copy
@@ -26,18 +27,53 @@ def tiny_configs():
     decoder = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, **small)
     return {
         "llama_gqa": (transformers.LlamaForCausalLM, transformers.LlamaConfig(num_key_value_heads=2, **decoder)),
-        "mistral_sliding_window": (transformers.MistralForCausalLM,
-                                   transformers.MistralConfig(num_key_value_heads=2, sliding_window=4, **decoder)),
-        "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)),
-        "bart_encoder_decoder": (transformers.BartForConditionalGeneration, transformers.BartConfig(
-            d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-            encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-            **small)),
-        "bert_padding": (transformers.BertForMaskedLM, transformers.BertConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small)),
+        "mistral_sliding_window": (
+            transformers.MistralForCausalLM,
+            transformers.MistralConfig(num_key_value_heads=2, sliding_window=4, **decoder),
+        ),
+        "gpt2": (
+            transformers.GPT2LMHeadModel,
+            transformers.GPT2Config(
+                vocab_size=VOCAB,
+                n_positions=64,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+        ),
+        "bart_encoder_decoder": (
+            transformers.BartForConditionalGeneration,
+            transformers.BartConfig(
+                d_model=32,
+                encoder_layers=2,
+                decoder_layers=2,
+                encoder_attention_heads=4,
+                decoder_attention_heads=4,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+                dropout=0.0,
+                attention_dropout=0.0,
+                activation_dropout=0.0,
+                **small,
+            ),
+        ),
+        "bert_padding": (
+            transformers.BertForMaskedLM,
+            transformers.BertConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                intermediate_size=64,
+                hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0,
+                **small,
+            ),
+        ),
     }
 
 
@@ -45,14 +81,30 @@ def variant_configs():
     """Models whose attention SDPA cannot express, compared with transformers' "eager" attention:
     Gemma 2 (logit softcap; sliding and full layers) and GPT-OSS (sinks; sliding and full layers).
     Weights drawn wide enough (initializer_range) that the softcap bends the scores."""
-    decoder = dict(vocab_size=VOCAB, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                   initializer_range=0.2, sliding_window=4, rope_parameters=dict(rope_type="default", rope_theta=1e4))
+    decoder = dict(
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        initializer_range=0.2,
+        sliding_window=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4),
+    )
     return {
-        "gemma2_softcap": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
-            attn_logit_softcapping=2.0, query_pre_attn_scalar=8, **decoder)),
-        "gpt_oss_sinks": (transformers.GptOssForCausalLM, transformers.GptOssConfig(
-            num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **decoder)),
+        "gemma2_softcap": (
+            transformers.Gemma2ForCausalLM,
+            transformers.Gemma2Config(attn_logit_softcapping=2.0, query_pre_attn_scalar=8, **decoder),
+        ),
+        "gpt_oss_sinks": (
+            transformers.GptOssForCausalLM,
+            transformers.GptOssConfig(
+                num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager", **decoder
+            ),
+        ),
     }
 
 
@@ -80,7 +132,7 @@ def padded_batch(name, length=10):
     ids = torch.randint(3, VOCAB, (2, length), generator=gen)
     mask = torch.ones(2, length, dtype=torch.long)
     if name in ("bert_padding", "bart_encoder_decoder"):
-        mask[1, length - 4:] = 0
+        mask[1, length - 4 :] = 0
     else:
         mask[1, :4] = 0
     inputs = dict(input_ids=ids, attention_mask=mask)
@@ -206,8 +258,9 @@ def test_softcap_and_sinks_models_match_eager(name, core_calls, caplog):
         assert "-> flashattn_mps kernels" in caplog.text and "materialised" not in caplog.text
         assert core_calls["forward"] == 2 and core_calls["backward"] == 2 and core_calls["masked"] == 2
 
-    assert_training_step_matches(ours, reference, golden, dict(input_ids=ids, attention_mask=mask), mask.bool(),
-                                 caplog, check_ours)
+    assert_training_step_matches(
+        ours, reference, golden, dict(input_ids=ids, attention_mask=mask), mask.bool(), caplog, check_ours
+    )
     if name == "gpt_oss_sinks":
         assert all(layer.self_attn.sinks.grad.abs().sum() > 0 for layer in ours.model.layers)
 
@@ -265,8 +318,9 @@ def test_variants_where_the_kernels_do_not_take_the_call(q_length, causal, caplo
         fallback, _ = fa_transformers.attention_forward(module, q, k, v, None, **options)
     assert "materialised scores (torch)" in caplog.text
     kernels, _ = fa_transformers.attention_forward(module, q, k, v, None, allow_cpu=True, **options)
-    golden, _ = fa_transformers.attention_forward(module, q.double(), k.double(), v.double(), None,
-                                                  **{**options, "s_aux": options["s_aux"].double()})
+    golden, _ = fa_transformers.attention_forward(
+        module, q.double(), k.double(), v.double(), None, **{**options, "s_aux": options["s_aux"].double()}
+    )
     assert max_error(fallback, golden) < 1e-5 and max_error(kernels, golden) < 1e-5
 
 
@@ -288,10 +342,19 @@ def test_sliding_window_without_a_mask(q_length, causal, core_calls):
     out, _ = fa_transformers.attention_forward(module, q, k, v, None, sliding_window=window, allow_cpu=True)
     # transformers' flash-attention convention: window_size (window - 1, window - 1), the masks'
     # bidirectional window one less (ModernBERT passes its config's window + 1).
-    function = (sliding_window_causal_mask_function(window) if causal
-                else sliding_window_bidirectional_mask_function(window - 1))
-    mask = sdpa_mask(batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=kv_length - q_length,
-                     mask_function=function, allow_is_causal_skip=False)
+    function = (
+        sliding_window_causal_mask_function(window)
+        if causal
+        else sliding_window_bidirectional_mask_function(window - 1)
+    )
+    mask = sdpa_mask(
+        batch_size=1,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=kv_length - q_length,
+        mask_function=function,
+        allow_is_causal_skip=False,
+    )
     golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask).transpose(1, 2)
     assert core_calls["forward"] == 1 and core_calls["masked"] == 0 and max_error(out, golden) < 1e-5
 
@@ -300,13 +363,32 @@ def test_sliding_window_without_a_mask(q_length, causal, core_calls):
 def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
     torch.manual_seed(0)
     unet = diffusers.UNet2DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8).eval()
-    dit = diffusers.DiTTransformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, num_layers=2,
-                                          sample_size=8, patch_size=2, num_embeds_ada_norm=10).eval()
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    ).eval()
+    dit = diffusers.DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        num_layers=2,
+        sample_size=8,
+        patch_size=2,
+        num_embeds_ada_norm=10,
+    ).eval()
     gen = torch.Generator().manual_seed(6)
-    x, t, context = torch.randn(2, 4, 8, 8, generator=gen), torch.tensor([10, 500]), torch.randn(2, 7, 32, generator=gen)
+    x, t, context = (
+        torch.randn(2, 4, 8, 8, generator=gen),
+        torch.tensor([10, 500]),
+        torch.randn(2, 7, 32, generator=gen),
+    )
     context_mask = torch.ones(2, 7, dtype=torch.bool)
     context_mask[1, 4:] = False  # padded text tokens: cross-attention masks
     runs = {
@@ -315,7 +397,9 @@ def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
     }
     for what, (model, run) in runs.items():
         ours = use_in(copy.deepcopy(model), cpu=True)
-        processors = [m.processor for m in ours.modules() if isinstance(m, diffusers.models.attention_processor.Attention)]
+        processors = [
+            m.processor for m in ours.modules() if isinstance(m, diffusers.models.attention_processor.Attention)
+        ]
         assert processors and all(isinstance(p, MPSAttnProcessor) for p in processors)
         results = []
         for m in (ours, model, copy.deepcopy(model).double()):
@@ -330,7 +414,6 @@ def test_diffusers_unet_and_dit_match_sdpa_processor(core_calls, caplog):
         assert_close_to_golden(out, ref, gold, f"{what} output")
         assert_close_to_golden(grads, ref_grads, gold_grads, f"{what} gradients")
     assert core_calls["forward"] > 0 and core_calls["backward"] > 0 and core_calls["masked"] > 0
-
 
 
 @pytest.mark.slow
@@ -390,9 +473,17 @@ def test_modernbert_sliding_layers_run_without_a_mask(core_calls):
     away; the module passes 3 as sliding_window) take the kernels' window with no L x S mask when
     nothing is padded, and match transformers' SDPA path (logits and gradients); with padding the
     mask is built as for "sdpa"."""
-    config = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                           num_attention_heads=4, local_attention=4, global_attn_every_n_layers=3,
-                                           max_position_embeddings=64, pad_token_id=0)
+    config = transformers.ModernBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        local_attention=4,
+        global_attn_every_n_layers=3,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     reference = transformers.ModernBertModel(config).eval()
     reference.set_attn_implementation("sdpa")

@@ -1,4 +1,5 @@
 """flash_attention against the float64 SDPA golden on CPU tensors (the CPU Metal device)."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,8 +13,11 @@ from helpers import ALL_DTYPES, assert_matches_sdpa, randn, sdpa
 
 
 def make_qkv(gen, b, hq, hkv, lq, lk, e, ev, dtype):
-    return (randn(gen, b, hq, lq, e, dtype=dtype), randn(gen, b, hkv, lk, e, dtype=dtype),
-            randn(gen, b, hkv, lk, ev, dtype=dtype))
+    return (
+        randn(gen, b, hq, lq, e, dtype=dtype),
+        randn(gen, b, hkv, lk, e, dtype=dtype),
+        randn(gen, b, hkv, lk, ev, dtype=dtype),
+    )
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
@@ -129,8 +133,8 @@ def test_nan_and_inf_propagate_to_exactly_the_rows_they_touch(gen, kernel):
     # checked directly: a row is NaN iff it sees a NaN, every other row equals the clean golden.
     q, k, v = make_qkv(gen, 1, 1, 1, 40, 40, 16, 16, torch.float32)
     q = q.abs()
-    q[0, 0, 1, 3] = float("nan")    # row 1 only
-    k[0, 0, 30, 0] = float("nan")   # rows that see key 30: rows >= 30 under the causal mask
+    q[0, 0, 1, 3] = float("nan")  # row 1 only
+    k[0, 0, 30, 0] = float("nan")  # rows that see key 30: rows >= 30 under the causal mask
     k[0, 0, 20, :] = float("-inf")  # with q > 0 the score is -inf: weight 0, no NaN
     out = flash_attention(q, k, v, causal=True, kernel=kernel)
     nan_rows = out[0, 0].isnan().all(dim=-1)

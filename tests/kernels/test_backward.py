@@ -1,6 +1,7 @@
 """The fused backward and flash_attention's autograd: gradient parity with SDPA over a sampled
 product of shapes, layouts and flags, the torch.library ops under opcheck and torch.compile, a
 training run against SDPA, and the errors (double backward, malformed descriptors)."""
+
 from __future__ import annotations
 
 import os
@@ -57,8 +58,12 @@ def case_cost(case):
     return lq * lk * e * gqa
 
 
-@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
-    [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 40, 6, case_cost, 8, 1.5e7))
+@pytest.mark.parametrize(
+    "lengths,e,gqa,dtype,causal,layout,ev_differs",
+    sample_product(
+        [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 40, 6, case_cost, 8, 1.5e7
+    ),
+)
 @pytest.mark.slow
 def test_gradient_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
@@ -68,7 +73,11 @@ def test_gradient_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_batched_heads_scale_and_3d(gen, dtype):
-    q, k, v = randn(gen, 2, 6, 45, 40, dtype=dtype), randn(gen, 2, 2, 70, 40, dtype=dtype), randn(gen, 2, 2, 70, 24, dtype=dtype)
+    q, k, v = (
+        randn(gen, 2, 6, 45, 40, dtype=dtype),
+        randn(gen, 2, 2, 70, 40, dtype=dtype),
+        randn(gen, 2, 2, 70, 24, dtype=dtype),
+    )
     assert_gradients_match(q, k, v, randn(gen, 2, 6, 45, 24, dtype=dtype), causal=True, scale=-0.3)
     assert_gradients_match(q[1], k[1], v[1], randn(gen, 6, 45, 24, dtype=dtype))
 
@@ -78,7 +87,11 @@ def test_batched_heads_scale_and_3d(gen, dtype):
 def test_after_each_forward_kernel(gen, dtype, lq, lk):
     """The backward reads the log-sum-exp of whichever forward ran: the prefill kernel, the decode
     kernel, and the decode kernel with its keys split over threadgroups (L = 1 against 2000 keys)."""
-    q, k, v = randn(gen, 1, 4, lq, 64, dtype=dtype), randn(gen, 1, 1, lk, 64, dtype=dtype), randn(gen, 1, 1, lk, 64, dtype=dtype)
+    q, k, v = (
+        randn(gen, 1, 4, lq, 64, dtype=dtype),
+        randn(gen, 1, 1, lk, 64, dtype=dtype),
+        randn(gen, 1, 1, lk, 64, dtype=dtype),
+    )
     assert_gradients_match(q, k, v, randn(gen, 1, 4, lq, 64, dtype=dtype))
 
 
@@ -133,19 +146,27 @@ def test_memory_grows_linearly_with_length():
 
 # --- the torch.library ops ---------------------------------------------------------------------
 
+
 def test_opcheck(gen):
     q, k, v = randn(gen, 1, 4, 20, 16), randn(gen, 1, 2, 24, 16), randn(gen, 1, 2, 24, 8)
     strided = randn(gen, 1, 24, 2, 16).transpose(1, 2)
     mask = torch.rand(20, 24, generator=gen) > 0.3
-    for args in [(q, k, v, None, True, 0.25), (q[0], k[0], v[0], None, False, 0.5), (q, strided, v, None, False, 0.5),
-                 (q, k, v, mask, False, 0.25)]:
-        torch.library.opcheck(torch.ops.flashattn_mps.attention_forward.default,
-                              tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                                    for t in args))
+    for args in [
+        (q, k, v, None, True, 0.25),
+        (q[0], k[0], v[0], None, False, 0.5),
+        (q, strided, v, None, False, 0.5),
+        (q, k, v, mask, False, 0.25),
+    ]:
+        torch.library.opcheck(
+            torch.ops.flashattn_mps.attention_forward.default,
+            tuple(t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in args),
+        )
     out, lse = torch.ops.flashattn_mps.attention_forward(q.detach(), k.detach(), v.detach(), None, True, 0.25)
     dout = randn(gen, 1, 20, 4, 8).transpose(1, 2)
-    torch.library.opcheck(torch.ops.flashattn_mps.attention_backward.default,
-                          (dout, q.detach(), k.detach(), v.detach(), out, lse, None, True, 0.25))
+    torch.library.opcheck(
+        torch.ops.flashattn_mps.attention_backward.default,
+        (dout, q.detach(), k.detach(), v.detach(), out, lse, None, True, 0.25),
+    )
 
 
 class Block(torch.nn.Module):
@@ -157,12 +178,15 @@ class Block(torch.nn.Module):
         self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
         self.qkv = torch.nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim)
         self.proj = torch.nn.Linear(width, width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
 
     def forward(self, x):
         b, n, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                                 self.kv_heads * self.head_dim], dim=-1)
+        q, k, v = self.qkv(self.norm1(x)).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1
+        )
         # (B, L, H, D) viewed as (B, H, L, D): strided inputs, as models produce them.
         q, k, v = (t.view(b, n, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = self.attention(q, k, v, causal=True)
@@ -190,6 +214,7 @@ def test_torch_compile_has_no_graph_break(gen):
 
 def test_training_matches_sdpa(gen):
     """A few Adam steps of a tiny causal language-model block: the loss curves agree."""
+
     def train(attention):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Embedding(50, 32), Block(attention), torch.nn.Linear(32, 50))
@@ -212,12 +237,23 @@ def test_training_matches_sdpa(gen):
 
 # --- the C layer, called directly with malformed descriptors -------------------------------------
 
+
 def backward_tensors():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 4)
     out, lse = flash_attention(q, k, v, scale=0.5, return_lse=True)
     names = ["q", "k", "v", "out", "lse", "dout", "delta", "dq", "dk", "dv"]
-    tensors = [q, k, v, out, lse, torch.randn(1, 4, 6, 4), torch.empty(1, 4, 6),
-               torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)]
+    tensors = [
+        q,
+        k,
+        v,
+        out,
+        lse,
+        torch.randn(1, 4, 6, 4),
+        torch.empty(1, 4, 6),
+        torch.empty_like(q),
+        torch.empty_like(k),
+        torch.empty_like(v),
+    ]
     return dict(zip(names, tensors))
 
 
@@ -238,7 +274,12 @@ def test_c_layer_backward_accepts_good_descriptors():
 @pytest.mark.parametrize(
     "name,make,error,message",
     [
-        ("dq", lambda t: torch.empty(1, 4, 6, 7), ValueError, r"dq \(1, 4, 6, 7\) must be the shape of q \(1, 4, 6, 8\)"),
+        (
+            "dq",
+            lambda t: torch.empty(1, 4, 6, 7),
+            ValueError,
+            r"dq \(1, 4, 6, 7\) must be the shape of q \(1, 4, 6, 8\)",
+        ),
         ("dk", lambda t: torch.empty(1, 2, 5, 8, dtype=torch.float16), TypeError, "dk: must be float32, got float16"),
         ("dv", lambda t: torch.empty(1, 2, 5), ValueError, "dv: expected a 4-D descriptor"),
         ("dout", lambda t: torch.empty(1, 4, 5, 4), ValueError, r"dout \(1, 4, 5, 4\) must be the shape of out"),
@@ -267,21 +308,27 @@ def test_c_layer_backward_checks_bounds_and_presence():
 
 # --- the tiled kernels' paths, as in test_forward_kernel.py ------------------------------------------
 
+
 def backward_view(gen, layout, b, h, n, d, dtype):
     if layout == "unaligned":  # unit column stride, aligned strides, start one element off: strided path
-        return randn(gen, b, h, n, d + 4, dtype=dtype)[..., 1:d + 1]
+        return randn(gen, b, h, n, d + 4, dtype=dtype)[..., 1 : d + 1]
     if layout == "strided":
         return randn(gen, b, h, n, 2 * d, dtype=dtype)[..., ::2]
     return layout_tensor(gen, layout, b, h, n, d, dtype)
 
 
-@pytest.mark.parametrize("layout,dtype", [("bhld", torch.float32), ("blhd", torch.float16), ("unaligned", torch.bfloat16),
-                                          ("strided", torch.float32)])
+@pytest.mark.parametrize(
+    "layout,dtype",
+    [("bhld", torch.float32), ("blhd", torch.float16), ("unaligned", torch.bfloat16), ("strided", torch.float32)],
+)
 def test_gradient_tile_paths(gen, layout, dtype):
     """dK/dV tiles Q and dO, dQ tiles K and V: contiguous and strided load paths, ragged tiles, a
     head dim with a padding slice (40 in 48), GQA, both causal orders of the grid."""
-    q, k, v = (backward_view(gen, layout, 1, 4, 37, 40, dtype), backward_view(gen, layout, 1, 2, 75, 40, dtype),
-               backward_view(gen, layout, 1, 2, 75, 24, dtype))
+    q, k, v = (
+        backward_view(gen, layout, 1, 4, 37, 40, dtype),
+        backward_view(gen, layout, 1, 2, 75, 40, dtype),
+        backward_view(gen, layout, 1, 2, 75, 24, dtype),
+    )
     dout = backward_view(gen, layout, 1, 4, 37, 24, dtype)
     for causal in (False, True):
         assert_gradients_match(q, k, v, dout, causal)
@@ -291,8 +338,14 @@ def masked(mask):
     def attention(q, k, v, causal=False, scale=None):
         if attention.ours:
             return flash_attention(q, k, v, attn_mask=mask, scale=scale)
-        return sdpa(q, k, v, attn_mask=mask if mask.dtype == torch.bool or q.dtype != torch.float64 else mask.double(),
-                    scale=scale)
+        return sdpa(
+            q,
+            k,
+            v,
+            attn_mask=mask if mask.dtype == torch.bool or q.dtype != torch.float64 else mask.double(),
+            scale=scale,
+        )
+
     return attention
 
 
@@ -303,11 +356,23 @@ def test_gradient_mask_tile_classes(gen, dtype, mask_kind):
     of dK/dV, key tiles of dQ), one of them transposed in memory."""
     lq, lk = 70, 72
     g = torch.Generator().manual_seed(5)
-    kind = torch.randint(0, 3, (lq // 8 + 1, lk // 8 + 1), generator=g).repeat_interleave(8, 0)[:lq].repeat_interleave(8, 1)[:, :lk]
+    kind = (
+        torch.randint(0, 3, (lq // 8 + 1, lk // 8 + 1), generator=g)
+        .repeat_interleave(8, 0)[:lq]
+        .repeat_interleave(8, 1)[:, :lk]
+    )
     keep = torch.where(kind == 2, torch.rand(lq, lk, generator=g) > 0.5, kind == 1) | (torch.arange(lk) == 0)
     keep[:, 40:] = False  # key blocks no query sees: dK = dV = 0 there
-    mask = keep if mask_kind == "bool" else torch.where(keep, torch.randn(lq, lk, generator=g), torch.tensor(float("-inf"))).to(dtype)
-    q, k, v = randn(gen, 1, 2, lq, 32, dtype=dtype), randn(gen, 1, 2, lk, 32, dtype=dtype), randn(gen, 1, 2, lk, 32, dtype=dtype)
+    mask = (
+        keep
+        if mask_kind == "bool"
+        else torch.where(keep, torch.randn(lq, lk, generator=g), torch.tensor(float("-inf"))).to(dtype)
+    )
+    q, k, v = (
+        randn(gen, 1, 2, lq, 32, dtype=dtype),
+        randn(gen, 1, 2, lk, 32, dtype=dtype),
+        randn(gen, 1, 2, lk, 32, dtype=dtype),
+    )
     dout = randn(gen, 1, 2, lq, 32, dtype=dtype)
     for m in (mask, mask.t().contiguous().t()):
         attention = masked(m)

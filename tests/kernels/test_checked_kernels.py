@@ -1,6 +1,7 @@
 """The project's kernels on the CPU Metal device in checked mode (docs/cpu-device.md, "Checked mode"):
 switching modes switches the kernels, and a sample of the planner's paths and variants, forward and
 backward, runs with nothing reported and gives the same bits as unchecked."""
+
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,7 @@
 """The decode kernel (few query rows, split-K over long KV): parity with the float64 SDPA golden over
 a sampled product of query lengths, KV lengths, GQA ratios, dtypes and the causal flag, on KV
 caches sliced out of larger buffers; head dims; log-sum-exp; NaN/inf; and the planner's choices."""
+
 from __future__ import annotations
 
 import itertools
@@ -26,8 +27,11 @@ def decode_inputs(gen, b, hkv, gqa, lq, lk, e, ev, dtype, layout):
     q in (b, lq, h, e) memory, the layouts most models keep."""
     hq, s_max = hkv * gqa, lk + 29
     if layout == "contiguous":
-        return (randn(gen, b, hq, lq, e, dtype=dtype), randn(gen, b, hkv, lk, e, dtype=dtype),
-                randn(gen, b, hkv, lk, ev, dtype=dtype))
+        return (
+            randn(gen, b, hq, lq, e, dtype=dtype),
+            randn(gen, b, hkv, lk, e, dtype=dtype),
+            randn(gen, b, hkv, lk, ev, dtype=dtype),
+        )
     if layout == "cache":
         q = randn(gen, b, hq, lq, e, dtype=dtype)
         k = randn(gen, 2, b, hkv, s_max, e, dtype=dtype)[1][:, :, :lk]
@@ -46,8 +50,18 @@ def sampled_cases():
     rng = random.Random(5)
     pairs = list(itertools.product(QUERY_LENS, KV_LENS)) * 2
     pairs += [(lq, lk) for lq, lk in pairs[:40] if lk <= 400]
-    return [(lq, lk, rng.choice(GQA), rng.choice(ALL_DTYPES), rng.random() < 0.5, rng.choice(LAYOUTS),
-             rng.choice([64, 128])) for lq, lk in pairs]
+    return [
+        (
+            lq,
+            lk,
+            rng.choice(GQA),
+            rng.choice(ALL_DTYPES),
+            rng.random() < 0.5,
+            rng.choice(LAYOUTS),
+            rng.choice([64, 128]),
+        )
+        for lq, lk in pairs
+    ]
 
 
 @pytest.mark.parametrize("lq,lk,gqa,dtype,causal,layout,e", sampled_cases())
@@ -101,8 +115,9 @@ def test_rows_capped_by_registers_stay_exact(gen, e, hq, lq, rows, chunks, lk):
     assert_matches_sdpa(flash_attention(q, k, v), q, k, v)
 
 
-@pytest.mark.parametrize("shape,kind", [((2, 1, 1, -1), "bool"), ((1, 8, 3, -1), "float"), ((3, -1), "bool"),
-                                        ((2, 8, 1, -1), "float")])
+@pytest.mark.parametrize(
+    "shape,kind", [((2, 1, 1, -1), "bool"), ((1, 8, 3, -1), "float"), ((3, -1), "bool"), ((2, 8, 1, -1), "float")]
+)
 @pytest.mark.parametrize("lk", [45, 1200])  # 1200: split over threadgroups
 def test_masks_through_their_strides(gen, shape, kind, lk):
     # GQA 4 packs 4 query heads x 3 rows per kv head; the mask is read per (row, key pair).
@@ -149,10 +164,10 @@ def test_nan_and_inf_reach_exactly_the_rows_they_touch(gen, lk):
     # Query heads 0-3 share kv head 0, 4-7 kv head 1; 5 query rows, causal (row i sees keys 0..i).
     q, k, v = decode_inputs(gen, 1, 2, 4, 5, lk, 16, 16, torch.float32, "contiguous")
     q = q.abs()
-    q[0, 1, 0, 3] = float("nan")     # head 1, row 0 only
-    k[0, 1, 2, 0] = float("nan")     # kv head 1, key 2: rows >= 2 of heads 4-7
-    v[0, 0, 3, 5] = float("nan")     # kv head 0, key 3: rows >= 3 of heads 0-3 (masked before)
-    k[0, 0, 1, :] = float("-inf")    # with q > 0 the score is -inf: weight 0, no NaN
+    q[0, 1, 0, 3] = float("nan")  # head 1, row 0 only
+    k[0, 1, 2, 0] = float("nan")  # kv head 1, key 2: rows >= 2 of heads 4-7
+    v[0, 0, 3, 5] = float("nan")  # kv head 0, key 3: rows >= 3 of heads 0-3 (masked before)
+    k[0, 0, 1, :] = float("-inf")  # with q > 0 the score is -inf: weight 0, no NaN
     out = flash_attention(q, k, v, causal=True, kernel="decode")
     nan_rows = out[0].isnan().any(dim=-1)
     expected = torch.zeros(8, 5, dtype=torch.bool)
@@ -201,6 +216,7 @@ def test_unbatched_and_longer_queries(gen):
 
 # --- the planner ---------------------------------------------------------------------------------
 
+
 def plan(b, hq, hkv, lq, lk, causal=False, e=64, kernel="auto", dtype=torch.float16):
     q = torch.empty(b, hq, lq, e, dtype=dtype)
     k = torch.empty(1, 1, 1, e, dtype=dtype).expand(b, hkv, lk, e)  # planning reads no element
@@ -226,9 +242,11 @@ def test_long_kv_is_split_and_merged():
 
 @pytest.mark.parametrize(
     "shape,why",
-    [((1, 8, 8, 1, 400), "too few keys to share"),
-     ((1, 8, 2, 1, 8192, True), "causal with L = 1: only key 0 is visible"),
-     ((16, 32, 32, 1, 8192), "512 threadgroups fill the GPU already")],
+    [
+        ((1, 8, 8, 1, 400), "too few keys to share"),
+        ((1, 8, 2, 1, 8192, True), "causal with L = 1: only key 0 is visible"),
+        ((16, 32, 32, 1, 8192), "512 threadgroups fill the GPU already"),
+    ],
 )
 def test_no_split_when_it_does_not_pay(shape, why):
     p = plan(*shape)

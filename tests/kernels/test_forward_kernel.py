@@ -1,5 +1,6 @@
 """The FlashAttention-2 forward kernel: parity over a sampled product of shapes, layouts and flags,
 a hypothesis fuzz test, the log-sum-exp, and memory that grows linearly with L."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,12 @@ def case_cost(case):
     return lq * lk * 2 * e * gqa
 
 
-@pytest.mark.parametrize("lengths,e,gqa,dtype,causal,layout,ev_differs", sample_product(
-    [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 70, 4, case_cost, 12, 4e7))
+@pytest.mark.parametrize(
+    "lengths,e,gqa,dtype,causal,layout,ev_differs",
+    sample_product(
+        [LENGTHS, HEAD_DIMS, GQA, ALL_DTYPES, [False, True], LAYOUTS, [False, True]], 70, 4, case_cost, 12, 4e7
+    ),
+)
 @pytest.mark.slow
 def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs):
     q, k, v = product_case_tensors(gen, lengths, e, gqa, dtype, layout, ev_differs)
@@ -45,7 +50,11 @@ def test_forward_parity(gen, lengths, e, gqa, dtype, causal, layout, ev_differs)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_log_sum_exp(gen, dtype, causal):
-    q, k, v = randn(gen, 2, 4, 45, 64, dtype=dtype), randn(gen, 2, 2, 70, 64, dtype=dtype), randn(gen, 2, 2, 70, 32, dtype=dtype)
+    q, k, v = (
+        randn(gen, 2, 4, 45, 64, dtype=dtype),
+        randn(gen, 2, 2, 70, 64, dtype=dtype),
+        randn(gen, 2, 2, 70, 32, dtype=dtype),
+    )
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
     scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / 8.0
     if causal:
@@ -64,12 +73,17 @@ def test_log_sum_exp_without_keys(gen):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
-    lq=st.integers(1, 80), lk=st.integers(0, 80),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    lq=st.integers(1, 80),
+    lk=st.integers(0, 80),
     e=st.sampled_from([1, 8, 16, 24, 33, 64, 72, 100, 128, 200]),
     ev=st.sampled_from([1, 16, 40, 64, 128]),
-    dtype=st.sampled_from(ALL_DTYPES), causal=st.booleans(),
-    layout=st.sampled_from(LAYOUTS), scale=st.sampled_from([None, 0.3, -1.0]),
+    dtype=st.sampled_from(ALL_DTYPES),
+    causal=st.booleans(),
+    layout=st.sampled_from(LAYOUTS),
+    scale=st.sampled_from([None, 0.3, -1.0]),
     seed=st.integers(0, 2**16),
 )
 @pytest.mark.slow
@@ -113,12 +127,13 @@ def forward_dispatch(q, k, v, **kwargs):
 
 def unaligned_view(gen, b, h, n, d, dtype):
     """(b, h, n, d) with unit column stride and aligned strides, starting one element off alignment."""
-    return randn(gen, b, h, n, d + 4, dtype=dtype)[..., 1:d + 1]
+    return randn(gen, b, h, n, d + 4, dtype=dtype)[..., 1 : d + 1]
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
-@pytest.mark.parametrize("layout,contiguous", [
-    ("bhld", True), ("blhd", True), ("unaligned", False), ("strided", False), ("odd_rows", False)])
+@pytest.mark.parametrize(
+    "layout,contiguous", [("bhld", True), ("blhd", True), ("unaligned", False), ("strided", False), ("odd_rows", False)]
+)
 def test_tile_load_paths(gen, dtype, layout, contiguous):
     """The vector path for contiguous K/V (and Q/dO in the backward) and the strided one for every
     other view, each on ragged key tiles and a head dim narrower than its width (40 in 48)."""
@@ -140,19 +155,29 @@ def test_tile_load_paths(gen, dtype, layout, contiguous):
 def test_contiguous_path_needs_every_operand_aligned(gen):
     q, k, v = randn(gen, 1, 2, 20, 64), randn(gen, 1, 2, 30, 64), randn(gen, 1, 2, 30, 64)
     assert forward_dispatch(q, k, v)["constants"][FC_CONTIGUOUS_TILES] == 1
-    assert forward_dispatch(q, k, unaligned_view(gen, 1, 2, 30, 64, torch.float32))["constants"][FC_CONTIGUOUS_TILES] == 0
+    assert (
+        forward_dispatch(q, k, unaligned_view(gen, 1, 2, 30, 64, torch.float32))["constants"][FC_CONTIGUOUS_TILES] == 0
+    )
     assert forward_dispatch(q, k, v[..., :62])["constants"][FC_CONTIGUOUS_TILES] == 0  # Ev not a multiple of 4
     # q is not tiled by the forward kernel: its layout does not matter.
     assert forward_dispatch(q[..., ::2], k[..., ::2], v)["constants"][FC_CONTIGUOUS_TILES] == 0
-    assert forward_dispatch(unaligned_view(gen, 1, 2, 20, 64, torch.float32), k, v)["constants"][FC_CONTIGUOUS_TILES] == 1
+    assert (
+        forward_dispatch(unaligned_view(gen, 1, 2, 20, 64, torch.float32), k, v)["constants"][FC_CONTIGUOUS_TILES] == 1
+    )
 
 
-@pytest.mark.parametrize("e,ev,dtype", [(72, 72, torch.float16), (136, 40, torch.float32), (200, 136, torch.bfloat16),
-                                         (8, 100, torch.float32)])
+@pytest.mark.parametrize(
+    "e,ev,dtype",
+    [(72, 72, torch.float16), (136, 40, torch.float32), (200, 136, torch.bfloat16), (8, 100, torch.float32)],
+)
 def test_padded_head_dims_skip_empty_slices(gen, e, ev, dtype):
     """Head dims whose width has 8-wide slices of pure padding (72 in 80, 136 in 160, 40 in 48, ...):
     the matrix work skips them, and the result must not change."""
-    q, k, v = randn(gen, 1, 2, 41, e, dtype=dtype), randn(gen, 1, 2, 53, e, dtype=dtype), randn(gen, 1, 2, 53, ev, dtype=dtype)
+    q, k, v = (
+        randn(gen, 1, 2, 41, e, dtype=dtype),
+        randn(gen, 1, 2, 53, e, dtype=dtype),
+        randn(gen, 1, 2, 53, ev, dtype=dtype),
+    )
     for causal in (False, True):
         assert_matches_sdpa(flash_attention(q, k, v, causal=causal, kernel="forward"), q, k, v, causal)
 
@@ -185,7 +210,11 @@ def test_mask_tile_classes(gen, dtype, mask_kind):
     and for a bool mask not even loaded when every SIMD-group of the threadgroup is blocked) and
     mixed; broadcast over heads, and transposed in memory (a large key stride)."""
     lq, lk = 70, 100
-    q, k, v = randn(gen, 2, 2, lq, 64, dtype=dtype), randn(gen, 2, 2, lk, 64, dtype=dtype), randn(gen, 2, 2, lk, 48, dtype=dtype)
+    q, k, v = (
+        randn(gen, 2, 2, lq, 64, dtype=dtype),
+        randn(gen, 2, 2, lk, 64, dtype=dtype),
+        randn(gen, 2, 2, lk, 48, dtype=dtype),
+    )
     keep = block_mask(lq, lk, 8, 32, seed=3) | (torch.arange(lk) == 0)  # every row keeps key 0
     keep[32:64] = False  # one query block excluded everywhere: no K/V tile is loaded for it
     keep[32:64, 0] = True
@@ -219,6 +248,7 @@ def test_nan_key_under_a_blocked_tile(gen, mask_kind):
 
 # --- the bounded fuzz against torch's math SDPA in float64 -----------------------------------
 
+
 def strided(gen, shape, dtype, layout, offset):
     """A view of the given shape: contiguous, transposed in memory (heads and length swapped) or
     a slice with gaps; offset elements of storage before it."""
@@ -228,23 +258,31 @@ def strided(gen, shape, dtype, layout, offset):
         return base[offset:].view(b, n, h, d).transpose(1, 2)
     if layout == "gaps":
         base = torch.randn(offset + b * h * n * (d + 3), generator=gen).to(dtype)
-        return base[offset:].view(b, h, n, d + 3)[..., 1:d + 1]
+        return base[offset:].view(b, h, n, d + 3)[..., 1 : d + 1]
     base = torch.randn(offset + b * h * n * d, generator=gen).to(dtype)
     return base[offset:].view(b, h, n, d)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    b=st.integers(1, 2), hkv=st.integers(1, 2), group=st.sampled_from([1, 2]), lq=st.integers(1, 12),
-    lk=st.integers(1, 12), e=st.sampled_from([1, 4, 8, 16, 20]), ev=st.sampled_from([4, 8, 12]),
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 2]),
+    lq=st.integers(1, 12),
+    lk=st.integers(1, 12),
+    e=st.sampled_from([1, 4, 8, 16, 20]),
+    ev=st.sampled_from([4, 8, 12]),
     dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-    layout=st.sampled_from(["contiguous", "transposed", "gaps"]), offset=st.integers(0, 5),
-    mask=st.sampled_from([None, "bool", "float", "bool-broadcast", "float-rows"]), causal=st.booleans(),
+    layout=st.sampled_from(["contiguous", "transposed", "gaps"]),
+    offset=st.integers(0, 5),
+    mask=st.sampled_from([None, "bool", "float", "bool-broadcast", "float-rows"]),
+    causal=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 @pytest.mark.slow
-def test_fuzz_shapes_strides_offsets_dtypes_and_masks(b, hkv, group, lq, lk, e, ev, dtype, layout, offset, mask,
-                                                      causal, seed):
+def test_fuzz_shapes_strides_offsets_dtypes_and_masks(
+    b, hkv, group, lq, lk, e, ev, dtype, layout, offset, mask, causal, seed
+):
     gen = torch.Generator().manual_seed(seed)
     hq = hkv * group
     q = strided(gen, (b, hq, lq, e), dtype, layout, offset)
@@ -256,14 +294,19 @@ def test_fuzz_shapes_strides_offsets_dtypes_and_masks(b, hkv, group, lq, lk, e, 
     elif mask == "float":
         attn_mask = torch.randn(b, hq, lq, lk, generator=gen).to(dtype)
     elif mask == "bool-broadcast":
-        attn_mask = (torch.rand(lq, lk, generator=gen) > 0.5)
+        attn_mask = torch.rand(lq, lk, generator=gen) > 0.5
     elif mask == "float-rows":
         attn_mask = torch.randn(1, 1, lq, 1, generator=gen).expand(b, hq, lq, lk)
     if attn_mask is not None and causal:
         causal = False  # SDPA takes one or the other
     out = flash_attention(q, k, v, causal=causal, attn_mask=attn_mask)
-    golden = sdpa(q.double(), k.double(), v.double(), causal,
-                  attn_mask=attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double())
+    golden = sdpa(
+        q.double(),
+        k.double(),
+        v.double(),
+        causal,
+        attn_mask=attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double(),
+    )
     reference = sdpa(q, k, v, causal, attn_mask=attn_mask)
     tolerance = max(1e-5, 5 * max_error(reference, golden))
     assert max_error(out, golden) <= tolerance

@@ -1,6 +1,7 @@
 """What each kernel library holds: only the planned element type's kernels (FA_DTYPE), each carrying
 [[max_total_threads_per_threadgroup(N)]] with N the threads the planner dispatches, and the strict
 check's enumeration of specialisations equal to what the planner can emit."""
+
 from __future__ import annotations
 
 import re
@@ -35,9 +36,16 @@ def plan(dtype, hq=4, hkv=2, lq=1, lk=64, e=64, ev=None, kernel="auto"):
 
 # One plan per kernel family and dtype: 128 and 256 in 2-byte types are where float kernels would
 # pass 32 KiB of threadgroup memory; lk = 4096 splits the decode (a merge dispatch).
-CASES = [(dtype, kwargs) for dtype in KERNEL_TYPES for kwargs in (
-    dict(lq=40, e=128, kernel="forward"), dict(lq=40, e=256, ev=160, kernel="forward"),
-    dict(lq=3, e=80, lk=4096, kernel="decode"), dict(lq=5, e=24, kernel="simple"))]
+CASES = [
+    (dtype, kwargs)
+    for dtype in KERNEL_TYPES
+    for kwargs in (
+        dict(lq=40, e=128, kernel="forward"),
+        dict(lq=40, e=256, ev=160, kernel="forward"),
+        dict(lq=3, e=80, lk=4096, kernel="decode"),
+        dict(lq=5, e=24, kernel="simple"),
+    )
+]
 
 
 def libraries(dtype, kwargs):
@@ -54,9 +62,17 @@ def libraries(dtype, kwargs):
             entry[2].update(threads)
         if source == "fa_forward.metal":
             t = KERNEL_TYPES[dtype]
-            result.append(("fa_backward.metal", d["macros"], {
-                f"fa_backward_delta_{t}": BACKWARD_DELTA_THREADS, f"fa_backward_dkdv_{t}": d["threadgroup"][0],
-                f"fa_backward_dq_{t}": d["threadgroup"][0]}))
+            result.append(
+                (
+                    "fa_backward.metal",
+                    d["macros"],
+                    {
+                        f"fa_backward_delta_{t}": BACKWARD_DELTA_THREADS,
+                        f"fa_backward_dkdv_{t}": d["threadgroup"][0],
+                        f"fa_backward_dq_{t}": d["threadgroup"][0],
+                    },
+                )
+            )
     return result
 
 
@@ -70,8 +86,10 @@ def test_a_library_holds_only_the_planned_dtypes_kernels(dtype, kwargs):
         assert set(threads) <= expected
 
 
-INSTANTIATION = re.compile(r'template\s*\[\[host_name\(((?:\s*"[^"]*")+)\s*\)\]\]\s*\[\[kernel\]\]\s*'
-                           r'decltype\((\w+)<([^>]*)>\)')
+INSTANTIATION = re.compile(
+    r'template\s*\[\[host_name\(((?:\s*"[^"]*")+)\s*\)\]\]\s*\[\[kernel\]\]\s*'
+    r"decltype\((\w+)<([^>]*)>\)"
+)
 
 
 def declared_threads(text: str) -> dict:
@@ -126,4 +144,3 @@ def test_the_enumeration_is_exactly_what_the_planner_emits():
     for source, function, macros in _C.specialisations():
         dtype = dict(macros)["FA_DTYPE"]
         assert function.endswith("_" + dtype) and function.rsplit("_", 1)[0] in SOURCE_KERNELS[source]
-

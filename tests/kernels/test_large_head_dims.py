@@ -4,6 +4,7 @@ blocks, each alone and together), decode with split-K (12, 16 and 20 columns per
 kernel, the blocked backward (dQ, dK, dV), every variant (band, masks, softcap, ALiBi) through the
 shared headers, and the SDPA drop-in running the kernels for them. Against float64 references on
 materialised scores; shapes are small (each case costs L x S x (E + Ev) on the CPU device)."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ VARIANTS = {
     "none": ({}, {}),
     "causal": ({"causal": True}, {"causal": True}),
     "bottom-right causal": ({"causal": "bottom_right"}, {"causal": True, "bottom_right": True}),
-    "bottom-right window": ({"causal": "bottom_right", "window_size": (6, -1)},
-                            {"causal": True, "bottom_right": True, "window": (6, -1)}),
+    "bottom-right window": (
+        {"causal": "bottom_right", "window_size": (6, -1)},
+        {"causal": True, "bottom_right": True, "window": (6, -1)},
+    ),
     "window": ({"window_size": (5, 3)}, {"window": (5, 3)}),
     "softcap": ({"softcap": 0.7}, {"softcap": 0.7}),
     "alibi": ({"alibi_slopes": "h"}, {"alibi": "h"}),
@@ -72,8 +75,14 @@ def assert_close_to_golden(actual, tensors, theirs):
     assert error <= max(1e-5, 5 * reference_error), (error, reference_error)
 
 
-FORWARD_CASES = sample_product([HEAD_DIMS, sorted(VARIANTS), ALL_DTYPES, ["forward", "simple"]], count=22, seed=22,
-                               cost=lambda c: sum(c[0]), per_value=2, max_cost=1100)
+FORWARD_CASES = sample_product(
+    [HEAD_DIMS, sorted(VARIANTS), ALL_DTYPES, ["forward", "simple"]],
+    count=22,
+    seed=22,
+    cost=lambda c: sum(c[0]),
+    per_value=2,
+    max_cost=1100,
+)
 
 
 @pytest.mark.parametrize("dims, variant, dtype, kernel", FORWARD_CASES)
@@ -84,18 +93,29 @@ def test_forward_and_simple_kernels(gen, dims, variant, dtype, kernel):
     assert_close_to_golden(out, (q, k, v), theirs)
 
 
-@pytest.mark.parametrize("dims, bd, bdv, blocks", [((576, 512), 64, 256, 2), ((320, 320), 64, 160, 2),
-                                                   ((128, 512), 128, 256, 2), ((576, 64), 64, 64, 1),
-                                                   ((512, 576), 64, 192, 3), ((256, 256), 256, 256, 1),
-                                                   ((256, 512), 64, 256, 2)])
+@pytest.mark.parametrize(
+    "dims, bd, bdv, blocks",
+    [
+        ((576, 512), 64, 256, 2),
+        ((320, 320), 64, 160, 2),
+        ((128, 512), 128, 256, 2),
+        ((576, 64), 64, 64, 1),
+        ((512, 576), 64, 192, 3),
+        ((256, 256), 256, 256, 1),
+        ((256, 512), 64, 256, 2),
+    ],
+)
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 def test_forward_blocking_plan(dims, bd, bdv, blocks, dtype):
     """E above 256 streams in 64-column blocks; Ev above 256 splits into equal column blocks, one
     threadgroup per block of each head; every blocked configuration is within the register budget
     and 32 KiB of threadgroup memory (Q of E in 128..256 streams beside a blocked Ev). At 256 and
     below the tiles are as they were."""
-    q, k, v = (torch.zeros(1, 3, 40, dims[0], dtype=dtype), torch.zeros(1, 3, 50, dims[0], dtype=dtype),
-               torch.zeros(1, 3, 50, dims[1], dtype=dtype))
+    q, k, v = (
+        torch.zeros(1, 3, 40, dims[0], dtype=dtype),
+        torch.zeros(1, 3, 50, dims[0], dtype=dtype),
+        torch.zeros(1, 3, 50, dims[1], dtype=dtype),
+    )
     [d] = explain_plan(q, k, v, kernel="forward")["dispatches"]
     assert (d["macros"]["FA_BD"], d["macros"]["FA_BDV"]) == (str(bd), str(bdv))
     assert d["grid"] == (2, 3 * blocks, 1)
@@ -104,9 +124,14 @@ def test_forward_blocking_plan(dims, bd, bdv, blocks, dtype):
         assert d["cost"]["registers"] <= 104 and d["cost"]["threadgroup_bytes"] <= 32768
 
 
-DECODE_CASES = sample_product([HEAD_DIMS[:4], ["none", "bottom-right causal", "bool mask", "float mask", "softcap",
-                                               "alibi"], ALL_DTYPES],
-                              count=8, seed=5, cost=lambda c: sum(c[0]), per_value=1, max_cost=1100)
+DECODE_CASES = sample_product(
+    [HEAD_DIMS[:4], ["none", "bottom-right causal", "bool mask", "float mask", "softcap", "alibi"], ALL_DTYPES],
+    count=8,
+    seed=5,
+    cost=lambda c: sum(c[0]),
+    per_value=1,
+    max_cost=1100,
+)
 
 
 @pytest.mark.parametrize("dims, variant, dtype", DECODE_CASES)
@@ -128,8 +153,9 @@ def test_decode_registers_stay_in_budget():
     assert decode["macros"]["FA_DECODE_ROWS"] == "1" and decode["cost"]["registers"] == 2 * 20 + 2 * 20
 
 
-GRADIENT_CASES = sample_product([HEAD_DIMS, sorted(VARIANTS), ALL_DTYPES], count=12, seed=16,
-                                cost=lambda c: sum(c[0]), per_value=1, max_cost=1100)
+GRADIENT_CASES = sample_product(
+    [HEAD_DIMS, sorted(VARIANTS), ALL_DTYPES], count=12, seed=16, cost=lambda c: sum(c[0]), per_value=1, max_cost=1100
+)
 
 
 @pytest.mark.parametrize("dims, variant, dtype", GRADIENT_CASES)
@@ -170,8 +196,16 @@ def test_dropin_falls_back_beyond_576():
         flash_attention(q, k, v)
 
 
-@pytest.mark.parametrize("e, dtype, blocks", [(128, torch.float16, 1), (128, torch.float32, 1), (192, torch.float32, 2),
-                                              (256, torch.float16, 2), (256, torch.float32, 3)])
+@pytest.mark.parametrize(
+    "e, dtype, blocks",
+    [
+        (128, torch.float16, 1),
+        (128, torch.float32, 1),
+        (192, torch.float32, 2),
+        (256, torch.float16, 2),
+        (256, torch.float32, 3),
+    ],
+)
 def test_backward_blocks_above_128(e, dtype, blocks):
     """Above 128 the backward's accumulators take column blocks (its resident tiles would need up to
     twice the register budget at 256): dQ's grid carries Hq x E blocks, dK/dV's Hkv x blocks."""

@@ -1,6 +1,7 @@
 """explain_plan's cost of each dispatch (threadgroup memory, registers, FLOPs with and without padding,
 minimum device bytes) against figures computed by hand, and its threadgroup memory against the
 kernel-scope arrays the kernel source declares."""
+
 from __future__ import annotations
 
 import re
@@ -67,8 +68,15 @@ def test_split_decode_and_its_merge():
         "min_bytes_read": 8 * 100 * 2 + 3001 * (100 + 100) * 2,
         "min_bytes_written": 11 * 8 * (100 + 2) * 4,
     }
-    assert merge == {"threadgroup_bytes": 0, "registers": 4, "flops": 2 * 128 * 11 * 8, "tiles": 0, "useful_flops": 0,
-                     "min_bytes_read": 11 * 8 * (100 + 2) * 4, "min_bytes_written": 8 * 100 * 2}
+    assert merge == {
+        "threadgroup_bytes": 0,
+        "registers": 4,
+        "flops": 2 * 128 * 11 * 8,
+        "tiles": 0,
+        "useful_flops": 0,
+        "min_bytes_read": 11 * 8 * (100 + 2) * 4,
+        "min_bytes_written": 8 * 100 * 2,
+    }
 
 
 def test_simple_kernel_with_a_broadcast_mask():
@@ -104,7 +112,7 @@ def declared_threadgroup_bytes(text: str, kernel: str, template_args: list, dtyp
     match = next(m for m in DEFINITION.finditer(text) if m.group(3) == kernel)
     names = [p.split()[-1] for p in match.group(1).split(",")]
     env = dict(zip(names, template_args), fa_tile_vectors=lambda n: (n + TILE_VEC - 1) // TILE_VEC)
-    body = text[match.end():text.find("\ntemplate", match.end())]
+    body = text[match.end() : text.find("\ntemplate", match.end())]
     for name, expr in re.findall(r"constexpr int (\w+) = ([^;?]+);", body):
         env[name] = eval(expr, {"__builtins__": {}}, env)
     total = 0
@@ -117,9 +125,17 @@ def declared_threadgroup_bytes(text: str, kernel: str, template_args: list, dtyp
     return total
 
 
-@pytest.mark.parametrize("dtype,e,ev,kernel", [
-    (torch.float32, 256, 64, "forward"), (torch.float16, 128, 128, "forward"), (torch.bfloat16, 40, 200, "forward"),
-    (torch.float32, 64, 64, "decode"), (torch.float16, 256, 100, "decode"), (torch.bfloat16, 16, 16, "simple")])
+@pytest.mark.parametrize(
+    "dtype,e,ev,kernel",
+    [
+        (torch.float32, 256, 64, "forward"),
+        (torch.float16, 128, 128, "forward"),
+        (torch.bfloat16, 40, 200, "forward"),
+        (torch.float32, 64, 64, "decode"),
+        (torch.float16, 256, 100, "decode"),
+        (torch.bfloat16, 16, 16, "simple"),
+    ],
+)
 def test_threadgroup_bytes_match_the_kernel_source(dtype, e, ev, kernel):
     q, k, v = inputs(1, 4, 1, 3, 50, e, ev, dtype)
     d = explain_plan(q, k, v, kernel=kernel)["dispatches"][0]
@@ -137,10 +153,14 @@ def test_threadgroup_bytes_match_the_kernel_source(dtype, e, ev, kernel):
 
 # --- the backward (explain_plan(backward=True)) ------------------------------------------------
 
+
 def backward_costs(q, k, v, **options):
     plan = explain_plan(q, k, v, backward=True, **options)
-    assert [d["function"].rsplit("_", 1)[0] for d in plan["dispatches"]] == \
-        ["fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq"]
+    assert [d["function"].rsplit("_", 1)[0] for d in plan["dispatches"]] == [
+        "fa_backward_delta",
+        "fa_backward_dkdv",
+        "fa_backward_dq",
+    ]
     return [d["cost"] for d in plan["dispatches"]], plan["dispatches"][1]["macros"]
 
 
@@ -152,17 +172,35 @@ def test_backward_figures_by_hand():
     (delta, dkdv, dq), macros = backward_costs(q, k, v, causal=True)
     assert macros["FA_BK"] == "32" and macros["FA_WM"] == "4"
     rows, pairs = 4 * 64, 4 * 64 * 65 // 2
-    assert delta == {"threadgroup_bytes": 0, "registers": 0, "flops": 2 * rows * 64, "tiles": 0,
-                     "useful_flops": 2 * rows * 64, "min_bytes_read": 2 * rows * 64 * 4, "min_bytes_written": rows * 4}
+    assert delta == {
+        "threadgroup_bytes": 0,
+        "registers": 0,
+        "flops": 2 * rows * 64,
+        "tiles": 0,
+        "useful_flops": 2 * rows * 64,
+        "min_bytes_read": 2 * rows * 64 * 4,
+        "min_bytes_written": rows * 4,
+    }
     tiles_bytes = 32 * (64 + 8 + 64 + 8) * 4 + 2 * 4
     io = 4 * 64 * 64 * 4 + 2 * 2 * 64 * 64 * 4 + rows * 64 * 4 + 2 * rows * 4  # q, k, v, dout, lse and D
-    assert dkdv == {"threadgroup_bytes": tiles_bytes + 2 * 32 * 4, "registers": 8 * 2 * 4 + 32 // 8 * 4,
-                    "flops": 2 * (4 * 3) * 32 * 32 * (2 * 64 + 2 * 64), "tiles": 4 * 3,
-                    "useful_flops": 2 * pairs * (2 * 64 + 2 * 64), "min_bytes_read": io,
-                    "min_bytes_written": 2 * 2 * 64 * 64 * 4}
-    assert dq == {"threadgroup_bytes": tiles_bytes, "registers": 8 * 2 * 3 + 32 // 8 * 4,
-                  "flops": 2 * (4 * 3) * 32 * 32 * (2 * 64 + 64), "tiles": 4 * 3,
-                  "useful_flops": 2 * pairs * (2 * 64 + 64), "min_bytes_read": io, "min_bytes_written": rows * 64 * 4}
+    assert dkdv == {
+        "threadgroup_bytes": tiles_bytes + 2 * 32 * 4,
+        "registers": 8 * 2 * 4 + 32 // 8 * 4,
+        "flops": 2 * (4 * 3) * 32 * 32 * (2 * 64 + 2 * 64),
+        "tiles": 4 * 3,
+        "useful_flops": 2 * pairs * (2 * 64 + 2 * 64),
+        "min_bytes_read": io,
+        "min_bytes_written": 2 * 2 * 64 * 64 * 4,
+    }
+    assert dq == {
+        "threadgroup_bytes": tiles_bytes,
+        "registers": 8 * 2 * 3 + 32 // 8 * 4,
+        "flops": 2 * (4 * 3) * 32 * 32 * (2 * 64 + 64),
+        "tiles": 4 * 3,
+        "useful_flops": 2 * pairs * (2 * 64 + 64),
+        "min_bytes_read": io,
+        "min_bytes_written": rows * 64 * 4,
+    }
 
 
 def band_tiles(l, s, lo, hi, block, bk):
@@ -174,7 +212,7 @@ def band_tiles(l, s, lo, hi, block, bk):
     def per_block(matrix):
         tiles = 0
         for start in range(0, matrix.shape[0], block):
-            hits = matrix[start:start + block].any(0).nonzero()
+            hits = matrix[start : start + block].any(0).nonzero()
             tiles += 0 if len(hits) == 0 else -(-(hits.max().item() - hits[0].item() + 1) // bk)
         return tiles
 
@@ -184,8 +222,14 @@ def band_tiles(l, s, lo, hi, block, bk):
 @pytest.mark.parametrize("l, s, window", [(70, 90, (10, 0)), (90, 70, (5, 3)), (64, 200, (40, -1)), (33, 33, (0, 0))])
 def test_backward_tiles_match_an_independent_count(l, s, window):
     q, k, v = inputs(2, 4, 2, l, s, 64, 64, torch.float32)
-    (_, dkdv, dq), macros = backward_costs(q, k, v, causal="bottom_right" if window[1] == 0 else False,
-                                           window_size=window, window_align="bottom_right" if window[1] else None)
+    (_, dkdv, dq), macros = backward_costs(
+        q,
+        k,
+        v,
+        causal="bottom_right" if window[1] == 0 else False,
+        window_size=window,
+        window_align="bottom_right" if window[1] else None,
+    )
     d = s - l
     lo = d - window[0]
     hi = d + (window[1] if window[1] >= 0 else s)
@@ -207,6 +251,7 @@ def test_backward_tiles_grow_with_the_window_not_with_s():
 
 
 # --- packed sequences and KV caches (explain_varlen_plan, explain_kvcache_plan) ----------------
+
 
 @pytest.fixture
 def core_plans(monkeypatch):
@@ -243,9 +288,14 @@ def test_explain_kvcache_plan_is_the_split_decode_that_runs(gen, core_plans):
     k_cache, v_cache = (torch.randn(2, 1024, 2, 16, generator=gen).half() for _ in range(2))
     new_k, new_v = (torch.randn(2, 1, 2, 16, generator=gen).half() for _ in range(2))
     cos, sin = torch.rand(1024, 4, generator=gen), torch.rand(1024, 4, generator=gen)
-    args = dict(k=new_k, v=new_v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=torch.tensor([600, 1000],
-                                                                                             dtype=torch.int32),
-                causal=True)
+    args = dict(
+        k=new_k,
+        v=new_v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=torch.tensor([600, 1000], dtype=torch.int32),
+        causal=True,
+    )
     before = [t.clone() for t in (q, k_cache, v_cache)]
     plan = explain_kvcache_plan(q, k_cache, v_cache, **args)
     assert all(torch.equal(a, b) for a, b in zip(before, (q, k_cache, v_cache)))  # nothing written
@@ -262,15 +312,22 @@ def test_explain_kvcache_plan_is_the_split_decode_that_runs(gen, core_plans):
     assert core_plans["forward"][1:] == [unsplit] and core_plans["workspace"] == [plan["workspace_bytes"]]
 
 
-@pytest.mark.parametrize("lens_q, lens_k, attention", [([40, 2, 17], [40, 5, 17], ["fa_forward_float"]),
-                                                       ([3, 1, 0], [700, 9, 4], ["fa_decode_float",
-                                                                                 "fa_decode_merge_float"])])
+@pytest.mark.parametrize(
+    "lens_q, lens_k, attention",
+    [
+        ([40, 2, 17], [40, 5, 17], ["fa_forward_float"]),
+        ([3, 1, 0], [700, 9, 4], ["fa_decode_float", "fa_decode_merge_float"]),
+    ],
+)
 def test_explain_varlen_plan_is_the_kernel_that_runs(gen, core_plans, lens_q, lens_k, attention):
     """Prefill for long sequences, split decode for short ones: the plan explain_varlen_plan gives is
     the one the real call makes, and the output is bit for bit the reported kernel's (forced through
     the core), not another's."""
-    q, k, v = torch.randn(sum(lens_q), 4, 16, generator=gen), torch.randn(sum(lens_k), 2, 16, generator=gen), \
-        torch.randn(sum(lens_k), 2, 16, generator=gen)
+    q, k, v = (
+        torch.randn(sum(lens_q), 4, 16, generator=gen),
+        torch.randn(sum(lens_k), 2, 16, generator=gen),
+        torch.randn(sum(lens_k), 2, 16, generator=gen),
+    )
     cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32) for n in (lens_q, lens_k))
     call = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
     plan = explain_varlen_plan(*call, causal=True)
@@ -283,8 +340,12 @@ def test_explain_varlen_plan_is_the_kernel_that_runs(gen, core_plans, lens_q, le
     def forced(kernel):
         result = torch.zeros_like(out)
         views = [_varlen.packed_view(t) for t in (q, k, v, result)]
-        _varlen.run_forward(*views, None, AttentionOptions(16 ** -0.5, True, (1, -1, -1), kernel=kernel),
-                            _varlen.sequence_args(table, max(lens_q), max(lens_k)))
+        _varlen.run_forward(
+            *views,
+            None,
+            AttentionOptions(16**-0.5, True, (1, -1, -1), kernel=kernel),
+            _varlen.sequence_args(table, max(lens_q), max(lens_k)),
+        )
         return result
 
     reported = _C.KERNEL_FORWARD if attention[0] == "fa_forward_float" else _C.KERNEL_DECODE
@@ -305,12 +366,20 @@ def test_explain_varlen_plan_with_probs_and_backward(gen, core_plans):
     plan = explain_varlen_plan(*call, **options, return_attn_probs=True)
     backward = explain_varlen_plan(*call, **options, backward=True)
     assert torch.equal(torch.get_rng_state(), rng)
-    assert functions(plan["dispatches"]) == ["fa_sequence_table_float", "fa_forward_float",
-                                             "fa_sequence_table_float", "fa_simple_float"]
+    assert functions(plan["dispatches"]) == [
+        "fa_sequence_table_float",
+        "fa_forward_float",
+        "fa_sequence_table_float",
+        "fa_simple_float",
+    ]
     assert plan["dispatches"][3]["constants"][_C.FC_DROPOUT] == _C.DROPOUT_PROBS
     assert plan["dispatches"][3]["grid"] == (-(-18 // 4), 2, 3)  # max_seqlen_q in rows of 4, heads, sequences
-    assert functions(backward["dispatches"]) == ["fa_sequence_table_float", "fa_backward_delta_float",
-                                                 "fa_backward_dkdv_float", "fa_backward_dq_float"]
+    assert functions(backward["dispatches"]) == [
+        "fa_sequence_table_float",
+        "fa_backward_delta_float",
+        "fa_backward_dkdv_float",
+        "fa_backward_dq_float",
+    ]
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, _, _ = flash_attn_varlen_func(*leaves, *call[3:], **options, return_attn_probs=True)
     out.backward(torch.randn_like(out))  # a gradient of out's layout, as the plan assumes
@@ -326,8 +395,16 @@ def test_explain_functions_share_the_calls_checks(gen):
     with pytest.raises(ValueError, match="explain_varlen_plan: cu_seqlens_q must be non-decreasing"):
         explain_varlen_plan(q, k, v, bad, torch.tensor([0, 3, 7], dtype=torch.int32), 5, 4)
     with pytest.raises(TypeError, match="explain_varlen_plan: backward must be a bool"):
-        explain_varlen_plan(q, k, v, torch.tensor([0, 7], dtype=torch.int32), torch.tensor([0, 7], dtype=torch.int32),
-                            7, 7, backward=None)
+        explain_varlen_plan(
+            q,
+            k,
+            v,
+            torch.tensor([0, 7], dtype=torch.int32),
+            torch.tensor([0, 7], dtype=torch.int32),
+            7,
+            7,
+            backward=None,
+        )
     q, k_cache, v_cache = torch.randn(1, 1, 2, 8), torch.zeros(1, 16, 2, 8), torch.zeros(1, 16, 2, 8)
     new = torch.ones(1, 1, 2, 8)
     with pytest.raises(ValueError, match=r"explain_kvcache_plan: cache_seqlens\[0\] = 16 with 1 new keys"):

@@ -1,6 +1,7 @@
 """Attention sinks (GPT-OSS, StreamingLLM): one logit per query head in every row's softmax, with no
 value, in every kernel (prefill, decode with split-K, simple, backward) and with every other option,
 against float64 references on materialised scores (helpers.reference with a sink column)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,15 +38,22 @@ def sink_logits(gen, h, spread=2.0):
 
 def reference_lse(q, k, sinks, causal=False, bottom_right=False, window=None, scale=None, softcap=0.0, alibi=None):
     """float64 log-sum-exp of each row's scores and its sink (SDPA layout, no attn_mask)."""
-    scores, keep = variant_scores(q.double(), k.double(), causal, bottom_right, window, scale, softcap,
-                                  None if alibi is None else alibi.double())
+    scores, keep = variant_scores(
+        q.double(), k.double(), causal, bottom_right, window, scale, softcap, None if alibi is None else alibi.double()
+    )
     scores = scores.masked_fill(~keep, float("-inf"))
     column = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
     return torch.logsumexp(torch.cat([scores, column], -1), -1)
 
 
-FORWARD_CASES = sample_product([LENGTHS, VARIANTS, ALL_DTYPES, KERNELS], count=24, seed=20,
-                               cost=lambda c: c[0][0] * c[0][1], per_value=2, max_cost=4000)
+FORWARD_CASES = sample_product(
+    [LENGTHS, VARIANTS, ALL_DTYPES, KERNELS],
+    count=24,
+    seed=20,
+    cost=lambda c: c[0][0] * c[0][1],
+    per_value=2,
+    max_cost=4000,
+)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype, kernel", FORWARD_CASES)
@@ -54,14 +62,22 @@ def test_forward_and_lse_match_reference(gen, lengths, variant, dtype, kernel):
     q, k, v, alibi = forward_case(gen, lengths, variant, dtype)
     sinks = sink_logits(gen, 4)
     if kernel == "auto":
-        out = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
-                              sinks=sinks).transpose(1, 2)
+        out = flash_attn_func(
+            q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi, sinks=sinks
+        ).transpose(1, 2)
         bottom_right = True
         lse = None
     else:
-        out, lse = flash_attention(*sdpa_view(q, k, v), causal="bottom_right" if causal else False,
-                                   window_size=window, kernel=kernel, softcap=softcap, alibi_slopes=alibi,
-                                   sinks=sinks, return_lse=True)
+        out, lse = flash_attention(
+            *sdpa_view(q, k, v),
+            causal="bottom_right" if causal else False,
+            window_size=window,
+            kernel=kernel,
+            softcap=softcap,
+            alibi_slopes=alibi,
+            sinks=sinks,
+            return_lse=True,
+        )
         bottom_right = causal
     options = dict(causal=causal, bottom_right=bottom_right, window=window, softcap=softcap, alibi=alibi)
     check(out, sdpa_view(q, k, v), sinks=sinks, **options)
@@ -80,8 +96,14 @@ def test_sinks_change_the_result(gen):
         assert max_error(out, reference(q.double(), k.double(), v.double())) > 1e-2
 
 
-GRADIENT_CASES = sample_product([LENGTHS[:4] + [(24, 24)], VARIANTS, ALL_DTYPES], count=12, seed=23,
-                                cost=lambda c: c[0][0] * c[0][1], per_value=1, max_cost=3000)
+GRADIENT_CASES = sample_product(
+    [LENGTHS[:4] + [(24, 24)], VARIANTS, ALL_DTYPES],
+    count=12,
+    seed=23,
+    cost=lambda c: c[0][0] * c[0][1],
+    per_value=1,
+    max_cost=3000,
+)
 
 
 @pytest.mark.parametrize("lengths, variant, dtype", GRADIENT_CASES)
@@ -93,15 +115,23 @@ def test_gradients_match_reference(gen, lengths, variant, dtype):
     alibi = slopes(gen, alibi_kind, 2, 4)
     sinks = sink_logits(gen, 4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    out = flash_attn_func(*leaves[:3], causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
-                          sinks=leaves[3])
+    out = flash_attn_func(
+        *leaves[:3], causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi, sinks=leaves[3]
+    )
     dout = randn(gen, *out.shape, dtype=dtype)
     grads = torch.autograd.grad(out, leaves, dout)
 
     def reference_grads(tensors):
         refs = [t.detach().clone().requires_grad_() for t in tensors]
-        out = reference(*sdpa_view(*refs[:3]), causal=causal, bottom_right=True, window=window, softcap=softcap,
-                        alibi=alibi, sinks=refs[3]).transpose(1, 2)
+        out = reference(
+            *sdpa_view(*refs[:3]),
+            causal=causal,
+            bottom_right=True,
+            window=window,
+            softcap=softcap,
+            alibi=alibi,
+            sinks=refs[3],
+        ).transpose(1, 2)
         return torch.autograd.grad(out, refs, dout.to(out.dtype))
 
     golden = reference_grads([t.double() for t in (q, k, v, sinks)])
@@ -123,8 +153,9 @@ def test_every_option_with_attn_mask_gqa_and_gradients(gen, dtype):
     alibi, sinks = torch.rand(4, generator=gen), sink_logits(gen, 4).to(dtype)
     options = dict(window=(5, 7), softcap=1.5, alibi=alibi)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    out = flash_attention(*leaves[:3], window_size=(5, 7), softcap=1.5, alibi_slopes=alibi, attn_mask=mask,
-                          sinks=leaves[3])
+    out = flash_attention(
+        *leaves[:3], window_size=(5, 7), softcap=1.5, alibi_slopes=alibi, attn_mask=mask, sinks=leaves[3]
+    )
     check(out.detach(), (q, k, v), attn_mask=mask, sinks=sinks, **options)
     dout = randn(gen, *out.shape, dtype=dtype)
     grads = torch.autograd.grad(out, leaves, dout)
@@ -203,14 +234,20 @@ def test_opcheck_with_sinks(gen):
     """The torch.library ops carry the sinks and return dsinks (empty without sinks)."""
     q, k, v = (t.requires_grad_() for t in sdpa_view(*flash_inputs(gen, 1, 9, 12, 2, 1, 16, 8, torch.float32)))
     sinks = torch.tensor([0.3, -0.7], requires_grad=True)
-    torch.library.opcheck(torch.ops.flashattn_mps.attention_forward,
-                          (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, None, 0.0, None, sinks))
-    out, lse = torch.ops.flashattn_mps.attention_forward(q.detach(), k.detach(), v.detach(), None, False, 0.25,
-                                                         sinks=sinks.detach())
+    torch.library.opcheck(
+        torch.ops.flashattn_mps.attention_forward,
+        (q, k, v, None, True, 0.25, [1, 3, 0], True, 0.5, None, 0.0, None, sinks),
+    )
+    out, lse = torch.ops.flashattn_mps.attention_forward(
+        q.detach(), k.detach(), v.detach(), None, False, 0.25, sinks=sinks.detach()
+    )
     dout = torch.randn(out.shape, generator=gen)
     for extra in ({"sinks": sinks.detach()}, {}):
-        torch.library.opcheck(torch.ops.flashattn_mps.attention_backward,
-                              (dout, q.detach(), k.detach(), v.detach(), out, lse, None, False, 0.25), extra)
+        torch.library.opcheck(
+            torch.ops.flashattn_mps.attention_backward,
+            (dout, q.detach(), k.detach(), v.detach(), out, lse, None, False, 0.25),
+            extra,
+        )
 
 
 def test_torch_compile_gradients_reach_sinks(gen):
@@ -229,13 +266,16 @@ def test_torch_compile_gradients_reach_sinks(gen):
     assert torch.allclose(compiled, sinks.grad, atol=1e-6)
 
 
-@pytest.mark.parametrize("sinks, error, message", [
-    ([0.0, 1.0], TypeError, "sinks must be a torch.Tensor"),
-    (torch.zeros(3), ValueError, r"sinks must be \(Hq,\) = \(2,\).*\(3,\)"),
-    (torch.zeros(1, 2), ValueError, r"sinks must be \(Hq,\)"),
-    (torch.zeros(2, dtype=torch.float64), TypeError, "sinks must be float32 or q's dtype"),
-    (torch.zeros(2, dtype=torch.float16), TypeError, "sinks must be float32 or q's dtype"),
-])
+@pytest.mark.parametrize(
+    "sinks, error, message",
+    [
+        ([0.0, 1.0], TypeError, "sinks must be a torch.Tensor"),
+        (torch.zeros(3), ValueError, r"sinks must be \(Hq,\) = \(2,\).*\(3,\)"),
+        (torch.zeros(1, 2), ValueError, r"sinks must be \(Hq,\)"),
+        (torch.zeros(2, dtype=torch.float64), TypeError, "sinks must be float32 or q's dtype"),
+        (torch.zeros(2, dtype=torch.float16), TypeError, "sinks must be float32 or q's dtype"),
+    ],
+)
 def test_bad_sinks_are_refused_clearly(gen, sinks, error, message):
     q = randn(gen, 1, 2, 4, 16)
     with pytest.raises(error, match=message):
@@ -252,16 +292,30 @@ def test_c_layer_refuses_malformed_sinks(gen):
     sinks = torch.ones(2)
     storage = sinks.untyped_storage()
     zero_d = (storage.data_ptr(), storage.nbytes(), 0, _C.DTYPE_FLOAT32, (), ())
-    for bad, kind, message in ((zero_d, ValueError, "sinks"), (torch.ones(3), ValueError, r"sinks: must be \(Hq,\)"),
-                               (torch.ones(2, dtype=torch.float16), TypeError, "sinks: must be float32")):
+    for bad, kind, message in (
+        (zero_d, ValueError, "sinks"),
+        (torch.ones(3), ValueError, r"sinks: must be \(Hq,\)"),
+        (torch.ones(2, dtype=torch.float16), TypeError, "sinks: must be float32"),
+    ):
         with pytest.raises(kind, match=message):
             _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, torch.empty_like(q)), sinks=bad), core_options())
     out, lse = torch.empty_like(q), torch.empty(1, 2, 4)
     _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out, lse), sinks=sinks), core_options())
     grads = [torch.empty_like(q) for _ in range(3)]
     with pytest.raises(ValueError, match="sink_grad"):
-        _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, (q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads),
-                                      sinks=sinks), core_options())
+        _C.backward(
+            _C.DEVICE_CPU,
+            slots(BACKWARD_NAMES, (q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads), sinks=sinks),
+            core_options(),
+        )
     with pytest.raises(ValueError, match="sink_grad"):
-        _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, (q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads),
-                                      sinks=sinks, sink_grad=torch.empty(1, 2, 3)), core_options())
+        _C.backward(
+            _C.DEVICE_CPU,
+            slots(
+                BACKWARD_NAMES,
+                (q, q, q, out, lse, out, torch.empty(1, 2, 4), *grads),
+                sinks=sinks,
+                sink_grad=torch.empty(1, 2, 3),
+            ),
+            core_options(),
+        )

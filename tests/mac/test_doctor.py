@@ -1,6 +1,7 @@
 """python -m flashattn_mps.doctor: here (no MPS) it runs every kernel-family parity check on the CPU
 Metal device, says the Metal path was not checked, and exits non-zero when a check fails; its Metal
 verdicts are checked against a fake backend (the real one needs a Mac)."""
+
 from __future__ import annotations
 
 import json
@@ -67,15 +68,31 @@ def test_the_plan_must_run_the_family_the_case_names(monkeypatch, capsys):
 
 
 def fake_backend(**info):
-    base = dict(name="Apple M1", registry_id=0x10, chosen_by="torch's MPS command buffer", low_power=False,
-                families={"Apple7": True, "Apple8": False, "Apple9": False, "Mac2": True, "Metal3": True},
-                max_threadgroup_memory=32768, torch_registry_id=0x10, language_version=310, fast_math=False,
-                math_mode=0, math_fp32_functions=1, stream_mode=1, debug=False, check_buffers=True)
+    base = dict(
+        name="Apple M1",
+        registry_id=0x10,
+        chosen_by="torch's MPS command buffer",
+        low_power=False,
+        families={"Apple7": True, "Apple8": False, "Apple9": False, "Mac2": True, "Metal3": True},
+        max_threadgroup_memory=32768,
+        torch_registry_id=0x10,
+        language_version=310,
+        fast_math=False,
+        math_mode=0,
+        math_fp32_functions=1,
+        stream_mode=1,
+        debug=False,
+        check_buffers=True,
+    )
     base.update(info)
     return types.SimpleNamespace(
-        HAS_METAL_BACKEND=True, METAL_OWN_QUEUE=0, metal_device_info=lambda: base,
+        HAS_METAL_BACKEND=True,
+        METAL_OWN_QUEUE=0,
+        metal_device_info=lambda: base,
         metal_torch_symbols=lambda: {"_ZN5torch3mps18get_command_bufferEv": True},
-        metal_object_class=lambda handle: "AGXG13GFamilyBuffer", metal_check_buffer=lambda handle, n: None)
+        metal_object_class=lambda handle: "AGXG13GFamilyBuffer",
+        metal_check_buffer=lambda handle, n: None,
+    )
 
 
 def metal_lines(monkeypatch, backend, decision):
@@ -90,14 +107,21 @@ def test_metal_verdicts(monkeypatch):
     good = metal_lines(monkeypatch, fake_backend(), stream)
     for name in ("stream mode", "torch symbols", "Metal device", "GPU families", "compile options"):
         assert good[name].status == "ok", good[name]
-    assert "same" in good["Metal device"].detail and "MSL 3.1, mathMode safe, FP32 functions precise" == \
-        good["compile options"].detail
+    assert (
+        "same" in good["Metal device"].detail
+        and "MSL 3.1, mathMode safe, FP32 functions precise" == good["compile options"].detail
+    )
     # No MPS device on this machine: the buffer probe's own failure is reported, not raised.
     assert good["MPS buffer"].status == "failed"
 
-    fallback = _metal_mode.Decision(_C.METAL_TORCH_STREAM, _C.METAL_OWN_QUEUE, False, True, "r", ("_ZN5torch3mps11synchronizeEv",))
-    bad = metal_lines(monkeypatch, fake_backend(torch_registry_id=0x20, fast_math=True, math_mode=-1,
-                                                families={"Apple7": False, "Mac2": True}), fallback)
+    fallback = _metal_mode.Decision(
+        _C.METAL_TORCH_STREAM, _C.METAL_OWN_QUEUE, False, True, "r", ("_ZN5torch3mps11synchronizeEv",)
+    )
+    bad = metal_lines(
+        monkeypatch,
+        fake_backend(torch_registry_id=0x20, fast_math=True, math_mode=-1, families={"Apple7": False, "Mac2": True}),
+        fallback,
+    )
     assert bad["stream mode"].status == "failed" and "synchronizeEv" in bad["stream mode"].detail
     assert bad["Metal device"].status == "failed" and "DIFFERENT" in bad["Metal device"].detail
     assert bad["GPU families"].status == "failed" and "Apple7" in bad["GPU families"].detail

@@ -1,6 +1,7 @@
 """The Metal stream-mode choice (flashattn_mps._metal_mode): which mode each torch version and
 environment call for, what the backend's answer does to the description, and the bindings' view
 on a build without Metal. The Objective-C that acts on it needs a Mac (csrc/metal_backend/README.md)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,14 +11,17 @@ import flashattn_mps
 from flashattn_mps import _C, _metal_mode
 
 
-@pytest.mark.parametrize("version, expected", [
-    ("2.4.0", _C.METAL_TORCH_STREAM_END_COALESCING),
-    ("2.8.0+cpu", _C.METAL_TORCH_STREAM_END_COALESCING),
-    ("2.9.0", _C.METAL_TORCH_STREAM),
-    ("2.10.0a0+git1234", _C.METAL_TORCH_STREAM),
-    ("2.15.1", _C.METAL_TORCH_STREAM),
-    ("2.3.1", _C.METAL_OWN_QUEUE),
-])
+@pytest.mark.parametrize(
+    "version, expected",
+    [
+        ("2.4.0", _C.METAL_TORCH_STREAM_END_COALESCING),
+        ("2.8.0+cpu", _C.METAL_TORCH_STREAM_END_COALESCING),
+        ("2.9.0", _C.METAL_TORCH_STREAM),
+        ("2.10.0a0+git1234", _C.METAL_TORCH_STREAM),
+        ("2.15.1", _C.METAL_TORCH_STREAM),
+        ("2.3.1", _C.METAL_OWN_QUEUE),
+    ],
+)
 def test_requested_mode_by_torch_version(version, expected):
     mode, reason = _metal_mode.requested_mode(version, {})
     assert mode == expected
@@ -62,8 +66,10 @@ def test_decision_passes_env_to_the_backend_and_reports_missing_symbols():
 def test_decision_in_effect_is_described_plainly():
     decision = _metal_mode.decide("2.13.0", {}, FakeBackend({"_ZN5torch3mps18get_command_bufferEv": True}))
     assert decision.mode == _C.METAL_TORCH_STREAM
-    assert decision.describe() == ("Metal stream mode: torch's MPS stream (torch 2.13.0 >= 2.9 ends its coalesced "
-                                   "encoder itself); debug sync off; buffer check on")
+    assert decision.describe() == (
+        "Metal stream mode: torch's MPS stream (torch 2.13.0 >= 2.9 ends its coalesced "
+        "encoder itself); debug sync off; buffer check on"
+    )
 
 
 def test_explain_names_the_stream_mode_for_mps_tensors_only(monkeypatch):
@@ -78,9 +84,13 @@ def test_bindings_without_metal_find_nothing_and_fall_back():
     if _C.HAS_METAL_BACKEND:
         pytest.skip("this build has the Metal backend")
     symbols = _C.metal_torch_symbols()
-    assert list(symbols) == ["_ZN5torch3mps18get_command_bufferEv", "_ZN5torch3mps18get_dispatch_queueEv",
-                             "_ZN5torch3mps11synchronizeEv", "_ZN2at3mps19getCurrentMPSStreamEv",
-                             "_ZN2at3mps9MPSStream19endKernelCoalescingEv"]
+    assert list(symbols) == [
+        "_ZN5torch3mps18get_command_bufferEv",
+        "_ZN5torch3mps18get_dispatch_queueEv",
+        "_ZN5torch3mps11synchronizeEv",
+        "_ZN2at3mps19getCurrentMPSStreamEv",
+        "_ZN2at3mps9MPSStream19endKernelCoalescingEv",
+    ]
     assert not any(symbols.values())
     assert _C.metal_configure(_C.METAL_TORCH_STREAM, False, True) == _C.METAL_OWN_QUEUE
     with pytest.raises(flashattn_mps.MetalDispatchError, match="only in macOS builds"):

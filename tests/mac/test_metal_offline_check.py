@@ -1,6 +1,7 @@
 """The offline Metal compile driver, run against a fake xcrun that records its arguments: which
 compiles and links it asks Apple's tools for, with which flags, and that a compiler error fails it.
 (Apple's compiler itself runs in the macOS workflow.)"""
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,11 @@ def test_work_covers_every_specialisation_the_planner_emits_with_both_standards(
     assert {w.source for w in items} == set(_sources.kernel_sources())
     by_standard = {std: {(w.source, w.macros) for w in items if w.standard == std} for std in ("metal3.1", "metal3.0")}
     assert by_standard["metal3.1"] == planned
-    bfloat = {(s, tuple(tuple(m) for m in macros)) for s, f, macros in _C.specialisations()
-              if metal_offline_check.needs_bfloat(f, macros)}
+    bfloat = {
+        (s, tuple(tuple(m) for m in macros))
+        for s, f, macros in _C.specialisations()
+        if metal_offline_check.needs_bfloat(f, macros)
+    }
     assert by_standard["metal3.0"] == planned - bfloat
 
 
@@ -65,8 +69,11 @@ def test_compiles_and_links_each_specialisation_with_apples_flags(fake_xcrun, ca
         assert "-fno-fast-math" in c and "-Wall" in c and "-c" in c
         assert c[c.index("-c") + 1].endswith((".metal",)) and c[-1].endswith(".air")
     decode = {tuple(sorted(a for a in c if a.startswith("-D"))) for c in compiles if c[-1].find("fa_decode") >= 0}
-    planned = {tuple(sorted(f"-D{k}={v}" for k, v in macros)) for s, _, macros in _C.specialisations()
-               if s == "fa_decode.metal"}
+    planned = {
+        tuple(sorted(f"-D{k}={v}" for k, v in macros))
+        for s, _, macros in _C.specialisations()
+        if s == "fa_decode.metal"
+    }
     assert decode == planned
     assert {c[-1].replace(".metallib", ".air") for c in links} == {c[-1] for c in compiles}
     out = capsys.readouterr()

@@ -1,6 +1,7 @@
 """The Metal backend on a real Apple GPU: the same parity checks as on the CPU Metal device, for MPS
 tensors. They run wherever torch has MPS (a Mac with Apple silicon); CI's Linux machines and
 GitHub's macOS runners have none, so there they are reported as skipped, never as passed."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,11 @@ def check(out, q, k, v, factor=5.0, **kwargs):
 @pytest.mark.parametrize("lq,lk", [(1, 300), (5, 2000), (113, 203), (1024, 1024)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_on_metal(gen, dtype, lq, lk, causal):
-    q, k, v = randn(gen, 2, 8, lq, 64, dtype=dtype), randn(gen, 2, 2, lk, 64, dtype=dtype), randn(gen, 2, 2, lk, 64, dtype=dtype)
+    q, k, v = (
+        randn(gen, 2, 8, lq, 64, dtype=dtype),
+        randn(gen, 2, 2, lk, 64, dtype=dtype),
+        randn(gen, 2, 2, lk, 64, dtype=dtype),
+    )
     out = flashattn_mps.flash_attention(*to_mps(q, k, v), causal=causal)
     assert out.device.type == "mps"
     check(out, q, k, v, is_causal=causal)
