@@ -45,6 +45,7 @@ from ._options import (
     core_options,  # noqa: F401 (re-exported)
     given,
     scale_value,
+    supported_mask_dtype,  # noqa: F401 (re-exported)
 )
 
 _scale_value, _validate_sinks = scale_value, check_sinks  # the names flashattn_mps.integrations imports

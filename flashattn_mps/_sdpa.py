@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _C, _metal_mode
-from ._api import attend, supported_mask_dtype
+from ._api import attend
+from ._options import supported_mask_dtype
 
 log = logging.getLogger("flashattn_mps")
 
