@@ -358,6 +358,27 @@ class AttentionOptions(NamedTuple):
         )
 
 
+# The fields of the options tuple below, in order: the C contract's table (_C.OPTION_FIELDS) must
+# say the same, or every call would hand the core misplaced values.
+CORE_FIELDS = (
+    "scale",
+    "causal",
+    "bottom_right",
+    "window_left",
+    "window_right",
+    "softcap",
+    "dropout_p",
+    "kernel",
+    "num_splits",
+    "write_probs",
+    "max_q_len",
+    "max_kv_len",
+    "unbatched",
+)
+if _C.OPTION_FIELDS != CORE_FIELDS:
+    raise ImportError(f"flashattn_mps: the C core's options are {_C.OPTION_FIELDS}, this module builds {CORE_FIELDS}")
+
+
 def core_options(
     scale: float,
     causal: bool,
