@@ -18,7 +18,7 @@ test: $(VENV)/.built
 	$(PY) -m pytest -q tests
 
 # Everything but the tests marked slow (fuzzing, peak memory, other projects' kernels, the strict
-# check of every specialisation, ...): about 2 minutes on 2 cores, for the edit-test loop.
+# check of every specialisation, ...): about 3 minutes on 2 cores, for the edit-test loop.
 test-fast: $(VENV)/.built
 	$(PY) -m pytest -q -m "not slow" tests
 
