@@ -126,38 +126,25 @@ def _sequence_slots(tensors: dict, sequences) -> tuple:
     return max_q, max_kv
 
 
+def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state) -> tuple:
+    """run_forward's and plan_run's tensors by slot name, and the grid's (max_q_len, max_kv_len)."""
+    tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi}
+    tensors.update(rng_state=_rng_words(rng_state), sinks=options.sinks)
+    return (tensors, *_sequence_slots(tensors, sequences))
+
+
 def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> None:
     """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
     checked (an AttentionOptions); sequences: sequence_args' tuple or None."""
     device = device_code(q)
-    tensors = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "out": out,
-        "lse": lse,
-        "alibi_slopes": options.alibi,
-        "rng_state": _rng_words(rng_state),
-        "sinks": options.sinks,
-    }
-    max_q, max_kv = _sequence_slots(tensors, sequences)
+    tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
 
 
 def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> dict:
     """What run_forward with these arguments would launch, as explain_plan shows it, without
     running (the planner reads shapes, strides and options, never an element)."""
-    tensors = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "out": out,
-        "lse": lse,
-        "alibi_slopes": options.alibi,
-        "rng_state": _rng_words(rng_state),
-        "sinks": options.sinks,
-    }
-    max_q, max_kv = _sequence_slots(tensors, sequences)
+    tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     return explained(
         plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options.core(False, max_q, max_kv)),
         q.device,
