@@ -1,7 +1,7 @@
 /* The torch symbols the Metal backend resolves at run time, by index (metal_backend.h). Plain C,
  * built everywhere, so the doctor lists the same names on every system. Mangled Itanium names of
  * functions exported by libtorch_cpu.dylib: all five are in torch's macOS arm64 wheels 2.4.0,
- * 2.8.0 and 2.9.0 (llvm-nm), the last two also in 2.10 to 2.14 per the second review. */
+ * 2.8.0 and 2.9.0, the last two also in 2.10 to 2.14 (read with llvm-nm). */
 #include "metal_backend.h"
 
 const char *fa_metal_torch_symbol_name(int32_t i) {

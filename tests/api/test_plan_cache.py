@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashattn_mps import _C, _sources
+from helpers import core_options
 
 B, H, L, D = 1, 2, 8, 16
 CHANGED = {  # a valid value other than the base's, for every option field
@@ -28,23 +29,7 @@ CHANGED = {  # a valid value other than the base's, for every option field
 
 
 def base_options(**changes):
-    values = dict(
-        scale=0.5,
-        causal=False,
-        bottom_right=False,
-        window_left=-1,
-        window_right=-1,
-        softcap=0.0,
-        dropout_p=0.0,
-        kernel=_C.KERNEL_AUTO,
-        num_splits=0,
-        write_probs=False,
-        max_q_len=0,
-        max_kv_len=0,
-        unbatched=False,
-    )
-    values.update(changes)
-    return tuple(values[name] for name in _C.OPTION_FIELDS)
+    return core_options(**{"scale": 0.5, **changes})
 
 
 def batch_of_one(t):
