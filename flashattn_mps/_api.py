@@ -48,8 +48,6 @@ from ._options import (
     supported_mask_dtype,  # noqa: F401 (re-exported)
 )
 
-_scale_value, _validate_sinks = scale_value, check_sinks  # the names flashattn_mps.integrations imports
-
 
 def _sinks_need_grad(sinks) -> bool:
     """Sinks that want a gradient take the autograd path even when q, k and v do not."""

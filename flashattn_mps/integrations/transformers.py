@@ -357,8 +357,7 @@ def _attend_packed(
     """The (1, L, Hq, Ev) output of packed sequences through the varlen kernels (causal per
     sequence; transformers' sliding window of `w` keys is flash-attn's window_size (w - 1, 0));
     dropout, softcap and sinks in the kernels too."""
-    from .._api import _scale_value, _validate_sinks
-    from .._options import AttentionOptions
+    from .._options import AttentionOptions, check_sinks, scale_value
     from .._varlen import flash_attn_varlen_func, packed_attention
 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -366,9 +365,9 @@ def _attend_packed(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     cu_q, cu_k = cu_q.to(query.device), cu_k.to(query.device)
     if trusted:
-        sinks = None if sinks is None else _validate_sinks(sinks, query[0])
+        sinks = None if sinks is None else check_sinks(sinks, query[0])
         options = AttentionOptions(
-            _scale_value(q.shape[-1], scaling), causal, (1, *window), softcap, None, sinks, float(dropout)
+            scale_value(q.shape[-1], scaling), causal, (1, *window), softcap, None, sinks, float(dropout)
         )
         out = packed_attention(q, k, v, cu_q, cu_k, max_q, max_k, options)
     else:
