@@ -21,6 +21,8 @@ from ._options import supported_mask_dtype
 log = logging.getLogger("flashattn_mps")
 
 _original_sdpa = F.scaled_dot_product_attention
+# enable_gqa came with torch 2.5; torch_sdpa stands in for it on torch 2.4.
+_TORCH_HAS_ENABLE_GQA = _metal_mode.torch_version_tuple(torch.__version__) >= (2, 5)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -287,7 +289,7 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
     if not torch.compiler.is_compiling() and log.isEnabledFor(logging.DEBUG):
         log.debug("scaled_dot_product_attention -> %s", decision)
     if call is None:
-        return _original_sdpa(
+        return torch_sdpa(
             query,
             key,
             value,
@@ -298,6 +300,34 @@ def _attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
             enable_gqa=enable_gqa,
         )
     return _run_kernel(call)
+
+
+def torch_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """torch's own SDPA (the original, also under patch()) with enable_gqa on every admitted torch.
+    torch 2.4's has no enable_gqa: there the key and value heads are repeated as torch's math path
+    does for GQA (the same numbers) and the argument is left out; head counts GQA cannot pair are
+    passed unrepeated, so torch raises its own shape error."""
+    if _TORCH_HAS_ENABLE_GQA:
+        return _original_sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    if not isinstance(enable_gqa, bool):  # torch >= 2.5's argument parser says the same
+        raise TypeError(
+            f"scaled_dot_product_attention(): argument 'enable_gqa' must be bool, not {type(enable_gqa).__name__}"
+        )
+    if enable_gqa and all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (query, key, value)):
+        hq, hkv = query.shape[-3], key.shape[-3]
+        if hkv > 0 and hq != hkv and hq % hkv == 0:
+            key = key.repeat_interleave(hq // hkv, dim=-3)
+            value = value.repeat_interleave(hq // hkv, dim=-3)
+    return _original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
 
 def _run_kernel(call: _KernelCall):

@@ -12,9 +12,9 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from . import flash_attention
+from ._sdpa import torch_sdpa
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -55,10 +55,9 @@ def main(argv=None) -> int:
         torch.mps.synchronize()
     elapsed = time.perf_counter() - start
 
-    golden = F.scaled_dot_product_attention(
-        q.cpu().double(), k.cpu().double(), v.cpu().double(), is_causal=causal, enable_gqa=True
-    )
-    reference = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    # torch's SDPA (torch_sdpa: also on torch 2.4, which has no enable_gqa)
+    golden = torch_sdpa(q.cpu().double(), k.cpu().double(), v.cpu().double(), is_causal=causal, enable_gqa=True)
+    reference = torch_sdpa(q, k, v, is_causal=causal, enable_gqa=True)
     error = (out.cpu().double() - golden).abs().max().item()
     reference_error = (reference.cpu().double() - golden).abs().max().item()
     tolerance = max(1e-5, 5 * reference_error)
