@@ -30,9 +30,9 @@ itself not differentiable: asking for a graph of the gradients (create_graph=Tru
 backward) raises instead of returning wrong second derivatives.
 """
 
-from __future__ import annotations
-
-from typing import NamedTuple, Optional
+# No `from __future__ import annotations` here: torch 2.4's custom_op reads the ops' annotations as
+# objects (it does not evaluate strings) and knows typing.List[int], not list[int].
+from typing import List, NamedTuple, Optional  # noqa: UP035
 
 import torch
 
@@ -309,7 +309,7 @@ def attention_forward(
     attn_mask: Optional[torch.Tensor],
     causal: bool,
     scale: float,
-    band: Optional[list[int]] = None,
+    band: Optional[List[int]] = None,  # noqa: UP006
     seq_major: bool = False,
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
@@ -379,7 +379,7 @@ def attention_backward(
     attn_mask: Optional[torch.Tensor],
     causal: bool,
     scale: float,
-    band: Optional[list[int]] = None,
+    band: Optional[List[int]] = None,  # noqa: UP006
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
@@ -474,7 +474,7 @@ def attention_probs(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-    band: Optional[list[int]] = None,
+    band: Optional[List[int]] = None,  # noqa: UP006
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
