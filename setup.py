@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from pybind11.setup_helpers import Pybind11Extension
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -96,7 +96,8 @@ library = Pybind11Extension(
 setup(
     ext_modules=[device, library],
     cmdclass={"build_ext": BuildExt},
-    packages=["flashattn_mps", "flashattn_mps._metal"],
+    # Every package under flashattn_mps/, and the kernel sources (metal/) as flashattn_mps._metal.
+    packages=find_packages(include=["flashattn_mps", "flashattn_mps.*"]) + ["flashattn_mps._metal"],
     package_dir={"flashattn_mps": "flashattn_mps", "flashattn_mps._metal": "metal"},
     package_data={"flashattn_mps._metal": ["*.metal", "*.h"]},
 )
