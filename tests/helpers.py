@@ -14,19 +14,18 @@ import subprocess
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn_mps import _C, _metal_cpu, _sources, strict_check
+from flashattn_mps._sdpa import torch_sdpa
 
 
 def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
     """torch's SDPA through its math backend, as PyTorch's own tests take their reference: the
-    default CPU kernel of torch 2.13 returns NaN for causal rows with a negative scale."""
+    default CPU kernel of torch 2.13 returns NaN for causal rows with a negative scale. torch_sdpa
+    gives torch 2.4, which has no enable_gqa, the same GQA."""
     with sdpa_kernel(SDPBackend.MATH):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, enable_gqa=True
-        )
+        return torch_sdpa(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, enable_gqa=True)
 
 
 def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
