@@ -251,7 +251,7 @@ def _kernel_refusal(call: _KernelCall, dropout_p: float, enable_gqa: bool, allow
             broadcast = torch.broadcast_shapes(attn_mask.shape, target)
         except RuntimeError:
             return f"attn_mask {tuple(attn_mask.shape)} does not broadcast to {target} (torch raises)"
-        if broadcast != torch.Size(target):
+        if tuple(broadcast) != target:
             return f"attn_mask {tuple(attn_mask.shape)} would broadcast the output beyond {target}"
         if _as_4d(_broadcast_mask(attn_mask, query, key)) is None:
             return "attn_mask's leading dims cannot be viewed as one batch dim"
