@@ -1,25 +1,31 @@
 # The README's commands. Each sets up what it needs in .venv (reusing a torch already installed
 # system-wide), rebuilds the extension when C, C++ or Metal sources change, then runs.
-PYTHON ?= python3
+# The interpreter: python3 when it is 3.11 to 3.14, else the newest python3.1x on PATH, else python3
+# (tools/python_check.sh; PYTHON=... overrides). The demo runs on Python 3.9 and newer, the tests
+# need 3.11 to 3.14; each set-up checks first and says what to install.
+ifeq ($(origin PYTHON),undefined)
+PYTHON := $(shell sh tools/python_check.sh pick)
+endif
 VENV ?= .venv
 PY := $(VENV)/bin/python
 SOURCES := $(shell find csrc metal tools -type f) setup.py pyproject.toml
-# What the tests need besides torch (both venvs install it).
+# The tests' exact versions: the torch they were run with, and what they need besides torch.
+TESTED_TORCH := 2.13.0
 TEST_DEPS := numpy pytest hypothesis "transformers==5.24.0" "diffusers==0.42.1" pybind11 "setuptools>=64" wheel
 
-.PHONY: demo test test-fast test-torch bench strict-check metal-offline-check doctor format clean
+.PHONY: demo test test-fast test-torch bench strict-check metal-offline-check doctor format clean check-test-python
 
 demo: $(VENV)/.built
 	$(PY) -m flashattn_mps.demo
 
 # The whole suite (CI runs this). Tests are by subject under tests/ (kernels, api, integrations,
 # device, mac); pytest tests/device runs the CPU Metal device's own tests alone.
-test: $(VENV)/.built
+test: check-test-python $(VENV)/.test-deps $(VENV)/.built
 	$(PY) -m pytest -q tests
 
 # Everything but the tests marked slow (fuzzing, peak memory, other projects' kernels, the strict
 # check of every specialisation, ...): about 3 minutes on 2 cores, for the edit-test loop.
-test-fast: $(VENV)/.built
+test-fast: check-test-python $(VENV)/.test-deps $(VENV)/.built
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The suite against another torch: make test-torch TORCH=2.14.1. A separate venv (.venv-torch-X)
@@ -29,6 +35,7 @@ TORCH ?=
 TORCH_VENV := .venv-torch-$(TORCH)
 test-torch: $(VENV)/.built
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.14.1"; exit 2; }
+	@sh tools/python_check.sh test $(PYTHON) $(TORCH)
 	@test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install -q "torch==$(TORCH)" $(TEST_DEPS)
 	$(TORCH_VENV)/bin/python -c "import torch, flashattn_mps; print('torch', torch.__version__, 'flashattn_mps from', flashattn_mps.__file__)"
@@ -54,7 +61,10 @@ doctor: $(VENV)/.built
 # The list is the device's (csrc/cpu_device/compilers.txt).
 CLANGS := $(shell sed -e 's/\#.*//' csrc/cpu_device/compilers.txt)
 
+# The demo's set-up: the tested torch where it has a wheel for this OS and Python, else the newest
+# torch flashattn-mps admits (pyproject.toml's range, resolved by the editable install below).
 $(VENV)/.deps:
+	@sh tools/python_check.sh demo $(PYTHON)
 	@if [ "$$(uname)" != Darwin ] && ! for c in $(CLANGS); do command -v $$c; done | grep -q .; then \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 	    echo "installing clang-16 (the CPU Metal device compiles kernels with it)"; \
@@ -64,11 +74,22 @@ $(VENV)/.deps:
 	  fi; \
 	fi
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -m pip install -q "torch==2.13.0" $(TEST_DEPS)
+	$(PY) -m pip install -q "pip>=21.3" numpy pybind11 "setuptools>=64" wheel
+	$(PY) -m pip install -q "torch==$(TESTED_TORCH)" 2>/dev/null || \
+	  echo "torch $(TESTED_TORCH) has no wheel for this OS and Python: taking the newest torch flashattn-mps admits"
+	touch $@
+
+# The tests' set-up: exact pins. check-test-python stops first, saying what to install, where they
+# cannot install (with .venv's Python once it exists).
+check-test-python:
+	@sh tools/python_check.sh test $(firstword $(wildcard $(PY)) $(PYTHON)) $(TESTED_TORCH)
+
+$(VENV)/.test-deps: $(VENV)/.deps
+	$(PY) -m pip install -q "torch==$(TESTED_TORCH)" $(TEST_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
-	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
 # The formatters, with the repository's configurations (.clang-format, pyproject's [tool.ruff]):
