@@ -126,14 +126,13 @@ def installed(release, tmp_path_factory):
     return python, site_dir
 
 
-def _module_names(files: list[str]) -> list[str]:
-    names = []
-    for name in files:
-        path = Path(name)
-        if path.parts[0] == "flashattn_mps" and path.suffix == ".py":
-            parts = path.with_suffix("").parts
-            names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return sorted(names)
+def _module_names(wheel: Path) -> list[str]:
+    """Every Python module the wheel carries, as import names."""
+    with zipfile.ZipFile(wheel) as archive:
+        paths = [Path(name) for name in archive.namelist() if name.endswith(".py") and ".dist-info/" not in name]
+    return sorted(
+        ".".join(p.with_suffix("").parts[:-1] if p.stem == "__init__" else p.with_suffix("").parts) for p in paths
+    )
 
 
 def test_sdist_carries_every_build_input(release):
@@ -167,9 +166,9 @@ def test_wheel_carries_every_package_and_kernel_source(release):
 
 
 def test_installed_wheel_imports_every_module_and_runs(release, installed):
-    files, _, _ = release
+    _, _, wheel = release
     python, site_dir = installed
-    modules = _module_names(files)
+    modules = _module_names(wheel)
     assert {
         "flashattn_mps.integrations.transformers",
         "flashattn_mps.integrations.diffusers",
