@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # one compile of both extensions: about 40 s of CPU
+pytestmark = pytest.mark.slow  # one compile of both extensions: about 50 s of CPU on x86-64
 
 ROOT = Path(__file__).resolve().parent.parent
 
