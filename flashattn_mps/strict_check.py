@@ -21,6 +21,8 @@ mode, against the shim in strict mode:
   C-style casts; min/max/clamp/fmin/fmax exist per type (as in Metal: min(long, int) is
   ambiguous); SIMD-group functions take scalars and vectors of MSL's arithmetic types only;
   simdgroup_load/store take the matrix's element type in device or threadgroup memory only;
+  simdgroup_multiply(_accumulate) take every operand as a non-const `thread` reference, as the
+  specification declares them (a const fragment is refused);
   float-to-bfloat and half-to-bfloat conversions must be explicit (the CPU device also refuses
   bfloat-to-half); variable-length arrays are refused;
 - a kernel whose kernel-scope threadgroup variables exceed 32 KiB is refused at compile time
@@ -49,6 +51,7 @@ CLANG_RULES = [
     (re.compile(r"address_space_cast"), "address-space-cast"),
     (re.compile(r"variable length array"), "vla"),
     (re.compile(r"'(simdgroup_load|simdgroup_store)'"), "simdgroup-matrix-memory"),
+    (re.compile(r"'(simdgroup_multiply|simdgroup_multiply_accumulate)'"), "simdgroup-matrix-operands"),
     (re.compile(r"'(min|max|clamp|fmin|fmax)'"), "builtin-argument-types"),
     (re.compile(r"'simd_\w+'"), "simd-function-types"),
     (re.compile(r"to 'bfloat'"), "bfloat-conversion"),

@@ -132,6 +132,14 @@ TYPE_RULES = {
         "{ simdgroup_half8x8 m; simdgroup_load(m, x); simdgroup_store(m, x); "
         "simdgroup_float8x8 f; simdgroup_load(f, c); }",
     ),
+    # the fragment helpers once passed a const operand, which the specification's signature (non-const
+    # `thread` references) does not take
+    "simdgroup-matrix-operands": (
+        "inline void mo(thread simdgroup_float8x8 &acc, const thread simdgroup_float8x8 *a, "
+        "thread simdgroup_float8x8 &b) { simdgroup_multiply_accumulate(acc, a[0], b, acc); }",
+        "inline void mo(thread simdgroup_float8x8 &acc, thread simdgroup_float8x8 *a, "
+        "thread simdgroup_float8x8 &b) { simdgroup_multiply_accumulate(acc, a[0], b, acc); }",
+    ),
     "simd-function-types": (
         "struct two { float a, b; };\n"
         "kernel void sh(device float *x [[buffer(0)]], uint i [[thread_position_in_grid]]) "
