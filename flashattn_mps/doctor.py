@@ -11,7 +11,9 @@ torch.nn.functional.scaled_dot_product_attention with its error and tolerance (P
 error vs a float64 golden <= max(1e-5, 5 x the error of torch's SDPA in the same dtype on the same
 device)), and a short timing against that SDPA. On MPS the checks run on Metal; without MPS they
 run on the CPU Metal device (same kernel sources) and the report says the Metal path was not
-checked. Each line is ok, failed or skipped, with why; the exit code is 1 if anything failed.
+checked. Whether MPS is there is decided by a probe that computes on it (flashattn_mps.mps_probe),
+not by torch.backends.mps.is_available(), which a virtual machine's paravirtual GPU also passes.
+Each line is ok, failed or skipped, with why; the exit code is 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _C, _metal_mode, explain_plan, flash_attention
+from . import _C, _metal_mode, explain_plan, flash_attention, mps_probe
 
 OK, FAILED, SKIPPED = "ok", "failed", "skipped"
 
@@ -71,9 +73,25 @@ def _chip() -> str:
     return platform.processor() or platform.machine()
 
 
+def _mps_check() -> Check:
+    """ok when MPS computes; skipped without MPS, or in a virtual machine whose MPS cannot compute
+    (GitHub's macOS runners); failed when torch reports MPS on bare metal and it cannot compute."""
+    probe = mps_probe.probe()
+    data = asdict(probe)
+    if probe.usable:
+        return Check("torch MPS", OK, probe.describe(), data)
+    if probe.available and probe.virtual_machine is not True:
+        return Check("torch MPS", FAILED, probe.describe(), data)
+    return Check("torch MPS", SKIPPED, probe.describe() + ": no Apple GPU for torch", data)
+
+
+def metal_usable() -> bool:
+    """Whether the kernel checks run on Metal: MPS computes here and this build has the backend."""
+    return _C.HAS_METAL_BACKEND and mps_probe.usable()
+
+
 def system_checks() -> list[Check]:
     mac = platform.mac_ver()[0]
-    mps_available = torch.backends.mps.is_available()
     return [
         Check("macOS", OK, mac) if mac else Check("macOS", SKIPPED, f"not macOS: {platform.platform()}"),
         Check("chip", OK, _chip()),
@@ -83,13 +101,7 @@ def system_checks() -> list[Check]:
             f"python {platform.python_version()}, torch {torch.__version__}, flashattn_mps {_package_version()}",
             {"python": platform.python_version(), "torch": torch.__version__, "flashattn_mps": _package_version()},
         ),
-        Check(
-            "torch MPS",
-            OK if mps_available else SKIPPED,
-            "available"
-            if mps_available
-            else f"not available (built with MPS: {torch.backends.mps.is_built()}): no Apple GPU for torch",
-        ),
+        _run("torch MPS", _mps_check),
         Check(
             "Metal backend",
             OK if _C.HAS_METAL_BACKEND else SKIPPED,
@@ -114,13 +126,14 @@ def _describe_language(info: dict) -> str:
 
 
 def metal_checks() -> list[Check]:
-    """The Metal facts; only where torch has MPS and this build has the backend."""
-    if not (torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND):
+    """The Metal facts; only where MPS computes and this build has the backend."""
+    if not metal_usable():
         return [
             Check(
                 "Metal path",
                 SKIPPED,
-                "not checked: needs torch MPS and a macOS build; the parity checks below ran on the CPU Metal device",
+                "not checked: needs a usable torch MPS and a macOS build; the parity checks below ran on the "
+                "CPU Metal device",
             )
         ]
     checks = []
@@ -362,8 +375,7 @@ def timing_check(device: str) -> Check:
 
 def collect() -> tuple[str, list[Check]]:
     """(device the kernel checks ran on, every check)."""
-    metal = torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND
-    device = "mps" if metal else "cpu"
+    device = "mps" if metal_usable() else "cpu"
     checks = system_checks() + metal_checks()
     checks += [_run(f"parity {case.name}", lambda case=case: parity_check(case, device)) for case in PARITY_CASES]
     checks.append(_run("timing", lambda: timing_check(device)))
