@@ -11,6 +11,7 @@
 extern "C" {
 #include "../cpu_device/metal_cpu.h" // MCPU_API_CAPSULE only: the device is reached through its table
 #include "../fa_backend.h"
+#include "../fa_cache.h"
 #include "../fa_plan_cache.h"
 }
 
@@ -627,6 +628,8 @@ PYBIND11_MODULE(_C, m) {
                             py::arg("backward_hits") = c[2], py::arg("backward_misses") = c[3]);
         },
         "How the plan cache answered so far: hits and misses (planned afresh) of each direction");
+    m.def("backend_builds", &fa_cache_entries_stored,
+          "Libraries compiled and pipelines built by the backends so far (entries stored in their caches)");
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
 
