@@ -4,7 +4,7 @@
 #ifndef FA_METAL_BACKEND_H
 #define FA_METAL_BACKEND_H
 
-#include "../fa_core.h"
+#include "../fa_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -100,6 +100,18 @@ typedef struct fa_metal_device_info {
 /* Chooses the device if not yet done and describes it; FA_ERR_UNSUPPORTED without Metal.
  * Call only when torch reports MPS available: it may ask torch for its command buffer. */
 int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st);
+
+/* What Metal decided for one pipeline (the doctor's pipeline check). */
+typedef struct fa_metal_pipeline_info {
+    uint64_t max_total_threads_per_threadgroup;
+    uint64_t static_threadgroup_memory_length;
+    uint64_t thread_execution_width;
+} fa_metal_pipeline_info;
+
+/* Builds the pipeline of `key` (a registered source) as a dispatch would, through the backend's
+ * caches, and describes it: FA_OK, FA_ERR_COMPILE with Metal's message (compile, missing function
+ * or constant, pipeline creation), or FA_ERR_UNSUPPORTED without Metal. */
+int32_t fa_metal_pipeline_info_get(const fa_pipeline_key *key, fa_metal_pipeline_info *out, fa_status *st);
 
 #ifdef __cplusplus
 }

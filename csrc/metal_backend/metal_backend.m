@@ -549,6 +549,18 @@ int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st) {
     return FA_OK;
 }
 
+int32_t fa_metal_pipeline_info_get(const fa_pipeline_key *key, fa_metal_pipeline_info *out, fa_status *st) {
+    if (!out) return fa_fail(st, FA_ERR_VALUE, "fa_metal_pipeline_info_get: out is NULL");
+    memset(out, 0, sizeof *out);
+    fa_pipeline *pipeline = metal_get_pipeline(key, st);
+    if (!pipeline) return st->code;
+    id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
+    out->max_total_threads_per_threadgroup = pso.maxTotalThreadsPerThreadgroup;
+    out->static_threadgroup_memory_length = pso.staticThreadgroupMemoryLength;
+    out->thread_execution_width = pso.threadExecutionWidth;
+    return FA_OK;
+}
+
 static const fa_backend k_metal_backend = {"metal", metal_get_pipeline, metal_dispatch};
 
 const fa_backend *fa_metal_backend(fa_status *st) { return metal_init(st) == FA_OK ? &k_metal_backend : NULL; }

@@ -6,6 +6,7 @@ real one needs a Mac). Every test passes on a Mac with MPS and on a machine with
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -13,6 +14,7 @@ import types
 import pytest
 import torch
 
+import flashattn_mps
 from flashattn_mps import _C, _metal_mode, doctor, mps_probe
 
 # Where the kernel checks run on this machine: decided by the same probe as the doctor's.
@@ -170,3 +172,49 @@ def test_the_mps_line_follows_the_probe_not_is_available(monkeypatch):
     monkeypatch.setattr(doctor, "_C", types.SimpleNamespace(HAS_METAL_BACKEND=True))
     monkeypatch.setattr(mps_probe, "usable", lambda: False)
     assert doctor.metal_usable() is False  # a macOS build on a runner: the kernel checks go to the CPU device
+
+
+def test_dropout_generator_line(monkeypatch):
+    assert doctor.dropout_generator_check("cpu").status == "ok"
+    rng = torch.get_rng_state()
+    monkeypatch.setattr(doctor._core, "dropout_rng_state", lambda device: torch.zeros(4, dtype=torch.int32))
+    broken = doctor.dropout_generator_check("cpu")
+    assert broken.status == "failed" and "two draws were equal" in broken.detail and "every word was 0" in broken.detail
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_every_kernel_of_every_library_is_a_pipeline_to_build():
+    from flashattn_mps import _sources, metal_offline_check
+
+    items = metal_offline_check.pipeline_items()
+    for source, text in _sources.kernel_sources().items():
+        kernels = {item.function.rsplit("_", 1)[0] for item in items if item.source == source}
+        assert kernels == set(re.findall(r'FA_HOST_NAME\("(\w+)"\)', text)), source
+    specialisations = {(s, tuple(map(tuple, m))) for s, _, m in _C.specialisations()}
+    assert {(item.source, item.macros) for item in items} == specialisations
+    dq = next(item for item in items if item.function.startswith("fa_backward_dq_"))
+    assert dict((i, kind) for i, kind, _ in dq.constants)[_C.FC_DROPOUT] == "int"
+
+
+def test_pipelines_mode_prints_what_metal_decided_and_fails_on_an_error(monkeypatch, capsys):
+    def build(source, function, macros, constants):
+        if function == "fa_sequence_table_half":
+            raise flashattn_mps.MetalCompileError("Metal pipeline fa_sequence_table_half: planted")
+        return {
+            "max_total_threads_per_threadgroup": 1024,
+            "static_threadgroup_memory_length": 0,
+            "thread_execution_width": 32,
+        }
+
+    monkeypatch.setattr(doctor, "_C", types.SimpleNamespace(HAS_METAL_BACKEND=True, metal_pipeline_info=build))
+    assert doctor.main(["--pipelines", "--sources", "fa_simple.metal"]) == 1
+    out = capsys.readouterr().out
+    assert out.count("ok      pipeline fa_simple.metal") == 5 and "maxTotalThreadsPerThreadgroup 1024" in out
+    assert "failed  pipeline fa_simple.metal fa_sequence_table_half" in out and "planted" in out
+    assert "5 of 6 pipelines built" in out
+
+
+def test_pipelines_mode_off_macos_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "_C", types.SimpleNamespace(HAS_METAL_BACKEND=False))
+    assert doctor.main(["--pipelines"]) == 2
+    assert "needs macOS" in capsys.readouterr().err
