@@ -125,8 +125,9 @@ def test_metal_verdicts(monkeypatch):
         and "MSL 3.1, mathMode safe, FP32 functions precise" == good["compile options"].detail
     )
     # The fake backend accepts any buffer; without MPS the buffer line's own failure to allocate
-    # one is reported, not raised.
-    assert good["MPS buffer"].status == ("ok" if mps_probe.usable() else "failed"), good["MPS buffer"]
+    # one is reported, not raised (a runner's paravirtual MPS may allocate or not).
+    expected = {"ok"} if mps_probe.usable() else {"ok", "failed"} if mps_probe.probe().available else {"failed"}
+    assert good["MPS buffer"].status in expected, good["MPS buffer"]
 
     fallback = _metal_mode.Decision(
         _C.METAL_TORCH_STREAM, _C.METAL_OWN_QUEUE, False, True, "r", ("_ZN5torch3mps11synchronizeEv",)
