@@ -1,9 +1,14 @@
 /* Process-lifetime caches of backend objects keyed by plain values (fa_cache.h). */
 #include "fa_cache.h"
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+
+static atomic_uint_fast64_t entries_stored;
+
+uint64_t fa_cache_entries_stored(void) { return (uint64_t)atomic_load_explicit(&entries_stored, memory_order_relaxed); }
 
 struct fa_cache_entry {
     uint64_t hash;
@@ -158,6 +163,7 @@ void *fa_cache_put(fa_cache *cache, const void *key, size_t len, void *value) {
             fresh->next = cache->slots[hash & (cache->n_slots - 1)];
             cache->slots[hash & (cache->n_slots - 1)] = fresh;
             cache->count++;
+            atomic_fetch_add_explicit(&entries_stored, 1, memory_order_relaxed);
             fresh = NULL;
         }
     }

@@ -54,6 +54,9 @@ void *fa_cache_get(fa_cache *cache, const void *key, size_t len);
 /* Stores value under the key unless one is there already, and returns the value stored (the
  * earlier one when two threads raced), or NULL when out of memory. */
 void *fa_cache_put(fa_cache *cache, const void *key, size_t len, void *value);
+/* Entries stored by fa_cache_put in every cache of the process so far: the libraries compiled and
+ * pipelines built by the backends (what warmup's "compiles nothing new" is measured by). */
+uint64_t fa_cache_entries_stored(void);
 
 /* A 64-bit hash of len bytes, a word at a time (also the plan cache's). */
 uint64_t fa_hash_bytes(const void *bytes, size_t len);

@@ -41,12 +41,23 @@ int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *bu
     return backend->dispatch(builder->pipeline, &d, st);
 }
 
+/* Every kernel reads the sequence scratch as `constant fa_params *`: without a table it is bound to
+ * these zeros, never to a tensor the call writes (a constant buffer must not alias a written one).
+ * One fa_params long, so a bound length check sees room for the element type. */
+static const fa_params k_no_sequences;
+
 void fa_bind_slots(fa_dispatch *d, const void *args, int32_t direction, const fa_tensor *present) {
     for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
         const fa_tensor *t = fa_slot_tensor(args, direction, i);
         const int32_t buffer =
             direction == FA_FORWARD ? fa_tensor_slots[i].forward_buffer : fa_tensor_slots[i].backward_buffer;
-        if (t != NULL && buffer >= 0) {
+        if (t == NULL || buffer < 0) {
+            continue;
+        }
+        if (i == FA_SLOT_SEQUENCE_SCRATCH && t->storage == NULL) {
+            d->bindings[buffer].bytes = &k_no_sequences;
+            d->bindings[buffer].length = (int64_t)sizeof k_no_sequences;
+        } else {
             d->bindings[buffer] = fa_tensor_binding(t, present);
         }
     }

@@ -15,6 +15,7 @@ from ._flash_attn import flash_attn_func
 from ._kvcache import explain_kvcache_plan, flash_attn_with_kvcache
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 from ._varlen import explain_varlen_plan, flash_attn_varlen_func
+from ._warmup import warmup
 
 __version__ = "0.1.0"
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "explain_kvcache_plan",
     "patch",
     "unpatch",
+    "warmup",
     "MetalCompileError",
     "MetalDispatchError",
     "__version__",

@@ -4,7 +4,9 @@ torch symbols each mode calls; csrc/metal_backend/metal_backend.h).
 
 Stream modes:
 - torch >= 2.9: encode on torch's MPS stream (`torch::mps::get_command_buffer()`, which ends torch's
-  open coalesced encoder from 2.9 on); no commit, no wait, ordered with torch's own work.
+  open coalesced encoder from 2.9 on) and commit it there (`torch::mps::commit()`, as PyTorch's own
+  custom-kernel example does); no wait, ordered with torch's own work. A command buffer of ours that
+  fails on the GPU is reported on stderr naming the kernel, and raised by the next call.
 - torch 2.4 to 2.8: the same, ending torch's coalesced encoder first through
   `at::mps::getCurrentMPSStream()->endKernelCoalescing()`.
 - Fallback, only when a symbol that mode calls is missing or FLASHATTN_MPS_STREAM=sync:
@@ -13,9 +15,9 @@ Stream modes:
 
 Environment variables (read once, at the first MPS call):
 - FLASHATTN_MPS_STREAM: "auto" (default) or "sync" (the fallback, e.g. to rule out stream mode).
-- FLASHATTN_MPS_DEBUG_SYNC=1: every dispatch commits and waits on torch's stream, and a failed
-  command buffer raises flashattn_mps.MetalDispatchError naming the kernel (GPU errors are
-  otherwise never seen: torch commits later). Slow; for diagnosis.
+- FLASHATTN_MPS_DEBUG_SYNC=1: every dispatch waits on torch's stream, and a failed command buffer
+  raises flashattn_mps.MetalDispatchError naming the kernel at that call (otherwise it is raised by
+  the next call). Slow; for diagnosis.
 - FLASHATTN_MPS_NO_BUFFER_CHECK=1: skip the test that each MPS storage handle is an
   id<MTLBuffer> (malloc_size, conformsToProtocol); lengths and devices are still checked.
 """

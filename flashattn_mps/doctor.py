@@ -1,6 +1,7 @@
 """What works on this machine, in one report to paste into a bug report.
 
     python -m flashattn_mps.doctor [--json]
+    python -m flashattn_mps.doctor --pipelines [--sources NAME ...] [--json]    # macOS
 
 Lists the system (macOS, chip), torch's and this package's versions, the Metal device the backend
 chose and torch's (same registryID?), its GPU families (simdgroup_matrix needs Apple7+), which torch
@@ -11,7 +12,15 @@ torch.nn.functional.scaled_dot_product_attention with its error and tolerance (P
 error vs a float64 golden <= max(1e-5, 5 x the error of torch's SDPA in the same dtype on the same
 device)), and a short timing against that SDPA. On MPS the checks run on Metal; without MPS they
 run on the CPU Metal device (same kernel sources) and the report says the Metal path was not
-checked. Each line is ok, failed or skipped, with why; the exit code is 1 if anything failed.
+checked. Whether MPS is there is decided by a probe that computes on it (flashattn_mps.mps_probe),
+not by torch.backends.mps.is_available(), which a virtual machine's paravirtual GPU also passes.
+Each line is ok, failed or skipped, with why; the exit code is 1 if anything failed.
+
+--pipelines (macOS): builds every pipeline the planner can emit (each kernel of each specialisation
+the offline compiler check compiles, with the function constants the planner sets for it) on the
+Metal device, and prints each one's maxTotalThreadsPerThreadgroup, staticThreadgroupMemoryLength
+and threadExecutionWidth, or Metal's error (a missing function constant, a failed compile or
+pipeline). Minutes: every library compiles once. Exit code 1 if any failed, 2 off macOS.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from . import _C, _metal_mode, explain_plan, flash_attention
+from . import _C, _core, _metal_mode, explain_plan, flash_attention, metal_offline_check, mps_probe
 
 OK, FAILED, SKIPPED = "ok", "failed", "skipped"
 
@@ -71,9 +80,25 @@ def _chip() -> str:
     return platform.processor() or platform.machine()
 
 
+def _mps_check() -> Check:
+    """ok when MPS computes; skipped without MPS, or in a virtual machine whose MPS cannot compute
+    (GitHub's macOS runners); failed when torch reports MPS on bare metal and it cannot compute."""
+    probe = mps_probe.probe()
+    data = asdict(probe)
+    if probe.usable:
+        return Check("torch MPS", OK, probe.describe(), data)
+    if probe.available and probe.virtual_machine is not True:
+        return Check("torch MPS", FAILED, probe.describe(), data)
+    return Check("torch MPS", SKIPPED, probe.describe() + ": no Apple GPU for torch", data)
+
+
+def metal_usable() -> bool:
+    """Whether the kernel checks run on Metal: MPS computes here and this build has the backend."""
+    return _C.HAS_METAL_BACKEND and mps_probe.usable()
+
+
 def system_checks() -> list[Check]:
     mac = platform.mac_ver()[0]
-    mps_available = torch.backends.mps.is_available()
     return [
         Check("macOS", OK, mac) if mac else Check("macOS", SKIPPED, f"not macOS: {platform.platform()}"),
         Check("chip", OK, _chip()),
@@ -83,13 +108,7 @@ def system_checks() -> list[Check]:
             f"python {platform.python_version()}, torch {torch.__version__}, flashattn_mps {_package_version()}",
             {"python": platform.python_version(), "torch": torch.__version__, "flashattn_mps": _package_version()},
         ),
-        Check(
-            "torch MPS",
-            OK if mps_available else SKIPPED,
-            "available"
-            if mps_available
-            else f"not available (built with MPS: {torch.backends.mps.is_built()}): no Apple GPU for torch",
-        ),
+        _run("torch MPS", _mps_check),
         Check(
             "Metal backend",
             OK if _C.HAS_METAL_BACKEND else SKIPPED,
@@ -114,13 +133,14 @@ def _describe_language(info: dict) -> str:
 
 
 def metal_checks() -> list[Check]:
-    """The Metal facts; only where torch has MPS and this build has the backend."""
-    if not (torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND):
+    """The Metal facts; only where MPS computes and this build has the backend."""
+    if not metal_usable():
         return [
             Check(
                 "Metal path",
                 SKIPPED,
-                "not checked: needs torch MPS and a macOS build; the parity checks below ran on the CPU Metal device",
+                "not checked: needs a usable torch MPS and a macOS build; the parity checks below ran on the "
+                "CPU Metal device",
             )
         ]
     checks = []
@@ -323,6 +343,65 @@ def parity_check(case: Case, device: str) -> Check:
     )
 
 
+# --- dropout's generator -------------------------------------------------------------------------
+
+
+def dropout_generator_check(device: str) -> Check:
+    """Dropout's generator words (torch.randint over the full int32 range on the device): draws
+    differ, are not all zero, reach both signs and high bits, and follow torch.manual_seed. The
+    caller's random state is restored."""
+    mps = device == "mps"
+    saved = torch.get_rng_state(), torch.mps.get_rng_state() if mps else None
+    try:
+        draws = [_core.dropout_rng_state(torch.device(device)).cpu() for _ in range(16)]
+        torch.manual_seed(1234)
+        first = _core.dropout_rng_state(torch.device(device)).cpu()
+        torch.manual_seed(1234)
+        again = _core.dropout_rng_state(torch.device(device)).cpu()
+    finally:
+        torch.set_rng_state(saved[0])
+        if mps:
+            torch.mps.set_rng_state(saved[1])
+    words = torch.cat(draws).long()
+    problems = []
+    if len({tuple(d.tolist()) for d in draws}) < len(draws):
+        problems.append("two draws were equal")
+    if not words.any():
+        problems.append("every word was 0")
+    if not (words.min() < 0 < words.max() and words.abs().max() >= 2**24):
+        problems.append(f"the words span only [{words.min().item()}, {words.max().item()}]")
+    if not torch.equal(first, again):
+        problems.append("torch.manual_seed does not repeat a draw")
+    detail = f"{len(draws)} draws of 4 int32 words on {device}"
+    if problems:
+        return Check("dropout generator", FAILED, f"{detail}: {'; '.join(problems)}")
+    return Check("dropout generator", OK, f"{detail}: distinct, full range, repeatable under torch.manual_seed")
+
+
+# --- every pipeline (macOS) ----------------------------------------------------------------------
+
+
+def pipeline_checks(sources=None) -> list[Check]:
+    """Builds every pipeline the planner can emit on the Metal device, one line each."""
+    checks = []
+    for item in metal_offline_check.pipeline_items(sources):
+        constants = [(index, kind, float(value)) for index, kind, value in item.constants]
+
+        def build(item=item, constants=constants) -> Check:
+            info = _C.metal_pipeline_info(item.source, item.function, list(item.macros), constants)
+            return Check(
+                f"pipeline {item.label}",
+                OK,
+                f"maxTotalThreadsPerThreadgroup {info['max_total_threads_per_threadgroup']}, "
+                f"staticThreadgroupMemoryLength {info['static_threadgroup_memory_length']} bytes, "
+                f"threadExecutionWidth {info['thread_execution_width']}",
+                info,
+            )
+
+        checks.append(_run(f"pipeline {item.label}", build))
+    return checks
+
+
 # --- timing --------------------------------------------------------------------------------------
 
 
@@ -362,10 +441,10 @@ def timing_check(device: str) -> Check:
 
 def collect() -> tuple[str, list[Check]]:
     """(device the kernel checks ran on, every check)."""
-    metal = torch.backends.mps.is_available() and _C.HAS_METAL_BACKEND
-    device = "mps" if metal else "cpu"
+    device = "mps" if metal_usable() else "cpu"
     checks = system_checks() + metal_checks()
     checks += [_run(f"parity {case.name}", lambda case=case: parity_check(case, device)) for case in PARITY_CASES]
+    checks.append(_run("dropout generator", lambda: dropout_generator_check(device)))
     checks.append(_run("timing", lambda: timing_check(device)))
     return device, checks
 
@@ -373,7 +452,13 @@ def collect() -> tuple[str, list[Check]]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    parser.add_argument("--pipelines", action="store_true", help="build every pipeline the planner can emit (macOS)")
+    parser.add_argument("--sources", nargs="+", help="with --pipelines: only these .metal files")
     args = parser.parse_args(argv)
+    if args.sources and not args.pipelines:
+        parser.error("--sources goes with --pipelines")
+    if args.pipelines:
+        return pipelines_main(args.json, args.sources)
     device, checks = collect()
     failed = [c for c in checks if c.status == FAILED]
     if args.json:
@@ -396,6 +481,26 @@ def main(argv=None) -> int:
         if device != "mps":
             print("\nThe Metal path was not checked: the kernel checks above ran on the CPU Metal device.")
         print(f"\n{len(failed)} failed" if failed else "\nall checks passed or were skipped")
+    return 1 if failed else 0
+
+
+def pipelines_main(as_json: bool, sources=None) -> int:
+    if not _C.HAS_METAL_BACKEND:
+        print(
+            "doctor --pipelines builds Metal pipelines, which needs macOS: this build of flashattn_mps has no Metal "
+            "backend (the CPU Metal device runs the same kernels: python -m flashattn_mps.doctor)",
+            file=sys.stderr,
+        )
+        return 2
+    start = time.perf_counter()
+    checks = pipeline_checks(sources)
+    failed = [c for c in checks if c.status == FAILED]
+    if as_json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=2, default=str))
+    else:
+        for c in checks:
+            print(f"{c.status:<7} {c.name}  {c.detail}")
+        print(f"\n{len(checks) - len(failed)} of {len(checks)} pipelines built in {time.perf_counter() - start:.0f} s")
     return 1 if failed else 0
 
 

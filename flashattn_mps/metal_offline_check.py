@@ -75,6 +75,91 @@ def work_items(sources=None) -> list[Work]:
     return items
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """One pipeline the planner can emit: a function of a specialisation's library, with the
+    function constants the planner sets for it (by index: (kind, value), kind "bool", "int" or
+    "float")."""
+
+    source: str
+    function: str
+    macros: tuple  # ((name, value), ...)
+    constants: tuple  # ((index, kind, value), ...)
+
+    @property
+    def label(self) -> str:
+        spec = " ".join(f"{k}={v}" for k, v in self.macros)
+        return f"{self.source} {self.function}" + (f" [{spec}]" if spec else "")
+
+
+def planner_dispatches() -> dict:
+    """{(source, kernel): {index: (kind, value)}}: every kernel the planner dispatches from each
+    source (its name without the element type, e.g. "fa_backward_dkdv") and the function constants
+    it sets, read from the plans of calls that reach each kernel (prefill, decode, split-K decode
+    and its merge, the simple kernel, the backward, packed and paged sequences with their table
+    kernel, the probabilities' pass). Constants are set by kind of call, not by value, so each kernel's set is complete;
+    the values are those of a plain call."""
+    import torch
+
+    from . import explain_plan, explain_varlen_plan
+
+    def t(*shape):
+        return torch.zeros(*shape)
+
+    q, kv = t(1, 2, 16, 32), t(1, 2, 24, 32)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    plans = [
+        explain_plan(q, kv, kv),
+        explain_plan(q[:, :, :1], kv, kv),
+        explain_plan(q[:, :, :1], t(1, 2, 8192, 32), t(1, 2, 8192, 32)),  # split-K and its merge
+        explain_plan(q, kv, kv, kernel="simple"),
+        explain_plan(q, kv, kv, backward=True),
+        explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11),
+        explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11, backward=True),
+        explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11, return_attn_probs=True),
+        explain_varlen_plan(
+            t(2, 2, 32),
+            t(4, 16, 2, 32),
+            t(4, 16, 2, 32),
+            torch.tensor([0, 1, 2], dtype=torch.int32),
+            torch.tensor([0, 20, 30], dtype=torch.int32),
+            1,
+            20,
+            block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        ),
+    ]
+    found: dict = {}
+    for plan in plans:
+        for d in plan["dispatches"]:
+            kernel = d["function"].rsplit("_", 1)[0]
+            constants = {i: (d["constant_kinds"][i], v) for i, v in d["constants"].items()}
+            found.setdefault((d["source"], kernel), constants)
+    return found
+
+
+def pipeline_items(sources=None) -> list[Pipeline]:
+    """Every pipeline the planner can emit: for each specialisation of the offline check's list
+    (`_C.specialisations()`: a source, its first function and the macros), each kernel the planner
+    dispatches from that source, in the specialisation's element type, with its constants."""
+    kernels = planner_dispatches()
+    items, seen = [], set()
+    for source, function, macros in _C.specialisations():
+        if sources is not None and source not in sources:
+            continue
+        element = function.rsplit("_", 1)[1]
+        for (kernel_source, kernel), constants in sorted(kernels.items()):
+            item = Pipeline(
+                source,
+                f"{kernel}_{element}",
+                tuple(tuple(m) for m in macros),
+                tuple((i, kind, value) for i, (kind, value) in sorted(constants.items())),
+            )
+            if kernel_source == source and item not in seen:
+                seen.add(item)
+                items.append(item)
+    return items
+
+
 def compile_command(xcrun: str, work: Work, src: str, air: str) -> list[str]:
     defines = [f"-D{name}={value or '1'}" for name, value in work.macros]
     return [xcrun, "-sdk", "macosx", "metal", f"-std={work.standard}", *COMPILE_FLAGS, *defines, "-c", src, "-o", air]

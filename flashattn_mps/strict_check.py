@@ -21,16 +21,25 @@ mode, against the shim in strict mode:
   C-style casts; min/max/clamp/fmin/fmax exist per type (as in Metal: min(long, int) is
   ambiguous); SIMD-group functions take scalars and vectors of MSL's arithmetic types only;
   simdgroup_load/store take the matrix's element type in device or threadgroup memory only;
+  simdgroup_multiply(_accumulate) take every operand as a non-const `thread` reference, as the
+  specification declares them (a const fragment is refused);
   float-to-bfloat and half-to-bfloat conversions must be explicit (the CPU device also refuses
   bfloat-to-half); variable-length arrays are refused;
 - a kernel whose kernel-scope threadgroup variables exceed 32 KiB is refused at compile time
-  (msl_kernel.h), as by the CPU device.
+  (msl_kernel.h), as by the CPU device;
+- for the planner's specialisations, a function constant a source declares and uses that the
+  planner sets in none of its dispatches: Metal refuses to build a pipeline whose function
+  references it, while the CPU device fails only a dispatch that reads it. Whether each function
+  gets every constant it references is per function, which only Apple's compiler settles:
+  `python -m flashattn_mps.doctor --pipelines` builds each one with the planner's constants.
 It cannot see numerics, register pressure, races, nor anything only Apple's back end checks.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import operator
 import os
 import re
 import shutil
@@ -49,12 +58,15 @@ CLANG_RULES = [
     (re.compile(r"address_space_cast"), "address-space-cast"),
     (re.compile(r"variable length array"), "vla"),
     (re.compile(r"'(simdgroup_load|simdgroup_store)'"), "simdgroup-matrix-memory"),
+    (re.compile(r"'(simdgroup_multiply|simdgroup_multiply_accumulate)'"), "simdgroup-matrix-operands"),
     (re.compile(r"'(min|max|clamp|fmin|fmax)'"), "builtin-argument-types"),
     (re.compile(r"'simd_\w+'"), "simd-function-types"),
     (re.compile(r"to 'bfloat'"), "bfloat-conversion"),
     (re.compile(r"address space"), "address-space"),
     (re.compile(r"file not found"), "std-library"),
 ]
+_FUNCTION_CONSTANT = re.compile(r"::msl_rt::function_constant<[^;{]*?,\s*([^;{]+?)>\s+(\w+)\{[^}]*\}")
+_LINE_DIRECTIVE = re.compile(r'#\s*(?:line\s+)?(\d+)\s+"([^"]*)"')
 _DIAG = re.compile(r"^(?P<loc>[^\s:][^:]*:\d+:\d+): (?:fatal )?(?P<kind>error|warning|note): (?P<text>.*)$")
 
 
@@ -113,6 +125,56 @@ def violations_of(output: str, shim_dir: str) -> list[str]:
     return found
 
 
+def _index_value(text: str) -> int | None:
+    """A function constant's index expression (integer literals, + - * << | and parentheses), or
+    None when it is anything else."""
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.LShift: operator.lshift}
+    ops[ast.BitOr] = operator.or_
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(text)
+
+    try:
+        return value(ast.parse(re.sub(r"(?<=\d)[uUlL]+\b", "", text.strip()), mode="eval").body)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _place(rewritten: str, offset: int) -> str:
+    """file:line of an offset in rewritten source, by its #line directives."""
+    place, line = "<source>", 1
+    for text in rewritten[:offset].split("\n")[:-1]:
+        m = _LINE_DIRECTIVE.match(text.strip())
+        if m:
+            place, line = m[2], int(m[1])
+        else:
+            line += 1
+    return f"{place}:{line}"
+
+
+def unset_function_constants(rewritten: str, planner_sets: frozenset) -> list[str]:
+    """One violation per function constant declared in the rewritten source and used in it (its
+    name outside its declaration) whose index is not in planner_sets (the indices the planner
+    sets in some dispatch)."""
+    declarations = list(_FUNCTION_CONSTANT.finditer(rewritten))
+    elsewhere = _FUNCTION_CONSTANT.sub(" ", rewritten)
+    found = []
+    for m in declarations:
+        index, name = _index_value(m[1]), m[2]
+        if index is None or index in planner_sets or not re.search(rf"\b{name}\b", elsewhere):
+            continue
+        found.append(
+            f"{_place(rewritten, m.start())}:1: error: function constant '{name}' (index {index}) is used, but "
+            "the planner sets it in no dispatch (Metal refuses a pipeline whose function references it) "
+            "[rule: function-constant-unset]"
+        )
+    return found
+
+
 def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, include_dirs: tuple) -> str | Result:
     """The source preprocessed and rewritten by the prepass in strict mode, or the failed Result."""
     if not text.startswith("#line"):
@@ -167,36 +229,59 @@ def _syntax_check(clang: str, shim_dir: str, rewritten: str) -> tuple[bool, str,
     return checked.returncode == 0 and not found, checked.stderr, found
 
 
-def check_one(clang: str, shim_dir: str, name: str, text: str, macros: tuple = (), include_dirs: tuple = ()) -> Result:
-    """Checks one source under one set of macros."""
+def check_one(
+    clang: str,
+    shim_dir: str,
+    name: str,
+    text: str,
+    macros: tuple = (),
+    include_dirs: tuple = (),
+    planner_sets: frozenset | None = None,
+) -> Result:
+    """Checks one source under one set of macros; with planner_sets (the function-constant
+    indices the planner sets), also that it uses no other function constant."""
     rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs)
     if isinstance(rewritten, Result):
         return rewritten
     ok, output, found = _syntax_check(clang, shim_dir, rewritten)
+    if planner_sets is not None:
+        found = found + unset_function_constants(rewritten, planner_sets)
+    ok = ok and not found
     return Result(name, macros, ok, "\n".join(found + [output]) if not ok else output, found)
 
 
-def check_batch(clang: str, shim_dir: str, work: list[tuple[str, str, tuple]]) -> list[Result]:
+def check_batch(clang: str, shim_dir: str, work: list[tuple], planner_sets: frozenset | None = None) -> list[Result]:
     """check_one for each (name, text, macros), with one clang front-end run for all of them: each
     rewritten source in a namespace of its own (parsing the shim costs most of a run). A batch
-    that fails is checked again one by one, so each Result carries its own violations."""
+    that fails is checked again one by one, so each Result carries its own violations.
+    planner_sets: as for check_one."""
     results: list[Result | None] = []
+    unset: list[list[str]] = []
     parts = []
     for k, (name, text, macros) in enumerate(work):
         rewritten = _rewritten(clang, shim_dir, name, text, macros, ())
         if isinstance(rewritten, Result):
             results.append(rewritten)
-        else:
-            results.append(None)
-            parts.append(f"namespace __msl_specialisation_{k} {{\n{rewritten}\n}}\n")
+            unset.append([])
+            continue
+        results.append(None)
+        unset.append(unset_function_constants(rewritten, planner_sets) if planner_sets is not None else [])
+        parts.append(f"namespace __msl_specialisation_{k} {{\n{rewritten}\n}}\n")
     if parts:
         ok, output, _ = _syntax_check(clang, shim_dir, "".join(parts))
         for k, (name, text, macros) in enumerate(work):
-            if results[k] is None:
-                results[k] = (
-                    Result(name, macros, True, output) if ok else check_one(clang, shim_dir, name, text, macros)
-                )
+            if results[k] is None and ok:
+                results[k] = Result(name, macros, not unset[k], "\n".join(unset[k] + [output]), unset[k])
+            elif results[k] is None:
+                results[k] = check_one(clang, shim_dir, name, text, macros, planner_sets=planner_sets)
     return results
+
+
+def planner_constant_set() -> frozenset:
+    """The indices of the function constants the planner sets in some dispatch."""
+    from .metal_offline_check import planner_dispatches
+
+    return frozenset(i for constants in planner_dispatches().values() for i in constants)
 
 
 def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> list[Result]:
@@ -209,8 +294,13 @@ def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> l
     # A .metal file the planner never emits would go unchecked: check it unspecialised too.
     work += [(name, sources[name], ()) for name in missing]
     batches = [work[i : i + batch] for i in range(0, len(work), batch)]
+    planner_sets = planner_constant_set()
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
-        return [r for results in pool.map(lambda b: check_batch(compiler, shim_dir, b), batches) for r in results]
+        return [
+            r
+            for results in pool.map(lambda b: check_batch(compiler, shim_dir, b, planner_sets), batches)
+            for r in results
+        ]
 
 
 def run_files(

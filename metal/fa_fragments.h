@@ -108,7 +108,7 @@ fa_frags_store_row(const thread fa_frag *f, device T *row, long col_stride, int 
 // but no matrix work.
 template <typename T, int ND, int NB, typename E>
 inline void fa_frags_multiply_transposed(thread fa_frag *acc,
-                                         const thread metal::simdgroup_matrix<E, 8, 8> *a,
+                                         thread metal::simdgroup_matrix<E, 8, 8> *a,
                                          const threadgroup T *tile,
                                          int pitch,
                                          int slices,
@@ -129,7 +129,7 @@ inline void fa_frags_multiply_transposed(thread fa_frag *acc,
 // backward. Output slices past `slices` are padding (never stored) and are skipped.
 template <typename T, int NA, int ND>
 inline void fa_frags_multiply(
-    thread fa_frag *acc, const thread fa_frag *a, const threadgroup T *tile, int pitch, int slices, ushort2 at) {
+    thread fa_frag *acc, thread fa_frag *a, const threadgroup T *tile, int pitch, int slices, ushort2 at) {
   for (int d = 0; d < ND; ++d) {
     if (d < slices) {
       for (int j = 0; j < NA; ++j) {

@@ -1,9 +1,13 @@
 // The Metal backend's controls for Python (flashattn_mps._metal_mode, flashattn_mps.doctor). Built
 // on every system: elsewhere than macOS the C functions report that Metal is unavailable.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <tuple>
+#include <vector>
 
 extern "C" {
 #include "../metal_backend/metal_backend.h"
@@ -63,6 +67,53 @@ void add_metal_bindings(py::module_ &m, void (*raise_status)(const fa_status &))
                 py::arg("check_buffers") = info.check_buffers != 0);
         },
         "The Metal device chosen, how, its families, torch's device and the compile options in effect");
+    m.def(
+        "metal_pipeline_info",
+        [raise_status](const std::string &source, const std::string &function,
+                       const std::vector<std::pair<std::string, std::string>> &macros,
+                       const std::vector<std::tuple<uint32_t, std::string, double>> &constants) -> py::dict {
+            if (macros.size() > FA_MAX_MACROS || constants.size() > FA_MAX_CONSTANTS) {
+                throw py::value_error("metal_pipeline_info: at most " + std::to_string(FA_MAX_MACROS) + " macros and " +
+                                      std::to_string(FA_MAX_CONSTANTS) + " constants");
+            }
+            std::vector<fa_macro> key_macros(macros.size());
+            for (size_t i = 0; i < macros.size(); ++i) {
+                if (macros[i].first.size() >= sizeof key_macros[i].name ||
+                    macros[i].second.size() >= sizeof key_macros[i].value) {
+                    throw py::value_error("metal_pipeline_info: macro " + macros[i].first + " is too long");
+                }
+                std::memset(&key_macros[i], 0, sizeof key_macros[i]);
+                std::memcpy(key_macros[i].name, macros[i].first.data(), macros[i].first.size());
+                std::memcpy(key_macros[i].value, macros[i].second.data(), macros[i].second.size());
+            }
+            std::vector<fa_constant> key_constants(constants.size());
+            for (size_t i = 0; i < constants.size(); ++i) {
+                const std::string &kind = std::get<1>(constants[i]);
+                const double value = std::get<2>(constants[i]);
+                if (kind != "bool" && kind != "int" && kind != "float") {
+                    throw py::value_error("metal_pipeline_info: a constant's kind is bool, int or float, got " + kind);
+                }
+                key_constants[i] = fa_constant{std::get<0>(constants[i]),
+                                               kind == "bool"  ? FA_CONST_BOOL
+                                               : kind == "int" ? FA_CONST_INT
+                                                               : FA_CONST_FLOAT,
+                                               static_cast<int64_t>(value), value};
+            }
+            const fa_pipeline_key key = {source.c_str(),       function.c_str(),
+                                         key_macros.data(),    static_cast<uint32_t>(key_macros.size()),
+                                         key_constants.data(), static_cast<uint32_t>(key_constants.size())};
+            fa_metal_pipeline_info info;
+            fa_status st;
+            if (fa_metal_pipeline_info_get(&key, &info, &st) != FA_OK) {
+                raise_status(st);
+            }
+            return py::dict(py::arg("max_total_threads_per_threadgroup") = info.max_total_threads_per_threadgroup,
+                            py::arg("static_threadgroup_memory_length") = info.static_threadgroup_memory_length,
+                            py::arg("thread_execution_width") = info.thread_execution_width);
+        },
+        py::arg("source"), py::arg("function"), py::arg("macros"), py::arg("constants"),
+        "Builds a pipeline on Metal as a dispatch would ((index, kind, value) constants) and returns what Metal "
+        "decided for it; MetalCompileError with Metal's message, or MetalDispatchError off macOS");
     m.def(
         "metal_object_class",
         [](uintptr_t handle) {

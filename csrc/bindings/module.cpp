@@ -11,6 +11,7 @@
 extern "C" {
 #include "../cpu_device/metal_cpu.h" // MCPU_API_CAPSULE only: the device is reached through its table
 #include "../fa_backend.h"
+#include "../fa_cache.h"
 #include "../fa_plan_cache.h"
 }
 
@@ -464,9 +465,12 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
         for (uint32_t m = 0; m < d.n_macros; ++m) {
             macros[d.macros[m].name] = d.macros[m].value;
         }
-        py::dict constants; // function constants by index (FC_* of this module name some)
+        py::dict constants, kinds; // function constants by index (FC_* of this module name some), their types
         for (uint32_t c = 0; c < d.n_constants; ++c) {
             constants[py::int_(d.constants[c].index)] = d.constants[c].i;
+            kinds[py::int_(d.constants[c].index)] = d.constants[c].kind == FA_CONST_BOOL  ? "bool"
+                                                    : d.constants[c].kind == FA_CONST_INT ? "int"
+                                                                                          : "float";
         }
         const fa_dispatch_cost &c = d.cost;
         py::dict cost(py::arg("threadgroup_bytes") = c.threadgroup_bytes, py::arg("registers") = c.registers,
@@ -474,7 +478,8 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
                       py::arg("min_bytes_read") = c.min_bytes_read, py::arg("min_bytes_written") = c.min_bytes_written);
         dispatches.append(py::dict(
             py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
-            py::arg("constants") = constants, py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
+            py::arg("constants") = constants, py::arg("constant_kinds") = kinds,
+            py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
             py::arg("threadgroup") = py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
             py::arg("cost") = cost));
     }
@@ -627,6 +632,8 @@ PYBIND11_MODULE(_C, m) {
                             py::arg("backward_hits") = c[2], py::arg("backward_misses") = c[3]);
         },
         "How the plan cache answered so far: hits and misses (planned afresh) of each direction");
+    m.def("backend_builds", &fa_cache_entries_stored,
+          "Libraries compiled and pipelines built by the backends so far (entries stored in their caches)");
     m.def("register_source", &register_source, py::arg("name"), py::arg("text"));
     m.def("specialisations", &specialisations);
 

@@ -78,6 +78,7 @@ typedef struct edit {
 
 typedef struct tmpl {
     char *name, *args; /* a kernel template's name and the launcher arguments its parameters need */
+    char *check;       /* and the statement its launcher runs first (params) */
 } tmpl;
 
 typedef struct pp {
@@ -511,9 +512,12 @@ static int32_t address_space_word(const pp *P, uint64_t k) {
 
 /* One kernel parameter [a, b): appends its launcher argument and blanks its attributes. Checks
  * Metal's rules for it: an address space on pointers and references, an index in the argument
- * table (0..30), used once. */
-static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn, slots *sl, sbuf *out) {
+ * table (0..30), used once. A buffer in constant memory adds its index to `constants`, a device
+ * pointer or reference without const (one the kernel may write) to `written`, as `| (1u << (n))`. */
+static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn, slots *sl, sbuf *out, sbuf *constants,
+                  sbuf *written) {
     int32_t ptr = 0, ref = 0, optional = 0, angle = 0, bound = 0, tg = 0, space = 0;
+    int32_t in_constant = 0, in_device = 0, is_const = 0;
     const char *role = NULL; /* "buffer", "threadgroup", or NULL for a builtin */
     uint64_t role_item = 0, role_a = 0, role_b = 0;
     for (uint64_t k = a; k < b && !P->failed;) {
@@ -552,6 +556,9 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
         if (!angle && is(P, k, '&')) ref = 1;
         if (word(P, k, "threadgroup")) tg = 1;
         if (!angle && address_space_word(P, k)) space = 1;
+        if (!angle && word(P, k, "constant")) in_constant = 1;
+        if (!angle && word(P, k, "device")) in_device = 1;
+        if (!angle && word(P, k, "const")) is_const = 1;
         k = opens(P, k) ? skip_group(P, k) : k + 1;
     }
     if (P->failed) return;
@@ -604,12 +611,17 @@ static void param(pp *P, uint64_t a, uint64_t b, uint32_t index, const char *fn,
     /* value parameters bind like references: the proxy's T& converts to T */
     sb_printf(out, "::msl_rt::%s_%s(__t, %s", table, ptr && !ref ? "ptr" : "ref", at.p ? at.p : "0");
     sb_puts(out, optional && !kind ? ", true)" : ")");
+    if (!kind && (in_constant || (in_device && !is_const && (ptr || ref))))
+        sb_printf(in_constant ? constants : written, " | (1u << (%s))", at.p ? at.p : "0");
     if (at.oom) oom(P);
     free(at.p);
 }
 
-/* Launcher arguments for the parameter list at p (its '('). */
-static char *params(pp *P, uint64_t p, const char *fn) {
+/* Launcher arguments for the parameter list at p (its '('), and in *check the statement the launcher
+ * runs before the call: the runtime's check that no constant buffer aliases a written one ("" when
+ * the kernel has no buffer of either kind). */
+static char *params(pp *P, uint64_t p, const char *fn, char **check) {
+    *check = NULL;
     uint64_t close = skip_group(P, p) - 1;
     if (!is(P, close, ')')) {
         fail_at(P, p, "kernel '%s': unterminated parameter list", fn);
@@ -618,6 +630,7 @@ static char *params(pp *P, uint64_t p, const char *fn) {
     sbuf out = {0};
     sb_puts(&out, "");
     slots sl = {{NULL, NULL}, {0, 0}, {0, 0}, {0, 0}, {0, 0}, {0, 0}};
+    sbuf constants = {0}, written = {0};
     uint64_t a = p + 1;
     uint32_t index = 0;
     if (word(P, a, "void") && a + 1 == close) a = close;
@@ -633,21 +646,29 @@ static char *params(pp *P, uint64_t p, const char *fn) {
             if (is(P, b, '>') && angle > 0) angle--;
             b++;
         }
-        param(P, a, b, index++, fn, &sl, &out);
+        param(P, a, b, index++, fn, &sl, &out, &constants, &written);
         a = b + 1;
     }
     free(sl.last[0]);
     free(sl.last[1]);
-    if (out.oom) oom(P);
+    sbuf statement = {0};
+    sb_puts(&statement, "");
+    if (constants.p && written.p)
+        sb_printf(&statement, "::msl_rt::check_constant_aliases(__t, 0u%s, 0u%s); ", constants.p, written.p);
+    if (out.oom || constants.oom || written.oom || statement.oom) oom(P);
+    free(constants.p);
+    free(written.p);
     if (P->failed) {
         free(out.p);
+        free(statement.p);
         return NULL;
     }
+    *check = statement.p;
     return out.p;
 }
 
 /* Appends the launcher `__msl_launch_<host>` calling `call(args)`, inside the kernel's namespaces. */
-static void launcher(pp *P, uint64_t at, const char *host, const char *call, const char *args) {
+static void launcher(pp *P, uint64_t at, const char *host, const char *call, const char *args, const char *check) {
     int32_t ident = host[0] && !is_digit(host[0]);
     for (const char *c = host; *c; c++) ident &= is_ident(*c);
     if (!ident) {
@@ -667,8 +688,8 @@ static void launcher(pp *P, uint64_t at, const char *host, const char *call, con
     /* A global kernel is called as ::name: `using namespace metal;` would make a kernel named like
      * a metal:: entity (vec, min, ...) ambiguous, while Metal itself never names it in a call. */
     const char *scope = P->nns == 0 && (is_ident(call[0]) && !is_digit(call[0])) ? "::" : "";
-    sb_printf(L, "extern \"C\" void __msl_launch_%s(void) { msl_thread *__t = ::msl_rt::api->current(); %s%s(%s); }",
-              host, scope, call, args);
+    sb_printf(L, "extern \"C\" void __msl_launch_%s(void) { msl_thread *__t = ::msl_rt::api->current(); %s%s%s(%s); }",
+              host, check, scope, call, args);
     for (uint64_t i = 0; i < P->nns; i++) sb_puts(L, " }");
     sb_puts(L, "\n");
 }
@@ -684,17 +705,19 @@ static void kernel_fn(pp *P, uint64_t s, uint64_t e, head *h, int32_t definition
     if (!fn) return;
     if (!strcmp(fn, "main")) violation(P, name, "kernel-main", "a kernel function may not be named main");
     blank_attrs(P, s, h->paren);
-    char *args = params(P, h->paren, fn);
+    char *check = NULL;
+    char *args = params(P, h->paren, fn, &check);
     if (args && h->is_template) {
         if (ROOM(P, P->tm, P->ntm, P->tmcap)) {
-            P->tm[P->ntm++] = (tmpl){fn, args};
+            P->tm[P->ntm++] = (tmpl){fn, args, check};
             return;
         }
     } else if (args && definition) {
-        launcher(P, name, h->host ? h->host : fn, fn, args);
+        launcher(P, name, h->host ? h->host : fn, fn, args, check);
     }
     free(fn);
     free(args);
+    free(check);
 }
 
 /* Tokens [i, j) on one line, without attribute lists (and without `const` if drop_const). */
@@ -744,17 +767,26 @@ static void instantiation(pp *P, uint64_t s, uint64_t e, head *h) {
     uint64_t start = name;
     while (start >= s + 2 && is(P, start - 1, 'D') && is(P, start - 2, 'w')) start -= 2;
     char *callee = text(P, start, q + 1), *tname = text(P, name, name + 1), *args = NULL, *sig = NULL;
+    char *check = NULL;
     sbuf call = {0};
     for (uint64_t i = P->ntm; tname && i-- > 0;)
         if (!strcmp(P->tm[i].name, tname)) {
             args = dup_n(P, P->tm[i].args, strlen(P->tm[i].args));
+            check = dup_n(P, P->tm[i].check, strlen(P->tm[i].check));
             break;
         }
     if (tname && h->paren < e) {
         if (!args || P->strict) { /* the signature's own attributes go too */
-            char *own = params(P, h->paren, tname);
-            if (args) free(own);
-            else args = own;
+            char *own_check = NULL;
+            char *own = params(P, h->paren, tname, &own_check);
+            if (args) {
+                free(own);
+                free(own_check);
+            } else {
+                args = own;
+                free(check);
+                check = own_check;
+            }
         }
         sig = joined(P, h->paren + 1, skip_group(P, h->paren) - 1, 0);
     }
@@ -765,7 +797,7 @@ static void instantiation(pp *P, uint64_t s, uint64_t e, head *h) {
         if (sig) sb_printf(&call, "(static_cast<void (*)(%s)>(&%s))", sig, callee);
         else sb_printf(&call, "(&%s)", callee);
         if (call.oom) oom(P);
-        else launcher(P, s, h->host, call.p, args);
+        else launcher(P, s, h->host, call.p, args, check ? check : "");
         if (P->strict) /* kept as a plain explicit instantiation, so clang checks the body */
             blank_attrs(P, s, h->paren);
         else add_edit(P, P->t[s].a, P->t[e].b, NULL);
@@ -773,6 +805,7 @@ static void instantiation(pp *P, uint64_t s, uint64_t e, head *h) {
     free(callee);
     free(tname);
     free(args);
+    free(check);
     free(sig);
     free(call.p);
 }
@@ -1497,7 +1530,7 @@ char *mcpu_preprocess(const char *source, const char *source_name, int32_t stric
     free(P.t);
     for (uint64_t i = 0; i < P.ned; i++) free(P.ed[i].text);
     free(P.ed);
-    for (uint64_t i = 0; i < P.ntm; i++) free(P.tm[i].name), free(P.tm[i].args);
+    for (uint64_t i = 0; i < P.ntm; i++) free(P.tm[i].name), free(P.tm[i].args), free(P.tm[i].check);
     free(P.tm);
     free_strs(P.files, P.nfiles);
     free_strs(P.ns, P.nns);

@@ -4,7 +4,7 @@
 #ifndef FA_METAL_BACKEND_H
 #define FA_METAL_BACKEND_H
 
-#include "../fa_core.h"
+#include "../fa_backend.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -16,8 +16,10 @@ typedef enum fa_metal_stream_mode {
      * dispatch commits and waits, reporting a failed command buffer as FA_ERR_RUNTIME. The
      * fallback when torch's symbols are missing. */
     FA_METAL_OWN_QUEUE = 0,
-    /* Encode on torch's MPS stream (torch::mps::get_dispatch_queue / get_command_buffer); no
-     * commit, no wait. torch >= 2.9, whose get_command_buffer ends torch's coalesced encoder. */
+    /* Encode on torch's MPS stream (torch::mps::get_dispatch_queue / get_command_buffer) and
+     * commit it there (torch::mps::commit, in the same dispatch_sync, as PyTorch's own custom-kernel
+     * example does); no wait. torch >= 2.9, whose get_command_buffer ends torch's coalesced
+     * encoder. */
     FA_METAL_TORCH_STREAM = 1,
     /* The same, ending torch's coalesced encoder first through
      * at::mps::getCurrentMPSStream()->endKernelCoalescing() (torch 2.4 to 2.8). */
@@ -31,7 +33,8 @@ enum {
     FA_TORCH_SYNCHRONIZE = 2,        /* torch::mps::synchronize() (debug mode) */
     FA_TORCH_CURRENT_STREAM = 3,     /* at::mps::getCurrentMPSStream() */
     FA_TORCH_END_COALESCING = 4,     /* at::mps::MPSStream::endKernelCoalescing() */
-    FA_TORCH_N_SYMBOLS = 5,
+    FA_TORCH_COMMIT = 5,             /* torch::mps::commit() */
+    FA_TORCH_N_SYMBOLS = 6,
 };
 /* The mangled name of symbol i (NULL out of range). */
 const char *fa_metal_torch_symbol_name(int32_t i);
@@ -41,9 +44,11 @@ uint32_t fa_metal_torch_symbols(void);
 
 /* Sets how dispatches run:
  *   mode: fa_metal_stream_mode;
- *   debug: in a torch stream mode, every dispatch also commits and waits on torch's stream
+ *   debug: in a torch stream mode, every dispatch also waits on torch's stream
  *     (torch::mps::synchronize) and a failed command buffer becomes FA_ERR_RUNTIME naming the
- *     kernel; in FA_METAL_OWN_QUEUE every dispatch already waits;
+ *     kernel; in FA_METAL_OWN_QUEUE every dispatch already waits. Without it, a command buffer of
+ *     ours that fails is reported on stderr naming the kernel when it completes, and by the next
+ *     dispatch (FA_ERR_RUNTIME);
  *   check_buffers: 0 skips the "is this an id<MTLBuffer>" test of fa_metal_check_buffer
  *     (malloc_size, conformsToProtocol) on every binding; lengths and devices are still checked.
  * Returns the mode in effect: a torch mode only when every symbol it calls was found (with
@@ -95,6 +100,18 @@ typedef struct fa_metal_device_info {
 /* Chooses the device if not yet done and describes it; FA_ERR_UNSUPPORTED without Metal.
  * Call only when torch reports MPS available: it may ask torch for its command buffer. */
 int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st);
+
+/* What Metal decided for one pipeline (the doctor's pipeline check). */
+typedef struct fa_metal_pipeline_info {
+    uint64_t max_total_threads_per_threadgroup;
+    uint64_t static_threadgroup_memory_length;
+    uint64_t thread_execution_width;
+} fa_metal_pipeline_info;
+
+/* Builds the pipeline of `key` (a registered source) as a dispatch would, through the backend's
+ * caches, and describes it: FA_OK, FA_ERR_COMPILE with Metal's message (compile, missing function
+ * or constant, pipeline creation), or FA_ERR_UNSUPPORTED without Metal. */
+int32_t fa_metal_pipeline_info_get(const fa_pipeline_key *key, fa_metal_pipeline_info *out, fa_status *st);
 
 #ifdef __cplusplus
 }

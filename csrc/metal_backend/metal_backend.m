@@ -10,6 +10,7 @@
 #include <os/lock.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "../fa_backend.h"
@@ -36,6 +37,11 @@ typedef void (*torch_stream_method)(void *stream);
 typedef void (*torch_void_fn)(void);
 
 static atomic_int g_mode = FA_METAL_OWN_QUEUE, g_debug = 0, g_check_buffers = 1;
+
+// A command buffer that failed after our dispatch was committed on torch's stream (its completion
+// handler runs on a Metal thread): kept here, under its own lock, until the next dispatch reports it.
+static os_unfair_lock g_fault_lock = OS_UNFAIR_LOCK_INIT;
+static char g_fault[512];
 
 static const char *describe(NSError *e) { return e ? e.localizedDescription.UTF8String : "(no error)"; }
 
@@ -74,7 +80,7 @@ static bool has_torch(uint32_t found, uint32_t needed) { return (found & needed)
 
 int32_t fa_metal_configure(int32_t mode, int32_t debug, int32_t check_buffers) {
     const uint32_t found = fa_metal_torch_symbols();
-    uint32_t needed = 1u << FA_TORCH_GET_COMMAND_BUFFER | 1u << FA_TORCH_GET_DISPATCH_QUEUE;
+    uint32_t needed = 1u << FA_TORCH_GET_COMMAND_BUFFER | 1u << FA_TORCH_GET_DISPATCH_QUEUE | 1u << FA_TORCH_COMMIT;
     if (mode == FA_METAL_TORCH_STREAM_END_COALESCING) {
         needed |= 1u << FA_TORCH_CURRENT_STREAM | 1u << FA_TORCH_END_COALESCING;
     }
@@ -328,6 +334,7 @@ static fa_pipeline *metal_get_pipeline(const fa_pipeline_key *key, fa_status *st
 static NSUInteger round16(uint64_t n) { return (NSUInteger)((n + 15) & ~(uint64_t)15); }
 
 static void encode(id<MTLComputeCommandEncoder> enc, id<MTLComputePipelineState> pso, const fa_dispatch *d) {
+    enc.label = pso.label; // Metal's reports of a failed command buffer name encoders by label
     [enc setComputePipelineState:pso];
     for (uint32_t i = 0; i < d->n_bindings; ++i) {
         const fa_binding *b = &d->bindings[i];
@@ -392,9 +399,34 @@ static int32_t check_dispatch(id<MTLComputePipelineState> pso, const fa_dispatch
     return FA_OK;
 }
 
-// Encodes on torch's stream inside its serial queue (PyTorch's pattern,
-// test/cpp_extensions/mps_extension.mm); torch commits the buffer with its own work. In debug mode
-// a completion handler records the command buffer's outcome and torch's stream is synchronised.
+// Records a failed command buffer of kernel `name` for the next dispatch, and says so at once on
+// stderr: torch would otherwise report it later, at its own synchronisation, without our kernel.
+static void record_fault(NSString *name, id<MTLCommandBuffer> finished) {
+    if (finished.status != MTLCommandBufferStatusError) return;
+    const char *error = finished.error ? finished.error.localizedDescription.UTF8String : "(no error)";
+    fprintf(stderr, "flashattn_mps: Metal kernel %s failed on the GPU: %s\n", name.UTF8String, error);
+    os_unfair_lock_lock(&g_fault_lock);
+    if (!g_fault[0]) snprintf(g_fault, sizeof g_fault, "Metal kernel %s failed on the GPU: %s", name.UTF8String, error);
+    os_unfair_lock_unlock(&g_fault_lock);
+}
+
+// The fault recorded since the last dispatch, as this dispatch's error (once).
+static int32_t report_fault(fa_status *st) {
+    char fault[sizeof g_fault] = "";
+    os_unfair_lock_lock(&g_fault_lock);
+    if (g_fault[0]) {
+        memcpy(fault, g_fault, sizeof fault);
+        g_fault[0] = '\0';
+    }
+    os_unfair_lock_unlock(&g_fault_lock);
+    return fault[0] ? fa_fail(st, FA_ERR_RUNTIME, "%s (an earlier call; its results are not valid)", fault) : FA_OK;
+}
+
+// Encodes on torch's stream inside its serial queue and commits there (PyTorch's pattern for custom
+// kernels: an encoder on get_command_buffer(), then torch::mps::commit() in the same dispatch_sync),
+// so each of our dispatches is submitted at once, in order with torch's work, and a loop of our
+// calls alone does not pile up in one command buffer. A completion handler, added before the
+// commit, reports a failure naming the kernel; in debug mode it also signals the wait below.
 static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const fa_dispatch *d, int32_t mode, bool debug,
                                         fa_status *st) {
     dispatch_queue_t queue = (__bridge dispatch_queue_t)((torch_getter)g_torch[FA_TORCH_GET_DISPATCH_QUEUE])();
@@ -419,17 +451,20 @@ static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const f
               return;
           }
           encode(enc, pso, d);
-          if (done) {
-              [cb addCompletedHandler:^(id<MTLCommandBuffer> finished) {
+          NSString *name = pso.label;
+          [cb addCompletedHandler:^(id<MTLCommandBuffer> finished) {
+            record_fault(name, finished);
+            if (done) {
                 status = finished.status;
                 error = finished.error.localizedDescription;
                 dispatch_semaphore_signal(done);
-              }];
-          }
+            }
+          }];
+          ((torch_void_fn)g_torch[FA_TORCH_COMMIT])();
       }
     });
     if (rc != FA_OK || !done) return rc;
-    ((torch_void_fn)g_torch[FA_TORCH_SYNCHRONIZE])(); // commits and waits; outside torch's queue
+    ((torch_void_fn)g_torch[FA_TORCH_SYNCHRONIZE])(); // waits for the stream; outside torch's queue
     if (dispatch_semaphore_wait(done, dispatch_time(DISPATCH_TIME_NOW, 60 * NSEC_PER_SEC)) != 0) {
         return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s: torch's command buffer did not complete",
                        pso.label.UTF8String);
@@ -459,6 +494,7 @@ static int32_t metal_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_st
     if (!pipeline || !d || d->n_bindings > FA_MAX_BINDINGS || d->n_threadgroup_args > FA_MAX_TG_ARGS) {
         return fa_fail(st, FA_ERR_VALUE, "Metal backend: malformed dispatch");
     }
+    if (report_fault(st) != FA_OK) return st->code;
     @autoreleasepool {
         id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
         if (check_dispatch(pso, d, st) != FA_OK) return st->code;
@@ -510,6 +546,18 @@ int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st) {
         out->debug = atomic_load(&g_debug);
         out->check_buffers = atomic_load(&g_check_buffers);
     }
+    return FA_OK;
+}
+
+int32_t fa_metal_pipeline_info_get(const fa_pipeline_key *key, fa_metal_pipeline_info *out, fa_status *st) {
+    if (!out) return fa_fail(st, FA_ERR_VALUE, "fa_metal_pipeline_info_get: out is NULL");
+    memset(out, 0, sizeof *out);
+    fa_pipeline *pipeline = metal_get_pipeline(key, st);
+    if (!pipeline) return st->code;
+    id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
+    out->max_total_threads_per_threadgroup = pso.maxTotalThreadsPerThreadgroup;
+    out->static_threadgroup_memory_length = pso.staticThreadgroupMemoryLength;
+    out->thread_execution_width = pso.threadExecutionWidth;
     return FA_OK;
 }
 

@@ -33,4 +33,9 @@ int32_t fa_metal_device_info_get(fa_metal_device_info *out, fa_status *st) {
     (void)out;
     return fa_fail(st, FA_ERR_UNSUPPORTED, k_unsupported);
 }
+
+int32_t fa_metal_pipeline_info_get(const fa_pipeline_key *key, fa_metal_pipeline_info *out, fa_status *st) {
+    (void)key, (void)out;
+    return fa_fail(st, FA_ERR_UNSUPPORTED, k_unsupported);
+}
 #endif

@@ -3,6 +3,7 @@ uninitialised threadgroup reads and out-of-bounds accesses, each reported as Met
 with both source lines and threads (the project's own kernels under it: kernels/test_checked_kernels.py)."""
 
 import re
+import shutil
 import struct
 
 import pytest
@@ -181,6 +182,26 @@ def test_out_of_bounds_write(shift):
         str(info.value),
     ), str(info.value)
     assert base.eq(0).all()  # base[7] was never written
+
+
+@pytest.mark.parametrize(
+    "symbolizer",
+    [
+        pytest.param(name, marks=pytest.mark.skipif(shutil.which(name) is None, reason=f"no {name} here"))
+        for name in ("addr2line", "llvm-symbolizer", "atos")
+    ],
+)
+def test_each_symbolizer_names_the_line(monkeypatch, symbolizer):
+    # macOS has no addr2line by default: llvm-symbolizer where installed, else atos, read the line tables
+    monkeypatch.setenv("FLASHATTN_MPS_SYMBOLIZER", symbolizer)
+    with pytest.raises(mc.MetalDispatchError, match=at("shifted")):
+        run("shifted", 1, 64, [torch.zeros(64), torch.arange(64.0), int_bytes(1)])
+
+
+def test_without_a_symbolizer_the_report_says_so(monkeypatch):
+    monkeypatch.setenv("FLASHATTN_MPS_SYMBOLIZER", "no-such-symbolizer")
+    with pytest.raises(mc.MetalDispatchError, match=r"no line: no symbolizer could tell; tried no-such-symbolizer"):
+        run("shifted", 1, 64, [torch.zeros(64), torch.arange(64.0), int_bytes(1)])
 
 
 def test_in_bounds_writes_land_in_the_bound_view():

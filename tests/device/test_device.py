@@ -326,6 +326,38 @@ def test_bytes_buffers_and_storage_offsets():
     assert base[10:50].eq(2.5).all() and base[:10].eq(0).all() and base[50:].eq(0).all()
 
 
+def test_a_constant_buffer_aliasing_a_written_one_is_refused():
+    lib = build("""
+        kernel void ca(constant float *c [[buffer(0)]], device float *o [[buffer(1)]],
+                       device const float *r [[buffer(2)]], uint i [[thread_position_in_grid]]) {
+          o[i] = c[i] + r[i];
+        }
+        template <typename T>
+        kernel void tc(constant T *c [[buffer(0)]], device T *o [[buffer(1)]], uint i [[thread_position_in_grid]]) {
+          o[i] = c[i] + 1;
+        }
+        template [[host_name("tc_float")]] kernel void tc<float>(constant float *, device float *, uint);""")
+    x, y = torch.ones(8), torch.zeros(8)
+    lib.dispatch("ca", (1,), (8,), [x, y, x])  # constant and read-only views of one buffer may alias
+    assert y.eq(2).all()
+    for kernel, buffers in (("ca", [y[2:], y, x]), ("tc_float", [y, y[4:]])):
+        with pytest.raises(ValueError, match=rf"kernel '{kernel}': the constant buffer \[\[buffer\(0\)\]\] overlaps"):
+            lib.dispatch(kernel, (1,), (4,), buffers)
+
+
+def test_attention_without_a_sequence_table_binds_no_written_tensor_as_constant():
+    # the kernels read the sequence buffer (10 forward, 15 backward) as constant memory; without a
+    # table it once stood in with the output, which the check above refuses
+    import flashattn_mps
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 9, 16, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, 2, 12, 16, generator=gen).requires_grad_() for _ in range(2))
+    flashattn_mps.flash_attention(q, k, v, causal=True).sum().backward()  # forward and backward kernels
+    flashattn_mps.flash_attention(q[:, :, :1].detach(), k.detach(), v.detach())  # decode
+    assert q.grad.isfinite().all() and k.grad.isfinite().all()
+
+
 def test_compile_error_names_file_and_line():
     with pytest.raises(MetalCompileError, match=r"broken\.metal:5:.*error"):
         build(

@@ -132,6 +132,14 @@ TYPE_RULES = {
         "{ simdgroup_half8x8 m; simdgroup_load(m, x); simdgroup_store(m, x); "
         "simdgroup_float8x8 f; simdgroup_load(f, c); }",
     ),
+    # the fragment helpers once passed a const operand, which the specification's signature (non-const
+    # `thread` references) does not take
+    "simdgroup-matrix-operands": (
+        "inline void mo(thread simdgroup_float8x8 &acc, const thread simdgroup_float8x8 *a, "
+        "thread simdgroup_float8x8 &b) { simdgroup_multiply_accumulate(acc, a[0], b, acc); }",
+        "inline void mo(thread simdgroup_float8x8 &acc, thread simdgroup_float8x8 *a, "
+        "thread simdgroup_float8x8 &b) { simdgroup_multiply_accumulate(acc, a[0], b, acc); }",
+    ),
     "simd-function-types": (
         "struct two { float a, b; };\n"
         "kernel void sh(device float *x [[buffer(0)]], uint i [[thread_position_in_grid]]) "
@@ -219,6 +227,27 @@ def test_command_line_checks_given_files_under_macros(tmp_path, capsys):
     assert strict_check.main([str(source), "-D", "BROKEN=1"]) == 1
     err = capsys.readouterr().err
     assert f"{source}:4:" in err and "[rule: double]" in err
+
+
+def test_a_function_constant_the_planner_never_sets_is_refused():
+    planner = strict_check.planner_constant_set()
+    assert {0, 1, 2, 3, 7, 11, 12, 13} <= planner and 99 not in planner  # band ... paged; 99 is free
+    text = (
+        PRELUDE
+        + "constant bool fc_band [[function_constant(0)]];\n"
+        + "constant int fc_new [[function_constant(90 + 9)]];\n"  # used below, set by no dispatch
+        + "constant bool fc_idle [[function_constant(98)]];\n"  # declared, never used: Metal does not mind
+        + "kernel void fc(device int *o [[buffer(0)]]) { o[0] = fc_band ? fc_new : 0; }\n"
+    )
+    result = strict_check.check_one(
+        strict_check.find_clang(), _metal_cpu.shim_dir(), "fc.metal", text, planner_sets=planner
+    )
+    assert not result.ok
+    assert [re.sub(r" \(Metal.*", "", v) for v in result.violations] == [
+        "fc.metal:4:1: error: function constant 'fc_new' (index 99) is used, but the planner sets it in no dispatch"
+    ], result.violations
+    assert all("[rule: function-constant-unset]" in v for v in result.violations)
+    assert check("fc.metal", text).ok  # without the planner's set, only the MSL rules apply
 
 
 @pytest.mark.slow

@@ -60,6 +60,38 @@ inline void *bound_threadgroup_arg(msl_thread *t, uint32_t n, const char *file, 
     return a[n];
 }
 
+/* Constant memory is read-only for the whole dispatch (MSL specification, address spaces), so a
+ * buffer bound in constant memory (bit n of `constants`) must not overlap one the kernel may write
+ * (a device pointer or reference without const, bit n of `written`). The generated launcher calls
+ * this first; the grid's first thread checks, once per dispatch. An unknown length counts as one
+ * byte, so the same start address always overlaps. */
+inline void check_constant_aliases(msl_thread *t, uint32_t constants, uint32_t written,
+                                   const char *file = __builtin_FILE(), uint32_t line = __builtin_LINE()) {
+    if (t->thread_position_in_grid[0] | t->thread_position_in_grid[1] | t->thread_position_in_grid[2]) return;
+    const msl_launch *l = t->launch;
+    auto range = [l](uint32_t n, uintptr_t *end) -> uintptr_t {
+        uintptr_t start = n < l->n_buffers ? (uintptr_t)l->buffers[n] : 0;
+        uint64_t length = l->buffer_lengths && n < l->n_buffers ? l->buffer_lengths[n] : UINT64_MAX;
+        if (length == 0 || length == UINT64_MAX) length = 1;
+        *end = length > UINTPTR_MAX - start ? UINTPTR_MAX : start + (uintptr_t)length;
+        return start;
+    };
+    for (uint32_t c = 0; c < 32; c++) {
+        uintptr_t c_end, c_start = constants >> c & 1u ? range(c, &c_end) : 0;
+        for (uint32_t w = 0; c_start && w < 32; w++) {
+            uintptr_t w_end, w_start = w != c && (written >> w & 1u) ? range(w, &w_end) : 0;
+            if (w_start && c_start < w_end && w_start < c_end) {
+                char m[256];
+                snprintf(m, sizeof m,
+                         "kernel '%s': the constant buffer [[buffer(%u)]] overlaps [[buffer(%u)]], which the kernel "
+                         "may write",
+                         l->kernel_name, c, w);
+                argument_fail(t, m, file, line);
+            }
+        }
+    }
+}
+
 /* Pointer arguments: `device T* p [[buffer(n)]]`, `threadgroup T* p [[threadgroup(n)]]`. */
 struct arg_ptr {
     void *p;

@@ -548,16 +548,18 @@ void mma(metal::simdgroup_matrix<TD, 8, 8> &d, const metal::simdgroup_matrix<TA,
 
 namespace metal {
 
+/* As the MSL specification declares them (SIMD-group matrix functions): every operand a non-const
+ * `thread` reference, so a const fragment is refused here as it may be by Apple's compiler. */
 template <class TD, class TA, class TB, int Cols, int Rows, int K>
-void simdgroup_multiply(simdgroup_matrix<TD, Cols, Rows> &d, const simdgroup_matrix<TA, K, Rows> &a,
-                        const simdgroup_matrix<TB, Cols, K> &b, MSL_CALLER) {
+void simdgroup_multiply(simdgroup_matrix<TD, Cols, Rows> &d, simdgroup_matrix<TA, K, Rows> &a,
+                        simdgroup_matrix<TB, Cols, K> &b, MSL_CALLER) {
     const simdgroup_matrix<TD, Cols, Rows> *no_c = nullptr;
     msl_rt::mma(d, a, b, no_c, "simdgroup_multiply", file, line);
 }
 
 template <class TD, class TA, class TB, class TC, int Cols, int Rows, int K>
-void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, const simdgroup_matrix<TA, K, Rows> &a,
-                                   const simdgroup_matrix<TB, Cols, K> &b, const simdgroup_matrix<TC, Cols, Rows> &c,
+void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, simdgroup_matrix<TA, K, Rows> &a,
+                                   simdgroup_matrix<TB, Cols, K> &b, simdgroup_matrix<TC, Cols, Rows> &c,
                                    MSL_CALLER) {
     msl_rt::mma(d, a, b, &c, "simdgroup_multiply_accumulate", file, line);
 }
