@@ -13,6 +13,8 @@ value, they turn into that tuple, and run it; every entry point ends in one of t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _C, _metal_mode, _sources
@@ -126,6 +128,43 @@ def _sequence_slots(tensors: dict, sequences) -> tuple:
     return max_q, max_kv
 
 
+def _needs_no_kernel(k: torch.Tensor, out: torch.Tensor, lse) -> bool:
+    """Whether a forward's result is known without a kernel: no output element (B, H or L of 0, or
+    Ev = 0 without a log-sum-exp) or no key (S = 0, or a key tensor without rows). The core takes no
+    empty tensor: it would have no storage to bind."""
+    return k.shape[:-1].numel() == 0 or (out.numel() == 0 and (lse is None or lse.numel() == 0))
+
+
+def _fill_without_kernel(out: torch.Tensor, lse, sinks) -> None:
+    """_needs_no_kernel's result, as SDPA's: rows without keys give zeros (NaNs in q too: there is
+    no score to carry them), their log-sum-exp -inf, or with sinks their head's sink logit."""
+    out.zero_()
+    if lse is not None:
+        lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks.view(-1, 1).expand_as(lse))
+
+
+def _has_empty_head_dim(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.shape[-1] == 0 or v.shape[-1] == 0
+
+
+def stand_ins(q, k, v, out, scale) -> tuple:
+    """(q, k, v, out, scale) for the kernels when E or Ev is 0 but something is left to compute
+    (E = 0: the softmax of zero scores averages v; Ev = 0: the log-sum-exp): zero-filled tensors one
+    element wide, which the core can bind. With E = 0 every score is 0 whatever the scale (SDPA
+    averages v even with its default 1/sqrt(0)), so the stand-ins' scale is 0; out's stand-in is
+    scratch."""
+    if q.shape[-1] == 0:
+        q, k, scale = q.new_zeros((*q.shape[:-1], 1)), k.new_zeros((*k.shape[:-1], 1)), 0.0
+    if v.shape[-1] == 0:
+        v, out = v.new_zeros((*v.shape[:-1], 1)), out.new_empty((*out.shape[:-1], 1))
+    return q, k, v, out, scale
+
+
+def plan_without_kernel() -> dict:
+    """What the planner says of a call that launches nothing (_needs_no_kernel)."""
+    return {"dispatches": [], "empty": True, "split_count": 0, "workspace_bytes": 0}
+
+
 def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state) -> tuple:
     """run_forward's and plan_run's tensors by slot name, and the grid's (max_q_len, max_kv_len)."""
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi}
@@ -136,6 +175,12 @@ def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_stat
 def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> None:
     """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
     checked (an AttentionOptions); sequences: sequence_args' tuple or None."""
+    if _needs_no_kernel(k, out, lse):
+        _fill_without_kernel(out, lse, options.sinks)
+        return
+    if _has_empty_head_dim(q, v):
+        q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
+        options = options._replace(scale=scale)
     device = device_code(q)
     tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
@@ -144,6 +189,11 @@ def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_sta
 def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> dict:
     """What run_forward with these arguments would launch, as explain_plan shows it, without
     running (the planner reads shapes, strides and options, never an element)."""
+    if _needs_no_kernel(k, out, lse):
+        return explained(plan_without_kernel(), q.device)
+    if _has_empty_head_dim(q, v):
+        q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
+        options = options._replace(scale=scale)
     tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     return explained(
         plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options.core(False, max_q, max_kv)),
@@ -183,6 +233,13 @@ def forward_core(
     else:
         out = q.new_empty((*rows, value_dim))
     lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
+    if _needs_no_kernel(k, out, lse):
+        _fill_without_kernel(out, lse, sinks)
+        return out, lse
+    result = out
+    if _has_empty_head_dim(q, v):
+        q, k, v, out, scale = stand_ins(q, k, v, out, scale)
+        options = options._replace(scale=scale)
     if not _sources.registered:
         _sources.ensure_registered()
     tensors = {
@@ -208,7 +265,7 @@ def forward_core(
     except (TypeError, ValueError):
         check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
-    return out, lse
+    return result, lse
 
 
 def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_state=None, sequences=None):
@@ -216,6 +273,14 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
     rng_state the forward's, so the same probabilities are dropped), and after them dsinks, the
     (Hq,) float32 gradient of the sinks, when options.sinks (float32 (Hq,)) is given. With
     sequences, the rows of q, k and v no sequence holds get zero gradients and no share of dsinks."""
+    sinks = options.sinks
+    if dout.numel() == 0 or k.shape[:-1].numel() == 0:  # an empty out, or no keys: nothing flows back
+        grads = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+        return grads if sinks is None else (*grads, torch.zeros_like(sinks))
+    if q.shape[-1] == 0:  # E = 0: dq and dk are empty; dv and dsinks are those of zero scores
+        q0, k0, _, _, scale = stand_ins(q, k, v, out, options.scale)
+        grads = backward_core(dout, q0, k0, v, out, lse, mask, options._replace(scale=scale), rng_state, sequences)
+        return (q.new_zeros(q.shape), k.new_zeros(k.shape), *grads[2:])
     device = device_code(q)  # _C checks every tensor's device
     if dout.is_neg():
         dout = dout.resolve_neg()
@@ -225,7 +290,6 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     # Each row's term of the sinks' gradient (B, Hq, L), summed below over batch and rows, deterministically.
-    sinks = options.sinks
     sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
     tensors = {
         "q": q,
@@ -268,6 +332,9 @@ def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_stat
     pass reads no sinks (the lse includes them) and runs the simple kernel whatever options.kernel."""
     if rng_state is None:  # no dropout: every probability is kept whatever the words
         rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
+    if _has_empty_head_dim(q, v):
+        q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
+        options = options._replace(scale=scale)
     shape = (
         (*q.shape[:-1], k.shape[-2])
         if sequences is None
@@ -303,7 +370,7 @@ def probs_core(q, k, v, out, lse, mask, options: AttentionOptions, rng_state=Non
     layout probs_arguments says)."""
     tensors, core, shape = probs_arguments(q, k, v, out, lse, mask, options, rng_state, sequences)
     probs = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    if not probs_pass_runs(lse):
+    if not probs_pass_runs(lse) or k.shape[:-1].numel() == 0:  # no rows, or no keys: every probability is 0
         return probs
     forward(device_code(q), tensors, core, probs.view(-1))
     return probs
