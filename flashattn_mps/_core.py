@@ -139,12 +139,12 @@ def _fill_without_kernel(out: torch.Tensor, lse, sinks) -> None:
     """_needs_no_kernel's result, as SDPA's: rows without keys give zeros (NaNs in q too: there is
     no score to carry them), their log-sum-exp -inf, or with sinks their head's sink logit."""
     out.zero_()
-    if lse is not None:
-        lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks.view(-1, 1).expand_as(lse))
-
-
-def _has_empty_head_dim(q: torch.Tensor, v: torch.Tensor) -> bool:
-    return q.shape[-1] == 0 or v.shape[-1] == 0
+    if lse is None:
+        return
+    if sinks is None:
+        lse.fill_(-math.inf)
+    else:
+        lse.copy_(sinks.view(-1, 1).expand_as(lse))
 
 
 def stand_ins(q, k, v, out, scale) -> tuple:
@@ -158,6 +158,19 @@ def stand_ins(q, k, v, out, scale) -> tuple:
     if v.shape[-1] == 0:
         v, out = v.new_zeros((*v.shape[:-1], 1)), out.new_empty((*out.shape[:-1], 1))
     return q, k, v, out, scale
+
+
+def _stand_in_call(q, k, v, out, options: AttentionOptions) -> tuple:
+    """stand_ins over a call's options: (q, k, v, out, options), unchanged without an empty head dim."""
+    if q.shape[-1] != 0 and v.shape[-1] != 0:
+        return q, k, v, out, options
+    q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
+    return q, k, v, out, options._replace(scale=scale)
+
+
+def _zero_gradient(t: torch.Tensor, sequences) -> torch.Tensor:
+    """A zero gradient of t laid out as backward_core's (t's strides with sequences, as the fakes say)."""
+    return torch.zeros_like(t) if sequences is not None else t.new_zeros(t.shape)
 
 
 def plan_without_kernel() -> dict:
@@ -178,9 +191,7 @@ def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_sta
     if _needs_no_kernel(k, out, lse):
         _fill_without_kernel(out, lse, options.sinks)
         return
-    if _has_empty_head_dim(q, v):
-        q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
-        options = options._replace(scale=scale)
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
     device = device_code(q)
     tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
@@ -191,9 +202,7 @@ def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=
     running (the planner reads shapes, strides and options, never an element)."""
     if _needs_no_kernel(k, out, lse):
         return explained(plan_without_kernel(), q.device)
-    if _has_empty_head_dim(q, v):
-        q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
-        options = options._replace(scale=scale)
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
     tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     return explained(
         plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options.core(False, max_q, max_kv)),
@@ -237,9 +246,8 @@ def forward_core(
         _fill_without_kernel(out, lse, sinks)
         return out, lse
     result = out
-    if _has_empty_head_dim(q, v):
-        q, k, v, out, scale = stand_ins(q, k, v, out, scale)
-        options = options._replace(scale=scale)
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
+    scale = options.scale
     if not _sources.registered:
         _sources.ensure_registered()
     tensors = {
@@ -275,12 +283,12 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
     sequences, the rows of q, k and v no sequence holds get zero gradients and no share of dsinks."""
     sinks = options.sinks
     if dout.numel() == 0 or k.shape[:-1].numel() == 0:  # an empty out, or no keys: nothing flows back
-        grads = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-        return grads if sinks is None else (*grads, torch.zeros_like(sinks))
+        grads = tuple(_zero_gradient(t, sequences) for t in (q, k, v))
+        return grads if sinks is None else (*grads, sinks.new_zeros(sinks.shape))
     if q.shape[-1] == 0:  # E = 0: dq and dk are empty; dv and dsinks are those of zero scores
-        q0, k0, _, _, scale = stand_ins(q, k, v, out, options.scale)
-        grads = backward_core(dout, q0, k0, v, out, lse, mask, options._replace(scale=scale), rng_state, sequences)
-        return (q.new_zeros(q.shape), k.new_zeros(k.shape), *grads[2:])
+        q0, k0, _, _, zero_scores = _stand_in_call(q, k, v, out, options)
+        grads = backward_core(dout, q0, k0, v, out, lse, mask, zero_scores, rng_state, sequences)
+        return (_zero_gradient(q, sequences), _zero_gradient(k, sequences), *grads[2:])
     device = device_code(q)  # _C checks every tensor's device
     if dout.is_neg():
         dout = dout.resolve_neg()
@@ -332,9 +340,7 @@ def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_stat
     pass reads no sinks (the lse includes them) and runs the simple kernel whatever options.kernel."""
     if rng_state is None:  # no dropout: every probability is kept whatever the words
         rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
-    if _has_empty_head_dim(q, v):
-        q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
-        options = options._replace(scale=scale)
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
     shape = (
         (*q.shape[:-1], k.shape[-2])
         if sequences is None

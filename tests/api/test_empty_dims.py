@@ -66,6 +66,9 @@ def test_empty_dimension_in_every_api(gen, b, h, l, s, e, ev, causal, core_calls
     # flash-attn's layout (B, L, H, D), without causal (its causal is bottom-right); its lse is +inf
     # for rows without keys
     golden, golden_lse = _reference(q, k, v, False)
+    golden_grads = torch.autograd.grad(
+        F.scaled_dot_product_attention(*leaves), leaves, dout.double(), allow_unused=True
+    )
     flash_lse = golden_lse.masked_fill(golden_lse == -math.inf, math.inf)
     qf, kf, vf = (t.transpose(1, 2) for t in (q, k, v))
     out, lse, _ = flash_attn_func(qf, kf, vf, return_attn_probs=True)
@@ -73,10 +76,14 @@ def test_empty_dimension_in_every_api(gen, b, h, l, s, e, ev, causal, core_calls
     out, lse = flash_attn_with_kvcache(qf, kf, vf, cache_seqlens=s, return_softmax_lse=True)
     assert max_error(out, golden.transpose(1, 2)) < 1e-5 and max_error(lse, flash_lse) < 1e-5
     cu_q, cu_k = (torch.arange(b + 1, dtype=torch.int32) * n for n in (l, s))
-    packed = (t.reshape(b * t.shape[1], h, t.shape[3]) for t in (qf, kf, vf))
+    packed = [t.reshape(b * t.shape[1], h, t.shape[3]).requires_grad_() for t in (qf, kf, vf)]
     out, lse, _ = flash_attn_varlen_func(*packed, cu_q, cu_k, l, s, return_attn_probs=True)
     assert max_error(out, golden.transpose(1, 2).reshape(b * l, h, ev)) < 1e-5
     assert max_error(lse, flash_lse.transpose(0, 1).reshape(h, b * l)) < 1e-5
+    out.backward(dout.transpose(1, 2).reshape(out.shape))
+    for got, want, t in zip((p.grad for p in packed), golden_grads, (q, k, v)):
+        want = torch.zeros_like(t) if want is None else want
+        assert max_error(got, want.transpose(1, 2).reshape(got.shape)) < 1e-5
 
     if min(b, h, l, s) == 0:  # no row or no key: nothing for a kernel to compute
         assert core_calls["forward"] == 0 and core_calls["backward"] == 0
@@ -98,3 +105,20 @@ def test_the_core_refuses_empty_tensors_in_a_launching_call(dim, named):
     )
     with pytest.raises(ValueError, match=f"{named}: an empty tensor"):
         _C.backward(_C.DEVICE_CPU, slots(BACKWARD_NAMES, args), core_options())
+
+
+@pytest.mark.parametrize("s, e", [(0, 8), (6, 0)])
+def test_sinks_with_an_empty_dimension(gen, s, e):
+    """No keys: each row's lse is its sink, out and dsinks are 0; E = 0: the sink joins zero scores."""
+    q, k, v = randn(gen, 1, 2, 5, e), randn(gen, 1, 2, s, e), randn(gen, 1, 2, s, 8)
+    sinks = randn(gen, 2).requires_grad_()
+    out, lse = flash_attention(q, k, v, sinks=sinks, return_lse=True)
+    golden_sinks = sinks.detach().double().requires_grad_()
+    scores = q.double() @ k.double().transpose(-1, -2) * (1 / math.sqrt(e) if e else 0.0)
+    logits = torch.cat([scores, golden_sinks.view(1, 2, 1, 1).expand(1, 2, 5, 1)], dim=-1)
+    golden = logits.softmax(dim=-1)[..., :s] @ v.double()
+    dout = randn(gen, 1, 2, 5, 8)
+    out.backward(dout)
+    golden.backward(dout.double())
+    assert max_error(out, golden) < 1e-5 and max_error(lse, logits.logsumexp(dim=-1)) < 1e-5
+    assert max_error(sinks.grad, golden_sinks.grad) < 1e-5
