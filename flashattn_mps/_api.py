@@ -19,7 +19,6 @@ import torch
 from . import _C
 from ._autograd import attention_through_torch as _attention_through_torch
 from ._core import (  # noqa: F401
-    _needs_no_kernel,
     _rng_words,
     backward_core,
     describe,
@@ -28,9 +27,7 @@ from ._core import (  # noqa: F401
     forward_core,
     plan_backward,
     plan_forward,
-    plan_without_kernel,
     probs_core,
-    stand_ins,
 )
 from ._options import (
     _DEVICE_CODES,
@@ -321,12 +318,7 @@ def explain_plan(
     if q.dim() == 3:  # views, not copies
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         mask = None if mask is None else mask.unsqueeze(0)
-    if backward is not True and backward is not False:
-        raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    if _needs_no_kernel(k, out, None):  # as the call: nothing to launch (_core)
-        return {"dispatches": []} if backward else explained(plan_without_kernel(), q.device)
-    q, k, v, out, scale = stand_ins(q, k, v, out, scale)  # E = 0: what the call runs
     device, scale = _DEVICE_CODES[q.device.type], scale_value(q.shape[-1], scale)
     tensors = {
         "q": q,
@@ -341,7 +333,7 @@ def explain_plan(
     options = core_options(
         scale, causal, band, check_softcap(softcap, "explain_plan"), check_dropout(dropout_p, "explain_plan"), code
     )
-    if backward:  # planning reads no element: the tensors only carry shapes and strides
+    if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
         tensors.update(
             lse=rows,
@@ -353,4 +345,6 @@ def explain_plan(
             sink_grad=None if sinks is None else rows,
         )
         return {"dispatches": plan_backward(device, tensors, options)}
+    if backward is not False:
+        raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
     return explained(plan_forward(device, tensors, options), q.device)

@@ -21,6 +21,7 @@ from . import _C, _metal_mode, _sources
 from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_call
 
 _CONTIGUOUS = torch.contiguous_format
+_SCALE_FIELD = _C.OPTION_FIELDS.index("scale")
 
 
 # The binding's attention calls (looked up on _C at each call, so tests can count them).
@@ -33,6 +34,15 @@ def forward_workspace_bytes(device: int, tensors: dict, options: tuple) -> int:
 
 
 def plan_forward(device: int, tensors: dict, options: tuple) -> dict:
+    """The plan of what the forward of these tensors launches: none for a call that needs no kernel,
+    the stand-ins' kernels for an empty head dim (as forward_core and run_forward run them)."""
+    q, k, v, out = tensors["q"], tensors["k"], tensors["v"], tensors["out"]
+    if _needs_no_kernel(k, out, tensors.get("lse")):
+        return _plan_without_kernel()
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        q, k, v, out, scale = _stand_ins(q, k, v, out, options[_SCALE_FIELD])
+        tensors = {**tensors, "q": q, "k": k, "v": v, "out": out}
+        options = (*options[:_SCALE_FIELD], scale, *options[_SCALE_FIELD + 1 :])
     return _C.plan_forward(device, tensors, options)
 
 
@@ -41,6 +51,15 @@ def backward(device: int, tensors: dict, options: tuple) -> None:
 
 
 def plan_backward(device: int, tensors: dict, options: tuple) -> list:
+    """The plan of the gradients' pass of these tensors, as backward_core runs it: none when nothing
+    flows back (an empty out, or no keys), the stand-ins' kernels for E = 0."""
+    q, k = tensors["q"], tensors["k"]
+    if tensors["dout"].numel() == 0 or k.shape[:-1].numel() == 0:
+        return []
+    if q.shape[-1] == 0:
+        q, k, _, _, scale = _stand_ins(q, k, tensors["v"], tensors["out"], 0.0)
+        tensors = {**tensors, "q": q, "k": k, "dq": torch.empty_like(q), "dk": torch.empty_like(k)}
+        options = (*options[:_SCALE_FIELD], scale, *options[_SCALE_FIELD + 1 :])
     return _C.plan_backward(device, tensors, options)
 
 
@@ -147,7 +166,7 @@ def _fill_without_kernel(out: torch.Tensor, lse, sinks) -> None:
         lse.copy_(sinks.view(-1, 1).expand_as(lse))
 
 
-def stand_ins(q, k, v, out, scale) -> tuple:
+def _stand_ins(q, k, v, out, scale) -> tuple:
     """(q, k, v, out, scale) for the kernels when E or Ev is 0 but something is left to compute
     (E = 0: the softmax of zero scores averages v; Ev = 0: the log-sum-exp): zero-filled tensors one
     element wide, which the core can bind. With E = 0 every score is 0 whatever the scale (SDPA
@@ -161,10 +180,10 @@ def stand_ins(q, k, v, out, scale) -> tuple:
 
 
 def _stand_in_call(q, k, v, out, options: AttentionOptions) -> tuple:
-    """stand_ins over a call's options: (q, k, v, out, options), unchanged without an empty head dim."""
+    """_stand_ins over a call's options: (q, k, v, out, options), unchanged without an empty head dim."""
     if q.shape[-1] != 0 and v.shape[-1] != 0:
         return q, k, v, out, options
-    q, k, v, out, scale = stand_ins(q, k, v, out, options.scale)
+    q, k, v, out, scale = _stand_ins(q, k, v, out, options.scale)
     return q, k, v, out, options._replace(scale=scale)
 
 
@@ -173,7 +192,7 @@ def _zero_gradient(t: torch.Tensor, sequences) -> torch.Tensor:
     return torch.zeros_like(t) if sequences is not None else t.new_zeros(t.shape)
 
 
-def plan_without_kernel() -> dict:
+def _plan_without_kernel() -> dict:
     """What the planner says of a call that launches nothing (_needs_no_kernel)."""
     return {"dispatches": [], "empty": True, "split_count": 0, "workspace_bytes": 0}
 
@@ -200,9 +219,6 @@ def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_sta
 def plan_run(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> dict:
     """What run_forward with these arguments would launch, as explain_plan shows it, without
     running (the planner reads shapes, strides and options, never an element)."""
-    if _needs_no_kernel(k, out, lse):
-        return explained(plan_without_kernel(), q.device)
-    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
     tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     return explained(
         plan_forward(_C.DEVICE_CPU if q.is_cpu else _C.DEVICE_MPS, tensors, options.core(False, max_q, max_kv)),

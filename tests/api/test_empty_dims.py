@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from flashattn_mps import (
     _C,
+    explain_plan,
+    explain_varlen_plan,
     flash_attention,
     flash_attn_func,
     flash_attn_varlen_func,
@@ -87,6 +89,12 @@ def test_empty_dimension_in_every_api(gen, b, h, l, s, e, ev, causal, core_calls
 
     if min(b, h, l, s) == 0:  # no row or no key: nothing for a kernel to compute
         assert core_calls["forward"] == 0 and core_calls["backward"] == 0
+    # the plans say the same: Ev = 0 leaves nothing to compute but varlen's lse
+    for backward in (False, True):
+        plan = explain_plan(q, k, v, causal=causal, backward=backward)
+        assert (plan["dispatches"] == []) == (min(b, h, l, s, ev) == 0)
+        plan = explain_varlen_plan(*packed, cu_q, cu_k, l, s, backward=backward)
+        assert (plan["dispatches"] == []) == (min(b, h, l, s, ev if backward else 1) == 0)
 
 
 @pytest.mark.parametrize("dim, named", [("S", "k"), ("E", "q"), ("Ev", "v")])
