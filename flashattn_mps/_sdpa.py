@@ -188,6 +188,8 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         return Route("torch", "nested (jagged) tensors"), None
     if not torch.compiler.is_compiling() and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return Route("torch", "tensors of a torch.func transform (vmap, grad, functionalize)"), None
+    if not torch.compiler.is_compiling() and any(torch._is_functional_tensor(t) for t in tensors):
+        return Route("torch", "functional tensors (functionalization's wrappers): their storage is not theirs"), None
     mask_is_bias = isinstance(attn_mask, CausalBias)
     subclassed = [t for t in (*tensors, None if mask_is_bias else attn_mask) if _overrides_torch_function(t)]
     if subclassed:

@@ -49,6 +49,18 @@ def test_a_wrapper_subclass_goes_to_torch(gen, core_calls):
     assert core_calls["forward"] == 0
 
 
+def test_functional_tensors_go_to_torch(gen, core_calls):
+    q, k, v = randn(gen, 1, 2, 5, 8), randn(gen, 1, 2, 6, 8), randn(gen, 1, 2, 6, 8)
+    functional = [torch._to_functional_tensor(t) for t in (q, k, v)]
+    text = explain(*functional)
+    assert text.startswith("torch's") and "functional tensors" in text, text
+    with patch(cpu=True):
+        out = F.scaled_dot_product_attention(*functional)
+    golden = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    assert max_error(torch._from_functional_tensor(out), golden) < 1e-5
+    assert core_calls["forward"] == 0
+
+
 def test_a_dtensor_goes_to_torch(gen, core_calls, tmp_path, monkeypatch):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
