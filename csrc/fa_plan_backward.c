@@ -186,6 +186,11 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     if (fa_sequence_paged(&a->sequences)) { /* as flash-attn: a paged KV cache has no backward */
         return fa_fail(st, FA_ERR_VALUE, "block_table: the backward does not read a paged KV cache (forward only)");
     }
+    /* Gradients of a call with an empty tensor are zeros or empty: its callers make them. */
+    int32_t rc = fa_check_no_empty_slot(a, FA_BACKWARD, st);
+    if (rc != FA_OK) {
+        return rc;
+    }
     /* Planning the forward validates q, k, v, out and lse and fills their kernel arguments. */
     fa_forward_args forward_args;
     memset(&forward_args, 0, sizeof forward_args);
@@ -205,7 +210,6 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     forward_args.sinks = a->sinks;
     forward_args.sequences = a->sequences;
     fa_plan forward;
-    int32_t rc;
     if ((rc = fa_plan_forward(&forward_args, &forward, st)) ||
         (rc = check_matches(&a->lse, "lse", 3, FA_F32, &a->q, "(B, Hq, L) for q", st)) ||
         (rc = check_matches(&a->dout, "dout", 4, a->out.dtype, &a->out, "the shape of out", st)) ||

@@ -685,9 +685,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->mask.ndim != 0) {
         fa_plan_copy_strides(p->mask_strides, &a->mask, 4);
     }
-    /* With E == 0 every score is exactly 0 whatever the scale (SDPA gives the mean of v even for
-     * the default scale 1/sqrt(0) = inf), so the scale must not turn 0 into NaN. */
-    p->scale_log2 = p->head_dim == 0 ? 0.0f : (float)(a->options.scale * 1.4426950408889634);
+    p->scale_log2 = (float)(a->options.scale * 1.4426950408889634);
     if ((rc = set_band(a, plan, st)) != FA_OK) {
         return rc;
     }
@@ -729,6 +727,9 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
 
     plan->empty = p->batch == 0 || p->q_heads == 0 || p->q_len == 0;
+    if (!plan->empty && (rc = fa_check_no_empty_slot(real, FA_FORWARD, st)) != FA_OK) {
+        return rc;
+    }
     const int32_t kernel = a->options.write_probs                ? FA_KERNEL_SIMPLE
                            : a->options.kernel != FA_KERNEL_AUTO ? a->options.kernel
                            : p->q_len <= DECODE_MAX_QUERY_LEN    ? FA_KERNEL_DECODE

@@ -162,6 +162,27 @@ int32_t fa_check_slot_aliases(const void *args, int32_t direction, int32_t with_
     return fa_check_no_alias(views, names, n, outputs, st);
 }
 
+int32_t fa_check_no_empty_slot(const void *args, int32_t direction, fa_status *st) {
+    for (int32_t i = 0; i < FA_SLOT_COUNT; ++i) {
+        const fa_tensor *t = fa_slot_tensor(args, direction, i);
+        if (t == NULL || i == FA_SLOT_WORKSPACE || fa_tensor_slots[i].dtype_rule == FA_RULE_TABLE ||
+            !fa_tensor_present(t)) {
+            continue;
+        }
+        for (int32_t d = 0; d < t->ndim && d < FA_MAX_DIMS; ++d) {
+            if (t->sizes[d] == 0) {
+                char shape[96];
+                fa_describe_shape(t, shape, sizeof shape);
+                return fa_fail(st, FA_ERR_VALUE,
+                               "%s: an empty tensor %s in a call that launches kernels; no kernel runs on an empty "
+                               "tensor (flashattn_mps returns the result of such a call without the core)",
+                               fa_tensor_slots[i].name, shape);
+            }
+        }
+    }
+    return FA_OK;
+}
+
 int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *w, fa_status *st) {
     if (workspace_bytes == 0) {
         return FA_OK;

@@ -26,6 +26,11 @@ int32_t fa_check_no_alias(const fa_tensor *const *views, const char *const *name
  * its inputs (the workspace only with_workspace). */
 int32_t fa_check_slot_aliases(const void *args, int32_t direction, int32_t with_workspace, fa_status *st);
 
+/* A call that launches kernels has no empty tensor in any slot it binds: an empty tensor may have
+ * no storage, and there is nothing for a kernel to read or write in it (callers return empty
+ * results themselves). Fails with FA_ERR_VALUE naming the slot and its shape. */
+int32_t fa_check_no_empty_slot(const void *args, int32_t direction, fa_status *st);
+
 /* Checks that a plan needing workspace_bytes has a valid float32 workspace of at least that. */
 int32_t fa_plan_check_workspace(int64_t workspace_bytes, const fa_tensor *workspace, fa_status *st);
 

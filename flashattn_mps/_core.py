@@ -13,12 +13,15 @@ value, they turn into that tuple, and run it; every entry point ends in one of t
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _C, _metal_mode, _sources
 from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_call
 
 _CONTIGUOUS = torch.contiguous_format
+_SCALE_FIELD = _C.OPTION_FIELDS.index("scale")
 
 
 # The binding's attention calls (looked up on _C at each call, so tests can count them).
@@ -31,6 +34,15 @@ def forward_workspace_bytes(device: int, tensors: dict, options: tuple) -> int:
 
 
 def plan_forward(device: int, tensors: dict, options: tuple) -> dict:
+    """The plan of what the forward of these tensors launches: none for a call that needs no kernel,
+    the stand-ins' kernels for an empty head dim (as forward_core and run_forward run them)."""
+    q, k, v, out = tensors["q"], tensors["k"], tensors["v"], tensors["out"]
+    if _needs_no_kernel(k, out, tensors.get("lse")):
+        return _plan_without_kernel()
+    if q.shape[-1] == 0 or v.shape[-1] == 0:
+        q, k, v, out, scale = _stand_ins(q, k, v, out, options[_SCALE_FIELD])
+        tensors = {**tensors, "q": q, "k": k, "v": v, "out": out}
+        options = (*options[:_SCALE_FIELD], scale, *options[_SCALE_FIELD + 1 :])
     return _C.plan_forward(device, tensors, options)
 
 
@@ -39,6 +51,15 @@ def backward(device: int, tensors: dict, options: tuple) -> None:
 
 
 def plan_backward(device: int, tensors: dict, options: tuple) -> list:
+    """The plan of the gradients' pass of these tensors, as backward_core runs it: none when nothing
+    flows back (an empty out, or no keys), the stand-ins' kernels for E = 0."""
+    q, k = tensors["q"], tensors["k"]
+    if tensors["dout"].numel() == 0 or k.shape[:-1].numel() == 0:
+        return []
+    if q.shape[-1] == 0:
+        q, k, _, _, scale = _stand_ins(q, k, tensors["v"], tensors["out"], 0.0)
+        tensors = {**tensors, "q": q, "k": k, "dq": torch.empty_like(q), "dk": torch.empty_like(k)}
+        options = (*options[:_SCALE_FIELD], scale, *options[_SCALE_FIELD + 1 :])
     return _C.plan_backward(device, tensors, options)
 
 
@@ -126,6 +147,56 @@ def _sequence_slots(tensors: dict, sequences) -> tuple:
     return max_q, max_kv
 
 
+def _needs_no_kernel(k: torch.Tensor, out: torch.Tensor, lse) -> bool:
+    """Whether a forward's result is known without a kernel: no output element (B, H or L of 0, or
+    Ev = 0 without a log-sum-exp) or no key (S = 0, or a key tensor without rows). The core takes no
+    empty tensor: it would have no storage to bind."""
+    return k.shape[:-1].numel() == 0 or (out.numel() == 0 and (lse is None or lse.numel() == 0))
+
+
+def _fill_without_kernel(out: torch.Tensor, lse, sinks) -> None:
+    """_needs_no_kernel's result, as SDPA's: rows without keys give zeros (NaNs in q too: there is
+    no score to carry them), their log-sum-exp -inf, or with sinks their head's sink logit."""
+    out.zero_()
+    if lse is None:
+        return
+    if sinks is None:
+        lse.fill_(-math.inf)
+    else:
+        lse.copy_(sinks.view(-1, 1).expand_as(lse))
+
+
+def _stand_ins(q, k, v, out, scale) -> tuple:
+    """(q, k, v, out, scale) for the kernels when E or Ev is 0 but something is left to compute
+    (E = 0: the softmax of zero scores averages v; Ev = 0: the log-sum-exp): zero-filled tensors one
+    element wide, which the core can bind. With E = 0 every score is 0 whatever the scale (SDPA
+    averages v even with its default 1/sqrt(0)), so the stand-ins' scale is 0; out's stand-in is
+    scratch."""
+    if q.shape[-1] == 0:
+        q, k, scale = q.new_zeros((*q.shape[:-1], 1)), k.new_zeros((*k.shape[:-1], 1)), 0.0
+    if v.shape[-1] == 0:
+        v, out = v.new_zeros((*v.shape[:-1], 1)), out.new_empty((*out.shape[:-1], 1))
+    return q, k, v, out, scale
+
+
+def _stand_in_call(q, k, v, out, options: AttentionOptions) -> tuple:
+    """_stand_ins over a call's options: (q, k, v, out, options), unchanged without an empty head dim."""
+    if q.shape[-1] != 0 and v.shape[-1] != 0:
+        return q, k, v, out, options
+    q, k, v, out, scale = _stand_ins(q, k, v, out, options.scale)
+    return q, k, v, out, options._replace(scale=scale)
+
+
+def _zero_gradient(t: torch.Tensor, sequences) -> torch.Tensor:
+    """A zero gradient of t laid out as backward_core's (t's strides with sequences, as the fakes say)."""
+    return torch.zeros_like(t) if sequences is not None else t.new_zeros(t.shape)
+
+
+def _plan_without_kernel() -> dict:
+    """What the planner says of a call that launches nothing (_needs_no_kernel)."""
+    return {"dispatches": [], "empty": True, "split_count": 0, "workspace_bytes": 0}
+
+
 def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state) -> tuple:
     """run_forward's and plan_run's tensors by slot name, and the grid's (max_q_len, max_kv_len)."""
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi}
@@ -136,6 +207,10 @@ def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_stat
 def run_forward(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state=None) -> None:
     """Runs the forward into out (and lse) over (B, H, L, D) views on one device, the options
     checked (an AttentionOptions); sequences: sequence_args' tuple or None."""
+    if _needs_no_kernel(k, out, lse):
+        _fill_without_kernel(out, lse, options.sinks)
+        return
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
     device = device_code(q)
     tensors, max_q, max_kv = _run_slots(q, k, v, out, lse, options, sequences, rng_state)
     forward(device, tensors, options.core(False, max_q, max_kv), _WORKSPACES[device])
@@ -183,6 +258,12 @@ def forward_core(
     else:
         out = q.new_empty((*rows, value_dim))
     lse = q.new_empty(rows, dtype=torch.float32) if with_lse else None
+    if _needs_no_kernel(k, out, lse):
+        _fill_without_kernel(out, lse, sinks)
+        return out, lse
+    result = out
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
+    scale = options.scale
     if not _sources.registered:
         _sources.ensure_registered()
     tensors = {
@@ -208,7 +289,7 @@ def forward_core(
     except (TypeError, ValueError):
         check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
-    return out, lse
+    return result, lse
 
 
 def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_state=None, sequences=None):
@@ -216,6 +297,14 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
     rng_state the forward's, so the same probabilities are dropped), and after them dsinks, the
     (Hq,) float32 gradient of the sinks, when options.sinks (float32 (Hq,)) is given. With
     sequences, the rows of q, k and v no sequence holds get zero gradients and no share of dsinks."""
+    sinks = options.sinks
+    if dout.numel() == 0 or k.shape[:-1].numel() == 0:  # an empty out, or no keys: nothing flows back
+        grads = tuple(_zero_gradient(t, sequences) for t in (q, k, v))
+        return grads if sinks is None else (*grads, sinks.new_zeros(sinks.shape))
+    if q.shape[-1] == 0:  # E = 0: dq and dk are empty; dv and dsinks are those of zero scores
+        q0, k0, _, _, zero_scores = _stand_in_call(q, k, v, out, options)
+        grads = backward_core(dout, q0, k0, v, out, lse, mask, zero_scores, rng_state, sequences)
+        return (_zero_gradient(q, sequences), _zero_gradient(k, sequences), *grads[2:])
     device = device_code(q)  # _C checks every tensor's device
     if dout.is_neg():
         dout = dout.resolve_neg()
@@ -225,7 +314,6 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     delta = q.new_empty(q.shape[:-1], dtype=torch.float32)  # D = rowsum(dout * out): the core's scratch
     # Each row's term of the sinks' gradient (B, Hq, L), summed below over batch and rows, deterministically.
-    sinks = options.sinks
     sink_grad = None if sinks is None else q.new_empty(q.shape[:-1], dtype=torch.float32)
     tensors = {
         "q": q,
@@ -268,6 +356,7 @@ def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_stat
     pass reads no sinks (the lse includes them) and runs the simple kernel whatever options.kernel."""
     if rng_state is None:  # no dropout: every probability is kept whatever the words
         rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
+    q, k, v, out, options = _stand_in_call(q, k, v, out, options)
     shape = (
         (*q.shape[:-1], k.shape[-2])
         if sequences is None
@@ -303,7 +392,7 @@ def probs_core(q, k, v, out, lse, mask, options: AttentionOptions, rng_state=Non
     layout probs_arguments says)."""
     tensors, core, shape = probs_arguments(q, k, v, out, lse, mask, options, rng_state, sequences)
     probs = torch.zeros(shape, dtype=torch.float32, device=q.device)
-    if not probs_pass_runs(lse):
+    if not probs_pass_runs(lse) or k.shape[:-1].numel() == 0:  # no rows, or no keys: every probability is 0
         return probs
     forward(device_code(q), tensors, core, probs.view(-1))
     return probs

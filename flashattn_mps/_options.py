@@ -90,7 +90,7 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         raise ValueError(f"flash_attention: k and v must have the same heads and sequence length: {shapes()}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"flash_attention: q and k must have the same head dim: {shapes()}")
-    if k.shape[-3] == 0 or q.shape[-3] % k.shape[-3] != 0:
+    if (q.shape[-3] % k.shape[-3] if k.shape[-3] else q.shape[-3]) != 0:  # no heads at all: an empty call
         raise ValueError(
             f"flash_attention: the number of query heads ({q.shape[-3]}) must be a multiple of the number "
             f"of key/value heads ({k.shape[-3]}): {shapes()}"

@@ -12,10 +12,13 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from . import _C, _metal_mode
 from ._api import attend
+from ._autograd import _is_traced
 from ._options import supported_mask_dtype
 
 log = logging.getLogger("flashattn_mps")
@@ -24,6 +27,7 @@ _original_sdpa = F.scaled_dot_product_attention
 # enable_gqa came with torch 2.5; torch_sdpa stands in for it on torch 2.4.
 _TORCH_HAS_ENABLE_GQA = _metal_mode.torch_version_tuple(torch.__version__) >= (2, 5)
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TRACING_TENSORS = (FakeTensor, FunctionalTensor)  # what make_fx and export trace with
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,19 @@ def _overrides_torch_function(t) -> bool:
     if not isinstance(t, torch.Tensor) or cls is torch.Tensor:
         return False
     return cls.__torch_function__ is not torch._C._disabled_torch_function_impl
+
+
+def _dispatches_for_itself(t) -> bool:
+    """A tensor subclass with its own __torch_dispatch__ (DTensor, FakeTensor, FunctionalTensor, a
+    user's wrapper): its elements are not in its own storage (a wrapper has none), so the kernels
+    cannot read them. The tracing machinery's own fake and functional tensors are the exception
+    while it traces (a dispatch mode active, torch.compile): the custom ops' fakes take them."""
+    cls = type(t)
+    if cls is torch.Tensor or not isinstance(t, torch.Tensor):
+        return False
+    if cls.__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+        return False
+    return not (isinstance(t, _TRACING_TENSORS) and _is_traced())
 
 
 @torch.compiler.assume_constant_result
@@ -173,6 +190,8 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         return Route("torch", "nested (jagged) tensors"), None
     if not torch.compiler.is_compiling() and any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
         return Route("torch", "tensors of a torch.func transform (vmap, grad, functionalize)"), None
+    if not torch.compiler.is_compiling() and any(torch._is_functional_tensor(t) for t in tensors):
+        return Route("torch", "functional tensors (functionalization's wrappers): their storage is not theirs"), None
     mask_is_bias = isinstance(attn_mask, CausalBias)
     subclassed = [t for t in (*tensors, None if mask_is_bias else attn_mask) if _overrides_torch_function(t)]
     if subclassed:
@@ -180,6 +199,13 @@ def _plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             "torch",
             f"a {type(subclassed[0]).__name__} argument: tensor subclasses with "
             "__torch_function__ decide for themselves",
+        ), None
+    wrapped = [t for t in (*tensors, None if mask_is_bias else attn_mask) if _dispatches_for_itself(t)]
+    if wrapped:
+        return Route(
+            "torch",
+            f"a {type(wrapped[0]).__name__} argument: a tensor subclass with __torch_dispatch__ (DTensor, "
+            "FakeTensor outside tracing, a wrapper) keeps its elements elsewhere; torch's SDPA dispatches to it",
         ), None
     if not _fused_backends_allowed():
         return Route(
