@@ -149,7 +149,7 @@ def test_flash_attn_qkvpacked(fa, seqlen, d, causal, local, alibi, dtype):
 # test_flash_attn_output (kvpacked and not): (seqlen_q, seqlen_k, d, mha_type, causal, local, alibi, softcap, kvpacked, dtype)
 OUTPUT = sampled(
     [
-        [(113, 203), (128, 217), (108, 256), (1, 239)],
+        [(113, 203), (128, 217), (108, 256), (1, 239), (512, 256)],
         [32, 64, 128],
         ["mha", "mqa", "gqa"],
         [False, True],
