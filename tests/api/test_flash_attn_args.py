@@ -109,3 +109,18 @@ def test_input_errors_are_value_and_runtime_errors(gen):
         with pytest.raises(FlashAttnInputError, match=name) as raised:
             call()
         assert isinstance(raised.value, ValueError) and isinstance(raised.value, RuntimeError), name
+
+
+def test_a_window_of_tensors_is_one_host_read(gen, monkeypatch):
+    """Both sides, as a (2,) tensor or a pair of 0-d tensors, come back in one read."""
+    reads = []
+    for name in ("tolist", "item", "__int__", "__index__", "__float__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _real=real, _name=name: reads.append(_name) or _real(self, *a)
+        )
+    q, k, v = flash_inputs(gen, 1, 6, 9, 2, 2, 8, 8, torch.float32)
+    for window in (torch.tensor([3, 1]), (torch.tensor(3), torch.tensor(1))):
+        reads.clear()
+        flash_attn_func(q, k, v, window_size=window)
+        assert reads == ["tolist"]
