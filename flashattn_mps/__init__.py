@@ -13,7 +13,7 @@ from ._api import explain_plan, flash_attention
 from ._C import MetalCompileError, MetalDispatchError
 from ._flash_attn import flash_attn_func
 from ._kvcache import explain_kvcache_plan, flash_attn_with_kvcache
-from ._options import FlashAttnInputError
+from ._options import FlashAttnInputError, FlashAttnTypeError
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 from ._shim import finder as _shim_finder
 from ._varlen import explain_varlen_plan, flash_attn_varlen_func
@@ -52,6 +52,7 @@ __all__ = [
     "MetalCompileError",
     "MetalDispatchError",
     "FlashAttnInputError",
+    "FlashAttnTypeError",
     "__version__",
     "install_flash_attn_shim",
     "uninstall_flash_attn_shim",

@@ -30,6 +30,7 @@ from ._core import plan_run, run_forward, sequence_args
 from ._options import (
     AttentionOptions,
     FlashAttnInputError,
+    FlashAttnTypeError,
     alibi_view,
     check_bool,
     check_common,
@@ -274,7 +275,7 @@ def _check_cache_call(
                 f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}"
             )
         if t.device != q.device or t.dtype != q.dtype:
-            raise TypeError(
+            raise FlashAttnTypeError(
                 f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
             )
     if (k is None) != (v is None):

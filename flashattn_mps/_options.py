@@ -60,9 +60,14 @@ def given(value) -> str:
 
 
 class FlashAttnInputError(ValueError, RuntimeError):
-    """A wrong argument to flash-attn's API, where flash-attn itself raises RuntimeError: both a
-    ValueError (this package's convention) and a RuntimeError (what code written for flash-attn
-    catches)."""
+    """A wrong argument value (shape, length, range) where flash-attn itself raises RuntimeError:
+    both a ValueError (this package's convention) and a RuntimeError (what code written for
+    flash-attn catches)."""
+
+
+class FlashAttnTypeError(TypeError, RuntimeError):
+    """A tensor of the wrong dtype or device where flash-attn itself raises RuntimeError: a
+    TypeError (this package's convention) and a RuntimeError."""
 
 
 def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
@@ -82,9 +87,11 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _DTYPE_CODES:
-            raise TypeError(f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16")
+            raise FlashAttnTypeError(
+                f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16"
+            )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise FlashAttnTypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
         raise FlashAttnInputError(
             "flash_attention: q, k, v must all be 4-D (B, H, L, E) or all 3-D (H, L, E), got "
@@ -191,7 +198,7 @@ def alibi_view(slopes, batch: int, heads: int, device, who: str):
     if not isinstance(slopes, torch.Tensor):
         raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {type_name(slopes)}")
     if slopes.dtype != torch.float32 or slopes.device != device:
-        raise TypeError(
+        raise FlashAttnTypeError(
             f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on {slopes.device}"
         )
     if slopes.shape not in ((heads,), (batch, heads)):
@@ -224,7 +231,7 @@ def check_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.T
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"{who}: sinks must be a torch.Tensor or None, got {type_name(sinks)}")
     if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
-        raise TypeError(
+        raise FlashAttnTypeError(
             f"{who}: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
             f"{sinks.dtype} on {sinks.device}"
         )
@@ -339,9 +346,9 @@ def check_int(value, name: str, who: str) -> int:
 def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
     """A 1-D int32 tensor on `device` (of `length` entries when given), as flash-attn requires."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {given(t)}")
+        raise FlashAttnTypeError(f"{who}: {name} must be an int32 torch.Tensor, got {given(t)}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{who}: {name} must be int32, got {t.dtype}")
+        raise FlashAttnTypeError(f"{who}: {name} must be int32, got {t.dtype}")
     if t.dim() != 1 or (length is not None and t.shape[0] != length):
         want = f"({length},)" if length is not None else "1-D"
         raise FlashAttnInputError(f"{who}: {name} must be {want}, got shape {tuple(t.shape)}")

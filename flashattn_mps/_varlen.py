@@ -46,6 +46,7 @@ from ._core import (
 from ._options import (
     AttentionOptions,
     FlashAttnInputError,
+    FlashAttnTypeError,
     alibi_view,
     check_bool,
     check_common,
@@ -88,7 +89,7 @@ def check_block_table(
     max_num_blocks) int32 tensor on `device`. Returns the pool's pages and the page size (no host
     read: block_table_rows reads the table)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
+        raise FlashAttnTypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
     if (
         block_table.dim() != 2
         or block_table.shape[0] != batch
@@ -493,7 +494,7 @@ def _check_paged_views(q, k, v, who: str) -> None:
                 f"nheads_k, headdim), got {tuple(t.shape)}"
             )
         if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(
+            raise FlashAttnTypeError(
                 f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
             )
     if k.shape[2] != v.shape[2] or k.shape[3] != q.shape[2]:

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from flashattn_mps import FlashAttnInputError, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flashattn_mps import (
+    FlashAttnInputError,
+    FlashAttnTypeError,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
 from helpers import flash_inputs, packed_inputs, prefix_sums, randn
 
 
@@ -124,3 +130,22 @@ def test_a_window_of_tensors_is_one_host_read(gen, monkeypatch):
         reads.clear()
         flash_attn_func(q, k, v, window_size=window)
         assert reads == ["tolist"]
+
+
+def test_dtype_errors_are_type_and_runtime_errors(gen):
+    """flash-attn checks dtypes with RuntimeError too: FlashAttnTypeError is both."""
+    lens = [3, 5]
+    q, k, v = packed_inputs(gen, lens, lens, 2, 2, 8, 8, torch.float32)
+    cu = prefix_sums(lens)
+    pool = randn(gen, 4, 4, 2, 8)
+    calls = [
+        ("block_table", lambda: flash_attn_varlen_func(q, pool, pool, cu, cu, 5, 5, block_table=torch.zeros(2, 2))),
+        ("cu_seqlens_k", lambda: flash_attn_varlen_func(q, k, v, cu, cu.long(), 5, 5)),
+        ("share one dtype", lambda: flash_attn_func(q[None], k[None].half(), v[None])),
+        ("alibi_slopes", lambda: flash_attn_func(q[None], k[None], v[None], alibi_slopes=torch.ones(2).double())),
+        ("k_cache", lambda: flash_attn_with_kvcache(q[None, :1], pool[:1].half(), pool[:1], cache_seqlens=1)),
+    ]
+    for name, call in calls:
+        with pytest.raises(FlashAttnTypeError, match=name) as raised:
+            call()
+        assert isinstance(raised.value, TypeError) and isinstance(raised.value, RuntimeError), name
