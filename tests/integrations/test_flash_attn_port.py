@@ -1,10 +1,12 @@
 """flash-attention's own test cases (tests/test_flash_attn.py of Dao-AILab/flash-attention), run
 through the flash_attn shim as code written for flash-attn would call it: the same reference
 construction (a float32 "upcast" reference and a same-dtype "pt" one with reordered operations),
-the same assertions and tolerances (the error of out and of each gradient at most 2x, or 3x for
-the separate dq/dk/dv, the pt reference's error). Written here from the test's description,
+the same assertions and tolerances (the error of out, of the probabilities and of each gradient
+at most 2x, or 3x for the separate dq/dk/dv, the pt reference's error; the dropout fraction
+within 0.01, 0.025 with a window, of dropout_p). Written here from the test's description,
 sampled to stay lean (the products of its parametrisations are far larger), on the CPU Metal
-device; dropout cases are not ported (their check reads flash-attn's padded S_dmask layout)."""
+device. The dropout mask is read from S_dmask as the test reads it (>= 0 kept); S_dmask here is
+exactly (B, H, L, S), so the test's conversion from flash-attn's padded layout is not needed."""
 
 from __future__ import annotations
 
@@ -29,6 +31,29 @@ def fa():
     flashattn_mps.uninstall_flash_attn_shim()
 
 
+def visible_entries(batch, lq, lk, q_mask=None, k_mask=None, causal=False, window=(-1, -1)):
+    """(B, L, S) bool: the keys each query sees, bottom-right aligned on each sequence's actual
+    lengths (masks (B, L) / (B, S) True for valid tokens), and each row's diagonal."""
+    q_len = torch.full((batch,), lq) if q_mask is None else q_mask.sum(-1)
+    k_len = torch.full((batch,), lk) if k_mask is None else k_mask.sum(-1)
+    rows = torch.arange(lq).view(1, lq, 1)
+    cols = torch.arange(lk).view(1, 1, lk)
+    diagonal = rows + (k_len - q_len).view(batch, 1, 1)
+    visible = torch.ones(batch, lq, lk, dtype=torch.bool)
+    left, right = window
+    if causal:
+        right = 0
+    if right >= 0:
+        visible &= cols <= diagonal + right
+    if left >= 0:
+        visible &= cols >= diagonal - left
+    if k_mask is not None:
+        visible &= k_mask.view(batch, 1, lk)
+    if q_mask is not None:
+        visible &= q_mask.view(batch, lq, 1)
+    return visible, (diagonal - cols).abs()
+
+
 def reference(
     q,
     k,
@@ -41,11 +66,16 @@ def reference(
     alibi=None,
     upcast=True,
     reorder_ops=False,
+    dropout_p=0.0,
+    dropout_mask=None,
+    with_probs=False,
 ):
-    """Attention of (B, L, H, D) tensors from materialised scores, flash-attn's conventions: masks
-    (B, L) / (B, S) True for valid tokens, bottom-right causal and windows per sequence's actual
-    lengths, softcap then ALiBi, rows with no key and padded queries give 0. upcast: float32;
-    else in the inputs' dtype. reorder_ops: the scale applied to k instead of q."""
+    """Attention of (B, L, H, D) tensors from materialised scores, flash-attn's conventions:
+    bottom-right causal and windows per sequence (visible_entries), softcap then ALiBi, rows with
+    no key and padded queries give 0; dropout_mask (B, H, L, S) True where kept, the kept
+    probabilities scaled by 1 / (1 - dropout_p). upcast: float32, else the inputs' dtype.
+    reorder_ops: the scale applied to k instead of q. with_probs: also the (undropped)
+    probabilities."""
     dtype = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
@@ -59,33 +89,18 @@ def reference(
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
-    q_len = torch.full((b,), lq) if q_mask is None else q_mask.sum(-1)
-    k_len = torch.full((b,), lk) if k_mask is None else k_mask.sum(-1)
-    rows = torch.arange(lq).view(1, lq, 1)
-    cols = torch.arange(lk).view(1, 1, lk)
-    diagonal = rows + (k_len - q_len).view(b, 1, 1)
-    visible = torch.ones(b, lq, lk, dtype=torch.bool)
-    left, right = window
-    if causal:
-        right = 0
-    if right >= 0:
-        visible &= cols <= diagonal + right
-    if left >= 0:
-        visible &= cols >= diagonal - left
-    if k_mask is not None:
-        visible &= k_mask.view(b, 1, lk)
+    visible, distance = visible_entries(b, lq, lk, q_mask, k_mask, causal, window)
     if alibi is not None:
         slopes = alibi if alibi.dim() == 2 else alibi.expand(b, -1)
-        scores = scores - slopes.view(b, -1, 1, 1).to(scores.dtype) * (diagonal - cols).abs().unsqueeze(1).to(
-            scores.dtype
-        )
+        scores = scores - slopes.view(b, -1, 1, 1).to(scores.dtype) * distance.unsqueeze(1).to(scores.dtype)
     scores = scores.masked_fill(~visible.unsqueeze(1), -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     probs = probs.masked_fill(~visible.any(-1).view(b, 1, lq, 1), 0.0)
-    out = torch.einsum("bhts,bshd->bthd", probs, v)
+    dropped = probs if dropout_mask is None else probs.masked_fill(~dropout_mask, 0.0)
+    out = torch.einsum("bhts,bshd->bthd", dropped, v * (1.0 / (1 - dropout_p)))
     if q_mask is not None:
         out = out.masked_fill(~q_mask.view(b, lq, 1, 1), 0.0)
-    return out.to(dtype)
+    return (out.to(dtype), probs.to(dtype)) if with_probs else out.to(dtype)
 
 
 def padding_mask(gen, length, batch, mode):
@@ -192,6 +207,59 @@ def test_flash_attn_output(fa, lengths, d, mha_type, causal, local, alibi, softc
     out_ref = reference(q, k, v, **options)
     out_pt = reference(q, k, v, upcast=False, reorder_ops=True, **options)
     assert_within(out, out_ref, out_pt, 2)
+    g = torch.randn(out.shape, generator=gen).to(dtype)
+    for got, ref, pt in zip(grads_of(out, leaves, g), grads_of(out_ref, leaves, g), grads_of(out_pt, leaves, g)):
+        assert_within(got, ref, pt, 3)
+
+
+# test_flash_attn_output's dropout cases (dropout_p 0.17): (seqlen_q, seqlen_k, d, mha_type, causal, local, kvpacked, dtype)
+DROPOUT = sampled(
+    [
+        [(113, 203), (128, 217), (108, 256)],
+        [32, 64],
+        ["mha", "gqa"],
+        [False, True],
+        [False, True],
+        [False, True],
+        [torch.float16, torch.bfloat16],
+    ],
+    3,
+    5,
+)
+
+
+@pytest.mark.parametrize("lengths, d, mha_type, causal, local, kvpacked, dtype", DROPOUT)
+def test_flash_attn_output_with_dropout(fa, lengths, d, mha_type, causal, local, kvpacked, dtype):
+    flash_attn, _ = fa
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    seqlen_q, seqlen_k = lengths
+    batch, heads, dropout_p = 2, 4, 0.17
+    heads_k = {"mha": heads, "gqa": 2}[mha_type]
+    window = random_window(gen, seqlen_k) if local else (-1, -1)
+    q = randn(gen, batch, seqlen_q, heads, d, dtype=dtype).requires_grad_()
+    flash = dict(causal=causal, window_size=window, return_attn_probs=True)
+    if kvpacked:
+        kv = randn(gen, batch, seqlen_k, 2, heads_k, d, dtype=dtype).requires_grad_()
+        k, v = kv.unbind(2)
+        out, _lse, s_dmask = flash_attn.flash_attn_kvpacked_func(q, kv, dropout_p, **flash)
+        leaves = (q, kv)
+    else:
+        k = randn(gen, batch, seqlen_k, heads_k, d, dtype=dtype).requires_grad_()
+        v = randn(gen, batch, seqlen_k, heads_k, d, dtype=dtype).requires_grad_()
+        out, _lse, s_dmask = flash_attn.flash_attn_func(q, k, v, dropout_p, **flash)
+        leaves = (q, k, v)
+    dropout_mask = s_dmask >= 0
+    attn = s_dmask.abs()
+    visible, _ = visible_entries(batch, seqlen_q, seqlen_k, causal=causal, window=window)
+    visible = visible.unsqueeze(1).expand_as(dropout_mask)
+    dropout_fraction = (~dropout_mask & visible).sum().item() / visible.sum().item()
+    options = dict(causal=causal, window=window, dropout_p=dropout_p, dropout_mask=dropout_mask, with_probs=True)
+    out_ref, attn_ref = reference(q, k, v, **options)
+    out_pt, attn_pt = reference(q, k, v, upcast=False, reorder_ops=True, **options)
+    assert_within(out, out_ref, out_pt, 2)
+    assert_within(attn, attn_ref, attn_pt, 2)
+    assert abs(dropout_fraction - dropout_p) <= (0.01 if not local else 0.025)
     g = torch.randn(out.shape, generator=gen).to(dtype)
     for got, ref, pt in zip(grads_of(out, leaves, g), grads_of(out_ref, leaves, g), grads_of(out_pt, leaves, g)):
         assert_within(got, ref, pt, 3)
