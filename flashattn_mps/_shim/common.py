@@ -1,9 +1,10 @@
 """What the FlashAttention-3 and -4 modules of the shim share: refusing what they accept but
-flashattn_mps does not run, and seqused_k checked into the key lengths of a varlen call."""
+flashattn_mps does not run, and their varlen call (seqused_k checked into each sequence's keys)."""
 
 import torch
 
 from flashattn_mps._options import FlashAttnInputError, check_lengths_tensor
+from flashattn_mps._varlen import _check_varlen, packed_attention
 
 
 def refuse(who: str, **arguments) -> None:
@@ -31,3 +32,48 @@ def used_key_lengths(seqused_k, cu_seqlens_k, who: str):
                 "(the keys of sequence b in cu_seqlens_k)"
             )
     return seqused_k
+
+
+def varlen_attention(
+    who,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_k,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    sinks,
+    deterministic,
+    return_lse,
+):
+    """A packed varlen call of FlashAttention-3 or -4 (no dropout, optional seqused_k and sinks),
+    through flash_attn_varlen_func's checks and packed_attention: out, or with return_lse (out,
+    lse (nheads, total_q), +inf for a row without keys)."""
+    call = _check_varlen(
+        who,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        0.0,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        None,
+        deterministic,
+        False,
+        None,
+        sinks,
+    )
+    key_lengths = None if seqused_k is None else used_key_lengths(seqused_k, cu_seqlens_k, who)
+    return packed_attention(*call[:7], call.options, return_lse=return_lse, key_lengths=key_lengths)

@@ -9,9 +9,8 @@ KV cache call's split-K, as flashattn_mps's own)."""
 
 from flashattn_mps._flash_attn import dense_attention
 from flashattn_mps._kvcache import flash_attn_with_kvcache as _with_kvcache
-from flashattn_mps._options import AttentionOptions, FlashAttnInputError, given
-from flashattn_mps._shim.common import refuse, used_key_lengths
-from flashattn_mps._varlen import _check_varlen, packed_attention
+from flashattn_mps._options import FlashAttnInputError, given
+from flashattn_mps._shim.common import refuse, varlen_attention
 
 MIRRORS = "3.0.0"  # flash-attention's hopper/ (FlashAttention-3) interface, as of its current sources
 
@@ -164,51 +163,6 @@ def flash_attn_varlen_func(
         deterministic,
         return_attn_probs,
     )
-
-
-def varlen_attention(
-    who,
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    seqused_k,
-    softmax_scale,
-    causal,
-    window_size,
-    softcap,
-    sinks,
-    deterministic,
-    return_lse,
-):
-    """A packed varlen call with optional seqused_k and sinks, through flashattn_mps's varlen checks
-    and packed_attention: out, or (out, lse (nheads, total_q), flash-attn's +inf convention)."""
-    call = _check_varlen(
-        who,
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        0.0,
-        softmax_scale,
-        causal,
-        window_size,
-        softcap,
-        None,
-        deterministic,
-        False,
-        None,
-        sinks,
-    )
-    key_lengths = None if seqused_k is None else used_key_lengths(seqused_k, cu_seqlens_k, who)
-    options: AttentionOptions = call.options
-    return packed_attention(*call[:7], options, return_lse=return_lse, key_lengths=key_lengths)
 
 
 def flash_attn_with_kvcache(

@@ -15,8 +15,7 @@ import torch
 
 from flashattn_mps._flash_attn import dense_attention
 from flashattn_mps._options import FlashAttnInputError
-from flashattn_mps._shim.common import refuse
-from flashattn_mps._shim.flash_attn_interface import varlen_attention
+from flashattn_mps._shim.common import refuse, varlen_attention
 from flashattn_mps._varlen import _check_varlen, _paged_attention
 
 MIRRORS = "4.0.0"  # flash-attention's flash_attn/cute (FlashAttention-4) interface, its current sources
