@@ -157,6 +157,12 @@ def test_fa4_conventions(shim, gen):
     sink_ref = sink.detach().clone().requires_grad_()
     flashattn_mps.flash_attn_func(q, k, v, sinks=sink_ref).sum().backward()
     torch.testing.assert_close(sink.grad, sink_ref.grad)
+    qg = q.clone().requires_grad_()
+    out, lse = flash_attn_func(qg, k, v)  # training: FA4 returns the lse unasked
+    assert lse is not None and lse.shape == (2, 4, 9)
+    out.sum().backward()  # out's gradient flows; one through lse is refused, not dropped
+    with pytest.raises(NotImplementedError, match="gradient through lse"):
+        flash_attn_func(qg, k, v)[1].sum().backward()
     _, lse = flash_attn_func(q, k[:, :0], v[:, :0], return_lse=True)
     assert bool((lse == -float("inf")).all())
     for name, kwargs in (

@@ -2,8 +2,8 @@
 served by flashattn_mps: its signatures and conventions: always a tuple (out, lse), lse None unless
 return_lse or an input requires grad, -inf for a row that sees no key; window_size sides None for
 unbounded (a pair summing below 0 is no window, as FA4 resolves it); learnable_sink (nheads,),
-differentiable. The lse carries no gradient (a loss through it raises, from torch, for want of a
-graph). What it accepts but flashattn_mps does not run (qv, gather_kv_indices, score_mod,
+differentiable. FA4 also differentiates the lse; here a backward that reaches the lse raises
+NotImplementedError (nothing is dropped silently). What it accepts but flashattn_mps does not run (qv, gather_kv_indices, score_mod,
 score_mod_bwd, mask_mod, aux_tensors, aux_scalars, block_sparse_tensors(_bwd), seqused_q,
 scheduler_metadata, a q in (batch, seqlen) layout for the varlen call) raises NotImplementedError
 naming the argument; num_splits, pack_gqa, deterministic, min_seqlen_k, seqlen_k_per_split and
@@ -51,9 +51,28 @@ def _wants_lse(return_lse, tensors) -> bool:
     return bool(return_lse) or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-def _fa4_lse(lse):
-    """flash-attn 2's +inf for a row without keys as FA4's -inf."""
-    return lse.masked_fill(lse == math.inf, -math.inf)
+def _fa4_lse(lse, inputs):
+    """flash-attn 2's +inf for a row without keys as FA4's -inf; when an input requires grad, an
+    lse whose backward refuses (the kernels' backward has no lse term)."""
+    lse = lse.masked_fill(lse == math.inf, -math.inf)
+    needing = [t for t in inputs if t is not None and t.requires_grad]
+    return _LseWithoutGradient.apply(lse, needing[0]) if needing and torch.is_grad_enabled() else lse
+
+
+class _LseWithoutGradient(torch.autograd.Function):
+    """The lse, joined to the graph of an input that requires grad only so that a gradient
+    reaching it is refused instead of ignored."""
+
+    @staticmethod
+    def forward(ctx, lse, _anchor):
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, grad_lse, *_):
+        raise NotImplementedError(
+            "flash_attn.cute: a gradient through lse is not supported by flashattn_mps's flash_attn shim "
+            "(out, q, k, v and learnable_sink are differentiable; detach lse)"
+        )
 
 
 def flash_attn_func(
@@ -110,7 +129,7 @@ def flash_attn_func(
         learnable_sink,
         with_lse=with_lse,
     )
-    return (result[0], _fa4_lse(result[1])) if with_lse else (result, None)
+    return (result[0], _fa4_lse(result[1], (q, k, v, learnable_sink))) if with_lse else (result, None)
 
 
 def flash_attn_varlen_func(
@@ -220,7 +239,7 @@ def flash_attn_varlen_func(
         deterministic,
         with_lse,
     )
-    return (result[0], _fa4_lse(result[1])) if with_lse else (result, None)
+    return (result[0], _fa4_lse(result[1], (q, k, v, learnable_sink))) if with_lse else (result, None)
 
 
 def _longest(cu_seqlens) -> int:
