@@ -221,3 +221,32 @@ def test_use_in_refuses_before_changing_anything():
     with pytest.raises(ValueError, match="single_transformer_blocks.0.attn .ElsewhereProcessor.: its __call__"):
         use_in(model)
     assert [m.processor for m in model.modules() if hasattr(m, "processor")] == before
+
+
+def test_nothing_outside_the_model_changes_and_use_in_again_is_the_same(core_calls):
+    from diffusers.models import attention_dispatch
+    from diffusers.models.transformers import transformer_flux
+
+    registry = attention_dispatch._AttentionBackendRegistry
+    before = (
+        transformer_flux.dispatch_attention_fn,
+        attention_dispatch.dispatch_attention_fn,
+        torch.nn.functional.scaled_dot_product_attention,
+        registry._active_backend,
+        dict(registry._backends),
+    )
+    model, inputs = _flux()
+    processor_class = type(model.transformer_blocks[0].attn.processor)
+    use_in(use_in(model), cpu=True)  # again, now for CPU tensors: the same served processors
+    assert (
+        transformer_flux.dispatch_attention_fn,
+        attention_dispatch.dispatch_attention_fn,
+        torch.nn.functional.scaled_dot_product_attention,
+        registry._active_backend,
+        dict(registry._backends),
+    ) == before
+    served = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    assert all(type(p).__bases__ == (processor_class,) and p.flashattn_mps_cpu for p in served)
+    with torch.no_grad():
+        model(**inputs)
+    assert core_calls["forward"] == len(served)
