@@ -149,3 +149,11 @@ def test_dtype_errors_are_type_and_runtime_errors(gen):
         with pytest.raises(FlashAttnTypeError, match=name) as raised:
             call()
         assert isinstance(raised.value, TypeError) and isinstance(raised.value, RuntimeError), name
+
+
+def test_number_checks_compile_without_graph_breaks(gen):
+    """The checks that accept tensors cost nothing traced when given plain numbers."""
+    q, k, v = flash_inputs(gen, 1, 16, 16, 2, 2, 16, 16, torch.float32)
+    options = dict(causal=True, window_size=(4, 0), softcap=2.0, softmax_scale=0.3)
+    compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, **options), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), flash_attn_func(q, k, v, **options), rtol=0, atol=0)
