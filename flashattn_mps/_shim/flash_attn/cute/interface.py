@@ -18,7 +18,7 @@ from flashattn_mps._options import FlashAttnInputError
 from flashattn_mps._shim.common import refuse, varlen_attention
 from flashattn_mps._varlen import _check_varlen, _paged_attention
 
-MIRRORS = "4.0.0"  # flash-attention's flash_attn/cute (FlashAttention-4) interface, its current sources
+MIRRORS = "4.0.0b27"  # flash-attention's flash_attn/cute (FlashAttention-4) at its tag fa4-v4.0.0.beta27
 
 
 def _window(window_size, causal):
