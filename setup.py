@@ -12,6 +12,7 @@ from pathlib import Path
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 IS_MACOS = sys.platform == "darwin"
@@ -69,6 +70,19 @@ class BuildExt(build_ext):
         super().build_extension(ext)
 
 
+SHIM_PTH = "flashattn_mps/_shim/flashattn_mps_flash_attn_shim.pth"
+
+
+class BuildPyWithShimHook(build_py):
+    """Also puts the flash_attn shim's .pth line at the top of the build, so an installed wheel
+    has it in site-packages (it does nothing unless FLASHATTN_MPS_FLASH_ATTN_SHIM=1; pip removes
+    it with the package)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(str(ROOT / SHIM_PTH), os.path.join(self.build_lib, Path(SHIM_PTH).name))
+
+
 # CoreGraphics: without it MTLCreateSystemDefaultDevice() returns nil in a command-line process
 # (Apple's documentation of that function); it is the backend's last resort for a device.
 MACOS_FRAMEWORKS = ["-framework", "Metal", "-framework", "Foundation", "-framework", "CoreGraphics"]
@@ -95,9 +109,9 @@ library = Pybind11Extension(
 
 setup(
     ext_modules=[device, library],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPyWithShimHook},
     # Every package under flashattn_mps/, and the kernel sources (metal/) as flashattn_mps._metal.
     packages=find_packages(include=["flashattn_mps", "flashattn_mps.*"]) + ["flashattn_mps._metal"],
     package_dir={"flashattn_mps": "flashattn_mps", "flashattn_mps._metal": "metal"},
-    package_data={"flashattn_mps._metal": ["*.metal", "*.h"]},
+    package_data={"flashattn_mps._metal": ["*.metal", "*.h"], "flashattn_mps._shim": ["*.pth"]},
 )

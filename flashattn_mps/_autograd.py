@@ -38,7 +38,15 @@ import torch
 
 from . import _C
 from ._core import backward_core, forward_core, probs_core, sequence_args
-from ._options import AttentionOptions, alibi_view, check_alibi, check_call, check_mask, check_sinks
+from ._options import (
+    AttentionOptions,
+    FlashAttnInputError,
+    alibi_view,
+    check_alibi,
+    check_call,
+    check_mask,
+    check_sinks,
+)
 
 
 class Sequences(NamedTuple):
@@ -63,20 +71,20 @@ def check_sequences(
     page_size = k.shape[2]
     for b, (_, q_start, q_len, k_batch, k_start, k_len) in enumerate(rows):
         if q_len < 0 or k_len < 0 or q_start < 0 or k_start < 0 or q_start + q_len > q.shape[2]:
-            raise ValueError(
+            raise FlashAttnInputError(
                 f"{who}: sequence {b} ({rows[b]}) is outside q's {q.shape[2]} rows or has a negative length"
             )
         if q_len > max_q_len or 0 <= max_kv_len < k_len:
-            raise ValueError(
+            raise FlashAttnInputError(
                 f"{who}: sequence {b} has {q_len} query rows and {k_len} keys, past max_q_len = "
                 f"{max_q_len} or max_kv_len = {max_kv_len}"
             )
         if pages is None and (not 0 <= k_batch < k.shape[0] or k_start + k_len > k.shape[2]):
-            raise ValueError(f"{who}: sequence {b}'s keys ({rows[b]}) are outside k's {tuple(k.shape)} view")
+            raise FlashAttnInputError(f"{who}: sequence {b}'s keys ({rows[b]}) are outside k's {tuple(k.shape)} view")
         if pages is not None:
             used = pages[b][: -(-(k_start + k_len) // page_size)] if k_start + k_len else []
             if k_start + k_len > page_size * len(pages[b]) or any(not 0 <= p < k.shape[0] for p in used):
-                raise ValueError(
+                raise FlashAttnInputError(
                     f"{who}: sequence {b}'s {k_start + k_len} key positions are past its block_table "
                     f"row or name a page outside the pool of {k.shape[0]}"
                 )
@@ -127,7 +135,10 @@ def _gradients(ctx, dout, traced: bool):
             f"{who}: double backward is not supported; its gradients cannot be differentiated (create_graph=True)"
         )
     if ctx.paged:
-        raise RuntimeError(f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn")
+        raise NotImplementedError(
+            f"{who}: block_table (a paged KV cache) has no backward, as in flash-attn: the forward ran, but "
+            "gradients cannot flow through it (detach q, k, v and sinks, or call it under torch.no_grad())"
+        )
     options = ctx.options if alibi is None and sinks is None else ctx.options._replace(alibi=alibi, sinks=sinks)
     max_q_len, max_kv_len = ctx.sequence_lengths
     if traced:

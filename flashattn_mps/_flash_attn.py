@@ -13,7 +13,7 @@ from . import _C
 from ._api import attend_with, attention_options
 from ._autograd import attention_probabilities
 from ._core import dropout_rng_state
-from ._options import check_bool, check_common, check_dropout, given
+from ._options import FlashAttnInputError, check_bool, check_common, check_dropout, check_number, given
 
 
 def flash_attn_func(
@@ -68,25 +68,66 @@ def flash_attn_func(
     without dropout too. Tensors on "mps" run Metal, on "cpu" the CPU Metal device. float32,
     float16 and bfloat16; D, Dv <= 576.
     """
-    dropout_p = check_dropout(dropout_p, "flash_attn_func")
-    check_bool(return_attn_probs, "return_attn_probs", "flash_attn_func")
-    band, softcap = check_common("flash_attn_func", causal, window_size, softcap, deterministic)
+    return dense_attention(
+        "flash_attn_func",
+        q,
+        k,
+        v,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        sinks,
+        with_lse=return_attn_probs,
+        with_probs=return_attn_probs,
+    )
+
+
+def dense_attention(
+    who,
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    sinks,
+    with_lse=False,
+    with_probs=False,
+):
+    """flash_attn_func after its signature, for every flash-attn release's dense function (the
+    flash_attn shim's too): out, or (out, lse) with_lse, or (out, lse, probs) with_probs too. The
+    lse is flash-attn's (B, H, L) float32, +inf for a row that sees no key."""
+    dropout_p = check_dropout(dropout_p, who)
+    check_bool(with_lse, "return_attn_probs", who)
+    band, softcap = check_common(who, causal, window_size, softcap, deterministic)
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        softmax_scale = check_number(softmax_scale, "softmax_scale", who)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flash_attn_func: {name} must be a torch.Tensor, got {given(t)}")
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if t.dim() != 4:
-            raise ValueError(
-                f"flash_attn_func: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
+            raise FlashAttnInputError(
+                f"{who}: q, k, v must be 4-D (batch, seqlen, heads, headdim), got {name} {tuple(t.shape)}"
             )
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     options = attention_options(
         qh, kh, vh, None, causal, softmax_scale, _C.KERNEL_AUTO, band, softcap, alibi_slopes, dropout_p, sinks
     )
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
-    result = attend_with(qh, kh, vh, None, options, return_attn_probs, True, rng_state)
-    if not return_attn_probs:
+    result = attend_with(qh, kh, vh, None, options, with_lse, True, rng_state)
+    if not with_lse:
         return result.transpose(1, 2)
     out, lse = result
+    if not with_probs:
+        return out.transpose(1, 2), lse
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
     probs = attention_probabilities(qh.detach(), kh.detach(), vh.detach(), out.detach(), lse, options, rng_state)
     return out.transpose(1, 2), lse, probs.to(q.dtype)

@@ -29,6 +29,8 @@ from ._autograd import Sequences, _is_traced, attention_through_torch
 from ._core import plan_run, run_forward, sequence_args
 from ._options import (
     AttentionOptions,
+    FlashAttnInputError,
+    FlashAttnTypeError,
     alibi_view,
     check_bool,
     check_common,
@@ -269,20 +271,24 @@ def _check_cache_call(
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if t.dim() != 4:
-            raise ValueError(f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}")
+            raise FlashAttnInputError(
+                f"{who}: {name} must be 4-D (batch, seqlen, heads, headdim), got {tuple(t.shape)}"
+            )
         if t.device != q.device or t.dtype != q.dtype:
-            raise TypeError(
+            raise FlashAttnTypeError(
                 f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
             )
     if (k is None) != (v is None):
-        raise ValueError(f"{who}: k and v must be given together")
+        raise FlashAttnInputError(f"{who}: k and v must be given together")
     batch, seqlen_q = q.shape[0], q.shape[1]
     cache_batch, cache_len = k_cache.shape[0], k_cache.shape[1]
     new = 0 if k is None else k.shape[1]
     paged = block_table is not None
     if paged:  # k_cache is the pool (pages, page_size, nheads_k, headdim)
         if cache_batch_idx is not None:
-            raise ValueError(f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)")
+            raise FlashAttnInputError(
+                f"{who}: cache_batch_idx cannot be combined with block_table (the table picks the pages)"
+            )
         pool, page_size = check_block_table(block_table, batch, k_cache, v_cache, q.device, who, ("k_cache", "v_cache"))
         cache_batch, cache_len = batch, page_size * block_table.shape[1]  # each sequence's positions
     if k is not None and (
@@ -291,7 +297,7 @@ def _check_cache_call(
         or k.shape[2:] != k_cache.shape[2:]
         or v.shape[2:] != v_cache.shape[2:]
     ):
-        raise ValueError(
+        raise FlashAttnInputError(
             f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must be (batch, seqlen_new) rows of "
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} for q {tuple(q.shape)}"
         )
@@ -321,16 +327,16 @@ def _check_cache_call(
             if pages is not None and 0 <= lengths[b] <= cache_len - new:
                 check_pages_used(pages, b, lengths[b] + new, page_size, pool, who)
             if not 0 <= row_list[b] < cache_batch:
-                raise ValueError(
+                raise FlashAttnInputError(
                     f"{who}: cache_batch_idx[{b}] = {row_list[b]} is outside the cache's {cache_batch} rows"
                 )
             if not 0 <= lengths[b] <= cache_len - new:
-                raise ValueError(
+                raise FlashAttnInputError(
                     f"{who}: cache_seqlens[{b}] = {lengths[b]} with {new} new keys is past the cache's "
                     f"{cache_len} positions"
                 )
             if not 0 <= pads[b] <= lengths[b]:
-                raise ValueError(
+                raise FlashAttnInputError(
                     f"{who}: cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {lengths[b]}]"
                 )
         max_keys = max([lengths[b] + new - pads[b] for b in range(batch)], default=0)
@@ -340,13 +346,15 @@ def _check_cache_call(
         if not (isinstance(rotary_cos, torch.Tensor) and isinstance(rotary_sin, torch.Tensor)):
             raise TypeError(f"{who}: rotary_cos and rotary_sin must be given together as tensors")
         if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape or 2 * rotary_cos.shape[1] > q.shape[3]:
-            raise ValueError(
+            raise FlashAttnInputError(
                 f"{who}: rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim "
                 f"<= headdim {q.shape[3]}, got {tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}"
             )
         reach = None if lengths is None else max(lengths, default=0) + max(new, seqlen_q if rotates_rows else 1)
         if batch and reach is not None and reach > rotary_cos.shape[0]:
-            raise ValueError(f"{who}: rotary_cos has {rotary_cos.shape[0]} positions, the rotated rows reach {reach}")
+            raise FlashAttnInputError(
+                f"{who}: rotary_cos has {rotary_cos.shape[0]} positions, the rotated rows reach {reach}"
+            )
         steps = (
             torch.arange(seqlen_q, device=device)
             if rotates_rows

@@ -9,6 +9,8 @@ binding's options tuple (flashattn_mps._core)."""
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -57,6 +59,17 @@ def given(value) -> str:
     return f"{type_name(value)} {shown if len(shown) <= 60 else shown[:57] + '...'}"
 
 
+class FlashAttnInputError(ValueError, RuntimeError):
+    """A wrong argument value (shape, length, range) where flash-attn itself raises RuntimeError:
+    both a ValueError (this package's convention) and a RuntimeError (what code written for
+    flash-attn catches)."""
+
+
+class FlashAttnTypeError(TypeError, RuntimeError):
+    """A tensor of the wrong dtype or device where flash-attn itself raises RuntimeError: a
+    TypeError (this package's convention) and a RuntimeError."""
+
+
 def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale, attn_mask=None) -> None:
     """Raises the first problem of a call, in Python's terms; returns when it finds none."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -64,19 +77,23 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
             raise TypeError(f"flash_attention: {name} must be a torch.Tensor, got {type_name(t)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.device.type not in _DEVICE_CODES:
-            raise ValueError(
+            raise FlashAttnInputError(
                 f"flash_attention: {name} is on device '{t.device}'; supported devices are mps (Metal) "
                 "and cpu (the CPU Metal device)"
             )
     if not (q.device == k.device == v.device):
-        raise ValueError(f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        raise FlashAttnInputError(
+            f"flash_attention: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in _DTYPE_CODES:
-            raise TypeError(f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16")
+            raise FlashAttnTypeError(
+                f"flash_attention: {name} has dtype {t.dtype}; supported are float32, float16 and bfloat16"
+            )
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise FlashAttnTypeError(f"flash_attention: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
-        raise ValueError(
+        raise FlashAttnInputError(
             "flash_attention: q, k, v must all be 4-D (B, H, L, E) or all 3-D (H, L, E), got "
             f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
         )
@@ -85,19 +102,19 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, 
         return f"q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
 
     if q.dim() == 4 and not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"flash_attention: batch sizes differ: {shapes()}")
+        raise FlashAttnInputError(f"flash_attention: batch sizes differ: {shapes()}")
     if k.shape[-3] != v.shape[-3] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"flash_attention: k and v must have the same heads and sequence length: {shapes()}")
+        raise FlashAttnInputError(f"flash_attention: k and v must have the same heads and sequence length: {shapes()}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"flash_attention: q and k must have the same head dim: {shapes()}")
+        raise FlashAttnInputError(f"flash_attention: q and k must have the same head dim: {shapes()}")
     if (q.shape[-3] % k.shape[-3] if k.shape[-3] else q.shape[-3]) != 0:  # no heads at all: an empty call
-        raise ValueError(
+        raise FlashAttnInputError(
             f"flash_attention: the number of query heads ({q.shape[-3]}) must be a multiple of the number "
             f"of key/value heads ({k.shape[-3]}): {shapes()}"
         )
     for name, t in (("q", q), ("v", v)):
         if t.shape[-1] > _C.MAX_HEAD_DIM:
-            raise ValueError(
+            raise FlashAttnInputError(
                 f"flash_attention: head dims up to {_C.MAX_HEAD_DIM} are supported, {name} has {t.shape[-1]}: "
                 f"{shapes()}"
             )
@@ -118,17 +135,52 @@ def check_causal_and_scale(causal, scale) -> float:
     return None if scale is None else float(scale)
 
 
+def _numbers(values, name: str, who: str, integral: bool) -> list:
+    """Python numbers for `values`, each an int (a float too unless integral), a numpy scalar or a
+    0-d torch.Tensor (what flash-attn's bindings accept, through __index__ / __float__). The
+    tensors among them are read in one host read."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    for v in tensors:
+        if v.dim() != 0 or v.dtype == torch.bool or v.is_complex() or (integral and v.is_floating_point()):
+            kind = "an int" if integral else "a number"
+            raise TypeError(f"{who}: {name} must be {kind} or a 0-d tensor of one, got {given(v)}")
+    if tensors:
+        dtype, device = tensors[0].dtype, tensors[0].device
+        for t in tensors[1:]:
+            dtype = torch.promote_types(dtype, t.dtype)
+        read = iter(torch.stack([t.detach().to(device, dtype) for t in tensors]).tolist())
+    result = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            result.append(next(read))
+        elif isinstance(v, numbers.Integral) and not isinstance(v, bool):
+            result.append(operator.index(v))
+        elif not integral and isinstance(v, numbers.Real) and not isinstance(v, bool):
+            result.append(float(v))
+        else:
+            kind = "an int" if integral else "a number"
+            raise TypeError(f"{who}: {name} must be {kind} or a 0-d tensor of one, got {given(v)}")
+    return result
+
+
+def check_number(value, name: str, who: str, integral: bool = False):
+    """An int (or, unless integral, a float) given as a Python or numpy number or a 0-d tensor."""
+    return _numbers([value], name, who, integral)[0]
+
+
 def check_window(window_size, who: str) -> tuple:
-    """window_size as (left, right) ints, each -1 (unbounded) or >= 0."""
-    if not (
-        isinstance(window_size, (tuple, list))
-        and len(window_size) == 2
-        and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)
-    ):
-        raise TypeError(f"{who}: window_size must be a pair of ints (left, right), got {given(window_size)}")
-    left, right = window_size
+    """window_size as (left, right) ints, each -1 (unbounded) or >= 0. Given as a pair of ints or
+    0-d tensors, or a tensor of 2 ints (flash-attn's own tests draw it with torch.randint); the
+    tensors are read in one host read."""
+    if isinstance(window_size, torch.Tensor) and window_size.dim() == 1 and window_size.shape[0] == 2:
+        window_size = window_size.unbind()
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise TypeError(
+            f"{who}: window_size must be a pair of ints (left, right) or a tensor of 2 ints, got {given(window_size)}"
+        )
+    left, right = _numbers(window_size, "window_size", who, integral=True)
     if left < -1 or right < -1:
-        raise ValueError(f"{who}: window_size sides must be -1 (unbounded) or >= 0, got ({left}, {right})")
+        raise FlashAttnInputError(f"{who}: window_size sides must be -1 (unbounded) or >= 0, got ({left}, {right})")
     return int(left), int(right)
 
 
@@ -146,11 +198,11 @@ def alibi_view(slopes, batch: int, heads: int, device, who: str):
     if not isinstance(slopes, torch.Tensor):
         raise TypeError(f"{who}: alibi_slopes must be a torch.Tensor or None, got {type_name(slopes)}")
     if slopes.dtype != torch.float32 or slopes.device != device:
-        raise TypeError(
+        raise FlashAttnTypeError(
             f"{who}: alibi_slopes must be float32 on q's device ({device}), got {slopes.dtype} on {slopes.device}"
         )
     if slopes.shape not in ((heads,), (batch, heads)):
-        raise ValueError(
+        raise FlashAttnInputError(
             f"{who}: alibi_slopes must be (Hq,) = ({heads},) or (B, Hq) = ({batch}, {heads}), got {tuple(slopes.shape)}"
         )
     slopes = slopes.detach()
@@ -179,7 +231,7 @@ def check_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.T
     if not isinstance(sinks, torch.Tensor):
         raise TypeError(f"{who}: sinks must be a torch.Tensor or None, got {type_name(sinks)}")
     if sinks.dtype not in (torch.float32, q.dtype) or sinks.device != q.device:
-        raise TypeError(
+        raise FlashAttnTypeError(
             f"{who}: sinks must be float32 or q's dtype ({q.dtype}) on q's device ({q.device}), got "
             f"{sinks.dtype} on {sinks.device}"
         )
@@ -194,19 +246,19 @@ def check_sinks(sinks, q: torch.Tensor, who: str = "flash_attention") -> torch.T
 
 
 def check_softcap(softcap, who: str) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"{who}: softcap must be a float, got {given(softcap)}")
+    if type(softcap) is not float:
+        softcap = check_number(softcap, "softcap", who)
     if not (0.0 <= softcap < math.inf):
-        raise ValueError(f"{who}: softcap must be 0.0 (none) or positive and finite, got {softcap}")
+        raise FlashAttnInputError(f"{who}: softcap must be 0.0 (none) or positive and finite, got {softcap}")
     return float(softcap)
 
 
 def check_dropout(dropout_p, who: str) -> float:
     """dropout_p as a float in [0, 1]."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"{who}: dropout_p must be a float, got {given(dropout_p)}")
+    if type(dropout_p) is not float:
+        dropout_p = check_number(dropout_p, "dropout_p", who)
     if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{who}: dropout_p must be in [0, 1], got {dropout_p}")
+        raise FlashAttnInputError(f"{who}: dropout_p must be in [0, 1], got {dropout_p}")
     return float(dropout_p)
 
 
@@ -283,30 +335,31 @@ def scale_value(head_dim: int, scale) -> float:
 
 
 def check_int(value, name: str, who: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{who}: {name} must be an int, got {given(value)}")
+    """A count in [0, 2^31): an int, a numpy int or a 0-d integer tensor (read on the host)."""
+    if type(value) is not int:
+        value = check_number(value, name, who, integral=True)
     if value < 0 or value >= 2**31:
-        raise ValueError(f"{who}: {name} must be in [0, 2^31), got {value}")
+        raise FlashAttnInputError(f"{who}: {name} must be in [0, 2^31), got {value}")
     return value
 
 
 def check_lengths_tensor(t, name: str, who: str, device, length=None) -> None:
     """A 1-D int32 tensor on `device` (of `length` entries when given), as flash-attn requires."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{who}: {name} must be an int32 torch.Tensor, got {given(t)}")
+        raise FlashAttnTypeError(f"{who}: {name} must be an int32 torch.Tensor, got {given(t)}")
     if t.dtype != torch.int32:
-        raise TypeError(f"{who}: {name} must be int32, got {t.dtype}")
+        raise FlashAttnTypeError(f"{who}: {name} must be int32, got {t.dtype}")
     if t.dim() != 1 or (length is not None and t.shape[0] != length):
         want = f"({length},)" if length is not None else "1-D"
-        raise ValueError(f"{who}: {name} must be {want}, got shape {tuple(t.shape)}")
+        raise FlashAttnInputError(f"{who}: {name} must be {want}, got shape {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{who}: {name} is on {t.device}, q on {device}")
+        raise FlashAttnInputError(f"{who}: {name} is on {t.device}, q on {device}")
 
 
 def check_scale(softmax_scale, head_dim: int, who: str) -> float:
-    """softmax_scale (None: 1 / sqrt(headdim)) as a float."""
-    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
-        raise TypeError(f"{who}: softmax_scale must be a float or None, got {given(softmax_scale)}")
+    """softmax_scale (None: 1 / sqrt(headdim); a number or a 0-d tensor) as a float."""
+    if softmax_scale is not None and type(softmax_scale) is not float:
+        softmax_scale = check_number(softmax_scale, "softmax_scale", who)
     return scale_value(head_dim, softmax_scale)
 
 

@@ -45,6 +45,8 @@ from ._core import (
 )
 from ._options import (
     AttentionOptions,
+    FlashAttnInputError,
+    FlashAttnTypeError,
     alibi_view,
     check_bool,
     check_common,
@@ -65,15 +67,17 @@ def _check_prefix_sums(cu: torch.Tensor, name: str, total, max_len: int, max_nam
     Returns the sequences' lengths."""
     values = cu.tolist()
     if values[0] != 0:
-        raise ValueError(f"{who}: {name} must start at 0, got {values[0]}")
+        raise FlashAttnInputError(f"{who}: {name} must start at 0, got {values[0]}")
     lengths = [b - a for a, b in zip(values, values[1:])]
     if any(n < 0 for n in lengths):
         at = next(i for i, n in enumerate(lengths) if n < 0)
-        raise ValueError(f"{who}: {name} must be non-decreasing, got {values[at]} then {values[at + 1]} at {at}")
+        raise FlashAttnInputError(
+            f"{who}: {name} must be non-decreasing, got {values[at]} then {values[at + 1]} at {at}"
+        )
     if total is not None and values[-1] > total:
-        raise ValueError(f"{who}: {name} ends at {values[-1]}, past the {total} packed rows")
+        raise FlashAttnInputError(f"{who}: {name} ends at {values[-1]}, past the {total} packed rows")
     if lengths and max(lengths) > max_len:
-        raise ValueError(f"{who}: {max_name} = {max_len}, but {name} holds a sequence of {max(lengths)}")
+        raise FlashAttnInputError(f"{who}: {max_name} = {max_len}, but {name} holds a sequence of {max(lengths)}")
     return lengths
 
 
@@ -85,19 +89,19 @@ def check_block_table(
     max_num_blocks) int32 tensor on `device`. Returns the pool's pages and the page size (no host
     read: block_table_rows reads the table)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
-        raise TypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
+        raise FlashAttnTypeError(f"{who}: block_table must be an int32 torch.Tensor, got {given(block_table)}")
     if (
         block_table.dim() != 2
         or block_table.shape[0] != batch
         or block_table.shape[1] < 1
         or block_table.device != device
     ):
-        raise ValueError(
+        raise FlashAttnInputError(
             f"{who}: block_table must be (batch, max_num_blocks) = ({batch}, >= 1) on {device}, "
             f"got {tuple(block_table.shape)} on {block_table.device}"
         )
     if v_pool.shape[:2] != k_pool.shape[:2]:
-        raise ValueError(
+        raise FlashAttnInputError(
             f"{who}: the paged {names[0]} {tuple(k_pool.shape)} and {names[1]} {tuple(v_pool.shape)} "
             "must share their pages (num_blocks, page_block_size)"
         )
@@ -114,7 +118,7 @@ def check_pages_used(pages: list, b: int, keys: int, page_size: int, pool: int, 
     inside the pool."""
     bad = [page for page in pages[b][: -(-keys // page_size)] if not 0 <= page < pool]
     if bad:
-        raise ValueError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
+        raise FlashAttnInputError(f"{who}: block_table[{b}] names page {bad[0]}, outside the pool of {pool} pages")
 
 
 def packed_view(t: torch.Tensor) -> torch.Tensor:
@@ -169,8 +173,8 @@ def flash_attn_varlen_func(
             table, by the prefill and the decode kernel alike). Every page a sequence uses must be
             in the pool and its keys within the table's max_num_blocks_per_seq * page_block_size
             positions (checked, one host read). Any page size >= 1 (flash-attn requires a multiple
-            of 256). Forward only, as in flash-attn: with q, k, v or sinks requiring grad under
-            grad mode it raises a RuntimeError naming block_table.
+            of 256). Forward only, as in flash-attn: inputs may require grad, and a backward that
+            reaches this call raises a RuntimeError naming block_table.
 
     Returns out (total_q, nheads, headdim_v) of q's dtype; differentiable in q, k and v (a fused
     backward over the same sequence table). Rows of q past cu_seqlens_q[-1] are left unwritten.
@@ -265,7 +269,9 @@ def _check_varlen(
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if not paged and t.dim() != 3:
-            raise ValueError(f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}")
+            raise FlashAttnInputError(
+                f"{who}: q, k, v must be 3-D (total, nheads, headdim), got {name} {tuple(t.shape)}"
+            )
     if paged:
         _check_paged_views(q, k, v, who)
     max_q = check_int(max_seqlen_q, "max_seqlen_q", who)
@@ -273,7 +279,7 @@ def _check_varlen(
     check_lengths_tensor(cu_seqlens_q, "cu_seqlens_q", who, q.device)
     check_lengths_tensor(cu_seqlens_k, "cu_seqlens_k", who, q.device, cu_seqlens_q.shape[0])
     if cu_seqlens_q.shape[0] < 1:
-        raise ValueError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
+        raise FlashAttnInputError(f"{who}: cu_seqlens_q must have batch + 1 >= 1 entries, got 0")
     traced = _is_traced()
     if not traced:
         _check_prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_q, "max_seqlen_q", who)
@@ -291,7 +297,7 @@ def _check_varlen(
             pages = block_table_rows(block_table)
             for b, keys in enumerate(key_lengths):
                 if keys > capacity:
-                    raise ValueError(
+                    raise FlashAttnInputError(
                         f"{who}: cu_seqlens_k gives sequence {b} {keys} keys, past the {capacity} "
                         f"positions of its block_table row ({block_table.shape[1]} pages of {page_size})"
                     )
@@ -311,25 +317,38 @@ def _check_varlen(
     )
 
 
-def packed_table(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: bool = False) -> torch.Tensor:
+def packed_table(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, paged: bool = False, key_lengths=None
+) -> torch.Tensor:
     """The (batch, 6) int32 sequence table of packed sequences (metal/fa_sequence.h), built on the
     prefix sums' device (no host read). paged: every sequence's keys start at position 0 of its
-    pages, not at its prefix sum."""
+    pages, not at its prefix sum. key_lengths: None, or (batch,) int32 keys each sequence uses from
+    its start (flash-attn 3's seqused_k), instead of its prefix sums' length."""
     zeros = torch.zeros(cu_seqlens_q.shape[0] - 1, dtype=torch.int32, device=cu_seqlens_q.device)
     key_starts = zeros if paged else cu_seqlens_k[:-1]
-    return torch.stack(
-        [zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, key_starts, cu_seqlens_k.diff()], dim=1
-    ).contiguous()
+    keys = cu_seqlens_k.diff() if key_lengths is None else key_lengths
+    return torch.stack([zeros, cu_seqlens_q[:-1], cu_seqlens_q.diff(), zeros, key_starts, keys], dim=1).contiguous()
 
 
 def packed_attention(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, options: AttentionOptions, return_attn_probs=False
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_q: int,
+    max_k: int,
+    options: AttentionOptions,
+    return_attn_probs=False,
+    return_lse=False,
+    key_lengths=None,
 ):
     """flash_attn_varlen_func after its checks (prefix sums already known good, e.g. built by the
     caller; the kernels clamp the table whatever it holds): no host read of the tensors. options:
     the call's checked AttentionOptions (alibi the (batch, H) view or None, sinks a checked (H,)
-    float32 tensor or None)."""
-    table = packed_table(cu_seqlens_q, cu_seqlens_k)
+    float32 tensor or None). return_lse: (out, lse) (lse as with return_attn_probs); key_lengths:
+    packed_table's."""
+    table = packed_table(cu_seqlens_q, cu_seqlens_k, key_lengths=key_lengths)
     sinks, dropout_p = options.sinks, options.dropout_p
     rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
     through_torch = _routes_through_torch(q, k, v) or (sinks is not None and _sinks_need_grad(sinks))
@@ -346,14 +365,17 @@ def packed_attention(
         lse = torch.empty((1, q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
         out4 = packed_view(out)
         run_forward(*views, out4, lse, options, sequence_args(table, max_q, max_k), rng_state)
-    if not return_attn_probs:
+    if not (return_attn_probs or return_lse):
         return out
+    past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
+    flash_lse = _flash_attn_lse(lse[0]).masked_fill(past, math.inf)
+    if not return_attn_probs:
+        return out, flash_lse
     # The probabilities are exp(s - lse): the lse includes the sinks, so they need no other input.
     probs = attention_probabilities(
         *(t.detach() for t in (*views, out4)), lse, options, rng_state, Sequences(table, max_q, max_k)
     )
-    past = torch.arange(q.shape[0], device=q.device) >= cu_seqlens_q[-1]  # rows of no sequence
-    return out, _flash_attn_lse(lse[0]).masked_fill(past, math.inf), probs.to(q.dtype)
+    return out, flash_lse, probs.to(q.dtype)
 
 
 def explain_varlen_plan(
@@ -414,7 +436,7 @@ def explain_varlen_plan(
     rng_state = planning_rng_state(q.device)
     if call.paged is not None:
         if backward:
-            raise ValueError(
+            raise FlashAttnInputError(
                 "explain_varlen_plan: block_table (a paged KV cache) is forward only, as in flash-attn: "
                 "there is no backward to explain"
             )
@@ -464,19 +486,19 @@ def _check_paged_views(q, k, v, who: str) -> None:
     """q (total_q, nheads, headdim) and the pool k, v (num_blocks, page_block_size, nheads_k,
     headdim[_v]) of q's dtype and device."""
     if q.dim() != 3:
-        raise ValueError(f"{who}: q must be 3-D (total_q, nheads, headdim), got {tuple(q.shape)}")
+        raise FlashAttnInputError(f"{who}: q must be 3-D (total_q, nheads, headdim), got {tuple(q.shape)}")
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(
+            raise FlashAttnInputError(
                 f"{who}: with block_table, {name} must be the 4-D pool (num_blocks, page_block_size, "
                 f"nheads_k, headdim), got {tuple(t.shape)}"
             )
         if t.dtype != q.dtype or t.device != q.device:
-            raise TypeError(
+            raise FlashAttnTypeError(
                 f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
             )
     if k.shape[2] != v.shape[2] or k.shape[3] != q.shape[2]:
-        raise ValueError(
+        raise FlashAttnInputError(
             f"{who}: the paged k {tuple(k.shape)} and v {tuple(v.shape)} must share nheads_k, and k's "
             f"headdim must be q's {tuple(q.shape)}"
         )
@@ -496,18 +518,12 @@ def _paged_arguments(call: _VarlenCall):
 
 def _paged_attention(call: _VarlenCall, who: str):
     """flash_attn_varlen_func over a paged KV cache, after its checks: one forward over the
-    sequence table, the kernels reading each sequence's keys through the block table."""
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (call.q, call.k, call.v, call.options.sinks)
-    ):
-        raise RuntimeError(
-            f"{who}: block_table (a paged KV cache) is forward only, as in flash-attn: q, k, v and "
-            "sinks must not require grad (use torch.no_grad() or detach them)"
-        )
+    sequence table, the kernels reading each sequence's keys through the block table. Inputs that
+    require grad take the autograd path, whose backward refuses, naming block_table (flash-attn
+    runs this forward and has no backward for it either)."""
     rng_state = dropout_rng_state(call.q.device) if call.options.dropout_p > 0.0 else None
-    if not _is_traced() and (call.q.is_neg() or call.k.is_neg() or call.v.is_neg()):
-        call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
-    if _is_traced():  # the attention op, with the same table
+    sinks = call.options.sinks
+    if _routes_through_torch(call.q, call.k, call.v) or (sinks is not None and _sinks_need_grad(sinks)):
         block_table, capacity = call.paged
         table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k, paged=True)
         views = [packed_view(call.q), call.k.transpose(1, 2), call.v.transpose(1, 2)]
@@ -521,6 +537,8 @@ def _paged_attention(call: _VarlenCall, who: str):
             Sequences(table, call.max_q, min(call.max_k, capacity), block_table),
         )
         return out4.squeeze(0).transpose(0, 1)
+    if call.q.is_neg() or call.k.is_neg() or call.v.is_neg():
+        call = call._replace(q=call.q.resolve_neg(), k=call.k.resolve_neg(), v=call.v.resolve_neg())
     args, out = _paged_arguments(call)
     run_forward(*args, rng_state)
     return out

@@ -1,0 +1,1 @@
+"""flash-attn's flash_attn.layers (the rotary embedding only)."""
