@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from flashattn_mps import explain_plan, flash_attention
+from flashattn_mps import explain_plan, flash_attention, mps_probe
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -286,7 +286,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args(argv)
-    device = torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    device = torch.device("mps" if mps_probe.usable() else "cpu")
     where = "MPS" if device.type == "mps" else "cpu-metal-device (NOT GPU timings)"
     repeats = 5 if device.type == "mps" else 2
     rows = []

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import flashattn_mps
+from flashattn_mps import mps_probe
 from flashattn_mps import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 # (name, sequence lengths, heads, kv heads, head dim)
@@ -126,7 +127,7 @@ def decode_rows(device, repeat):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="mps" if torch.backends.mps.is_available() else "cpu")
+    parser.add_argument("--device", default="mps" if mps_probe.usable() else "cpu")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     rows = (

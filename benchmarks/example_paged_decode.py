@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from flashattn_mps import flash_attn_func, flash_attn_with_kvcache
+from flashattn_mps import flash_attn_func, flash_attn_with_kvcache, mps_probe
 
 VOCAB, DIM, HEADS, KV_HEADS, LAYERS, PAGE = 96, 64, 4, 2, 2, 8
 HEAD_DIM = DIM // HEADS
@@ -105,7 +105,7 @@ def paged_decode(model, prompt, steps, cos, sin, device, generator):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="mps" if torch.backends.mps.is_available() else "cpu")
+    parser.add_argument("--device", default="mps" if mps_probe.usable() else "cpu")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from . import flash_attention
+from . import flash_attention, mps_probe
 from ._sdpa import torch_sdpa
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-causal", action="store_true")
     args = parser.parse_args(argv)
 
-    device = torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+    device = torch.device("mps" if mps_probe.usable() else "cpu")
     where = "Metal (MPS)" if device.type == "mps" else "the CPU Metal device (Metal kernels run on the CPU)"
     dtype = _DTYPES[args.dtype]
     causal = not args.no_causal
