@@ -131,8 +131,10 @@ def errors_case():
     odd = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match=rf"sequence length {3 * size} is not divisible by {2 * size}"):
         fad.attention(odd, odd, odd)
-    q = torch.randn(1, 3, 4, 8)
-    with pytest.raises(ValueError, match="Hq \\(3\\) and Hkv \\(3\\) must be divisible by the group size"):
+    q = torch.randn(1, size + 1, 4, 8)
+    with pytest.raises(
+        ValueError, match=rf"Hq \({size + 1}\) and Hkv \({size + 1}\) must be divisible by the group size {size}"
+    ):
         fad.attention(q, q, q, method="ulysses")
     with pytest.raises(ValueError, match="method must be one of"):
         fad.attention(q, q, q, method="tree")
@@ -191,3 +193,69 @@ def compile_case(method):
     traced.backward()
     assert (eager - traced).abs().max() <= 1e-5
     assert (eager_w.grad - compiled_w.grad).abs().max() <= 1e-5
+
+
+def llama_case(method, layout="zigzag", steps=3):
+    """A tiny Llama trains a few SGD steps context-parallel (fad.patch, position_ids from
+    fad.positions, gradients summed by all_reduce_gradients) with the loss of one process
+    training on the whole sequence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
+    seq = 32
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 64, (1, seq), generator=gen)
+    targets = torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1)  # next token, shifted globally
+    count = (targets != -100).sum()
+    torch.manual_seed(0)
+    single = LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    parallel = LlamaForCausalLM(config)
+    single_opt = torch.optim.SGD(single.parameters(), lr=0.5)
+    parallel_opt = torch.optim.SGD(parallel.parameters(), lr=0.5)
+    ids_local, targets_local = fad.shard(ids, 1, layout=layout), fad.shard(targets, 1, layout=layout)
+    positions = fad.positions(seq, layout=layout)[None]
+
+    def loss_of(logits, labels):
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+
+    for _ in range(steps):
+        whole = loss_of(single(ids).logits, targets)
+        whole.backward()
+        single_opt.step()
+        single_opt.zero_grad()
+        with fad.patch(method=method, layout=layout):
+            local = loss_of(parallel(ids_local, position_ids=positions).logits, targets_local)
+        local.backward()
+        fad.all_reduce_gradients(parallel)
+        parallel_opt.step()
+        parallel_opt.zero_grad()
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        assert abs(total.item() - whole.item()) <= 1e-4, (total.item(), whole.item())
+
+
+def helpers_case():
+    """average_loss: the group's mean as the value, 1/P of each rank's own loss as its gradient;
+    all_reduce_gradients sums; a device gloo cannot take (MPS's case; "meta" here) is staged."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    loss = torch.tensor(float(rank + 1), requires_grad=True)
+    mean = fad.average_loss(loss)
+    assert mean.item() == sum(range(1, size + 1)) / size
+    mean.backward()
+    assert loss.grad.item() == 1.0 / size
+    weight = torch.nn.Parameter(torch.zeros(3))
+    weight.grad = torch.full((3,), float(rank))
+    fad.all_reduce_gradients([weight])
+    assert weight.grad.tolist() == [float(sum(range(size)))] * 3
+    assert not fad._stages_through_cpu(torch.zeros(1), None)
+    assert fad._stages_through_cpu(torch.zeros(1, device="meta"), None)

@@ -72,3 +72,12 @@ def test_sharded_kv_cache_merges_by_lse(pool):
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_compile_fullgraph(pool, method):
     pool.run("compile_case", method=method)
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_tiny_llama_trains_with_the_loss_of_one_process(pool, method):
+    pool.run("llama_case", method=method)
+
+
+def test_loss_and_gradient_helpers(pool):
+    pool.run("helpers_case")
