@@ -15,7 +15,7 @@ layer, forward + backward, for each method and group size P in 2..4. Assumptions
 - FLOPs: forward 4 * S^2 * Hq * E / 2 (causal), backward 2.5 x forward, split evenly over P
   (zigzag balances the causal work);
 - bytes per rank, as this implementation moves them: allgather gathers K and V twice (forward,
-  backward) and all-reduces float32 dK, dV of the whole sequence; ring moves K, V (P - 1 steps)
+  backward) and reduce-scatters float32 dK, dV of the whole sequence; ring moves K, V (P - 1 steps)
   twice and float32 dK, dV (P steps); ulysses all-to-alls q, k, v, out and lse forward, and
   q, k, v, out, lse, dout, dq, dk, dv backward, (P - 1) / P of each local tensor.
 - ring overlaps each step's transfer with its compute: its time is the sum over steps of the
@@ -56,7 +56,7 @@ def estimate(tokens: int, tflops: float) -> list:
         share = (size - 1) / size
         compute = forward_flops * 3.5 / size / (tflops * 1e12)
         sent = {
-            "allgather": 2 * share * kv_bytes + 2 * share * kv_bytes * FLOAT / HALF,
+            "allgather": 2 * share * kv_bytes + share * kv_bytes * FLOAT / HALF,
             "ring": 2 * share * kv_bytes + kv_bytes * FLOAT / HALF,
             # forward: q, k, v, out (+ lse); backward: q, k, v, out, dout, dq, dk, dv (+ lse)
             "ulysses": share / size * (q_bytes * 6 + kv_bytes * 3),

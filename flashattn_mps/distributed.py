@@ -8,8 +8,8 @@ model:
 
 - "allgather": K and V are gathered; each local chunk attends to the keys it can see with its
   diagonal moved to its global position (the core's diagonal offset, so causal, windows and ALiBi
-  are exact); the backward gathers K and V again (only local shards are saved) and sums dK, dV
-  over the group, each rank keeping its shard.
+  are exact); the backward gathers K and V again (only local shards are saved) and
+  reduce-scatters dK, dV (float32) so each rank gets the sum of its rows.
 - "ring": K/V blocks travel around the ring (batch_isend_irecv, the next block in flight while
   this one is computed); blocks merge by log-sum-exp in float32 (rows that see no key stay at
   -inf); sinks fold in once after the merge; the backward runs each block against the global out
@@ -133,6 +133,18 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     wire = wire.clone() if wire is t else wire
     dist.all_reduce(wire, group=_group(group))
     return _from_wire(wire, t)
+
+
+def _reduce_scatter(full: torch.Tensor, call) -> torch.Tensor:
+    """full (B, H, L, D) in sequence order summed over the group; returns this rank's rows of the sum."""
+    ordered = _scatter_order(full, 2, call.size, call.layout)
+    b, h, length, d = ordered.shape
+    parts = ordered.reshape(b, h, call.size, length // call.size, d).permute(2, 0, 1, 3, 4)
+    # rank p's part first along dim 0, as reduce_scatter_tensor splits its input
+    wire = _to_wire(parts.reshape(call.size * b, h, length // call.size, d), call.group)
+    mine = torch.empty((b, h, length // call.size, d), dtype=wire.dtype, device=wire.device)
+    dist.reduce_scatter_tensor(mine, wire, group=call.group)
+    return _from_wire(mine, full)
 
 
 def _all_to_all(parts: torch.Tensor, group) -> torch.Tensor:
@@ -335,14 +347,8 @@ def _allgather_backward(call: _Call, dout, q, k, v, out, lse):
         dv_full[:, :, :end] += grads[2]
         if call.options.sinks is not None:
             dsinks = grads[3] if dsinks is None else dsinks + grads[3]
-    # Sum over the group, keep this rank's rows.
-    dk = _local_rows(_all_reduce(dk_full, call.group), call)
-    dv = _local_rows(_all_reduce(dv_full, call.group), call)
+    dk, dv = _reduce_scatter(dk_full, call), _reduce_scatter(dv_full, call)
     return torch.cat(dqs, 2), dk.to(k.dtype), dv.to(v.dtype), dsinks
-
-
-def _local_rows(full: torch.Tensor, call: _Call) -> torch.Tensor:
-    return torch.cat([full.narrow(2, s, call.chunk) for s in call.starts()], 2)
 
 
 # ring ----------------------------------------------------------------------------------------

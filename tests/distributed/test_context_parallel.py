@@ -1,6 +1,6 @@
 """flashattn_mps.distributed on a pool of two gloo processes (one per module: see
 distributed_pool): the three methods x causal x both layouts, each with two of (Hkv = H, H/2, 1)
-x (float32, bfloat16) in rotation, forward and gradients; the options with allgather, ring and
+x (float32, bfloat16) in rotation, batch 1 or 2, forward and gradients; the options with allgather, ring and
 ulysses; shard/unshard/positions; errors that raise on every rank instead of hanging; the
 sharded-KV-cache merge; torch.compile(fullgraph=True). Each case runs on every rank against
 single-process flash_attention over the whole sequence and the float64 reference
@@ -22,7 +22,7 @@ def _sampled_product():
         for hkv, dtype in (HEADS_AND_DTYPES[(2 * i) % 6], HEADS_AND_DTYPES[(2 * i + 1) % 6]):
             if method == "ulysses" and hkv == 1:
                 hkv = 2  # Hkv must split over the group; Hkv = 1 is the allgather and ring cases'
-            cases.append(dict(method=method, causal=causal, layout=layout, hkv=hkv, dtype=dtype))
+            cases.append(dict(method=method, causal=causal, layout=layout, hkv=hkv, dtype=dtype, b=1 + i % 2))
     return cases
 
 
