@@ -135,6 +135,10 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return _from_wire(wire, t)
 
 
+# torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _reduce_scatter(full: torch.Tensor, call) -> torch.Tensor:
     """full (B, H, L, D) in sequence order summed over the group; returns this rank's rows of the sum."""
     ordered = _scatter_order(full, 2, call.size, call.layout)
@@ -143,7 +147,7 @@ def _reduce_scatter(full: torch.Tensor, call) -> torch.Tensor:
     # rank p's part first along dim 0, as reduce_scatter_tensor splits its input
     wire = _to_wire(parts.reshape(call.size * b, h, length // call.size, d), call.group)
     mine = torch.empty((b, h, length // call.size, d), dtype=wire.dtype, device=wire.device)
-    dist.reduce_scatter_tensor(mine, wire, group=call.group)
+    _reduce_scatter_single(mine, wire, group=call.group)
     return _from_wire(mine, full)
 
 
