@@ -281,10 +281,10 @@ class _Call:
     """One context-parallel call's geometry: the group, this rank's chunks and their global starts,
     the options."""
 
-    def __init__(self, q, k, method, layout, group_name, causal, scale, window, softcap, alibi, sinks):
+    def __init__(self, q, layout, group_name, causal, scale, window, softcap, alibi, sinks):
         self.group = _resolve_group(group_name)
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.method, self.layout, self.causal, self.window = method, layout, causal, tuple(window)
+        self.layout, self.causal, self.window = layout, causal, tuple(window)
         self.chunks = _chunks_of(self.rank, self.size, layout)
         self.chunk = q.shape[2] // len(self.chunks)
         self.seq_len = self.chunk * _chunk_count(self.size, layout)
@@ -525,7 +525,7 @@ def context_parallel_forward(
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (out, float32 lse) of attention over the sequence sharded across the group."""
-    call = _Call(q, k, method, layout, group_name, causal, scale, window, softcap, alibi_slopes, sinks)
+    call = _Call(q, layout, group_name, causal, scale, window, softcap, alibi_slopes, sinks)
     return _FORWARDS[method](call, q, k, v)
 
 
@@ -554,7 +554,7 @@ def context_parallel_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks) of context_parallel_forward's call; dsinks is this rank's partial sum
     (empty without sinks)."""
-    call = _Call(q, k, method, layout, group_name, causal, scale, window, softcap, alibi_slopes, sinks)
+    call = _Call(q, layout, group_name, causal, scale, window, softcap, alibi_slopes, sinks)
     dq, dk, dv, dsinks = _BACKWARDS[method](call, dout.contiguous(), q, k, v, out, lse)
     return dq, dk, dv, (q.new_empty((0,), dtype=torch.float32) if dsinks is None else dsinks)
 
