@@ -70,7 +70,9 @@ typedef enum fa_kernel_choice {
  * plan key can copy it as bytes; fa_default_options() is SDPA's behaviour.
  *
  * The band: which keys each query row sees besides attn_mask. Row i's diagonal key is d_i = i
- * (top-left, SDPA's is_causal) or d_i = i + S - L (bottom_right, flash-attn's). causal hides the
+ * (top-left, SDPA's is_causal) or d_i = i + S - L (bottom_right, flash-attn's), plus
+ * diagonal_offset (a block of a longer sequence whose rows start diagonal_offset keys after its
+ * keys do: context parallelism's blocks, flashattn_mps/distributed.py). causal hides the
  * keys past d_i; window_left / window_right >= 0 hide the keys outside [d_i - window_left,
  * d_i + window_right] (-1: unbounded on that side; with causal the right side is 0, as
  * flash-attn; below -1 is an error). A row that sees no key gives zeros; kernels skip the key
@@ -87,6 +89,9 @@ typedef struct fa_options {
      * the same. */
     double dropout_p;
     int64_t window_left, window_right;
+    /* Added to every row's diagonal (band and ALiBi's origin); |offset| + L + S must be below 2^31.
+     * Not with a sequence table. */
+    int64_t diagonal_offset;
     /* With a sequence table: the grid's rows and keys per sequence (0 without one). */
     int64_t max_q_len, max_kv_len;
     int32_t causal;       /* hide keys past each row's diagonal */
@@ -114,7 +119,7 @@ static_assert(
 #else
 _Static_assert(
 #endif
-    sizeof(fa_options) == 3 * sizeof(double) + 4 * sizeof(int64_t) + 6 * sizeof(int32_t),
+    sizeof(fa_options) == 3 * sizeof(double) + 5 * sizeof(int64_t) + 6 * sizeof(int32_t),
     "fa_options has no padding: it is hashed and compared as bytes");
 
 static inline fa_options fa_default_options(void) {
@@ -138,7 +143,7 @@ typedef struct fa_option_field {
     int32_t offset; /* in fa_options */
 } fa_option_field;
 
-enum { FA_OPTION_COUNT = 13 };
+enum { FA_OPTION_COUNT = 14 };
 extern const fa_option_field fa_option_fields[FA_OPTION_COUNT];
 
 /* The tensors of a call. One table (fa_tensor_slots, indexed by fa_slot) says for each its name,

@@ -548,7 +548,15 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         return fa_fail(st, FA_ERR_VALUE, "window_size: each side must be -1 (unbounded) or >= 0, got (%lld, %lld)",
                        (long long)o->window_left, (long long)o->window_right);
     }
-    const int64_t l = p->q_len, s = p->kv_len, diagonal = o->bottom_right ? s - l : 0;
+    const int64_t l = p->q_len, s = p->kv_len, offset = o->diagonal_offset;
+    if (offset != 0 &&
+        (offset <= -INT32_MAX || offset >= INT32_MAX || l + s + (offset < 0 ? -offset : offset) > INT32_MAX)) {
+        return fa_fail(st, FA_ERR_VALUE,
+                       "diagonal_offset: |offset| + L + S must be below 2^31, got offset %lld, L = %lld, S = %lld",
+                       (long long)offset, (long long)l, (long long)s);
+    }
+    const int64_t diagonal = (o->bottom_right ? s - l : 0) + offset;
+    p->diagonal = (fa_i32)diagonal;
     const int64_t left = o->window_left, right = o->causal ? 0 : o->window_right;
     plan->banded = a->options.causal || left >= 0 || right >= 0;
     if (!plan->banded) {
@@ -694,7 +702,6 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
                        a->options.softcap);
     }
     p->softcap_log2 = (float)(a->options.softcap * 1.4426950408889634);
-    p->diagonal = a->options.bottom_right ? p->kv_len - p->q_len : 0;
     if (fa_tensor_present(&a->alibi_slopes)) {
         if ((rc = fa_check_tensor(&a->alibi_slopes, "alibi_slopes", 2, 1, st)) != FA_OK) {
             return rc;

@@ -71,6 +71,9 @@ int32_t fa_sequence_grid_args(const fa_forward_args *a, fa_forward_args *grid, f
     if (fa_tensor_present(&a->mask)) {
         return fa_fail(st, FA_ERR_VALUE, "sequences: an attn_mask cannot be combined with a sequence table");
     }
+    if (a->options.diagonal_offset != 0) {
+        return fa_fail(st, FA_ERR_VALUE, "sequences: diagonal_offset cannot be combined with a sequence table");
+    }
     if (a->options.max_q_len < 0 || a->options.max_q_len > INT32_MAX || a->options.max_kv_len < 0 ||
         a->options.max_kv_len > INT32_MAX) {
         return fa_fail(st, FA_ERR_VALUE, "max_seqlen_q and max_seqlen_k must be in [0, 2^31), got %lld and %lld",

@@ -376,7 +376,8 @@ class AttentionOptions(NamedTuple):
     above, and what the forward, the backward, the autograd Function and the custom ops carry.
 
     scale: a float (the default already resolved); causal: a bool; band: None (no window, SDPA's
-    top-left causal diagonal) or (bottom_right, left, right), as band_of and check_common give;
+    top-left causal diagonal) or (bottom_right, left, right), as band_of and check_common give, or
+    (bottom_right, left, right, diagonal_offset) for a block of a longer sequence;
     softcap: a float, 0.0 for none; alibi: None or the (B, Hq) float32 slopes view
     (alibi_view); sinks: None or the (Hq,) float32 logits (check_sinks); dropout_p: a float in
     [0, 1]; kernel: a _C.KERNEL_* code; num_splits: the decode kernel's split-K, 0 for the
@@ -427,6 +428,7 @@ CORE_FIELDS = (
     "max_q_len",
     "max_kv_len",
     "unbatched",
+    "diagonal_offset",
 )
 if _C.OPTION_FIELDS != CORE_FIELDS:
     raise ImportError(f"flashattn_mps: the C core's options are {_C.OPTION_FIELDS}, this module builds {CORE_FIELDS}")
@@ -446,8 +448,10 @@ def core_options(
     unbatched: bool = False,
 ) -> tuple:
     """The C binding's options tuple: scale, causal, bottom_right, window_left, window_right,
-    softcap, dropout_p, kernel, num_splits, write_probs, max_q_len, max_kv_len, unbatched. A band of
-    None is no window on SDPA's top-left diagonal (bottom_right False, both sides -1)."""
+    softcap, dropout_p, kernel, num_splits, write_probs, max_q_len, max_kv_len, unbatched,
+    diagonal_offset. A band of None is no window on SDPA's top-left diagonal (bottom_right False,
+    both sides -1); a band's optional fourth entry shifts every row's diagonal by that many keys
+    (a block of a longer sequence: flashattn_mps.distributed's blocks)."""
     if band is None:
         return (
             scale,
@@ -463,6 +467,7 @@ def core_options(
             max_q_len,
             max_kv_len,
             unbatched,
+            0,
         )
     return (
         scale,
@@ -478,4 +483,5 @@ def core_options(
         max_q_len,
         max_kv_len,
         unbatched,
+        band[3] if len(band) > 3 else 0,
     )

@@ -42,11 +42,13 @@ typedef struct fa_band_bounds {
 
 // Row i of L rows over S keys sees keys [i + lo, i + hi]: a window of `left` keys before and
 // `right` after the diagonal key i + diagonal (-1: unbounded). Unbounded sides become -L and S,
-// and both bounds are clamped into [-L, S] (a window of up to 2^63 - 1 cannot overflow; L + S
-// must fit 32 bits, which the planner checks).
+// and both bounds are clamped into [-L, S] (a window of up to 2^63 - 1 cannot overflow: one wider
+// than L + S + |diagonal| reaches past every key; L + S + |diagonal| must fit 32 bits, which the
+// planner checks).
 static inline fa_band_bounds fa_band_around(fa_i64 l, fa_i64 s, fa_i64 diagonal, fa_i64 left, fa_i64 right) {
-  const fa_i64 lo = left < 0 || left > l + s ? -l : diagonal - left;
-  const fa_i64 hi = right < 0 || right > l + s ? s : diagonal + right;
+  const fa_i64 reach = l + s + (diagonal < 0 ? -diagonal : diagonal);
+  const fa_i64 lo = left < 0 || left > reach ? -l : diagonal - left;
+  const fa_i64 hi = right < 0 || right > reach ? s : diagonal + right;
   fa_band_bounds band;
   band.lo = (fa_i32)(lo < -l ? -l : lo > s ? s : lo);
   band.hi = (fa_i32)(hi < -l ? -l : hi > s ? s : hi);

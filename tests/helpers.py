@@ -365,6 +365,7 @@ def core_options(**fields) -> tuple:
         max_q_len=0,
         max_kv_len=0,
         unbatched=False,
+        diagonal_offset=0,
     )
     unknown = set(fields) - set(values)
     assert not unknown, f"not an option field: {unknown}"

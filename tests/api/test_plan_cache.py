@@ -25,6 +25,7 @@ CHANGED = {  # a valid value other than the base's, for every option field
     "max_q_len": 4,
     "max_kv_len": 4,
     "unbatched": True,
+    "diagonal_offset": 3,
 }
 
 
@@ -108,13 +109,14 @@ def test_the_options_tuple_is_the_c_struct():
         "max_q_len",
         "max_kv_len",
         "unbatched",
+        "diagonal_offset",
     )
     assert _C.FORWARD_SLOTS[:5] == ("q", "k", "v", "out", "lse") and "dq" in _C.BACKWARD_SLOTS
     with pytest.raises(ValueError, match="'dq' is not a forward slot"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, {**tensors("forward"), "dq": None}, base_options())
     with pytest.raises(TypeError, match="options.causal must be a bool, got str"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options(causal="yes"))
-    with pytest.raises(ValueError, match="expected 13 fields"):
+    with pytest.raises(ValueError, match="expected 14 fields"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options()[:-1])
 
 
