@@ -186,6 +186,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     if (fa_sequence_paged(&a->sequences)) { /* as flash-attn: a paged KV cache has no backward */
         return fa_fail(st, FA_ERR_VALUE, "block_table: the backward does not read a paged KV cache (forward only)");
     }
+    if (a->options.k_bits != 0 || a->options.v_bits != 0) { /* no gradient reaches quantized K/V */
+        return fa_fail(st, FA_ERR_VALUE, "k_bits, v_bits: the backward does not read quantized K/V (forward only)");
+    }
     /* Planning the forward validates q, k, v, out and lse and fills their kernel arguments. */
     fa_forward_args forward_args;
     memset(&forward_args, 0, sizeof forward_args);

@@ -13,6 +13,7 @@ from ._api import explain_plan, flash_attention
 from ._C import MetalCompileError, MetalDispatchError
 from ._flash_attn import flash_attn_func
 from ._kvcache import explain_kvcache_plan, flash_attn_with_kvcache
+from ._quantized import QuantizedKV, quantize_kv
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 from ._varlen import explain_varlen_plan, flash_attn_varlen_func
 
@@ -29,6 +30,8 @@ __all__ = [
     "explain_kvcache_plan",
     "patch",
     "unpatch",
+    "quantize_kv",
+    "QuantizedKV",
     "MetalCompileError",
     "MetalDispatchError",
     "__version__",

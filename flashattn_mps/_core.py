@@ -126,10 +126,22 @@ def _sequence_slots(tensors: dict, sequences) -> tuple:
     return max_q, max_kv
 
 
+def quantized_slots(tensors: dict, kv_quant) -> None:
+    """Puts quantized K and V (AttentionOptions.kv_quant: QuantizedKV or None each) into the slots:
+    their data in k and v, their scales and biases in their own."""
+    for name, quantized in zip(("k", "v"), kv_quant):
+        if quantized is not None:
+            tensors[name] = quantized.data
+            tensors[f"{name}_scales"] = quantized.scales
+            tensors[f"{name}_biases"] = quantized.biases
+
+
 def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state) -> tuple:
     """run_forward's and plan_run's tensors by slot name, and the grid's (max_q_len, max_kv_len)."""
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi}
     tensors.update(rng_state=_rng_words(rng_state), sinks=options.sinks)
+    if options.kv_quant is not None:
+        quantized_slots(tensors, options.kv_quant)
     return (tensors, *_sequence_slots(tensors, sequences))
 
 
@@ -159,7 +171,7 @@ def forward_core(
     view: returns out and lse (None unless with_lse). Every path ends here. rng_state: dropout's
     generator words. sequences: sequence_args' tuple of a packed or cached call over (B, H, L, D)
     views, or None. seq_major: out is allocated (B, L, H, Ev) in memory, seen as (B, H, L, Ev)."""
-    scale, causal, band, softcap, alibi, sinks, dropout_p, kernel, num_splits = options
+    scale, causal, band, softcap, alibi, sinks, dropout_p, kernel, num_splits, kv_quant = options
     if q.is_cpu:  # _C checks that every tensor is on this device
         device = _C.DEVICE_CPU
     elif q.is_mps:
@@ -169,13 +181,15 @@ def forward_core(
         check_call(q, k, v, causal, scale, mask)
         raise ValueError(f"flash_attention: q is on device '{q.device}'")  # check_call raises first
     dims = q.dim()
-    if not (q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims):
+    if kv_quant is None and not (
+        q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims
+    ):
         check_call(q, k, v, causal, scale, mask)
     if q.is_neg() or k.is_neg() or v.is_neg():
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     shape = q.shape
     rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
-    value_dim = v.shape[-1]
+    value_dim = v.shape[-1] if kv_quant is None or kv_quant[1] is None else kv_quant[1].shape[-1]
     if seq_major:  # (B, L, H, Ev) in memory, seen as (B, H, L, Ev)
         out = q.new_empty((shape[0], shape[2], shape[1], value_dim)).transpose(1, 2)
     elif value_dim == shape[-1]:
@@ -199,14 +213,18 @@ def forward_core(
     max_q = max_kv = 0
     if sequences is not None:
         max_q, max_kv = _sequence_slots(tensors, sequences)
-    if band is None:  # (AttentionOptions.core, inline: this is every plain call's path)
+    if kv_quant is not None:
+        quantized_slots(tensors, kv_quant)
+    if band is None and kv_quant is None:  # (AttentionOptions.core, inline: this is every plain call's path)
         core = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3)
+        core += (0, 0, 0, 0)
     else:
         core = options.core(False, max_q, max_kv, dims == 3)
     try:
         forward(device, tensors, core, _WORKSPACES[device])
     except (TypeError, ValueError):
-        check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
+        if kv_quant is None:
+            check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return out, lse
 

@@ -556,6 +556,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
     m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
     m.attr("DTYPE_INT32") = static_cast<int>(FA_I32);
+    m.attr("DTYPE_UINT8") = static_cast<int>(FA_U8);
     m.attr("MAX_HEAD_DIM") = static_cast<int>(FA_MAX_HEAD_DIM);            // E and Ev alike
     m.attr("SEQUENCE_PARAMS_BYTES") = static_cast<int>(sizeof(fa_params)); // per sequence (fa_sequence_args)
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
