@@ -4,11 +4,12 @@ The binding's contract: `forward(device, tensors, options, workspace)`,
 `forward_workspace_bytes(device, tensors, options)`, `plan_forward(device, tensors, options)`,
 `backward(device, tensors, options)` and `plan_backward(device, tensors, options)`, where
 `tensors` maps slot names (q, k, v, out, lse, mask, alibi_slopes, rng_state, sinks, sequences,
-sequence_scratch, block_table; for the backward also dout, delta, dq, dk, dv, sink_grad) to tensors
-or None, and `options` is the tuple `AttentionOptions.core` (or `_options.core_options`) builds
-(scale, causal, bottom_right, window_left, window_right, softcap, dropout_p, kernel, num_splits,
-write_probs, max_q_len, max_kv_len, unbatched). Above them: forward_core, backward_core and
-probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
+sequence_scratch, block_table, k_scales, k_biases, v_scales, v_biases; for the backward also dout,
+delta, dq, dk, dv, sink_grad) to tensors or None, and `options` is the tuple
+`AttentionOptions.core` (or `_options.core_options`) builds (scale, causal, bottom_right,
+window_left, window_right, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
+max_kv_len, unbatched, k_bits, k_group_size, v_bits, v_group_size). Above them: forward_core,
+backward_core and probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
 value, they turn into that tuple, and run it; every entry point ends in one of them."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from . import _C, _metal_mode, _sources
 from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_call
 
 _CONTIGUOUS = torch.contiguous_format
+_UNQUANTIZED = (0, 0, 0, 0)  # the options' k_bits, k_group_size, v_bits, v_group_size (_options.quant_fields)
 
 
 # The binding's attention calls (looked up on _C at each call, so tests can count them).
@@ -217,7 +219,7 @@ def forward_core(
         quantized_slots(tensors, kv_quant)
     if band is None and kv_quant is None:  # (AttentionOptions.core, inline: this is every plain call's path)
         core = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3)
-        core += (0, 0, 0, 0)
+        core += _UNQUANTIZED
     else:
         core = options.core(False, max_q, max_kv, dims == 3)
     try:

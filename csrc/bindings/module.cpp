@@ -570,6 +570,8 @@ PYBIND11_MODULE(_C, m) {
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
     m.attr("FC_DECODE_VECTOR_LOADS") = static_cast<int>(FA_FC_DECODE_VECTOR_LOADS);
     m.attr("FC_DROPOUT") = static_cast<int>(FA_FC_DROPOUT);
+    m.attr("FC_K_BITS") = static_cast<int>(FA_FC_K_BITS);
+    m.attr("FC_V_BITS") = static_cast<int>(FA_FC_V_BITS);
     m.attr("DROPOUT_NONE") = static_cast<int>(FA_DROPOUT_NONE);
     m.attr("DROPOUT_APPLY") = static_cast<int>(FA_DROPOUT_APPLY);
     m.attr("DROPOUT_PROBS") = static_cast<int>(FA_DROPOUT_PROBS);

@@ -11,8 +11,29 @@ import random
 import pytest
 import torch
 
-from flashattn_mps import _C, QuantizedKV, explain_plan, flash_attention, flash_attn_with_kvcache, quantize_kv
-from helpers import ALL_DTYPES, FORWARD_NAMES, check, core_options, max_error, randn, reference, slots
+from flashattn_mps import (
+    _C,
+    QuantizedKV,
+    _sources,
+    explain_plan,
+    flash_attention,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    quantize_kv,
+)
+from helpers import (
+    ALL_DTYPES,
+    FORWARD_NAMES,
+    check,
+    check_packed,
+    core_options,
+    max_error,
+    packed_inputs,
+    prefix_sums,
+    randn,
+    reference,
+    slots,
+)
 
 
 def test_quantize_kv_follows_the_affine_rule():
@@ -296,9 +317,75 @@ def test_the_quantization_is_part_of_the_plan_key():
     plan apart, and a repeated call finds its plan."""
     x = torch.randn(1, 2, 8, 64)
     q, out = torch.randn(1, 2, 1, 64), torch.empty(1, 2, 1, 64)
+    _sources.ensure_registered()
     before = _C.plan_cache_counts()["forward_misses"]
     for group in (32, 64, 32, 64):
         kq = quantize_kv(x, bits=8, group_size=group)
         tensors = slots(FORWARD_NAMES, (q, kq.data, x, out), k_scales=kq.scales, k_biases=kq.biases)
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors, core_options(scale=0.4375, k_bits=8, k_group_size=group))
     assert _C.plan_cache_counts()["forward_misses"] - before == 2
+
+
+def test_quantized_plans_compile_no_library_the_strict_check_misses():
+    """Quantization is function constants only: every library a quantized call plans (decode with
+    its merge, prefill, head dims blocked above 256, each element type) is one of the
+    specialisations the strict check and Apple's offline compile visit, and the plans carry the
+    constants."""
+    enumerated = {(source, tuple(sorted(macros))) for source, _, macros in _C.specialisations()}
+    for dtype in ALL_DTYPES:
+        for lq, s, e, kernel in ((1, 4096, 128, "decode"), (40, 64, 64, "forward"), (40, 64, 320, "forward")):
+            q = torch.empty(1, 4, lq, e, dtype=dtype)
+            kq = quantize_kv(torch.zeros(1, 2, s, e, dtype=dtype), bits=4, group_size=64)
+            plan = explain_plan(q, kq, kq.dequantize(), kernel=kernel)
+            for d in plan["dispatches"]:
+                assert (d["source"], tuple(sorted(d["macros"].items()))) in enumerated
+            assert plan["dispatches"][0]["constants"][_C.FC_K_BITS] == 4
+            assert plan["dispatches"][0]["constants"][_C.FC_V_BITS] == 0
+
+
+@pytest.mark.parametrize(
+    "kernel, l, s, e", [("decode", 1, 1100, 64), ("forward", 40, 70, 64), ("forward", 33, 40, 320)]
+)
+def test_quantized_loads_run_clean_in_checked_mode(checked_core, kernel, l, s, e):
+    """No out-of-bounds or uninitialised read in the quantized loads (split decode, prefill, head
+    dims streamed in blocks), and the same bits as unchecked."""
+    from flashattn_mps import metal_cpu as mc
+
+    gen = torch.Generator().manual_seed(s)
+    q = randn(gen, 1, 4, l, e)
+    kq = quantize_kv(randn(gen, 1, 2, s, e), bits=4, group_size=64)
+    vq = quantize_kv(randn(gen, 1, 2, s, 64), bits=8, group_size=32)
+    out = flash_attention(q, kq, vq, causal="bottom_right", kernel=kernel)
+    assert checked_core() >= 1
+    mc.set_checked(False)
+    assert torch.equal(out, flash_attention(q, kq, vq, causal="bottom_right", kernel=kernel))
+
+
+@pytest.mark.parametrize("lens_q, lens_k, paged", [([1, 1, 1], [20, 7, 90], False), ([3, 12, 9], [20, 12, 40], True)])
+def test_varlen_keys_read_quantized(lens_q, lens_k, paged):
+    """flash_attn_varlen_func over packed quantized keys (each sequence its own length) and over a
+    quantized page pool, decode and prefill: each sequence against the reference on its own
+    dequantized keys."""
+    gen = torch.Generator().manual_seed(len(lens_k) + paged)
+    q, k, v = packed_inputs(gen, lens_q, lens_k, 8, 2, 64, 64, torch.float16)
+    kq, vq = quantize_kv(k, bits=4, group_size=32), quantize_kv(v, bits=8, group_size=64)
+    cu_q, cu_k = prefix_sums(lens_q), prefix_sums(lens_k)
+    options = dict(causal=True, softcap=3.0)
+    if not paged:
+        out = flash_attn_varlen_func(q, kq, vq, cu_q, cu_k, max(lens_q), max(lens_k), **options)
+    else:  # each sequence's keys in 8-row pages scattered through a pool
+        page, pages = 8, 6
+        order = torch.randperm(len(lens_k) * pages, generator=gen)
+        block_table = order.view(len(lens_k), pages).int()
+        pool = [torch.zeros(len(lens_k) * pages * page, 2, 64, dtype=torch.float16) for _ in range(2)]
+        for b, (start, n) in enumerate(zip(cu_k[:-1].tolist(), lens_k)):
+            rows = (block_table[b].long()[:, None] * page + torch.arange(page)).flatten()[:n]
+            for target, source in zip(pool, (k, v)):
+                target[rows] = source[start : start + n]
+        pools = [
+            quantize_kv(t.unflatten(0, (-1, page)), bits=b, group_size=g) for t, b, g in zip(pool, (4, 8), (32, 64))
+        ]
+        out = flash_attn_varlen_func(
+            q, *pools, cu_q, cu_k, max(lens_q), max(lens_k), block_table=block_table, **options
+        )
+    check_packed(out, (q, kq.dequantize(), vq.dequantize()), lens_q, lens_k, **options)
