@@ -389,3 +389,16 @@ def test_varlen_keys_read_quantized(lens_q, lens_k, paged):
             q, *pools, cu_q, cu_k, max(lens_q), max(lens_k), block_table=block_table, **options
         )
     check_packed(out, (q, kq.dequantize(), vq.dequantize()), lens_q, lens_k, **options)
+
+
+@pytest.mark.parametrize("kernel, l", [("forward", 40), ("decode", 2)])
+def test_wide_head_dims_stream_quantized_blocks(kernel, l):
+    """E = Ev = 320: the prefill kernel streams K in 64-column blocks and splits the output into
+    column blocks (a quantized V read from its block's first column on); the decode kernel holds
+    12 columns per lane."""
+    gen = torch.Generator().manual_seed(320)
+    q = randn(gen, 1, 4, l, 320, dtype=torch.float16)
+    kq = quantize_kv(randn(gen, 1, 2, 75, 320, dtype=torch.float16), bits=4, group_size=64)
+    vq = quantize_kv(randn(gen, 1, 2, 75, 320, dtype=torch.float16), bits=8, group_size=32)
+    out = flash_attention(q, kq, vq, causal="bottom_right", kernel=kernel)
+    check(out, (q, kq.dequantize(), vq.dequantize()), causal=True, bottom_right=True)
