@@ -197,6 +197,25 @@ static int32_t decode_vector_loadable(const fa_tensor *t, int32_t chunk) {
     return 1;
 }
 
+/* The same for an operand quantized to `bits` (0: not), whose strides count bytes of its data: a
+ * chunk is chunk * bits / 8 bytes (fa_decode_load_quantized reads 8-bit chunks of 4 or 2 and
+ * 4-bit chunks of 4 elements as vectors, others element by element). */
+static int32_t decode_operand_vector_loadable(const fa_tensor *t, int32_t bits, int32_t chunk) {
+    if (bits == 0) {
+        return decode_vector_loadable(t, chunk);
+    }
+    const int64_t bytes = (int64_t)chunk * bits / 8;
+    if ((bits == 4 && chunk != 4) || (t->sizes[3] > 1 && t->strides[3] != 1) || t->byte_offset % bytes != 0) {
+        return 0;
+    }
+    for (int32_t d = 0; d < 3; ++d) {
+        if (t->sizes[d] > 1 && t->strides[d] % bytes != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Keys per split; *splits receives their number (1: no split). requested > 0 asks for that many
  * (flash-attn's num_splits, capped at DECODE_MAX_SPLITS); 0 takes the heuristic above. */
 static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t requested, int32_t *splits) {
@@ -693,11 +712,9 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
     const int32_t chunk = cols < 4 ? cols : 4;
-    /* a quantized operand has its own loads (fa_quant.h): only the other decides */
     fa_plan_add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
-                              (a->options.k_bits != 0 || decode_vector_loadable(&a->k, chunk)) &&
-                                  (a->options.v_bits != 0 || decode_vector_loadable(&a->v, chunk)) &&
-                                  (a->options.k_bits == 0 || a->options.v_bits == 0));
+                              decode_operand_vector_loadable(&a->k, a->options.k_bits, chunk) &&
+                                  decode_operand_vector_loadable(&a->v, a->options.v_bits, chunk));
     fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
                          32u * FA_DECODE_SIMD_GROUPS);
     if (p->split_count > 1) {

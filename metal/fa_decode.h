@@ -88,14 +88,39 @@ fa_decode_load(thread float (&dst)[COLS], const device T *row, long col_stride, 
   }
 }
 
-// The same from a quantized row (fa_quant.h), element by element in the same layout.
+// The same from a quantized row (fa_quant.h), in the same layout. `as_vectors` (the planner found
+// the bytes unit-strided and every row start chunk-aligned) reads a whole chunk's bytes at once: W
+// bytes at 8 bits, W / 2 at 4 bits (W = 4 only; others element by element); a chunk lies in one
+// group (W divides the group size), so its scale and bias are read once.
 template <typename T, int COLS>
-inline void fa_decode_load_quantized(thread float (&dst)[COLS], fa_quant_row<T> row, int dim, ushort lane) {
+inline void
+fa_decode_load_quantized(thread float (&dst)[COLS], fa_quant_row<T> row, int dim, ushort lane, bool as_vectors) {
   constexpr int W = COLS < 4 ? COLS : 4;
   for (int c = 0; c < COLS / W; ++c) {
     const int col = fa_decode_column<W>(lane, c * W);
-    for (int w = 0; w < W; ++w) {
-      dst[c * W + w] = col + w < dim ? float(fa_dequantize(row, col + w)) : 0.0f;
+    if (as_vectors && col + W <= dim && (row.bits == 8 || W == 4)) {
+      uint q[W];
+      if (row.bits == 8) {
+        const vec<uchar, W> bytes = *(const device vec<uchar, W> *)(row.data + col);
+        for (int w = 0; w < W; ++w) {
+          q[w] = bytes[w];
+        }
+      } else {
+        const uchar2 bytes = *(const device uchar2 *)(row.data + col / 2);
+        for (int w = 0; w < W; ++w) {
+          q[w] = (bytes[w / 2] >> (4 * (w % 2))) & 0xFu;
+        }
+      }
+      const long group = long(col >> row.group_shift);
+      const float scale = float(row.scales[group * row.scale_col_stride]);
+      const float bias = float(row.biases[group * row.bias_col_stride]);
+      for (int w = 0; w < W; ++w) {
+        dst[c * W + w] = float(T(fma(scale, float(q[w]), bias)));
+      }
+    } else {
+      for (int w = 0; w < W; ++w) {
+        dst[c * W + w] = col + w < dim ? float(fa_dequantize(row, col + w)) : 0.0f;
+      }
     }
   }
 }
@@ -112,7 +137,7 @@ inline void fa_decode_load_key(thread float (&dst)[COLS],
                                ushort lane,
                                bool as_vectors) {
   if (source.bits != 0) {
-    fa_decode_load_quantized<T, COLS>(dst, fa_quant_row_of(source, key), dim, lane);
+    fa_decode_load_quantized<T, COLS>(dst, fa_quant_row_of(source, key), dim, lane, as_vectors);
   } else {
     fa_decode_load<T, COLS>(dst, row, col_stride, dim, lane, as_vectors);
   }

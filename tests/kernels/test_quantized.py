@@ -402,3 +402,20 @@ def test_wide_head_dims_stream_quantized_blocks(kernel, l):
     vq = quantize_kv(randn(gen, 1, 2, 75, 320, dtype=torch.float16), bits=8, group_size=32)
     out = flash_attention(q, kq, vq, causal="bottom_right", kernel=kernel)
     check(out, (q, kq.dequantize(), vq.dequantize()), causal=True, bottom_right=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_reads_aligned_bytes_as_vectors_and_others_element_by_element(bits):
+    gen = torch.Generator().manual_seed(bits)
+    q = randn(gen, 1, 4, 1, 128, dtype=torch.float16)
+    aligned = quantize_kv(randn(gen, 1, 2, 300, 128, dtype=torch.float16), bits=bits, group_size=64)
+    shifted = torch.empty(aligned.data.numel() + 1, dtype=torch.uint8)[1:].view(aligned.data.shape)
+    shifted.copy_(aligned.data)  # the same bytes from an odd address: no vector loads
+    unaligned = QuantizedKV(shifted, aligned.scales, aligned.biases, bits, 64)
+    outs = []
+    for kv, vectors in ((aligned, True), (unaligned, False)):
+        plan = explain_plan(q, kv, kv)
+        assert plan["dispatches"][0]["constants"][_C.FC_DECODE_VECTOR_LOADS] == vectors
+        outs.append(flash_attention(q, kv, kv))
+    check(outs[0], (q, aligned.dequantize(), aligned.dequantize()))
+    assert torch.equal(outs[0], outs[1])
