@@ -64,3 +64,16 @@ def test_generate_matches_a_dequantizing_cache(kv_heads, bits, residual, monkeyp
     assert torch.equal(got.sequences, expected.sequences)
     for step, (logits, want) in enumerate(zip(got.logits, expected.logits)):
         assert max_error(logits, want.double()) < 1e-4, step
+
+
+def test_layer_reorders_its_store_and_recent_rows_for_beam_search():
+    layer = fa_transformers.QuantizedKVLayer(bits=8, group_size=32, residual_length=4)
+    older, recent = torch.randn(2, 2, 5, 32), torch.randn(2, 2, 2, 32)
+    layer.update(older, older)  # 5 rows >= 4: quantized into the store
+    layer.update(recent, recent)  # 2 rows stay unquantized
+    before_keys, _ = layer.update(recent[:, :, :0], recent[:, :, :0])
+    layer.reorder_cache(torch.tensor([1, 0]))
+    keys, values = layer.update(recent[:, :, :0], recent[:, :, :0])
+    assert layer.get_seq_length() == 7 and keys.shape == (2, 2, 7, 32)
+    assert torch.equal(keys.dequantize(), before_keys.dequantize().flip(0))
+    assert torch.equal(values.recent, recent.flip(0))
