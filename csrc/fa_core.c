@@ -46,13 +46,12 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...) {
 #define OPTION(field, type) \
     { #field, type, (int32_t)offsetof(fa_options, field) }
 const fa_option_field fa_option_fields[FA_OPTION_COUNT] = {
-    OPTION(scale, FA_OPTION_DOUBLE),       OPTION(causal, FA_OPTION_BOOL),
-    OPTION(bottom_right, FA_OPTION_BOOL),  OPTION(window_left, FA_OPTION_INT64),
-    OPTION(window_right, FA_OPTION_INT64), OPTION(softcap, FA_OPTION_DOUBLE),
-    OPTION(dropout_p, FA_OPTION_DOUBLE),   OPTION(kernel, FA_OPTION_INT32),
-    OPTION(num_splits, FA_OPTION_INT32),   OPTION(write_probs, FA_OPTION_BOOL),
-    OPTION(max_q_len, FA_OPTION_INT64),    OPTION(max_kv_len, FA_OPTION_INT64),
-    OPTION(unbatched, FA_OPTION_BOOL),     OPTION(diagonal_offset, FA_OPTION_INT64),
+    OPTION(scale, FA_OPTION_DOUBLE),      OPTION(causal, FA_OPTION_BOOL),        OPTION(bottom_right, FA_OPTION_BOOL),
+    OPTION(window_left, FA_OPTION_INT64), OPTION(window_right, FA_OPTION_INT64), OPTION(softcap, FA_OPTION_DOUBLE),
+    OPTION(dropout_p, FA_OPTION_DOUBLE),  OPTION(kernel, FA_OPTION_INT32),       OPTION(num_splits, FA_OPTION_INT32),
+    OPTION(write_probs, FA_OPTION_BOOL),  OPTION(max_q_len, FA_OPTION_INT64),    OPTION(max_kv_len, FA_OPTION_INT64),
+    OPTION(unbatched, FA_OPTION_BOOL),    OPTION(diagonal_offset, FA_OPTION_INT64), OPTION(k_bits, FA_OPTION_INT32),       OPTION(k_group_size, FA_OPTION_INT32),
+    OPTION(v_bits, FA_OPTION_INT32),      OPTION(v_group_size, FA_OPTION_INT32),
 };
 #undef OPTION
 
@@ -107,6 +106,15 @@ const fa_tensor_slot fa_tensor_slots[FA_SLOT_COUNT] = {
     [FA_SLOT_BLOCK_TABLE] = {"block_table", 2, FA_RULE_TABLE, FA_OPTIONAL, NONE, FA_ROLE_SCRATCH, FA_ROLE_SCRATCH, 1,
                              FA_FORWARD_BUFFER_BLOCK_TABLE, NONE, FWD(sequences.block_table),
                              BWD(sequences.block_table), 0},
+    /* quantized K/V's groups (fa_options.k_bits, v_bits): forward only */
+    [FA_SLOT_K_SCALES] = {"k_scales", 4, FA_RULE_ANY, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1,
+                          FA_FORWARD_BUFFER_K_SCALES, NONE, FWD(k_scales), NONE, 1},
+    [FA_SLOT_K_BIASES] = {"k_biases", 4, FA_RULE_ANY, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1,
+                          FA_FORWARD_BUFFER_K_BIASES, NONE, FWD(k_biases), NONE, 1},
+    [FA_SLOT_V_SCALES] = {"v_scales", 4, FA_RULE_ANY, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1,
+                          FA_FORWARD_BUFFER_V_SCALES, NONE, FWD(v_scales), NONE, 1},
+    [FA_SLOT_V_BIASES] = {"v_biases", 4, FA_RULE_ANY, FA_OPTIONAL, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1,
+                          FA_FORWARD_BUFFER_V_BIASES, NONE, FWD(v_biases), NONE, 1},
 };
 #undef NONE
 #undef FWD

@@ -37,8 +37,9 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...)
 #endif
     ;
 
-/* FA_BOOL (one byte, nonzero = true) is for attention masks only; FA_I32 for sequence tables only. */
-typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2, FA_BOOL = 3, FA_I32 = 4 } fa_dtype;
+/* FA_BOOL (one byte, nonzero = true) is for attention masks only; FA_I32 for sequence tables only;
+ * FA_U8 for the data of quantized K/V only (fa_options.k_bits). */
+typedef enum fa_dtype { FA_F32 = 0, FA_F16 = 1, FA_BF16 = 2, FA_BOOL = 3, FA_I32 = 4, FA_U8 = 5 } fa_dtype;
 
 typedef enum fa_device { FA_DEVICE_CPU = 0, FA_DEVICE_MPS = 1 } fa_device;
 
@@ -112,6 +113,14 @@ typedef struct fa_options {
     int32_t write_probs;
     /* Read by the bindings only: 3-D q, k, v, out, lse and mask get a batch dim of 1. */
     int32_t unbatched;
+    /* Quantized K and V, read in place (forward only; prefill and decode kernels): 0 when the slot
+     * holds q's dtype, else 8 or 4. Then k (v) is uint8 data, (B, Hkv, S, E) for 8 bits and
+     * (B, Hkv, S, E / 2) for 4 bits (element 2i in the low nibble of byte i), and the k_scales and
+     * k_biases slots (v_...) are (B, Hkv, S, E / group_size) of q's dtype: element c of a row is
+     * scale[c / group_size] * q_c + bias[c / group_size] (MLX's affine quantization). group_size
+     * is 32, 64 or 128 and divides the head dim (0 when not quantized). */
+    int32_t k_bits, k_group_size;
+    int32_t v_bits, v_group_size;
 } fa_options;
 
 #ifdef __cplusplus
@@ -119,7 +128,7 @@ static_assert(
 #else
 _Static_assert(
 #endif
-    sizeof(fa_options) == 3 * sizeof(double) + 5 * sizeof(int64_t) + 6 * sizeof(int32_t),
+    sizeof(fa_options) == 3 * sizeof(double) + 5 * sizeof(int64_t) + 10 * sizeof(int32_t),
     "fa_options has no padding: it is hashed and compared as bytes");
 
 static inline fa_options fa_default_options(void) {
@@ -143,7 +152,7 @@ typedef struct fa_option_field {
     int32_t offset; /* in fa_options */
 } fa_option_field;
 
-enum { FA_OPTION_COUNT = 14 };
+enum { FA_OPTION_COUNT = 18 };
 extern const fa_option_field fa_option_fields[FA_OPTION_COUNT];
 
 /* The tensors of a call. One table (fa_tensor_slots, indexed by fa_slot) says for each its name,
@@ -170,6 +179,10 @@ typedef enum fa_slot {
     FA_SLOT_SEQUENCES,
     FA_SLOT_SEQUENCE_SCRATCH,
     FA_SLOT_BLOCK_TABLE,
+    FA_SLOT_K_SCALES,
+    FA_SLOT_K_BIASES,
+    FA_SLOT_V_SCALES,
+    FA_SLOT_V_BIASES,
     FA_SLOT_COUNT
 } fa_slot;
 
@@ -260,6 +273,9 @@ typedef struct fa_forward_args {
      * zeros and lse = sinks[h]. */
     fa_tensor sinks;
     fa_sequence_args sequences; /* packed sequences / KV caches; all zero: none */
+    /* Quantized K and V (fa_options.k_bits, v_bits): each group's scales and biases, ndim 0 when
+     * that operand is not quantized. Sequences and block tables address them as they address k and v. */
+    fa_tensor k_scales, k_biases, v_scales, v_biases;
 } fa_forward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

@@ -186,6 +186,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     if (fa_sequence_paged(&a->sequences)) { /* as flash-attn: a paged KV cache has no backward */
         return fa_fail(st, FA_ERR_VALUE, "block_table: the backward does not read a paged KV cache (forward only)");
     }
+    if (a->options.k_bits != 0 || a->options.v_bits != 0) { /* no gradient reaches quantized K/V */
+        return fa_fail(st, FA_ERR_VALUE, "k_bits, v_bits: the backward does not read quantized K/V (forward only)");
+    }
     /* Gradients of a call with an empty tensor are zeros or empty: its callers make them. */
     int32_t rc = fa_check_no_empty_slot(a, FA_BACKWARD, st);
     if (rc != FA_OK) {

@@ -197,6 +197,25 @@ static int32_t decode_vector_loadable(const fa_tensor *t, int32_t chunk) {
     return 1;
 }
 
+/* The same for an operand quantized to `bits` (0: not), whose strides count bytes of its data: a
+ * chunk is chunk * bits / 8 bytes (fa_decode_load_quantized reads 8-bit chunks of 4 or 2 and
+ * 4-bit chunks of 4 elements as vectors, others element by element). */
+static int32_t decode_operand_vector_loadable(const fa_tensor *t, int32_t bits, int32_t chunk) {
+    if (bits == 0) {
+        return decode_vector_loadable(t, chunk);
+    }
+    const int64_t bytes = (int64_t)chunk * bits / 8;
+    if ((bits == 4 && chunk != 4) || (t->sizes[3] > 1 && t->strides[3] != 1) || t->byte_offset % bytes != 0) {
+        return 0;
+    }
+    for (int32_t d = 0; d < 3; ++d) {
+        if (t->sizes[d] > 1 && t->strides[d] % bytes != 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Keys per split; *splits receives their number (1: no split). requested > 0 asks for that many
  * (flash-attn's num_splits, capped at DECODE_MAX_SPLITS); 0 takes the heuristic above. */
 static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t requested, int32_t *splits) {
@@ -218,6 +237,62 @@ static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t req
     return (int32_t)per_split;
 }
 
+/* Quantized K or V (fa_options.k_bits, fa_core.h): the uint8 data, the scales and the biases must
+ * agree with each other and with q; *logical becomes the operand as the planner sees it (q's dtype,
+ * the logical head dim) with the data's strides, which the kernels read in bytes. */
+static int32_t check_quantized(const fa_tensor *data, const fa_tensor *scales, const fa_tensor *biases, int32_t bits,
+                               int32_t group_size, const fa_tensor *q, const char *name, fa_tensor *logical,
+                               fa_status *st) {
+    *logical = *data;
+    if (bits == 0) {
+        if (fa_tensor_present(scales) || fa_tensor_present(biases) || group_size != 0) {
+            return fa_fail(st, FA_ERR_VALUE,
+                           "%s_scales, %s_biases, %s_group_size: given for a %s that is not quantized", name, name,
+                           name, name);
+        }
+        return FA_OK;
+    }
+    if (bits != 8 && bits != 4) {
+        return fa_fail(st, FA_ERR_VALUE, "%s_bits: must be 0 (not quantized), 8 or 4, got %d", name, bits);
+    }
+    if (group_size != 32 && group_size != 64 && group_size != 128) {
+        return fa_fail(st, FA_ERR_VALUE, "%s_group_size: must be 32, 64 or 128, got %d", name, group_size);
+    }
+    if (data->dtype != FA_U8) {
+        return fa_fail(st, FA_ERR_TYPE, "%s: quantized data must be uint8, got %s", name, fa_dtype_name(data->dtype));
+    }
+    if (!fa_tensor_present(scales) || !fa_tensor_present(biases)) {
+        return fa_fail(st, FA_ERR_VALUE, "%s_scales and %s_biases: required for a quantized %s", name, name, name);
+    }
+    const int64_t columns = data->sizes[3] * (8 / bits);
+    char ds[96], ss[96], bs[96];
+    fa_describe_shape(data, ds, sizeof ds);
+    fa_describe_shape(scales, ss, sizeof ss);
+    fa_describe_shape(biases, bs, sizeof bs);
+    if (scales->dtype != q->dtype || biases->dtype != q->dtype) {
+        return fa_fail(st, FA_ERR_TYPE, "%s_scales and %s_biases must have q's dtype %s, got %s and %s", name, name,
+                       fa_dtype_name(q->dtype), fa_dtype_name(scales->dtype), fa_dtype_name(biases->dtype));
+    }
+    if (columns % group_size != 0) {
+        return fa_fail(st, FA_ERR_VALUE, "%s: head dim %lld (data %s at %d bits) is not a multiple of group size %d",
+                       name, (long long)columns, ds, bits, group_size);
+    }
+    for (int32_t d = 0; d < 4; ++d) {
+        const int64_t want = d < 3 ? data->sizes[d] : columns / group_size;
+        if (scales->sizes[d] != want || biases->sizes[d] != want) {
+            return fa_fail(st, FA_ERR_VALUE,
+                           "%s_scales %s and %s_biases %s must be (..., %lld) for data %s at %d bits in groups of %d",
+                           name, ss, name, bs, (long long)(columns / group_size), ds, bits, group_size);
+        }
+    }
+    logical->dtype = q->dtype;
+    logical->sizes[3] = columns;
+    return FA_OK;
+}
+
+/* log2 of a group size of 32, 64 or 128 (0 when not quantized). */
+static int32_t group_shift(int32_t group_size) { return group_size == 0 ? 0 : __builtin_ctz((uint32_t)group_size); }
+
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st) {
     return fa_check_slot_aliases(a, FA_FORWARD, with_workspace, st);
 }
@@ -229,7 +304,7 @@ static int32_t check_shapes(const fa_forward_args *a, fa_status *st) {
     fa_describe_shape(&a->k, ks, sizeof ks);
     fa_describe_shape(&a->v, vs, sizeof vs);
     fa_describe_shape(&a->out, os, sizeof os);
-    if (a->q.dtype == FA_BOOL || a->q.dtype == FA_I32) {
+    if (a->q.dtype != FA_F32 && a->q.dtype != FA_F16 && a->q.dtype != FA_BF16) { /* bool, int32, a quantized q */
         return fa_fail(st, FA_ERR_TYPE, "q: %s is not an attention dtype; attention takes float32, float16 or bfloat16",
                        fa_dtype_name(a->q.dtype));
     }
@@ -323,6 +398,8 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
                                                           : FA_DROPOUT_NONE);
     fa_plan_add_constant_bool(d, FA_FC_SEQUENCES, plan->sequences);
     fa_plan_add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
+    fa_plan_add_constant_int(d, FA_FC_K_BITS, a->options.k_bits);
+    fa_plan_add_constant_int(d, FA_FC_V_BITS, a->options.v_bits);
     return d;
 }
 
@@ -394,12 +471,21 @@ static int64_t distinct_elements(const fa_tensor *t) {
     return n;
 }
 
-/* q, the visible keys' rows of k and v, and the mask, each element once. */
+/* Bytes of n elements of a K or V row: of its dtype, or quantized to `bits` with a scale and a bias
+ * of q's dtype per group. */
+static int64_t kv_bytes(int64_t n, int64_t elem, int32_t bits, int32_t group_size) {
+    return bits == 0 ? n * elem : n * bits / 8 + 2 * elem * (n / group_size);
+}
+
+/* q, the visible keys' rows of k and v (quantized: data, scales and biases), and the mask, each
+ * element once. */
 static int64_t min_input_bytes(const fa_plan *plan, const fa_forward_args *a) {
     const int64_t elem = fa_dtype_bytes(a->q.dtype), keys = a->k.sizes[2];
+    const fa_options *o = &a->options;
     int64_t bytes = distinct_elements(&a->q) * elem;
     if (keys > 0) {
-        bytes += (distinct_elements(&a->k) + distinct_elements(&a->v)) / keys * visible_keys(plan) * elem;
+        bytes += kv_bytes(distinct_elements(&a->k) / keys * visible_keys(plan), elem, o->k_bits, o->k_group_size) +
+                 kv_bytes(distinct_elements(&a->v) / keys * visible_keys(plan), elem, o->v_bits, o->v_group_size);
     }
     if (a->mask.ndim != 0) {
         bytes += distinct_elements(&a->mask) * fa_dtype_bytes(a->mask.dtype);
@@ -580,7 +666,14 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
     }
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     fa_plan_set_tile_macros(d, t);
-    fa_plan_set_contiguous_tiles(d, &a->k, &a->v, a->device);
+    /* a quantized operand has its own loads (fa_quant.h): only the other decides */
+    const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,
+                    *v_tiles = a->options.v_bits != 0 ? &a->k : &a->v;
+    if (a->options.k_bits != 0 && a->options.v_bits != 0) {
+        fa_plan_add_constant_bool(d, FA_FC_CONTIGUOUS_TILES, 0);
+    } else {
+        fa_plan_set_contiguous_tiles(d, k_tiles, v_tiles, a->device);
+    }
     /* Ev in several column blocks: one threadgroup per block of each head (fa_head_blocks.h). */
     const uint32_t heads = (uint32_t)a->q.sizes[1] * (uint32_t)fa_plan_head_blocks(a->v.sizes[3], t.bdv);
     fa_plan_set_block_grid(d, a->q.sizes[2], 8 * t.wm, heads, (uint32_t)a->q.sizes[0], plan->banded,
@@ -628,7 +721,8 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
     set_decode_macros(d, cols, rows);
     const int32_t chunk = cols < 4 ? cols : 4;
     fa_plan_add_constant_bool(d, FA_FC_DECODE_VECTOR_LOADS,
-                              decode_vector_loadable(&a->k, chunk) && decode_vector_loadable(&a->v, chunk));
+                              decode_operand_vector_loadable(&a->k, a->options.k_bits, chunk) &&
+                                  decode_operand_vector_loadable(&a->v, a->options.v_bits, chunk));
     fa_plan_set_geometry(d, (uint32_t)p->split_count, (uint32_t)(chunks * p->kv_heads), (uint32_t)p->batch,
                          32u * FA_DECODE_SIMD_GROUPS);
     if (p->split_count > 1) {
@@ -660,6 +754,21 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         (a->lse.storage != NULL && (rc = fa_check_tensor(&a->lse, "lse", 3, 1, st)))) {
         return rc;
     }
+    /* Quantized K/V: the rest plans them as q's dtype at their logical head dim (strides in bytes). */
+    fa_forward_args logical = *a;
+    if ((rc = check_quantized(&a->k, &a->k_scales, &a->k_biases, a->options.k_bits, a->options.k_group_size, &a->q, "k",
+                              &logical.k, st)) ||
+        (rc = check_quantized(&a->v, &a->v_scales, &a->v_biases, a->options.v_bits, a->options.v_group_size, &a->q, "v",
+                              &logical.v, st))) {
+        return rc;
+    }
+    const int32_t quantized = a->options.k_bits != 0 || a->options.v_bits != 0;
+    if (quantized && (a->options.kernel == FA_KERNEL_SIMPLE || a->options.write_probs)) {
+        return fa_fail(st, FA_ERR_VALUE,
+                       "k_bits, v_bits: quantized K/V are read by the prefill and decode kernels only (not the "
+                       "simple kernel or the probability pass)");
+    }
+    a = &logical;
     /* With a sequence table the rest plans the grid's view: B sequences of max_seqlen rows. */
     const fa_forward_args *real = a;
     fa_forward_args grid;
@@ -692,6 +801,16 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     }
     if (a->mask.ndim != 0) {
         fa_plan_copy_strides(p->mask_strides, &a->mask, 4);
+    }
+    if (a->options.k_bits != 0) {
+        fa_plan_copy_strides(p->k_scale_strides, &a->k_scales, 4);
+        fa_plan_copy_strides(p->k_bias_strides, &a->k_biases, 4);
+        p->k_group_shift = group_shift(a->options.k_group_size);
+    }
+    if (a->options.v_bits != 0) {
+        fa_plan_copy_strides(p->v_scale_strides, &a->v_scales, 4);
+        fa_plan_copy_strides(p->v_bias_strides, &a->v_biases, 4);
+        p->v_group_shift = group_shift(a->options.v_group_size);
     }
     p->scale_log2 = (float)(a->options.scale * 1.4426950408889634);
     if ((rc = set_band(a, plan, st)) != FA_OK) {

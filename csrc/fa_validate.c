@@ -4,11 +4,11 @@
 #include <stdio.h>
 #include <string.h>
 
-static const char *const dtype_names[] = {"float32", "float16", "bfloat16", "bool", "int32"};
+static const char *const dtype_names[] = {"float32", "float16", "bfloat16", "bool", "int32", "uint8"};
 
 static const char *const kernel_type_names[] = {"float", "half", "bfloat"};
 
-static const int64_t dtype_bytes[] = {4, 2, 2, 1, 4};
+static const int64_t dtype_bytes[] = {4, 2, 2, 1, 4, 1};
 
 const char *fa_dtype_name(int32_t dtype) { return dtype_names[dtype]; }
 
@@ -32,7 +32,7 @@ int32_t fa_check_tensor(const fa_tensor *t, const char *name, int32_t ndim, int3
     if (t->ndim != ndim) {
         return fa_fail(st, FA_ERR_VALUE, "%s: expected a %d-D descriptor, got ndim=%d", name, ndim, t->ndim);
     }
-    if (t->dtype < FA_F32 || t->dtype > FA_I32) {
+    if (t->dtype < FA_F32 || t->dtype > FA_U8) {
         return fa_fail(st, FA_ERR_TYPE, "%s: unknown dtype code %d", name, t->dtype);
     }
     if (float32_only && t->dtype != FA_F32) {

@@ -14,6 +14,7 @@ from ._C import MetalCompileError, MetalDispatchError
 from ._flash_attn import flash_attn_func
 from ._kvcache import explain_kvcache_plan, flash_attn_with_kvcache
 from ._options import FlashAttnInputError, FlashAttnTypeError
+from ._quantized import QuantizedKV, quantize_kv
 from ._sdpa import explain, patch, scaled_dot_product_attention, unpatch
 from ._shim import finder as _shim_finder
 from ._varlen import explain_varlen_plan, flash_attn_varlen_func
@@ -51,6 +52,8 @@ __all__ = [
     "patch",
     "unpatch",
     "warmup",
+    "quantize_kv",
+    "QuantizedKV",
     "MetalCompileError",
     "MetalDispatchError",
     "FlashAttnInputError",

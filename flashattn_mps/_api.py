@@ -28,6 +28,7 @@ from ._core import (  # noqa: F401
     plan_backward,
     plan_forward,
     probs_core,
+    quantized_slots,
 )
 from ._options import (
     _DEVICE_CODES,
@@ -44,9 +45,13 @@ from ._options import (
     check_softcap,
     core_options,  # noqa: F401 (re-exported)
     given,
+    quant_fields,
     scale_value,
     supported_mask_dtype,  # noqa: F401 (re-exported)
 )
+from ._quantized import QuantizedKV, check_quantized_call
+from ._quantized import batched as quantized_batched
+from ._quantized import operand as quantized_operand
 
 
 def _sinks_need_grad(sinks) -> bool:
@@ -147,6 +152,23 @@ def flash_attention(
     the torch.library ops of flashattn_mps._autograd; the log-sum-exp carries no gradient and
     double backward raises.
     """
+    if type(k) is QuantizedKV or type(v) is QuantizedKV:
+        return _attend_quantized(
+            q,
+            k,
+            v,
+            attn_mask,
+            causal,
+            scale,
+            kernel,
+            return_lse,
+            window_size,
+            softcap,
+            alibi_slopes,
+            dropout_p,
+            sinks,
+            window_align,
+        )
     if (
         type(kernel) is str
         and kernel == "auto"
@@ -178,6 +200,38 @@ def flash_attention(
         None,
         sinks,
     )
+
+
+def _attend_quantized(
+    q,
+    k,
+    v,
+    attn_mask,
+    causal,
+    scale,
+    kernel,
+    return_lse,
+    window_size,
+    softcap,
+    alibi_slopes,
+    dropout_p,
+    sinks,
+    window_align,
+):
+    """flash_attention with K, V or both a QuantizedKV: the forward kernels read them in place
+    (metal/fa_quant.h); no gradient flows (check_quantized_call says so)."""
+    kv_quant = check_quantized_call(q, k, v, "flash_attention", lambda: _sinks_need_grad(sinks))
+    k, v = quantized_operand(k), quantized_operand(v)
+    causal, band = band_of(causal, window_size, window_align)
+    code = check_kernel(kernel, return_lse)
+    softcap = check_softcap(softcap, "flash_attention")
+    dropout_p = check_dropout(dropout_p, "flash_attention")
+    options = attention_options(q, k, v, attn_mask, causal, scale, code, band, softcap, alibi_slopes, dropout_p, sinks)
+    options = options._replace(kv_quant=kv_quant)
+    rng_state = dropout_rng_state(q.device) if dropout_p > 0.0 else None
+    mask = None if attn_mask is None else check_mask(attn_mask, q, k)
+    out, lse = forward_core(q, k, v, mask, options, return_lse, False, rng_state)
+    return (out, lse) if return_lse else out
 
 
 def attend(
@@ -310,15 +364,25 @@ def explain_plan(
     as the forward's), with the same cost figures (csrc/fa_plan_backward.c counts them).
 
     Calls of flash_attn_varlen_func and flash_attn_with_kvcache are explained by
-    explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments."""
+    explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments. With K or
+    V a QuantizedKV, "min_bytes_read" counts its bytes, scales and biases (forward only)."""
     causal, band = band_of(causal, window_size, window_align)
-    check_call(q, k, v, causal, scale, attn_mask)
+    kv_quant = None
+    if type(k) is QuantizedKV or type(v) is QuantizedKV:
+        kv_quant = check_quantized_call(q, k, v, "explain_plan")
+        if backward is True:
+            raise ValueError("explain_plan: no gradient flows through quantized K/V, so there is no backward to plan")
+    else:
+        check_call(q, k, v, causal, scale, attn_mask)
     code = check_kernel(kernel, False)
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
     if q.dim() == 3:  # views, not copies
-        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        q, k, v = q.unsqueeze(0), quantized_batched(k), quantized_batched(v)
         mask = None if mask is None else mask.unsqueeze(0)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if kv_quant is not None:
+        kv_quant = tuple(t if isinstance(t, QuantizedKV) else None for t in (k, v))
+        k, v = quantized_operand(k), quantized_operand(v)
     device, scale = _DEVICE_CODES[q.device.type], scale_value(q.shape[-1], scale)
     tensors = {
         "q": q,
@@ -331,8 +395,16 @@ def explain_plan(
         "sinks": None if sinks is None else check_sinks(sinks, q),
     }
     options = core_options(
-        scale, causal, band, check_softcap(softcap, "explain_plan"), check_dropout(dropout_p, "explain_plan"), code
+        scale,
+        causal,
+        band,
+        check_softcap(softcap, "explain_plan"),
+        check_dropout(dropout_p, "explain_plan"),
+        code,
+        quant=quant_fields(kv_quant),
     )
+    if kv_quant is not None:
+        quantized_slots(tensors, kv_quant)
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
         tensors.update(

@@ -4,11 +4,12 @@ The binding's contract: `forward(device, tensors, options, workspace)`,
 `forward_workspace_bytes(device, tensors, options)`, `plan_forward(device, tensors, options)`,
 `backward(device, tensors, options)` and `plan_backward(device, tensors, options)`, where
 `tensors` maps slot names (q, k, v, out, lse, mask, alibi_slopes, rng_state, sinks, sequences,
-sequence_scratch, block_table; for the backward also dout, delta, dq, dk, dv, sink_grad) to tensors
-or None, and `options` is the tuple `AttentionOptions.core` (or `_options.core_options`) builds
-(scale, causal, bottom_right, window_left, window_right, softcap, dropout_p, kernel, num_splits,
-write_probs, max_q_len, max_kv_len, unbatched, diagonal_offset). Above them: forward_core, backward_core and
-probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
+sequence_scratch, block_table, k_scales, k_biases, v_scales, v_biases; for the backward also dout,
+delta, dq, dk, dv, sink_grad) to tensors or None, and `options` is the tuple
+`AttentionOptions.core` (or `_options.core_options`) builds (scale, causal, bottom_right,
+window_left, window_right, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
+max_kv_len, unbatched, diagonal_offset, k_bits, k_group_size, v_bits, v_group_size). Above them:
+forward_core, backward_core and probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
 value, they turn into that tuple, and run it; every entry point ends in one of them."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ._options import _DESCRIPTOR_DTYPES, _DTYPE_CODES, AttentionOptions, check_
 
 _CONTIGUOUS = torch.contiguous_format
 _SCALE_FIELD = _C.OPTION_FIELDS.index("scale")
+_UNQUANTIZED = (0, 0, 0, 0)  # the options' k_bits, k_group_size, v_bits, v_group_size (_options.quant_fields)
 
 
 # The binding's attention calls (looked up on _C at each call, so tests can count them).
@@ -197,10 +199,22 @@ def _plan_without_kernel() -> dict:
     return {"dispatches": [], "empty": True, "split_count": 0, "workspace_bytes": 0}
 
 
+def quantized_slots(tensors: dict, kv_quant) -> None:
+    """Puts quantized K and V (AttentionOptions.kv_quant: QuantizedKV or None each) into the slots:
+    their data in k and v, their scales and biases in their own."""
+    for name, quantized in zip(("k", "v"), kv_quant):
+        if quantized is not None:
+            tensors[name] = quantized.data
+            tensors[f"{name}_scales"] = quantized.scales
+            tensors[f"{name}_biases"] = quantized.biases
+
+
 def _run_slots(q, k, v, out, lse, options: AttentionOptions, sequences, rng_state) -> tuple:
     """run_forward's and plan_run's tensors by slot name, and the grid's (max_q_len, max_kv_len)."""
     tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "alibi_slopes": options.alibi}
     tensors.update(rng_state=_rng_words(rng_state), sinks=options.sinks)
+    if options.kv_quant is not None:
+        quantized_slots(tensors, options.kv_quant)
     return (tensors, *_sequence_slots(tensors, sequences))
 
 
@@ -234,7 +248,7 @@ def forward_core(
     view: returns out and lse (None unless with_lse). Every path ends here. rng_state: dropout's
     generator words. sequences: sequence_args' tuple of a packed or cached call over (B, H, L, D)
     views, or None. seq_major: out is allocated (B, L, H, Ev) in memory, seen as (B, H, L, Ev)."""
-    scale, causal, band, softcap, alibi, sinks, dropout_p, kernel, num_splits = options
+    scale, causal, band, softcap, alibi, sinks, dropout_p, kernel, num_splits, kv_quant = options
     if q.is_cpu:  # _C checks that every tensor is on this device
         device = _C.DEVICE_CPU
     elif q.is_mps:
@@ -244,13 +258,15 @@ def forward_core(
         check_call(q, k, v, causal, scale, mask)
         raise ValueError(f"flash_attention: q is on device '{q.device}'")  # check_call raises first
     dims = q.dim()
-    if not (q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims):
+    if kv_quant is None and not (
+        q.dtype in _DTYPE_CODES and (dims == 4 or dims == 3) and k.dim() == dims and v.dim() == dims
+    ):
         check_call(q, k, v, causal, scale, mask)
     if q.is_neg() or k.is_neg() or v.is_neg():
         q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
     shape = q.shape
     rows = (shape[0], shape[1], shape[2]) if dims == 4 else (shape[0], shape[1])
-    value_dim = v.shape[-1]
+    value_dim = v.shape[-1] if kv_quant is None or kv_quant[1] is None else kv_quant[1].shape[-1]
     if seq_major:  # (B, L, H, Ev) in memory, seen as (B, H, L, Ev)
         out = q.new_empty((shape[0], shape[2], shape[1], value_dim)).transpose(1, 2)
     elif value_dim == shape[-1]:
@@ -280,29 +296,18 @@ def forward_core(
     max_q = max_kv = 0
     if sequences is not None:
         max_q, max_kv = _sequence_slots(tensors, sequences)
-    if band is None:  # (AttentionOptions.core, inline: this is every plain call's path)
-        core = (
-            scale,
-            causal,
-            False,
-            -1,
-            -1,
-            softcap,
-            dropout_p,
-            kernel,
-            num_splits,
-            False,
-            max_q,
-            max_kv,
-            dims == 3,
-            0,
-        )
+    if kv_quant is not None:
+        quantized_slots(tensors, kv_quant)
+    if band is None and kv_quant is None:  # (AttentionOptions.core, inline: this is every plain call's path)
+        core = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3, 0)
+        core += _UNQUANTIZED
     else:
         core = options.core(False, max_q, max_kv, dims == 3)
     try:
         forward(device, tensors, core, _WORKSPACES[device])
     except (TypeError, ValueError):
-        check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
+        if kv_quant is None:
+            check_call(q, k, v, causal, scale, mask)  # names the problem in Python's terms if it can
         raise
     return result, lse
 

@@ -40,6 +40,8 @@ from ._options import (
     check_sinks,
     given,
 )
+from ._quantized import QuantizedKV, quantize_rows
+from ._quantized import operand as quantized_operand
 from ._varlen import block_table_rows, check_block_table, check_pages_used
 
 
@@ -111,6 +113,11 @@ def flash_attn_with_kvcache(
             kernel, or the prefill kernel for seqlen_q > 8, reads the pages through the table in
             place). Not with cache_batch_idx.
         sinks: keyword only, None or (nheads,) attention-sink logits as in flash_attn_func.
+
+    k_cache, v_cache (either or both) may be a QuantizedKV (flashattn_mps.quantize_kv; a page pool
+    too): the kernels read it in place, and new keys and values are quantized into it by
+    quantize_kv's rule (rows outside the append untouched), so a cache built by appends equals one
+    quantized at once. Eager calls only.
 
     Returns out (batch, seqlen_q, nheads, headdim_v) (and the lse). Not differentiable, as
     flash-attn's. explain_kvcache_plan, given the same arguments, shows what it launches.
@@ -265,10 +272,12 @@ def _check_cache_call(
     check_bool(return_softmax_lse, "return_softmax_lse", who)
     check_bool(rotary_interleaved, "rotary_interleaved", who)
     check_int(num_splits, "num_splits", who)
+    if (isinstance(k_cache, QuantizedKV) or isinstance(v_cache, QuantizedKV)) and _is_traced():
+        raise NotImplementedError(f"{who}: quantized caches are read by eager calls only, not under torch.compile")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
         if t is None and name in ("k", "v"):
             continue
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) and not (name.endswith("_cache") and isinstance(t, QuantizedKV)):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {given(t)}")
         if t.dim() != 4:
             raise FlashAttnInputError(
@@ -412,9 +421,20 @@ def _update_cache(call: _CacheCall) -> torch.Tensor:
             index = (call.rows.long()[:, None].expand(batch, new), positions)
         else:  # the page of each position, and its row in the page
             index = (call.block_table.long().gather(1, positions // call.page_size), positions % call.page_size)
-        call.k_cache.index_put_(index, k)  # in place: only these rows of the cache are written
-        call.v_cache.index_put_(index, call.v)
+        _append(call.k_cache, index, k)  # in place: only these rows of the cache are written
+        _append(call.v_cache, index, call.v)
     return q
+
+
+def _append(cache, index: tuple, rows: torch.Tensor) -> None:
+    """Writes rows into the cache at index, a QuantizedKV's quantized by quantize_kv's rule."""
+    if isinstance(cache, QuantizedKV):
+        for part, values in zip(
+            (cache.data, cache.scales, cache.biases), quantize_rows(rows, cache.bits, cache.group_size)
+        ):
+            part.index_put_(index, values)
+    else:
+        cache.index_put_(index, rows)
 
 
 def _attention_arguments(call: _CacheCall, q: torch.Tensor):
@@ -428,5 +448,9 @@ def _attention_arguments(call: _CacheCall, q: torch.Tensor):
         else None
     )
     views = [t.transpose(1, 2) for t in (q, call.k_cache, call.v_cache, out)]
-    args = (*views, lse, call.options, sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
+    options = call.options
+    if isinstance(call.k_cache, QuantizedKV) or isinstance(call.v_cache, QuantizedKV):
+        options = options._replace(kv_quant=tuple(t if isinstance(t, QuantizedKV) else None for t in views[1:3]))
+        views[1], views[2] = quantized_operand(views[1]), quantized_operand(views[2])
+    args = (*views, lse, options, sequence_args(call.table, seqlen_q, call.max_keys, call.block_table))
     return args, out, lse

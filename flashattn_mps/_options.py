@@ -28,7 +28,8 @@ _DESCRIPTOR_DTYPES = {
     **_DTYPE_CODES,
     torch.bool: _C.DTYPE_BOOL,  # bool only for masks
     torch.int32: _C.DTYPE_INT32,
-}  # int32 only for sequence tables (_varlen.py)
+    torch.uint8: _C.DTYPE_UINT8,
+}  # int32 only for sequence tables (_varlen.py), uint8 only for quantized K/V (_quantized.py)
 _C.set_tensor_dtypes(_DESCRIPTOR_DTYPES)
 
 
@@ -381,7 +382,8 @@ class AttentionOptions(NamedTuple):
     softcap: a float, 0.0 for none; alibi: None or the (B, Hq) float32 slopes view
     (alibi_view); sinks: None or the (Hq,) float32 logits (check_sinks); dropout_p: a float in
     [0, 1]; kernel: a _C.KERNEL_* code; num_splits: the decode kernel's split-K, 0 for the
-    planner's choice."""
+    planner's choice; kv_quant: None, or (k's, v's) QuantizedKV or None each (_quantized.py): the
+    core reads their data in the k and v slots and their scales and biases in their own."""
 
     scale: float
     causal: bool
@@ -392,6 +394,7 @@ class AttentionOptions(NamedTuple):
     dropout_p: float = 0.0
     kernel: int = _C.KERNEL_AUTO
     num_splits: int = 0
+    kv_quant: Optional[tuple] = None
 
     def core(
         self, write_probs: bool = False, max_q_len: int = 0, max_kv_len: int = 0, unbatched: bool = False
@@ -409,7 +412,21 @@ class AttentionOptions(NamedTuple):
             max_q_len,
             max_kv_len,
             unbatched,
+            quant_fields(self.kv_quant),
         )
+
+
+def quant_fields(kv_quant) -> tuple:
+    """(k_bits, k_group_size, v_bits, v_group_size) of AttentionOptions.kv_quant (0 where not quantized)."""
+    if kv_quant is None:
+        return (0, 0, 0, 0)
+    k, v = kv_quant
+    return (
+        0 if k is None else k.bits,
+        0 if k is None else k.group_size,
+        0 if v is None else v.bits,
+        0 if v is None else v.group_size,
+    )
 
 
 # The fields of the options tuple below, in order: the C contract's table (_C.OPTION_FIELDS) must
@@ -429,6 +446,10 @@ CORE_FIELDS = (
     "max_kv_len",
     "unbatched",
     "diagonal_offset",
+    "k_bits",
+    "k_group_size",
+    "v_bits",
+    "v_group_size",
 )
 if _C.OPTION_FIELDS != CORE_FIELDS:
     raise ImportError(f"flashattn_mps: the C core's options are {_C.OPTION_FIELDS}, this module builds {CORE_FIELDS}")
@@ -446,12 +467,14 @@ def core_options(
     max_q_len: int = 0,
     max_kv_len: int = 0,
     unbatched: bool = False,
+    quant: tuple = (0, 0, 0, 0),
 ) -> tuple:
     """The C binding's options tuple: scale, causal, bottom_right, window_left, window_right,
     softcap, dropout_p, kernel, num_splits, write_probs, max_q_len, max_kv_len, unbatched,
-    diagonal_offset. A band of None is no window on SDPA's top-left diagonal (bottom_right False,
-    both sides -1); a band's optional fourth entry shifts every row's diagonal by that many keys
-    (a block of a longer sequence: flashattn_mps.distributed's blocks)."""
+    diagonal_offset, then quant's k_bits, k_group_size, v_bits, v_group_size (quant_fields). A band
+    of None is no window on SDPA's top-left diagonal (bottom_right False, both sides -1); a band's
+    optional fourth entry shifts every row's diagonal by that many keys (a block of a longer
+    sequence: flashattn_mps.distributed's blocks)."""
     if band is None:
         return (
             scale,
@@ -468,6 +491,7 @@ def core_options(
             max_kv_len,
             unbatched,
             0,
+            *quant,
         )
     return (
         scale,
@@ -484,4 +508,5 @@ def core_options(
         max_kv_len,
         unbatched,
         band[3] if len(band) > 3 else 0,
+        *quant,
     )

@@ -57,6 +57,9 @@ from ._options import (
     check_sinks,
     given,
 )
+from ._quantized import QuantizedKV
+from ._quantized import batched as quantized_batched
+from ._quantized import operand as quantized_operand
 
 _NOT_HERE = "{}: {} is not supported by flashattn_mps yet (got {})"
 
@@ -190,6 +193,26 @@ def flash_attn_varlen_func(
     sequence). Not with block_table. explain_varlen_plan, given the same arguments, shows what it
     launches.
     """
+    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+        return _quantized_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            return_attn_probs,
+            block_table,
+            sinks,
+        )
     call = _check_varlen(
         "flash_attn_varlen_func",
         q,
@@ -514,6 +537,44 @@ def _paged_arguments(call: _VarlenCall):
     views = [packed_view(q), k_pool.transpose(1, 2), v_pool.transpose(1, 2), packed_view(out)]
     sequences = sequence_args(table, call.max_q, min(call.max_k, capacity), block_table)
     return (*views, None, call.options, sequences), out
+
+
+def _quantized_varlen(q, k, v, *args):
+    """flash_attn_varlen_func with K, V or both a QuantizedKV (packed (total_k, Hkv, D), or a paged
+    pool): the same checks on stand-ins of their logical shape (no storage: checks read no
+    element), then one forward whose kernels read the quantized tensors in place. No gradient, no
+    return_attn_probs (the probability pass's simple kernel does not read them)."""
+    who = "flash_attn_varlen_func"
+    for name, t in (("k", k), ("v", v)):
+        if isinstance(t, QuantizedKV) and (t.dtype != q.dtype or t.device != q.device):
+            raise TypeError(
+                f"{who}: {name} must share q's dtype and device ({q.dtype}, {q.device}), got {t.dtype}, {t.device}"
+            )
+    stand_ins = [q.new_empty(()).expand(t.shape) if isinstance(t, QuantizedKV) else t for t in (k, v)]
+    call = _check_varlen(who, q, *stand_ins, *args)
+    if call.return_attn_probs:
+        raise NotImplementedError(_NOT_HERE.format(who, "return_attn_probs=True with quantized K/V", "both"))
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, call.options.sinks)
+    ):
+        raise ValueError(
+            f"{who}: no gradient flows through quantized K/V; call it under torch.no_grad() or detach them"
+        )
+    if _is_traced():
+        raise NotImplementedError(f"{who}: quantized K/V are read by eager calls only, not under torch.compile")
+    rng_state = dropout_rng_state(q.device) if call.options.dropout_p > 0.0 else None
+    if call.paged is not None:
+        args, out = _paged_arguments(call._replace(k=k, v=v))
+    else:
+        table = packed_table(call.cu_seqlens_q, call.cu_seqlens_k)
+        out = q.new_empty((*q.shape[:2], v.shape[2]))
+        views = [packed_view(q), *(quantized_batched(t.transpose(0, 1)) for t in (k, v)), packed_view(out)]
+        args = (*views, None, call.options, sequence_args(table, call.max_q, call.max_k))
+    views = list(args[:4])
+    kv_quant = tuple(t if isinstance(t, QuantizedKV) else None for t in views[1:3])
+    views[1], views[2] = quantized_operand(views[1]), quantized_operand(views[2])
+    run_forward(*views, args[4], args[5]._replace(kv_quant=kv_quant), args[6], rng_state)
+    return out
 
 
 def _paged_attention(call: _VarlenCall, who: str):

@@ -33,6 +33,7 @@
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_quant.h"
 #include "fa_sequence.h"
 #include "fa_softmax.h"
 #include "fa_variants.h"
@@ -87,6 +88,61 @@ fa_decode_load(thread float (&dst)[COLS], const device T *row, long col_stride, 
   }
 }
 
+// The same from a quantized row (fa_quant.h), in the same layout. `as_vectors` (the planner found
+// the bytes unit-strided and every row start chunk-aligned) reads a whole chunk's bytes at once: W
+// bytes at 8 bits, W / 2 at 4 bits (W = 4 only; others element by element); a chunk lies in one
+// group (W divides the group size), so its scale and bias are read once.
+template <typename T, int COLS>
+inline void
+fa_decode_load_quantized(thread float (&dst)[COLS], fa_quant_row<T> row, int dim, ushort lane, bool as_vectors) {
+  constexpr int W = COLS < 4 ? COLS : 4;
+  for (int c = 0; c < COLS / W; ++c) {
+    const int col = fa_decode_column<W>(lane, c * W);
+    if (as_vectors && col + W <= dim && (row.bits == 8 || W == 4)) {
+      uint q[W];
+      if (row.bits == 8) {
+        const vec<uchar, W> bytes = *(const device vec<uchar, W> *)(row.data + col);
+        for (int w = 0; w < W; ++w) {
+          q[w] = bytes[w];
+        }
+      } else {
+        const uchar2 bytes = *(const device uchar2 *)(row.data + col / 2);
+        for (int w = 0; w < W; ++w) {
+          q[w] = (bytes[w / 2] >> (4 * (w % 2))) & 0xFu;
+        }
+      }
+      const long group = long(col >> row.group_shift);
+      const float scale = float(row.scales[group * row.scale_col_stride]);
+      const float bias = float(row.biases[group * row.bias_col_stride]);
+      for (int w = 0; w < W; ++w) {
+        dst[c * W + w] = float(T(fma(scale, float(q[w]), bias)));
+      }
+    } else {
+      for (int w = 0; w < W; ++w) {
+        dst[c * W + w] = col + w < dim ? float(fa_dequantize(row, col + w)) : 0.0f;
+      }
+    }
+  }
+}
+
+// Row `key` of a K or V operand: through the planner's pointer (plain rows, or a paged cache's row
+// through the block table) or, quantized, through its source (fa_quant.h).
+template <typename T, int COLS>
+inline void fa_decode_load_key(thread float (&dst)[COLS],
+                               const device T *row,
+                               long col_stride,
+                               fa_kv_source<T> source,
+                               int key,
+                               int dim,
+                               ushort lane,
+                               bool as_vectors) {
+  if (source.bits != 0) {
+    fa_decode_load_quantized<T, COLS>(dst, fa_quant_row_of(source, key), dim, lane, as_vectors);
+  } else {
+    fa_decode_load<T, COLS>(dst, row, col_stride, dim, lane, as_vectors);
+  }
+}
+
 // One key of one row: the score (already summed over the SIMD-group) enters the row's softmax and
 // the value row, weighted by the probability times its dropout factor (fa_dropout.h), its
 // accumulator.
@@ -118,6 +174,10 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
           constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
           const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
           const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
+          const device T *k_scales [[buffer(FA_FORWARD_BUFFER_K_SCALES)]],
+          const device T *k_biases [[buffer(FA_FORWARD_BUFFER_K_BIASES)]],
+          const device T *v_scales [[buffer(FA_FORWARD_BUFFER_V_SCALES)]],
+          const device T *v_biases [[buffer(FA_FORWARD_BUFFER_V_BIASES)]],
           uint3 group [[threadgroup_position_in_grid]],
           uint tid [[thread_index_in_threadgroup]],
           ushort sg [[simdgroup_index_in_threadgroup]],
@@ -140,6 +200,7 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   if (fa_sequences && (chunks == 0 || long(group.y) >= chunks * long(p.kv_heads))) {
     return;
   }
+  const device T *k_view = k, *v_view = v; // the sources below find each sequence's keys themselves
   q = fa_sequence_q(q, p, b, p.q_strides);
   out = fa_sequence_q(out, p, b, p.o_strides);
   lse = fa_sequence_q(lse, p, b, p.lse_strides);
@@ -195,8 +256,11 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   const long v_step = 2 * SG * p.v_strides[2];
   const long mask_step = 2 * SG * p.mask_strides[3];
   const bool as_vectors = fa_decode_vector_loads;
-  const fa_tile_rows<T> k_keys = fa_kv_tiles(k, p, p.k_strides, block_table, b, kv_h, 0, 0);
-  const fa_tile_rows<T> v_keys = fa_kv_tiles(v, p, p.v_strides, block_table, b, kv_h, 0, 0);
+  // Paged or quantized K/V: each key's row through its source (fa_loader.h, fa_quant.h).
+  const fa_kv_source<T> k_keys = fa_kv_source_of(k_view, k_scales, k_biases, fa_k_bits, p.k_group_shift, p, p.k_strides,
+                                                 p.k_scale_strides, p.k_bias_strides, block_table, b, kv_h, 0, 0);
+  const fa_kv_source<T> v_keys = fa_kv_source_of(v_view, v_scales, v_biases, fa_v_bits, p.v_group_shift, p, p.v_strides,
+                                                 p.v_scale_strides, p.v_bias_strides, block_table, b, kv_h, 0, 0);
   for (int j = j0; j < end; j += 2 * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
     // Both keys' rows (and, up to FA_DECODE_LATE_VALUES_ABOVE columns per lane, their value rows)
     // are loaded before any arithmetic so their latencies overlap; a second key past the end reads
@@ -210,14 +274,16 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     const device T *k_rows[2] = {k_row, k_row + p.k_strides[2]};
     const device T *v_rows[2] = {v_row, v_row + p.v_strides[2]};
     for (int t = 0; fa_paged && t < 2; ++t) {
-      k_rows[t] = fa_tile_row(k_keys, j + t);
-      v_rows[t] = fa_tile_row(v_keys, j + t);
+      k_rows[t] = fa_tile_row(k_keys.rows, j + t);
+      v_rows[t] = fa_tile_row(v_keys.rows, j + t);
     }
-    fa_decode_load<T, COLS>(k_reg[0], k_rows[0], p.k_strides[3], p.head_dim, lane, as_vectors);
-    fa_decode_load<T, COLS>(k_reg[1], k_rows[1], p.k_strides[3], second ? p.head_dim : 0, lane, as_vectors);
+    fa_decode_load_key<T, COLS>(k_reg[0], k_rows[0], p.k_strides[3], k_keys, j, p.head_dim, lane, as_vectors);
+    fa_decode_load_key<T, COLS>(k_reg[1], k_rows[1], p.k_strides[3], k_keys, j + 1, second ? p.head_dim : 0, lane,
+                                as_vectors);
     if (!late_values) {
-      fa_decode_load<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], p.v_head_dim, lane, as_vectors);
-      fa_decode_load<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], second ? p.v_head_dim : 0, lane, as_vectors);
+      fa_decode_load_key<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], v_keys, j, p.v_head_dim, lane, as_vectors);
+      fa_decode_load_key<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], v_keys, j + 1, second ? p.v_head_dim : 0, lane,
+                                  as_vectors);
     }
     for (int r = 0; r < ROWS && r < rows; ++r) {
       float partial[2] = {0.0f, 0.0f};
@@ -227,8 +293,9 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
       }
       const float score[2] = {simd_sum(partial[0]), simd_sum(partial[1])};
       if (late_values) { // one row (the planner's cap): the key rows are dead, their registers take the values
-        fa_decode_load<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], p.v_head_dim, lane, as_vectors);
-        fa_decode_load<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], second ? p.v_head_dim : 0, lane, as_vectors);
+        fa_decode_load_key<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], v_keys, j, p.v_head_dim, lane, as_vectors);
+        fa_decode_load_key<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], v_keys, j + 1, second ? p.v_head_dim : 0, lane,
+                                    as_vectors);
       }
       for (int t = 0; t < 2; ++t) {
         // Row and key are the same on every lane, so skipping keeps the SIMD-group together; a

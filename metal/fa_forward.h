@@ -22,6 +22,7 @@
 #include "fa_loader.h"
 #include "fa_mask.h"
 #include "fa_params.h"
+#include "fa_quant.h"
 #include "fa_schedule.h"
 #include "fa_sequence.h"
 #include "fa_softmax.h"
@@ -43,6 +44,10 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
            constant fa_params *sequence_table [[buffer(FA_FORWARD_BUFFER_SEQUENCES)]],
            const device int *block_table [[buffer(FA_FORWARD_BUFFER_BLOCK_TABLE)]],
            const device uint *rng [[buffer(FA_FORWARD_BUFFER_RNG)]],
+           const device T *k_scales [[buffer(FA_FORWARD_BUFFER_K_SCALES)]],
+           const device T *k_biases [[buffer(FA_FORWARD_BUFFER_K_BIASES)]],
+           const device T *v_scales [[buffer(FA_FORWARD_BUFFER_V_SCALES)]],
+           const device T *v_biases [[buffer(FA_FORWARD_BUFFER_V_BIASES)]],
            uint3 group [[threadgroup_position_in_grid]],
            uint3 groups [[threadgroups_per_grid]],
            uint tid [[thread_index_in_threadgroup]],
@@ -95,10 +100,15 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
 
   // Under the band (causal, window) the rows of this block see only keys [begin, end): tiles
   // outside are never loaded. K/V tiles advance through their cursors (pointer steps, or pages of
-  // a paged cache: fa_loader.h); the lane's mask entries by one offset per tile (fa_mask.h).
+  // a paged cache: fa_loader.h; quantized K/V dequantize as they load: fa_quant.h); the lane's mask
+  // entries by one offset per tile (fa_mask.h).
   const fa_range keys = fa_visible_keys(p, q_block, BQ);
-  fa_tile_rows<T> k_tiles = fa_kv_tiles(k, p, p.k_strides, block_table, b, kv_h, keys.begin, BK);
-  fa_tile_rows<T> v_tiles = fa_tile_columns(fa_kv_tiles(v, p, p.v_strides, block_table, b, kv_h, keys.begin, BK), col0);
+  fa_kv_source<T> k_tiles = fa_kv_source_of(k, k_scales, k_biases, fa_k_bits, p.k_group_shift, p, p.k_strides,
+                                            p.k_scale_strides, p.k_bias_strides, block_table, b, kv_h, keys.begin, BK);
+  fa_kv_source<T> v_tiles =
+      fa_tile_columns(fa_kv_source_of(v, v_scales, v_biases, fa_v_bits, p.v_group_shift, p, p.v_strides,
+                                      p.v_scale_strides, p.v_bias_strides, block_table, b, kv_h, keys.begin, BK),
+                      col0);
   const long mask_key_stride = p.mask_strides[3];
   long mask_at = fa_mask_kind == FA_MASK_NONE ? 0 : fa_mask_offset(p, b, h, my_row, keys.begin + at.x);
 

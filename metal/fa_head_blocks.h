@@ -38,20 +38,20 @@ inline fa_column_block fa_column_block_of(long grid_head, int blocks) {
 
 // acc[j] += A B_j^T over a head dim of `dim` columns in blocks of BW: A is the lane's row
 // (`a_row`, read into a_frag block by block, zeros for rows outside the matrix), B the (NB * 8 x
-// dim) rows of `b_rows` (fa_loader.h) streamed block by block through `tile` (pitch BW +
+// dim) rows of `b_rows` (fa_loader.h's rows, or a K/V source: fa_quant.h) streamed block by block through `tile` (pitch BW +
 // FA_TILE_PAD). Blocks and their slices run in column order, so every score sums its 8-wide slices in the order of the
 // resident path whatever the block width: the backward's recomputed scores are the forward's to
 // the bit, which the probabilities exp2(S - lse) rely on. Every thread of the threadgroup must call
 // it (it synchronises); `compute` false (a blocked tile) only loads. The caller has synchronised
 // since the tile was last read; the tile holds the last block afterwards.
-template <typename T, int BW, int NB, int THREADS, typename E>
+template <typename T, int BW, int NB, int THREADS, typename E, typename Rows>
 inline void fa_frags_multiply_streamed(thread fa_frag *acc,
                                        thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
                                        const device T *a_row,
                                        long a_col_stride,
                                        bool a_valid,
                                        threadgroup T *tile,
-                                       fa_tile_rows<T> b_rows,
+                                       Rows b_rows,
                                        int valid_b_rows,
                                        int dim,
                                        bool compute,
@@ -77,14 +77,14 @@ inline void fa_frags_multiply_streamed(thread fa_frag *acc,
 // The kernels' product over a head dim of any width: resident (dim <= BW), the operand fragments
 // loaded once (fa_load_resident_row) times the tile loaded with the others (fa_load_resident_tile);
 // wider, streamed as above. Every thread calls it (streaming synchronises).
-template <typename T, int BW, int NB, int THREADS, typename E>
+template <typename T, int BW, int NB, int THREADS, typename E, typename Rows>
 inline void fa_frags_multiply_head(thread fa_frag *acc,
                                    thread metal::simdgroup_matrix<E, 8, 8> *a_frag,
                                    const device T *a_row,
                                    long a_col_stride,
                                    bool a_valid,
                                    threadgroup T *tile,
-                                   fa_tile_rows<T> b_rows,
+                                   Rows b_rows,
                                    int valid_b_rows,
                                    int dim,
                                    bool compute,
@@ -113,8 +113,8 @@ inline void fa_load_resident_row(thread metal::simdgroup_matrix<E, 8, 8> *f,
 
 // A resident operand's whole tile (dim <= BW), per key or query tile before its barrier; a
 // streamed one's tile loads per block.
-template <typename T, int ROWS, int BW, int THREADS>
-inline void fa_load_resident_tile(threadgroup T *tile, fa_tile_rows<T> src, int valid_rows, int dim, uint tid) {
+template <typename T, int ROWS, int BW, int THREADS, typename Rows>
+inline void fa_load_resident_tile(threadgroup T *tile, Rows src, int valid_rows, int dim, uint tid) {
   if (dim <= BW) {
     fa_load_tile<T, ROWS, BW, THREADS>(tile, BW + FA_TILE_PAD, src, valid_rows, dim, tid);
   }
@@ -123,8 +123,8 @@ inline void fa_load_resident_tile(threadgroup T *tile, fa_tile_rows<T> src, int 
 // After fa_frags_multiply_streamed over `dim`: makes `tile` hold column block `block` (the
 // caller's own accumulator block) for the product that follows, loading it unless it is the last
 // block, which the tile holds already. Uniform over the threadgroup; every thread calls it.
-template <typename T, int ROWS, int BW, int THREADS>
-inline void fa_keep_head_block(threadgroup T *tile, fa_tile_rows<T> src, int valid_rows, int dim, int block, uint tid) {
+template <typename T, int ROWS, int BW, int THREADS, typename Rows>
+inline void fa_keep_head_block(threadgroup T *tile, Rows src, int valid_rows, int dim, int block, uint tid) {
   if (block == fa_head_blocks(dim, BW) - 1) {
     return;
   }

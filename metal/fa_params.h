@@ -44,7 +44,11 @@ typedef uint32_t fa_u32;
 #define FA_FORWARD_BUFFER_SEQUENCES 10 // the per-sequence fa_params the table kernel wrote
 #define FA_FORWARD_BUFFER_BLOCK_TABLE 11
 #define FA_FORWARD_BUFFER_RNG 12
-#define FA_FORWARD_BUFFERS 13
+#define FA_FORWARD_BUFFER_K_SCALES 13 // quantized K/V's groups (FA_FC_K_BITS, FA_FC_V_BITS; fa_quant.h)
+#define FA_FORWARD_BUFFER_K_BIASES 14
+#define FA_FORWARD_BUFFER_V_SCALES 15
+#define FA_FORWARD_BUFFER_V_BIASES 16
+#define FA_FORWARD_BUFFERS 17
 
 #define FA_BACKWARD_BUFFER_Q 0
 #define FA_BACKWARD_BUFFER_K 1
@@ -84,6 +88,8 @@ typedef uint32_t fa_u32;
 #define FA_FC_DROPOUT 11   // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
 #define FA_FC_SEQUENCES 12 // bool: each batch entry is a sequence of its own lengths and start (fa_sequence.h)
 #define FA_FC_PAGED 13     // bool: with sequences, keys are read through a block table (paged KV; fa_sequence.h)
+#define FA_FC_K_BITS 14    // int: 0, or K is quantized to 8 or 4 bits and dequantized as it is read (fa_quant.h)
+#define FA_FC_V_BITS 15    // int: the same for V
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -165,6 +171,15 @@ typedef struct fa_params {
   fa_i32 pages_per_sequence; // the block table's columns
   fa_i32 page_count;         // pages in the pool: table entries are clamped into it
   fa_i32 page_pad;
+  // Quantized K/V under FA_FC_K_BITS / FA_FC_V_BITS (fa_quant.h): k_strides (v_strides) are then in
+  // bytes of the uint8 data, these the strides of each group's scale and bias (q's dtype), and a
+  // row's element c belongs to group c >> group_shift.
+  fa_i64 k_scale_strides[4];
+  fa_i64 k_bias_strides[4];
+  fa_i64 v_scale_strides[4];
+  fa_i64 v_bias_strides[4];
+  fa_i32 k_group_shift;
+  fa_i32 v_group_shift;
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.

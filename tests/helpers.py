@@ -366,6 +366,10 @@ def core_options(**fields) -> tuple:
         max_kv_len=0,
         unbatched=False,
         diagonal_offset=0,
+        k_bits=0,
+        k_group_size=0,
+        v_bits=0,
+        v_group_size=0,
     )
     unknown = set(fields) - set(values)
     assert not unknown, f"not an option field: {unknown}"

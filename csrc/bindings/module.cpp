@@ -561,6 +561,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("DTYPE_BFLOAT16") = static_cast<int>(FA_BF16);
     m.attr("DTYPE_BOOL") = static_cast<int>(FA_BOOL);
     m.attr("DTYPE_INT32") = static_cast<int>(FA_I32);
+    m.attr("DTYPE_UINT8") = static_cast<int>(FA_U8);
     m.attr("MAX_HEAD_DIM") = static_cast<int>(FA_MAX_HEAD_DIM);            // E and Ev alike
     m.attr("SEQUENCE_PARAMS_BYTES") = static_cast<int>(sizeof(fa_params)); // per sequence (fa_sequence_args)
     m.attr("DEVICE_CPU") = static_cast<int>(FA_DEVICE_CPU);
@@ -574,6 +575,8 @@ PYBIND11_MODULE(_C, m) {
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);
     m.attr("FC_DECODE_VECTOR_LOADS") = static_cast<int>(FA_FC_DECODE_VECTOR_LOADS);
     m.attr("FC_DROPOUT") = static_cast<int>(FA_FC_DROPOUT);
+    m.attr("FC_K_BITS") = static_cast<int>(FA_FC_K_BITS);
+    m.attr("FC_V_BITS") = static_cast<int>(FA_FC_V_BITS);
     m.attr("DROPOUT_NONE") = static_cast<int>(FA_DROPOUT_NONE);
     m.attr("DROPOUT_APPLY") = static_cast<int>(FA_DROPOUT_APPLY);
     m.attr("DROPOUT_PROBS") = static_cast<int>(FA_DROPOUT_PROBS);

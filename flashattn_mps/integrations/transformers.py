@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import create_position_bias_mask
 from transformers.masking_utils import (
     _ignore_causal_mask_sdpa,
@@ -34,6 +35,7 @@ from transformers.masking_utils import (
 )
 
 from .._api import flash_attention
+from .._quantized import QuantizedKV, _check_bits_and_group, quantize_kv, quantize_rows
 from .._sdpa import _attend, _plan, log
 
 DEFAULT_NAME = "mps_attention"
@@ -170,6 +172,12 @@ def attention_forward(
     `softcap` (each scaled score s becomes softcap * tanh(s / softcap)) and the (Hq,) sinks `s_aux`
     are applied in the kernels, gradients included. GQA runs without repeating key/value heads."""
     sinks = s_aux if s_aux is not None else kwargs.get("sinks")
+    if isinstance(key, QuantizedKVStates):  # a QuantizedKVCache's layer: read in place
+        wants_causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        out = _attend_quantized_states(
+            query, key, value, attention_mask, dropout, scaling, wants_causal, sliding_window, softcap, sinks
+        )
+        return out.transpose(1, 2).contiguous(), None
     packed = _packed_sequences(query, kwargs)
     if packed is not None:  # padding-free: packed sequences go to the varlen kernels
         return _attend_packed(
@@ -387,3 +395,191 @@ def _attend_packed(
             sinks=sinks,
         )
     return out.unsqueeze(0)
+
+
+class QuantizedKVStates:
+    """What a QuantizedKVCache layer hands the attention function for K (or V): the older rows as a
+    QuantizedKV (None before the first flush) read in place by the kernels, then the recent rows
+    (B, H, R, D) unquantized. shape, dtype and device are those of the whole (B, H, S, D)."""
+
+    __slots__ = ("quantized", "recent")
+
+    def __init__(self, quantized, recent: torch.Tensor):
+        self.quantized, self.recent = quantized, recent
+
+    @property
+    def shape(self) -> torch.Size:
+        older = 0 if self.quantized is None else self.quantized.shape[2]
+        return torch.Size((*self.recent.shape[:2], older + self.recent.shape[2], self.recent.shape[3]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.recent.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.recent.device
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole (B, H, S, D) tensor, for a model's own attention function."""
+        if self.quantized is None:
+            return self.recent
+        return torch.cat([self.quantized.dequantize(), self.recent], dim=2)
+
+
+class QuantizedKVLayer(CacheLayerMixin):
+    """One layer of QuantizedKVCache: a quantized store of the older rows, grown in place (capacity
+    doubling, so appending is amortised O(new rows)), and the recent rows unquantized. Each update
+    returns the store as it was and the recent rows with the new ones; when the recent rows reach
+    `residual_length` they are quantized into the store (transformers' QuantizedLayer's rule: a
+    residual_length of 0 quantizes every step's rows after that step's attention)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, bits: int = 8, group_size: int = 64, residual_length: int = 0, dequantize: bool = False):
+        super().__init__()
+        self.bits, self.group_size, self.residual_length = bits, group_size, residual_length
+        self.dequantize_states = dequantize
+        self.store = None  # QuantizedKV pair (keys, values) of capacity rows, or None
+        self.stored = 0  # rows of the store in use
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self.is_initialized = True
+
+    def _stored_view(self):
+        if self.stored == 0:
+            return None, None
+        return tuple(part.narrow(2, 0, self.stored) for part in self.store)
+
+    def _flush(self) -> None:
+        """Quantizes the recent rows into the store (growing it when full) and empties them."""
+        rows = self.keys.shape[2]
+        capacity = 0 if self.store is None else self.store[0].shape[2]
+        if self.stored + rows > capacity:
+            grown = max(2 * capacity, self.stored + rows, 64)
+            fresh = []
+            for states in (self.keys, self.values):
+                shape = (*states.shape[:2], grown, states.shape[3])
+                fresh.append(quantize_kv(states.new_zeros(shape), self.bits, self.group_size))
+            for new, old in zip(fresh, self._stored_view()):
+                if old is not None:
+                    for part in ("data", "scales", "biases"):
+                        getattr(new, part)[:, :, : self.stored] = getattr(old, part)
+            self.store = tuple(fresh)
+        for quantized, states in zip(self.store, (self.keys, self.values)):
+            target = quantized.narrow(2, self.stored, rows)
+            for part, values in zip(
+                (target.data, target.scales, target.biases), quantize_rows(states, self.bits, self.group_size)
+            ):
+                part.copy_(values)
+        self.stored += rows
+        self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        stored_keys, stored_values = self._stored_view()
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        keys, values = QuantizedKVStates(stored_keys, self.keys), QuantizedKVStates(stored_values, self.values)
+        if self.keys.shape[2] >= max(self.residual_length, 1):
+            self._flush()  # writes past the returned store's rows: what this step reads is unchanged
+        if self.dequantize_states:
+            return keys.dequantize(), values.dequantize()
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.stored + (self.keys.shape[2] if self.is_initialized else 0)
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.store, self.stored = None, 0
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        beam_idx = beam_idx.to(self.device)
+        self.keys, self.values = self.keys.index_select(0, beam_idx), self.values.index_select(0, beam_idx)
+        if self.store is not None:
+            self.store = tuple(
+                QuantizedKV(
+                    q.data.index_select(0, beam_idx),
+                    q.scales.index_select(0, beam_idx),
+                    q.biases.index_select(0, beam_idx),
+                    q.bits,
+                    q.group_size,
+                )
+                for q in self.store
+            )
+
+
+class QuantizedKVCache(Cache):
+    """A transformers cache whose keys and values are quantized in place (flashattn_mps.quantize_kv:
+    `bits` 8 or 4, `group_size` 32, 64 or 128 dividing the head dim) and read by the kernels
+    without being expanded: pass it to `generate(..., past_key_values=QuantizedKVCache(...))` of a
+    model whose attention implementation is `register()`'s. The `residual_length` most recent rows
+    stay unquantized (0: each step's own rows only, quantized after that step), as transformers'
+    quantized caches keep them. dequantize=True hands the attention function the dequantized
+    tensors instead (for comparison with any attention implementation). Full-attention layers;
+    no torch.compile, no offloading."""
+
+    def __init__(self, bits: int = 8, group_size: int = 64, residual_length: int = 0, dequantize: bool = False):
+        _check_bits_and_group(bits, group_size, "QuantizedKVCache")
+        if isinstance(residual_length, bool) or not isinstance(residual_length, int) or residual_length < 0:
+            raise ValueError(f"QuantizedKVCache: residual_length must be an int >= 0, got {residual_length!r}")
+        super().__init__(
+            layer_class_to_replicate=functools.partial(QuantizedKVLayer, bits, group_size, residual_length, dequantize)
+        )
+
+
+def _attend_quantized_states(query, key, value, mask, dropout, scaling, wants_causal, sliding_window, softcap, sinks):
+    """Attention over a QuantizedKVCache layer's states: the stored rows (quantized, read in place;
+    older than every query, so all visible but for the mask) and the recent ones (unquantized,
+    causal bottom-right when no mask is given), merged exactly through their log-sum-exps."""
+    if (key.quantized is None) != (value.quantized is None):
+        raise ValueError("QuantizedKVCache: keys and values must be stored alike")
+    if dropout > 0.0:
+        raise ValueError("QuantizedKVCache: attention dropout is not applied over quantized states (inference only)")
+    if sliding_window is not None and key.shape[2] > sliding_window:
+        raise NotImplementedError("QuantizedKVCache: sliding-window layers are not supported")
+    older = 0 if key.quantized is None else key.quantized.shape[2]
+    causal = "bottom_right" if wants_causal and mask is None and query.shape[2] > 1 else False
+    if mask is not None and mask.dtype == torch.bool and mask.shape[-2] != query.shape[2]:
+        mask = mask.expand(*mask.shape[:-2], query.shape[2], mask.shape[-1])
+    options = dict(softcap=float(softcap or 0.0), return_lse=True)
+    out, lse = flash_attention(
+        query,
+        key.recent,
+        value.recent,
+        causal,
+        scaling,
+        attn_mask=None if mask is None else mask[..., older:],
+        sinks=sinks,
+        **options,
+    )
+    if older == 0:
+        return out
+    out_old, lse_old = flash_attention(
+        query,
+        key.quantized,
+        value.quantized,
+        False,
+        scaling,
+        attn_mask=None if mask is None else mask[..., :older],
+        **options,
+    )
+    top = torch.maximum(lse, lse_old).masked_fill(torch.isneginf(torch.maximum(lse, lse_old)), 0.0)
+    weight, weight_old = (lse - top).exp(), (lse_old - top).exp()
+    total = (weight + weight_old).clamp_min(torch.finfo(torch.float32).tiny)
+    merged = (out.float() * weight[..., None] + out_old.float() * weight_old[..., None]) / total[..., None]
+    return merged.to(query.dtype)

@@ -27,6 +27,9 @@ CHANGED = {  # a valid value other than the base's, for every option field
     "unbatched": True,
     "diagonal_offset": 3,
 }
+# Quantized K/V's fields: no value of them is valid with the same tensors (they say what the k and v
+# slots hold), so they are keyed with their tensors in tests/kernels/test_quantized.py.
+QUANTIZED_FIELDS = ("k_bits", "k_group_size", "v_bits", "v_group_size")
 
 
 def base_options(**changes):
@@ -94,7 +97,7 @@ def assert_keyed(direction, base_tensors, base, changed_tensors, changed):
 
 
 def test_the_options_tuple_is_the_c_struct():
-    assert set(CHANGED) == set(_C.OPTION_FIELDS)
+    assert set(CHANGED) | set(QUANTIZED_FIELDS) == set(_C.OPTION_FIELDS)
     assert _C.OPTION_FIELDS == (
         "scale",
         "causal",
@@ -110,13 +113,14 @@ def test_the_options_tuple_is_the_c_struct():
         "max_kv_len",
         "unbatched",
         "diagonal_offset",
+        *QUANTIZED_FIELDS,
     )
     assert _C.FORWARD_SLOTS[:5] == ("q", "k", "v", "out", "lse") and "dq" in _C.BACKWARD_SLOTS
     with pytest.raises(ValueError, match="'dq' is not a forward slot"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, {**tensors("forward"), "dq": None}, base_options())
     with pytest.raises(TypeError, match="options.causal must be a bool, got str"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options(causal="yes"))
-    with pytest.raises(ValueError, match="expected 14 fields"):
+    with pytest.raises(ValueError, match="expected 18 fields"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options()[:-1])
 
 
