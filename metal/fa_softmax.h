@@ -83,8 +83,8 @@ inline float fa_softmax_lse(fa_online_softmax s) {
 // (exp2(score - lse * log2(e))) rounds it a second time, and a single visible key gets 1 off by
 // some units in the last place of its score. The product is a statement of its own: a front end
 // that fuses a * b - c within one expression (clang's default contraction) would leave the
-// product's rounding error as the exponent (Metal compiles the kernels in its safe math mode,
-// which fuses nothing). A masked score (-inf) has probability 0 even in a row with no visible
+// product's rounding error as the exponent (the Metal backend compiles in safe math mode, which
+// Apple documents as changing no result; docs/mac-checklist.md checks it). A masked score (-inf) has probability 0 even in a row with no visible
 // key, whose lse is -inf too; a padding row given lse = +inf gets 0.
 inline float fa_softmax_probability(float score, float lse) {
   if (score == -INFINITY) {
