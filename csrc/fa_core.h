@@ -103,10 +103,11 @@ typedef struct fa_options {
      * for n shares of whole key-pair turns). The prefill kernel never splits. Forward only. */
     int32_t num_splits;
     /* Nonzero: the probability pass of flash-attn's return_attn_probs instead of attention. It runs
-     * the simple kernel over the arguments of a forward call that wrote lse (read here, as are q, k,
-     * v, mask, options; out is untouched) and writes into the workspace, as a contiguous (B, Hq, L, S)
-     * float32 array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i),
-     * negated where dropout drops it; entries a row does not see are left as they are. With
+     * the simple kernel over the arguments of a forward call (q, k, v, mask, sinks, options are read;
+     * out and lse are untouched) and writes into the workspace, as a contiguous (B, Hq, L, S) float32
+     * array of fa_forward_workspace_bytes, each visible probability exp(s_ij - lse_i) with the row's
+     * softmax taken again there (so a row's largest score has exactly exp(0) / its sum), negated
+     * where dropout drops it; entries a row does not see are left as they are. With
      * sequences, B is the table's sequences and L, S are max_q_len, max_kv_len: sequence b's
      * probabilities fill the top-left L_b x S_b block of its slice (flash-attn's padded S_dmask).
      * Not with a block table (the simple kernel reads keys in place). Forward only. */

@@ -390,7 +390,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     fa_plan_add_constant_bool(d, FA_FC_ALIBI, fa_tensor_present(&a->alibi_slopes));
     fa_plan_add_constant_bool(d, FA_FC_SINKS, fa_tensor_present(&a->sinks));
     fa_plan_add_constant_bool(d, FA_FC_WRITE_LSE,
-                              a->lse.storage != NULL && !a->options.write_probs); /* the pass reads it */
+                              a->lse.storage != NULL && !a->options.write_probs); /* the pass writes none */
     fa_plan_add_constant_int(d, FA_FC_MASK_KIND, mask_kind(a));
     fa_plan_add_constant_int(d, FA_FC_DROPOUT,
                              a->options.write_probs       ? FA_DROPOUT_PROBS
@@ -584,8 +584,9 @@ static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t co
 }
 
 /* Dropout's fields of the params (metal/fa_params.h) and its generator state, and the probability
- * pass (fa_core.h): that pass runs the simple kernel, reads lse, and writes the (B, Hq, L, S)
- * float32 probabilities into the workspace (with sequences the grid's B, L and S: a is its view). */
+ * pass (fa_core.h): that pass runs the simple kernel, computes each row's softmax itself, and writes
+ * the (B, Hq, L, S) float32 probabilities into the workspace (with sequences the grid's B, L and S:
+ * a is its view). */
 static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
     const double rate = a->options.dropout_p;
@@ -608,9 +609,6 @@ static int32_t set_dropout(const fa_forward_args *a, fa_plan *plan, fa_status *s
     }
     if (!a->options.write_probs) {
         return FA_OK;
-    }
-    if (a->lse.storage == NULL) {
-        return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass reads the forward's lse, got none");
     }
     if (a->options.kernel != FA_KERNEL_AUTO && a->options.kernel != FA_KERNEL_SIMPLE) {
         return fa_fail(st, FA_ERR_VALUE, "write_probs: the probability pass runs the simple kernel, got kernel %d",

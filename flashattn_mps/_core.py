@@ -369,11 +369,12 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
     return dq, dk, dv, sink_grad.sum(dim=-1).reshape(-1, sink_grad.shape[-2]).sum(dim=0)
 
 
-def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_state=None, sequences=None):
+def probs_arguments(q, k, v, out, mask, options: AttentionOptions, rng_state=None, sequences=None):
     """The probability pass's slots and options, as forward and plan_forward take them, and the
     shape of the probabilities it writes: (B, Hq, L, S), or with sequences (sequence_args) the
     grid's (sequences, Hq, max_seqlen_q, max_seqlen_k), each sequence in its top-left block. The
-    pass reads no sinks (the lse includes them) and runs the simple kernel whatever options.kernel."""
+    pass takes each row's softmax again (sinks included), not the forward's lse, and runs the simple
+    kernel whatever options.kernel."""
     if rng_state is None:  # no dropout: every probability is kept whatever the words
         rng_state = torch.zeros(4, dtype=torch.int32, device=q.device)
     q, k, v, out, options = _stand_in_call(q, k, v, out, options)
@@ -387,9 +388,9 @@ def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_stat
         "k": k,
         "v": v,
         "out": out,
-        "lse": lse,
         "mask": mask,
         "alibi_slopes": options.alibi,
+        "sinks": options.sinks,
         "rng_state": _rng_words(rng_state),
     }
     max_q, max_kv = _sequence_slots(tensors, sequences)
@@ -398,8 +399,8 @@ def probs_arguments(q, k, v, out, lse, mask, options: AttentionOptions, rng_stat
 
 
 def probs_pass_runs(lse: torch.Tensor) -> bool:
-    """Whether there is a probability pass to run: an empty lse (no query rows) has no storage for
-    the core to read, and every probability is 0."""
+    """Whether there is a probability pass to run: with an empty lse (no query rows) there is no
+    probability, and q has no storage for the core to read."""
     return lse.numel() > 0
 
 
@@ -410,7 +411,7 @@ def probs_core(q, k, v, out, lse, mask, options: AttentionOptions, rng_state=Non
     them from the same scores and generator as the attention kernels (csrc/fa_core.h, write_probs);
     an L x S array, for tests. sequences: a varlen call's, with its (1, Hq, total, D) views (the
     layout probs_arguments says)."""
-    tensors, core, shape = probs_arguments(q, k, v, out, lse, mask, options, rng_state, sequences)
+    tensors, core, shape = probs_arguments(q, k, v, out, mask, options, rng_state, sequences)
     probs = torch.zeros(shape, dtype=torch.float32, device=q.device)
     if not probs_pass_runs(lse) or k.shape[:-1].numel() == 0:  # no rows, or no keys: every probability is 0
         return probs

@@ -496,7 +496,7 @@ def explain_varlen_plan(
         return explained({"dispatches": plan_backward(_device(q), tensors, options)}, q.device)
     plan = plan_run(*views, lse, call.options, sequences, rng_state)
     if call.return_attn_probs and probs_pass_runs(lse):
-        tensors, options, _ = probs_arguments(*views, lse, None, call.options, rng_state, sequences)
+        tensors, options, _ = probs_arguments(*views, None, call.options, rng_state, sequences)
         plan["dispatches"] += plan_forward(_device(q), tensors, options)["dispatches"]
     return plan
 

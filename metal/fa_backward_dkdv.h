@@ -3,9 +3,8 @@
 // A threadgroup of WM SIMD-groups owns 8 * WM keys of one (batch, kv head), each SIMD-group 8 of
 // them, keeping their K and V fragments (operand fragments, fa_fragments.h) and the dK and dV
 // accumulators in registers. Queries stream through threadgroup memory BK rows at a time: Q, dO
-// and, per row, lse_log2 = lse * log2(e) and D (the forward's tile sizes with queries in place of
-// keys). Per tile, everything transposed relative to the dQ kernel (fa_backward_dq.h):
-//   S^T  = K Q^T,  P^T = exp2(S^T - lse_log2),  dP^T = V dO^T,  dS^T = P^T (dP^T - D)
+// and, per row, lse and D (the forward's tile sizes with queries in place of keys). Per tile, everything transposed relative to the dQ kernel (fa_backward_dq.h):
+//   S^T  = K Q^T,  P^T = exp(S^T ln(2) - lse),  dP^T = V dO^T,  dS^T = P^T (dP^T - D)
 //   dV += P^T dO,  dK += dS^T Q
 // (under dropout dV takes P^T and dS^T takes dP^T times each element's factor: fa_dropout.h)
 // GQA: the threadgroup of a kv head loops over every query head that reads it, so dK and dV sum
@@ -137,7 +136,7 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
         // Rows past L get probability 0 through lse = +inf.
         const long row = q0 + long(tid);
         const bool inside = int(tid) < valid_rows;
-        lse_tile[tid] = inside ? lse_head[row * f.lse_strides[2]] * M_LOG2E_F : INFINITY;
+        lse_tile[tid] = inside ? lse_head[row * f.lse_strides[2]] : INFINITY;
         delta_tile[tid] = inside ? delta_head[row * p.delta_strides[2]] : 0.0f;
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -4,7 +4,7 @@
 // rows of one (batch, head), each SIMD-group 8 of them; K and V stream through threadgroup memory
 // BK keys at a time (the forward's tiles). Per tile, in registers:
 //   S  = Q K^T            (times scale * log2(e), as in the forward)
-//   P  = exp2(S - lse_log2)   recomputed from the forward's log-sum-exp, never stored
+//   P  = exp(S ln(2) - lse)  recomputed from the forward's log-sum-exp, never stored (fa_softmax.h)
 //   dP = dO V^T
 //   dS = P (dP - D)       D = rowsum(dO * O) from the pre-pass (fa_backward_delta.h); under
 //                         dropout dP is dO V^T times each element's factor (fa_dropout.h)
@@ -91,9 +91,8 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
     fa_frag_fill(dq_frag[d], 0.0f);
   }
   // Padding rows (past L) get probability 0 through lse = +inf.
-  const float row_lse_log2 =
-      row_valid ? lse[b * f.lse_strides[0] + h * f.lse_strides[1] + long(my_row) * f.lse_strides[2]] * M_LOG2E_F
-                : INFINITY;
+  const float row_lse =
+      row_valid ? lse[b * f.lse_strides[0] + h * f.lse_strides[1] + long(my_row) * f.lse_strides[2]] : INFINITY;
   const float slope_log2 = fa_alibi_slope(f, alibi_slopes, b, h);
   const fa_dropout_rng dropout = fa_dropout_state(rng);
   const float row_delta =
@@ -152,7 +151,7 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
         if (visible && add_mask) {
           score += fa_mask_addend(mask, entry + (e == 0 ? 0 : mask_key_stride));
         }
-        const float prob = visible ? fa_softmax_probability(score, row_lse_log2) : 0.0f;
+        const float prob = visible ? fa_softmax_probability(score, row_lse) : 0.0f;
         // dP of the undropped probability: dO V^T times the dropout factor (fa_dropout.h).
         s_frag[j].thread_elements()[e] =
             prob * (dp_frag[j].thread_elements()[e] * kept[e] - row_delta) * fa_softcap_gradient(f, capped);

@@ -19,6 +19,29 @@
 
 using namespace metal;
 
+// Row `row`'s base-2 score of key j (whose row of K is k_row) with the variants and the mask at
+// mask_at: one expression for both passes of the probability pass and for the forward.
+template <typename T>
+inline float fa_simple_score(constant fa_params &p,
+                             thread const float (&q_reg)[FA_SIMPLE_MAX_PER_LANE],
+                             const device T *k_row,
+                             float slope_log2,
+                             int row,
+                             int j,
+                             const device uchar *mask,
+                             long mask_at,
+                             uint lane) {
+  float partial = 0.0f;
+  for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
+    const int col = int(lane) + 32 * c;
+    if (col < p.head_dim) {
+      partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
+    }
+  }
+  const float varied = fa_softcap_score(p, simd_sum(partial) * p.scale_log2) + fa_alibi_bias(p, slope_log2, row, j);
+  return fa_mask_score(varied, mask, mask_at);
+}
+
 template <typename T>
 [[kernel, max_total_threads_per_threadgroup(32 * FA_SIMPLE_ROWS_PER_GROUP)]] void
 fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
@@ -67,13 +90,15 @@ fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   fa_online_softmax state = fa_softmax_init();
   const float slope_log2 = fa_alibi_slope(p, alibi_slopes, b, h);
   const fa_dropout_rng dropout = fa_dropout_state(rng);
-  // The probability pass (FA_DROPOUT_PROBS) reads the forward's lse and writes row i of the
-  // contiguous (B, Hq, L, S) float32 probabilities instead of attention (keys it never visits stay
-  // as the caller initialised them: zeros). L and S are the grid's (the call's params): under
-  // sequences each sequence's L_b x S_b probabilities are the top-left block of its (L, S) slice.
+  // The probability pass (FA_DROPOUT_PROBS) writes row i of the contiguous (B, Hq, L, S) float32
+  // probabilities instead of attention (keys it never visits stay as the caller initialised them:
+  // zeros). L and S are the grid's (the call's params): under sequences each sequence's L_b x S_b
+  // probabilities are the top-left block of its (L, S) slice. It takes two passes over the keys:
+  // the row's softmax, then each probability from the same scores and the row's own maximum, as
+  // the forward weighs the values, so the maximal score's weight is exp2(0) whichever kernel ran
+  // the forward (the scores of another kernel may differ in the last place).
   const bool probs_pass = fa_dropout_mode == FA_DROPOUT_PROBS;
   const long lse_at = b * p.lse_strides[0] + h * p.lse_strides[1] + row * p.lse_strides[2];
-  const float row_lse_log2 = probs_pass ? lse[lse_at] * M_LOG2E_F : 0.0f;
   device float *probs_row = probs + ((b * params.q_heads + h) * params.q_len + row) * long(params.kv_len);
 
   // Under the band (causal, window) row i sees keys [begin, end) only.
@@ -83,24 +108,12 @@ fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     if (fa_mask_excludes(mask, mask_at)) {
       continue; // weight 0, and NaN in the value stays out of the row
     }
-    const device T *k_row = k_head + j * p.k_strides[2];
-    float partial = 0.0f;
-    for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
-      const int col = int(lane) + 32 * c;
-      if (col < p.head_dim) {
-        partial = fma(q_reg[c], float(k_row[col * p.k_strides[3]]), partial);
-      }
-    }
-    const float varied = fa_softcap_score(p, simd_sum(partial) * p.scale_log2) + fa_alibi_bias(p, slope_log2, row, j);
-    const float score = fa_mask_score(varied, mask, mask_at);
-    if (probs_pass) {
-      if (lane == 0) {
-        probs_row[j] =
-            fa_dropout_signed_probability(p, dropout, b, h, row, j, fa_softmax_probability(score, row_lse_log2));
-      }
-      continue;
-    }
+    const float score =
+        fa_simple_score<T>(p, q_reg, k_head + j * p.k_strides[2], slope_log2, row, j, mask, mask_at, lane);
     const fa_softmax_step step = fa_softmax_push(state, score);
+    if (probs_pass) {
+      continue; // its first pass: the softmax alone
+    }
     const float weight = step.weight * fa_dropout_factor(p, dropout, b, h, row, j); // the sum keeps it undropped
     const device T *v_row = v_head + j * p.v_strides[2];
     for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
@@ -111,12 +124,25 @@ fa_simple(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
       }
     }
   }
-  if (probs_pass) {
-    return; // out and lse are the forward's
-  }
 
+  const float keys_max = state.max; // what acc's weights are relative to
   const float sink_rescale = fa_sink_fold(p, sinks, h, state);
   const float inv_sum = fa_softmax_inverse_sum(state) * sink_rescale;
+  if (probs_pass) {
+    for (int j = keys.begin; j < keys.end; ++j) {
+      const long mask_at = fa_mask_offset(p, b, h, row, j);
+      if (fa_mask_excludes(mask, mask_at)) {
+        continue;
+      }
+      const float score =
+          fa_simple_score<T>(p, q_reg, k_head + j * p.k_strides[2], slope_log2, row, j, mask, mask_at, lane);
+      if (lane == 0) {
+        const float prob = fa_softmax_weight(score, keys_max) * inv_sum;
+        probs_row[j] = fa_dropout_signed_probability(p, dropout, b, h, row, j, prob);
+      }
+    }
+    return; // out and lse are the forward's
+  }
   device T *o_row = out + b * p.o_strides[0] + h * p.o_strides[1] + row * p.o_strides[2];
   for (int c = 0; c < FA_SIMPLE_MAX_PER_LANE; ++c) {
     const int col = int(lane) + 32 * c;

@@ -67,16 +67,31 @@ inline fa_softmax_step fa_softmax_merge(thread fa_online_softmax &s, fa_online_s
 // 1/sum, or 0 for a row with no visible key (SDPA returns zeros there).
 inline float fa_softmax_inverse_sum(fa_online_softmax s) { return s.sum == 0.0f ? 0.0f : 1.0f / s.sum; }
 
-// The backward pass recomputes each probability from the forward's log-sum-exp instead of keeping
-// P: exp2(score - lse_log2), where lse_log2 = lse * log2(e) and score is in base 2 as above.
-// A masked score (-inf) has probability 0 even in a row with no visible key, whose lse is -inf too.
-inline float fa_softmax_probability(float score, float lse_log2) {
-  return score == -INFINITY ? 0.0f : metal::exp2(score - lse_log2);
-}
+// A base-2 quantity in natural-log units. The one expression both the log-sum-exp and the
+// backward's scores go through: a row whose sum is exactly 1 (a single visible key, or others too
+// small to count) has lse = fa_softmax_natural(max), so its maximal score's exponent below is
+// exactly 0 and its probability exactly 1.
+inline float fa_softmax_natural(float base2) { return base2 * 0.693147180559945309f; } // ln(2)
 
 // Natural-log log-sum-exp of the scaled scores: ln(sum_j exp(scale * q.k_j)).
 inline float fa_softmax_lse(fa_online_softmax s) {
-  return s.sum == 0.0f ? -INFINITY : (s.max + metal::log2(s.sum)) * 0.693147180559945309f; // ln(2)
+  return s.sum == 0.0f ? -INFINITY : fa_softmax_natural(s.max + metal::log2(s.sum));
+}
+
+// The backward pass recomputes each probability from the forward's log-sum-exp instead of keeping
+// P: exp(score * ln(2) - lse), score in base 2 as above. Converting lse back to base 2 instead
+// (exp2(score - lse * log2(e))) rounds it a second time, and a single visible key gets 1 off by
+// some units in the last place of its score. The product is a statement of its own: a front end
+// that fuses a * b - c within one expression (clang's default contraction) would leave the
+// product's rounding error as the exponent (the Metal backend compiles in safe math mode, which
+// Apple documents as changing no result; docs/mac-checklist.md checks it). A masked score (-inf) has probability 0 even in a row with no visible
+// key, whose lse is -inf too; a padding row given lse = +inf gets 0.
+inline float fa_softmax_probability(float score, float lse) {
+  if (score == -INFINITY) {
+    return 0.0f;
+  }
+  const float natural = fa_softmax_natural(score);
+  return metal::exp(natural - lse);
 }
 
 #endif

@@ -1,6 +1,6 @@
 """Embed the CPU Metal device's shim headers and its compiler list in a C file.
 
-    python tools/embed_shim.py OUT.c [--shim-dir DIR] [--compilers FILE]
+    python tools/embed_shim.py OUT.c [--shim-dir DIR] [--compilers FILE] [--rewriters FILE ...]
 
 Writes `const mcpu_shim_file mcpu_shim_files[]` ({name, text}, one entry per regular file of
 csrc/cpu_device/shim/, sorted by name) and `const uint32_t mcpu_shim_file_count`, the layout
@@ -8,11 +8,14 @@ csrc/cpu_device/shim_files.h declares. cache.c writes these files next to the co
 and hashes them into the cache key. The text is byte-exact: every byte outside printable ASCII,
 and the characters that need it, are escaped, one string literal per source line, long lines split
 well under compilers' limits on one literal. Also writes `const char *const mcpu_compiler_names[]`
-and `mcpu_compiler_name_count`: the names of csrc/cpu_device/compilers.txt, in order. OUT.c is only
-rewritten when its contents change.
+and `mcpu_compiler_name_count`: the names of csrc/cpu_device/compilers.txt, in order. And
+`const char mcpu_rewriter_digest[]`, the SHA-256 of the sources that rewrite a kernel's text and IR
+before clang compiles it (prepass.c, build.c), which the cache key also takes: a library built by
+an older rewrite is not reused. OUT.c is only rewritten when its contents change.
 """
 
 import argparse
+import hashlib
 import pathlib
 import sys
 
@@ -75,7 +78,7 @@ def compiler_names(path: pathlib.Path) -> list:
     return names
 
 
-def render(shim_dir: pathlib.Path, compilers: pathlib.Path) -> str:
+def render(shim_dir: pathlib.Path, compilers: pathlib.Path, rewriters: list) -> str:
     files = sorted(p for p in shim_dir.iterdir() if p.is_file() and not p.name.startswith("."))
     if not files:
         raise SystemExit(f"embed_shim: no files in {shim_dir}")
@@ -92,6 +95,10 @@ def render(shim_dir: pathlib.Path, compilers: pathlib.Path) -> str:
     parts.append(", ".join(c_literal(n.encode()) for n in names))
     parts.append("};\n")
     parts.append(f"const uint32_t mcpu_compiler_name_count = {len(names)};\n")
+    digest = hashlib.sha256()
+    for path in rewriters:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    parts.append(f'const char mcpu_rewriter_digest[] = "{digest.hexdigest()}";\n')
     return "".join(parts)
 
 
@@ -100,8 +107,14 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=pathlib.Path)
     ap.add_argument("--shim-dir", type=pathlib.Path, default=ROOT / "csrc" / "cpu_device" / "shim")
     ap.add_argument("--compilers", type=pathlib.Path, default=ROOT / "csrc" / "cpu_device" / "compilers.txt")
+    ap.add_argument(
+        "--rewriters",
+        type=pathlib.Path,
+        nargs="+",
+        default=[ROOT / "csrc" / "cpu_device" / name for name in ("prepass.c", "build.c")],
+    )
     args = ap.parse_args(argv)
-    text = render(args.shim_dir, args.compilers)
+    text = render(args.shim_dir, args.compilers, args.rewriters)
     if not args.out.exists() or args.out.read_text() != text:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

@@ -475,8 +475,9 @@ void build_key(const char *source, const char *source_name, const mcpu_macro *ma
     for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) sha_field(&s, PRE_FLAGS[i]);
     for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) sha_field(&s, CC_FLAGS[i]);
     for (uint64_t i = 0; i < COUNT(IR_FLAGS); i++) sha_field(&s, IR_FLAGS[i]);
-    sha_field(&s, NOT_CONVERGENT); /* drop_convergent */
-    sha_field(&s, ALIGNMENT_RULE); /* relax_alignment */
+    sha_field(&s, mcpu_rewriter_digest); /* the prepass's and this file's rewrites themselves */
+    sha_field(&s, NOT_CONVERGENT);       /* drop_convergent */
+    sha_field(&s, ALIGNMENT_RULE);       /* relax_alignment */
     for (uint64_t i = 0; i < COUNT(CODEGEN_FLAGS); i++) sha_field(&s, CODEGEN_FLAGS[i]);
     if (checked)
         for (uint64_t i = 0; i < COUNT(CHECKED_FLAGS); i++) sha_field(&s, CHECKED_FLAGS[i]);

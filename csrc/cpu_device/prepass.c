@@ -1031,6 +1031,47 @@ static int32_t assigns(const pp *P, uint64_t k) {
     return 1;
 }
 
+/* Whether what follows the '>' at g lets it close a template argument list: a token that cannot
+ * start an operand, so that a greater-than there would leave it without one (the rule C# states for
+ * its generics): `is_same_v<A, B> ? x : y`, `f<T>(x)`, `S<T>::v`, `v<T> == w`, `t<A, B> && c`.
+ * Before an operand (`a > b`, `a > -1`, the first '>' of `a >> b`) or as part of `>=` it compares or
+ * shifts. Without a symbol table this is the whole decision: MSL code writes `T<A, B>(x)` far more
+ * often than `f(a < b, c > (d))`, which it reads as a template-id. */
+static int32_t template_follows(const pp *P, uint64_t g) {
+    uint64_t n = g + 1;
+    if (n >= P->n) return 1;
+    char c = P->t[n].k;
+    int32_t pair = adjacent(P, n, n + 1);
+    if (adjacent(P, g, n) && (c == '=' || c == '>')) return 0; /* >=, >>, >>= */
+    if (c && strchr(";,)]}?:([{.DA|^", c)) return 1;
+    if (c == '=' || c == '!') return pair && is(P, n + 1, '='); /* == != */
+    if (c == '&') return pair && is(P, n + 1, '&');             /* && */
+    return 0;
+}
+
+/* g at '>': the '<' of the template argument list it closes (after a name), or P->n when it
+ * compares or shifts instead (template_follows) or no such '<' opens it within the expression. */
+static uint64_t template_open(const pp *P, uint64_t g) {
+    if (!template_follows(P, g)) return P->n;
+    uint64_t depth = 0;
+    for (uint64_t k = g;; k--) {
+        char c = P->t[k].k;
+        if (c == ')' || c == ']' || c == '}') {
+            k = group_start(P, k);
+            if (k == P->n || k == 0) return P->n;
+            continue;
+        }
+        if ((c && strchr(";([{?:", c)) || (c == '=' && assigns(P, k))) return P->n;
+        if (c == '>') depth++;
+        if (c == '<') {
+            if ((k > 0 && is(P, k - 1, '<') && adjacent(P, k - 1, k)) || (is(P, k + 1, '<') && adjacent(P, k, k + 1)))
+                return P->n; /* a shift */
+            if (--depth == 0) return k > 0 && is(P, k - 1, 'w') ? k : P->n;
+        }
+        if (k == 0) return P->n;
+    }
+}
+
 /* The first token of the condition of the '?' at q, or P->n when it cannot be delimited; *angle set
  * when the condition holds a '<' after a name with no '>' to close it: a less-than, or the
  * conditional is a template argument (f<c ? 1 : 2>, told by the '>' after it). */
@@ -1054,7 +1095,14 @@ static uint64_t condition_start(const pp *P, uint64_t q, int32_t *angle) {
         if (c == ';' || c == '{' || c == '(' || c == '[' || c == ',' || c == '?' || c == ':') break;
         if (c == '=' && assigns(P, j)) break;
         if (word(P, j, "return") || word(P, j, "case") || word(P, j, "else") || word(P, j, "do")) break;
-        if (c == '>') angles++;
+        if (c == '>') {
+            uint64_t o = template_open(P, j);
+            if (o != P->n) { /* a template-id's arguments, commas and all: the name before them is next */
+                k = o;
+                continue;
+            }
+            angles++;
+        }
         if (c == '<') {
             if (j > 0 && is(P, j - 1, '<') && adjacent(P, j - 1, j)) { /* << */
                 k = j - 1;
@@ -1085,10 +1133,10 @@ static uint64_t operand_stop(const pp *P, uint64_t i, int32_t middle) {
             if (!pending) return i;
             pending--;
         }
-        /* a template-id's arguments (vec<float, 4>(x), as_type<uint>(y)) */
+        /* a template-id's arguments (vec<float, 4>(x), as_type<uint>(y), is_same_v<A, B>) */
         if (!middle && c == '<' && i > 0 && is(P, i - 1, 'w')) {
             uint64_t g = skip_angles(P, i);
-            if (g < P->n && (is(P, g, '(') || is(P, g, '{') || is(P, g, 'D'))) {
+            if (g < P->n && template_follows(P, g - 1)) {
                 i = g;
                 continue;
             }
@@ -1113,9 +1161,15 @@ static void conditional(pp *P, uint64_t q) {
     if (colon == P->n || colon == q + 1) return;
     uint64_t end = operand_stop(P, colon + 1, 0);
     if (end == P->n || end == colon + 1) return;
-    for (uint64_t k = colon + 1; angle && k < end; k = opens(P, k) ? skip_group(P, k) : k + 1)
+    for (uint64_t k = colon + 1; angle && k < end; k = opens(P, k) ? skip_group(P, k) : k + 1) {
+        uint64_t g = is(P, k, '<') && is(P, k - 1, 'w') ? skip_angles(P, k) : P->n;
+        if (g <= end && template_follows(P, g - 1)) { /* the operand's own template-id */
+            k = g - 1;
+            continue;
+        }
         if (is(P, k, '>') && !adjacent(P, k, k + 1) && !(k > 0 && adjacent(P, k - 1, k) && strchr("->", P->t[k - 1].k)))
             return; /* a template argument (a lone '>' after it) */
+    }
     int64_t seq = ++P->nconds;
     add_insertion(P, P->t[c].a, dup_n(P, "::msl_rt::cond_unwrap(", 22), seq);
     add_insertion(P, P->t[q + 1].a, dup_n(P, "((", 2), seq);

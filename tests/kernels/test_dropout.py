@@ -404,9 +404,9 @@ def test_bad_dropout_arguments_are_refused(gen):
         )
     with pytest.raises(ValueError, match="dropout_p"):
         _C.forward(_C.DEVICE_CPU, slots(FORWARD_NAMES, (q, q, q, out)), core_options(scale=0.25, dropout_p=2.0))
-    with pytest.raises(ValueError, match="write_probs"):
+    with pytest.raises(ValueError, match="write_probs: the probability pass runs the simple kernel"):
         _C.forward(
             _C.DEVICE_CPU,
             slots(FORWARD_NAMES, (q, q, q, out), rng_state=torch.zeros(4, dtype=torch.float32)),
-            core_options(scale=0.25, dropout_p=0.5, write_probs=True),
+            core_options(scale=0.25, dropout_p=0.5, write_probs=True, kernel=_C.KERNEL_DECODE),
         )
