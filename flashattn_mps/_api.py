@@ -38,6 +38,7 @@ from ._options import (
     check_call,
     check_causal_and_scale,
     check_dropout,
+    check_gpu,
     check_kernel,
     check_mask,
     check_sinks,
@@ -289,6 +290,7 @@ def explain_plan(
     sinks=None,
     window_align=None,
     backward: bool = False,
+    gpu: Optional[str] = None,
 ) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size, ...)`
     would launch, without running it:
@@ -310,7 +312,15 @@ def explain_plan(
     as the forward's), with the same cost figures (csrc/fa_plan_backward.c counts them).
 
     Calls of flash_attn_varlen_func and flash_attn_with_kvcache are explained by
-    explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments."""
+    explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments.
+
+    gpu: the GPU family to plan for, "apple7" (M1), "apple8" (M2), "apple9" (M3, M4) or "apple10"
+    (M5); None: the device's (MPS: the Metal device's; CPU: FLASHATTN_MPS_GPU_FAMILY, apple7 when
+    unset). "gpu_family" names it, and each dispatch's "estimate" says what it means there:
+    "registers" per thread in all (the fragments of "cost" plus an overhead estimate), its
+    "threadgroup_bytes", the "resident_threadgroups" and "resident_simd_groups" per core, the
+    "occupancy" and the estimated "fraction_of_peak", with the "assumptions" named
+    (csrc/fa_gpu_family.c; docs/performance.md)."""
     causal, band = band_of(causal, window_size, window_align)
     check_call(q, k, v, causal, scale, attn_mask)
     code = check_kernel(kernel, False)
@@ -331,7 +341,13 @@ def explain_plan(
         "sinks": None if sinks is None else check_sinks(sinks, q),
     }
     options = core_options(
-        scale, causal, band, check_softcap(softcap, "explain_plan"), check_dropout(dropout_p, "explain_plan"), code
+        scale,
+        causal,
+        band,
+        check_softcap(softcap, "explain_plan"),
+        check_dropout(dropout_p, "explain_plan"),
+        code,
+        gpu_family=check_gpu(gpu, "explain_plan"),
     )
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
@@ -344,7 +360,8 @@ def explain_plan(
             dv=torch.empty_like(v),
             sink_grad=None if sinks is None else rows,
         )
-        return {"dispatches": plan_backward(device, tensors, options)}
+        dispatches = plan_backward(device, tensors, options)
+        return {"dispatches": dispatches, "gpu_family": dispatches[-1]["estimate"]["gpu_family"]}
     if backward is not False:
         raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
     return explained(plan_forward(device, tensors, options), q.device)

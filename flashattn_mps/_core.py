@@ -7,7 +7,7 @@ The binding's contract: `forward(device, tensors, options, workspace)`,
 sequence_scratch, block_table; for the backward also dout, delta, dq, dk, dv, sink_grad) to tensors
 or None, and `options` is the tuple `AttentionOptions.core` (or `_options.core_options`) builds
 (scale, causal, bottom_right, window_left, window_right, softcap, dropout_p, kernel, num_splits,
-write_probs, max_q_len, max_kv_len, unbatched, diagonal_offset). Above them: forward_core, backward_core and
+write_probs, max_q_len, max_kv_len, unbatched, diagonal_offset, gpu_family). Above them: forward_core, backward_core and
 probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
 value, they turn into that tuple, and run it; every entry point ends in one of them."""
 
@@ -295,6 +295,7 @@ def forward_core(
             max_q,
             max_kv,
             dims == 3,
+            0,
             0,
         )
     else:

@@ -366,6 +366,7 @@ def core_options(**fields) -> tuple:
         max_kv_len=0,
         unbatched=False,
         diagonal_offset=0,
+        gpu_family=0,
     )
     unknown = set(fields) - set(values)
     assert not unknown, f"not an option field: {unknown}"

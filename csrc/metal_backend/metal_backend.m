@@ -15,6 +15,7 @@
 
 #include "../fa_backend.h"
 #include "../fa_cache.h"
+#include "../fa_gpu_family.h"
 #include "metal_backend.h"
 
 static id<MTLDevice> g_device;
@@ -140,6 +141,22 @@ static int32_t metal_init(fa_status *st) {
         return fa_fail(st, FA_ERR_UNSUPPORTED, "Metal backend: no Metal device on this machine");
     }
     return FA_OK;
+}
+
+// The newest MTLGPUFamilyApple<N> the device supports (fa_gpu_family.h), 0 without a device. The
+// families are asked by value (MTLGPUFamilyApple<N> = 1000 + N) so an SDK without Apple10's name
+// still asks; an OS that does not know a family answers NO.
+int32_t fa_metal_gpu_family(void) {
+    fa_status st;
+    if (metal_init(&st) != FA_OK) {
+        return 0;
+    }
+    for (int32_t family = 10; family >= 7; --family) {
+        if ([g_device supportsFamily:(MTLGPUFamily)(1000 + family)]) {
+            return family;
+        }
+    }
+    return 7; // older than Apple7 cannot run these kernels' SIMD-group matrices; plan as the oldest
 }
 
 static const char *class_name(id obj) { return NSStringFromClass([obj class]).UTF8String; }

@@ -26,6 +26,7 @@ CHANGED = {  # a valid value other than the base's, for every option field
     "max_kv_len": 4,
     "unbatched": True,
     "diagonal_offset": 3,
+    "gpu_family": 9,
 }
 
 
@@ -110,13 +111,14 @@ def test_the_options_tuple_is_the_c_struct():
         "max_kv_len",
         "unbatched",
         "diagonal_offset",
+        "gpu_family",
     )
     assert _C.FORWARD_SLOTS[:5] == ("q", "k", "v", "out", "lse") and "dq" in _C.BACKWARD_SLOTS
     with pytest.raises(ValueError, match="'dq' is not a forward slot"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, {**tensors("forward"), "dq": None}, base_options())
     with pytest.raises(TypeError, match="options.causal must be a bool, got str"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options(causal="yes"))
-    with pytest.raises(ValueError, match="expected 14 fields"):
+    with pytest.raises(ValueError, match="expected 15 fields"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options()[:-1])
 
 

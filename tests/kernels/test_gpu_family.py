@@ -1,0 +1,139 @@
+"""The planner's GPU families (csrc/fa_gpu_family.c): explain_plan(gpu=...) plans for each, Apple7/8
+keep every D = 128 configuration within 96 fragment registers and 15 KiB of threadgroup memory, the
+estimate's figures follow from its named model, and the CPU device runs the configurations of the
+family FLASHATTN_MPS_GPU_FAMILY names (apple7 by default) to the tested tolerances."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashattn_mps import _C, explain_plan, flash_attention
+from helpers import ALL_DTYPES, FUDGE, core_options, max_error, randn
+
+FAMILIES = ["apple7", "apple8", "apple9", "apple10"]
+
+
+def plans(dtype, d, gpu, l=256):
+    q = torch.empty(1, 8, l, d, dtype=dtype)
+    forward = explain_plan(q, q, q, gpu=gpu)
+    backward = explain_plan(q, q, q, gpu=gpu, backward=True)
+    return forward, backward
+
+
+@pytest.mark.parametrize("gpu", FAMILIES)
+def test_explain_plan_names_the_family_it_planned_for(gpu):
+    forward, backward = plans(torch.float16, 128, gpu)
+    assert forward["gpu_family"] == backward["gpu_family"] == gpu
+    for d in forward["dispatches"] + backward["dispatches"]:
+        assert d["estimate"]["gpu_family"] == gpu and "no spill" in d["estimate"]["assumptions"]
+
+
+@pytest.mark.parametrize("gpu", ["apple7", "apple8"])
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_apple7_and_apple8_budgets_at_d128(gpu, dtype):
+    forward, backward = plans(dtype, 128, gpu)
+    for d in forward["dispatches"] + backward["dispatches"][1:]:  # the delta pre-pass has no tiles
+        cost = d["cost"]
+        assert cost["registers"] <= 96, (d["function"], cost["registers"])
+        assert cost["threadgroup_bytes"] <= 15 * 1024, (d["function"], cost["threadgroup_bytes"])
+
+
+def test_apple9_keeps_the_wider_tiles():
+    """Apple9's dynamic caching takes the larger tiles (BK 32 at D = 128 in fp16), Apple7 halves BK
+    to fit its tile cap and blocks dK/dV in 64 columns to fit its register budget."""
+    forward9, backward9 = plans(torch.float16, 128, "apple9")
+    forward7, backward7 = plans(torch.float16, 128, "apple7")
+    assert forward9["dispatches"][0]["macros"]["FA_BK"] == "32" and forward7["dispatches"][0]["macros"]["FA_BK"] == "16"
+    assert backward9["dispatches"][1]["macros"]["FA_BD"] == "128"
+    assert backward7["dispatches"][1]["macros"]["FA_BD"] == "64"
+    assert backward7["dispatches"][1]["grid"][1] == 2 * backward9["dispatches"][1]["grid"][1]  # 2 column blocks
+
+
+def test_estimate_follows_its_model():
+    """fp16 forward at D = 128 on Apple7: 53 fragment registers + 32 overhead = 85; 208 KiB /
+    (85 x 4 B x 128 threads) = 4 threadgroups by registers, 60 KiB / 8712 B = 7 by threadgroup
+    memory: 4 resident, 16 SIMD-groups, 16 / 24 busy; no padding at D = 128 and L = 256."""
+    forward, _ = plans(torch.float16, 128, "apple7")
+    e = forward["dispatches"][0]["estimate"]
+    assert (e["fragment_registers"], e["registers"], e["threadgroup_bytes"]) == (53, 85, 8712)
+    assert (e["resident_threadgroups"], e["resident_simd_groups"]) == (4, 16)
+    assert e["occupancy"] == pytest.approx(16 / 24) and e["fraction_of_peak"] == pytest.approx(16 / 24)
+
+
+def test_bad_family_is_refused():
+    q = torch.empty(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="gpu must be None"):
+        explain_plan(q, q, q, gpu="apple6")
+    tensors = {"q": q, "k": q, "v": q, "out": torch.empty_like(q), "rng_state": torch.zeros(4)}
+    with pytest.raises(ValueError, match=r"gpu_family: must be 0 \(the device's\) or 7 to 10"):
+        _C.plan_forward(_C.DEVICE_CPU, tensors, core_options(scale=1.0, gpu_family=6))
+
+
+def gradients(q, k, v, dout, attention):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves)
+    out.backward(dout)
+    return [out] + [t.grad for t in leaves]
+
+
+def sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def assert_matches_sdpa(dtype, e, gen):
+    """Forward and gradients at head dim e against float64, within the suite's tolerance rule."""
+    q, k, v = (randn(gen, 1, 2, n, e, dtype=dtype) for n in (70, 70, 70))
+    dout = randn(gen, 1, 2, 70, e, dtype=dtype)
+    golden = gradients(q.double(), k.double(), v.double(), dout.double(), sdpa)
+    reference = gradients(q, k, v, dout, sdpa)
+    actual = gradients(q, k, v, dout, lambda *t: flash_attention(*t, causal=True))
+    for name, a, g, r in zip(("out", "dq", "dk", "dv"), actual, golden, reference):
+        tolerance = max(1e-5, FUDGE.get(name, 5.0) * max_error(r, g))
+        assert max_error(a, g) <= tolerance, f"{dtype} E={e} {name}: {max_error(a, g):.3e} > {tolerance:.3e}"
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_default_family_configurations_at_d128(gen, dtype):
+    """The CPU device plans for Apple7 unless told otherwise: its D = 128 configurations (BK 16 or
+    8, dK/dV and dQ blocked in 64 columns where the register budget asks) run and match."""
+    q = torch.empty(1, 2, 70, 128, dtype=dtype)
+    assert explain_plan(q, q, q)["gpu_family"] == os.environ.get("FLASHATTN_MPS_GPU_FAMILY", "apple7")
+    assert_matches_sdpa(dtype, 128, gen)
+
+
+CHILD = """
+import torch
+from flashattn_mps import explain_plan
+import test_gpu_family as t
+q = torch.empty(1, 2, 70, 128)
+assert explain_plan(q, q, q)["gpu_family"] == "apple9"
+for dtype in (torch.bfloat16, torch.float32):
+    t.assert_matches_sdpa(dtype, 128, torch.Generator().manual_seed(1))
+print("ok")
+"""
+
+
+def child_env(family):
+    env = dict(os.environ, FLASHATTN_MPS_GPU_FAMILY=family)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_cpu_device_emulates_the_family_the_environment_names():
+    """FLASHATTN_MPS_GPU_FAMILY=apple9: the planner takes Apple9's tiles and they run and match (a
+    fresh process: the variable is read once)."""
+    run = subprocess.run([sys.executable, "-c", CHILD], env=child_env("apple9"), capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_bad_environment_family_is_a_clear_error():
+    child = "import torch, flashattn_mps as f; q = torch.empty(1, 1, 8, 16); f.explain_plan(q, q, q)"
+    run = subprocess.run([sys.executable, "-c", child], env=child_env("m1"), capture_output=True, text=True)
+    assert run.returncode != 0 and "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10" in run.stderr
