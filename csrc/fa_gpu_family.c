@@ -43,14 +43,14 @@ const fa_gpu_profile *fa_gpu_profile_of(int32_t family) {
     return NULL;
 }
 
-/* The CPU device's family: FLASHATTN_MPS_GPU_FAMILY's profile name, read once; -1 when the value
- * names none. */
-static int32_t cpu_gpu_family(const char **value) {
-    static int32_t family = 0;
+/* FLASHATTN_MPS_GPU_FAMILY's family, read once: 0 when unset or empty, -1 when the value names no
+ * profile (*value: the text). */
+static int32_t environment_family(const char **value) {
+    static int32_t family = -2;
     static const char *text = NULL;
-    if (family == 0) {
+    if (family == -2) {
         text = getenv("FLASHATTN_MPS_GPU_FAMILY");
-        family = FA_FAMILY_CPU_DEFAULT;
+        family = 0;
         if (text != NULL && text[0] != '\0') {
             family = -1;
             for (int32_t i = 0; i < FA_GPU_PROFILES; ++i) {
@@ -74,18 +74,15 @@ int32_t fa_resolve_gpu_family(int32_t device, int64_t requested, int32_t *family
         *family = (int32_t)requested;
         return FA_OK;
     }
-    if (device == FA_DEVICE_MPS) {
-        const int32_t metal = fa_metal_gpu_family();
-        *family = metal != 0 ? metal : FA_FAMILY_CPU_DEFAULT; /* no device: planning only (explain_plan) */
-        return FA_OK;
-    }
     const char *value = NULL;
-    *family = cpu_gpu_family(&value);
-    if (*family < 0) {
-        return fa_fail(
-            st, FA_ERR_VALUE,
-            "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10 (or unset: apple7), got '%s'", value);
+    const int32_t named = environment_family(&value);
+    if (named < 0) {
+        return fa_fail(st, FA_ERR_VALUE,
+                       "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10 (or unset), got '%s'",
+                       value);
     }
+    const int32_t metal = device == FA_DEVICE_MPS && named == 0 ? fa_metal_gpu_family() : 0;
+    *family = named != 0 ? named : metal != 0 ? metal : FA_FAMILY_CPU_DEFAULT;
     return FA_OK;
 }
 

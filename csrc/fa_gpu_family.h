@@ -44,10 +44,11 @@ extern const fa_gpu_profile fa_gpu_profiles[FA_GPU_PROFILES];
 /* The profile of family (7..10); NULL for any other value. */
 const fa_gpu_profile *fa_gpu_profile_of(int32_t family);
 
-/* The family a call on `device` plans for: `requested` when nonzero (it must name a profile), else
- * the Metal device's (MTLDevice supportsFamily) for MPS and, for the CPU Metal device, the
- * FLASHATTN_MPS_GPU_FAMILY environment variable (apple7 .. apple10, read once; FA_FAMILY_CPU_DEFAULT
- * without it) into *family; FA_ERR_VALUE with st set on a bad value. */
+/* The family a call on `device` plans for, into *family: `requested` when nonzero; else the one the
+ * FLASHATTN_MPS_GPU_FAMILY environment variable names (apple7 .. apple10, read once), on either
+ * device (so a Mac can run another family's configurations to compare them); else the Metal
+ * device's (MTLDevice supportsFamily) for MPS, FA_FAMILY_CPU_DEFAULT for the CPU Metal device.
+ * FA_ERR_VALUE with st set on a bad value. */
 enum { FA_FAMILY_CPU_DEFAULT = FA_FAMILY_APPLE7 };
 int32_t fa_resolve_gpu_family(int32_t device, int64_t requested, int32_t *family, fa_status *st);
 

@@ -133,8 +133,9 @@ static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_byte
  * element through the strides). FA_DECODE_ROWS rows per threadgroup: the next power of two >=
  * (Hq / Hkv) * L, so a plain multi-head decode keeps its registers free, capped by the lane's
  * register budget: per row 2 * COLS floats (query slice and output accumulator), plus 4 * COLS for
- * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 of Apple's ~128 32-bit
- * registers per thread at full occupancy (the rest hold softmax state, indices and pointers):
+ * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 32-bit registers per
+ * thread (the rest hold softmax state, indices and pointers; about 128 in all leave Apple7/8 13
+ * SIMD-groups per core, the fewest that keep a core issuing: fa_gpu_family.c):
  * 16 rows up to E = 64, 8 up to 128, 4 up to 256, 2 up to 384, 1 beyond. Above
  * FA_DECODE_LATE_VALUES_ABOVE = 16 columns (E or Ev > 512) the kernel loads a key pair's value rows
  * after their scores, so only 2 * COLS of the four rows are live at once: 20 columns at one row

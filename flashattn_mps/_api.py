@@ -315,11 +315,11 @@ def explain_plan(
     explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments.
 
     gpu: the GPU family to plan for, "apple7" (M1), "apple8" (M2), "apple9" (M3, M4) or "apple10"
-    (M5); None: the device's (MPS: the Metal device's; CPU: FLASHATTN_MPS_GPU_FAMILY, apple7 when
-    unset). "gpu_family" names it, and each dispatch's "estimate" says what it means there:
-    "registers" per thread in all (the fragments of "cost" plus an overhead estimate), its
-    "threadgroup_bytes", the "resident_threadgroups" and "resident_simd_groups" per core, the
-    "occupancy" and the estimated "fraction_of_peak", with the "assumptions" named
+    (M5); None: the one FLASHATTN_MPS_GPU_FAMILY names, else the device's (MPS: the Metal
+    device's; the CPU device: apple7). "gpu_family" names it, and each dispatch's "estimate" says
+    what it means there: "registers" per thread in all (the fragments of "cost" plus an overhead
+    estimate), its "threadgroup_bytes", the "resident_threadgroups" and "resident_simd_groups" per
+    core, the "occupancy" and the estimated "fraction_of_peak", with the "assumptions" named
     (csrc/fa_gpu_family.c; docs/performance.md)."""
     causal, band = band_of(causal, window_size, window_align)
     check_call(q, k, v, causal, scale, attn_mask)

@@ -213,8 +213,12 @@ static NSString *fixed_string(const char *p, size_t max) {
 static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     MTLCompileOptions *opts = [MTLCompileOptions new];
     NSMutableDictionary<NSString *, NSObject *> *macros = [NSMutableDictionary new];
+    bool two_byte_elements = false; // FA_DTYPE half or bfloat: the library's one element type
     for (uint32_t i = 0; i < key->n_macros; ++i) {
         NSString *value = fixed_string(key->macros[i].value, sizeof key->macros[i].value);
+        if (strncmp(key->macros[i].name, "FA_DTYPE", sizeof key->macros[i].name) == 0) {
+            two_byte_elements = [value isEqualToString:@"half"] || [value isEqualToString:@"bfloat"];
+        }
         // An empty value means "defined", as on the CPU device (which defines it as 1).
         macros[fixed_string(key->macros[i].name, sizeof key->macros[i].name)] = value.length ? value : @"1";
     }
@@ -231,11 +235,16 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     // No fast math: masked scores are -inf (exp2(-inf) == 0), fully masked rows and NaN inputs
     // must propagate as SDPA does, and fast math lets the compiler assume no inf/NaN exist.
     // macOS 15 replaced fastMathEnabled with mathMode; fastMathEnabled = NO is documented as
-    // mathMode safe + precise FP32 functions, so set the same pair.
+    // mathMode safe + precise FP32 functions, so set the same pair for float32 libraries. Those of
+    // 2-byte elements take the fast FP32 functions (exp2 of every softmax weight, as MLX's
+    // fast::exp2) under the same safe mode: the kernels test -inf and equal maxima before each
+    // exp2 (fa_softmax.h) and the fast one's few-ulp error is far below a half or bfloat output's
+    // rounding. Before macOS 15 every library keeps the precise functions.
 #if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
     if (@available(macOS 15.0, *)) {
         opts.mathMode = MTLMathModeSafe;
-        opts.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+        opts.mathFloatingPointFunctions =
+            two_byte_elements ? MTLMathFloatingPointFunctionsFast : MTLMathFloatingPointFunctionsPrecise;
     } else
 #endif
     {
@@ -243,6 +252,7 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"
         opts.fastMathEnabled = NO;
 #pragma clang diagnostic pop
+        (void)two_byte_elements;
     }
     return opts;
 }

@@ -136,4 +136,4 @@ def test_cpu_device_emulates_the_family_the_environment_names():
 def test_bad_environment_family_is_a_clear_error():
     child = "import torch, flashattn_mps as f; q = torch.empty(1, 1, 8, 16); f.explain_plan(q, q, q)"
     run = subprocess.run([sys.executable, "-c", child], env=child_env("m1"), capture_output=True, text=True)
-    assert run.returncode != 0 and "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10" in run.stderr
+    assert run.returncode != 0 and "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10 (or unset)" in run.stderr
