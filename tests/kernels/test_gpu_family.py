@@ -5,6 +5,7 @@ family FLASHATTN_MPS_GPU_FAMILY names (apple7 by default) to the tested toleranc
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -136,4 +137,43 @@ def test_cpu_device_emulates_the_family_the_environment_names():
 def test_bad_environment_family_is_a_clear_error():
     child = "import torch, flashattn_mps as f; q = torch.empty(1, 1, 8, 16); f.explain_plan(q, q, q)"
     run = subprocess.run([sys.executable, "-c", child], env=child_env("m1"), capture_output=True, text=True)
-    assert run.returncode != 0 and "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10 (or unset)" in run.stderr
+    assert (
+        run.returncode != 0
+        and "FLASHATTN_MPS_GPU_FAMILY: must be apple7, apple8, apple9 or apple10 (or unset)" in run.stderr
+    )
+
+
+def test_benchmark_fractions_use_the_chips_figures_and_the_plans_estimate(tmp_path):
+    """benchmarks/peak_fractions.py: an M1 (8 cores x 256 FLOPs x 1.278 GHz = 2.617 TFLOPS, 68.25
+    GB/s) turns a forward row's useful TFLOPS and a decode row's GB/s into fractions, and puts
+    explain_plan's Apple7 estimate beside this project's rows only."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "peak_fractions.py")
+    spec = importlib.util.spec_from_file_location("peak_fractions", path)
+    fractions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fractions)
+    common = dict(device="MPS", batch=1, head_dim=128, dtype="float16", ms=1.0)
+    forward = [
+        dict(common, impl=impl, heads=16, seq=4096, causal=False, useful_tflops=1.3085)
+        for impl in ("flash_attention", "torch_sdpa")
+    ]
+    decode = [dict(common, impl="flash_attention", q_heads=32, kv_heads=4, kv_len=4096, kv_gb_per_s=34.125)]
+    for name, rows in (("attention", forward), ("decode", decode)):
+        with open(tmp_path / f"{name}_mps.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    fractions.main(["--results", str(tmp_path), "--tag", "mps", "--chip", "M1"])
+    with open(tmp_path / "fractions_mps.csv", newline="") as f:
+        out = list(csv.DictReader(f))
+    assert [(r["kind"], r["impl"], r["gpu_family"]) for r in out] == [
+        ("forward", "flash_attention", "apple7"),
+        ("forward", "torch_sdpa", "apple7"),
+        ("decode", "flash_attention", "apple7"),
+    ]
+    assert [float(r["measured_fraction"]) for r in out] == pytest.approx([0.5, 0.5, 0.5], rel=1e-3)
+    q = torch.empty(1, 16, 4096, 128, dtype=torch.float16)
+    estimate = explain_plan(q, q, q, kernel="forward", gpu="apple7")["dispatches"][0]["estimate"]
+    assert float(out[0]["estimated_fraction"]) == pytest.approx(estimate["fraction_of_peak"])
+    assert out[1]["estimated_fraction"] == "" and 0 < float(out[2]["estimated_fraction"]) <= 1
