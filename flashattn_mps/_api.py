@@ -340,6 +340,7 @@ def explain_plan(
         "rng_state": _rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)),
         "sinks": None if sinks is None else check_sinks(sinks, q),
     }
+    family = check_gpu(gpu, "explain_plan")
     options = core_options(
         scale,
         causal,
@@ -347,8 +348,9 @@ def explain_plan(
         check_softcap(softcap, "explain_plan"),
         check_dropout(dropout_p, "explain_plan"),
         code,
-        gpu_family=check_gpu(gpu, "explain_plan"),
+        gpu_family=family,
     )
+    family_name = _C.gpu_family_name(device, family)
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
         rows = q.new_empty(q.shape[:-1], dtype=torch.float32)
         tensors.update(
@@ -360,8 +362,7 @@ def explain_plan(
             dv=torch.empty_like(v),
             sink_grad=None if sinks is None else rows,
         )
-        dispatches = plan_backward(device, tensors, options)
-        return {"dispatches": dispatches, "gpu_family": dispatches[-1]["estimate"]["gpu_family"]}
+        return {"dispatches": plan_backward(device, tensors, options), "gpu_family": family_name}
     if backward is not False:
         raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
-    return explained(plan_forward(device, tensors, options), q.device)
+    return {**explained(plan_forward(device, tensors, options), q.device), "gpu_family": family_name}

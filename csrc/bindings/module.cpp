@@ -529,6 +529,15 @@ py::list plan_backward(int32_t device, py::handle tensors, py::handle options) {
                           plan.gpu_family);
 }
 
+// The name of the GPU family a call on `device` plans for (fa_resolve_gpu_family): explain_plan
+// reports it even when nothing is planned (an empty call).
+std::string gpu_family_name(int32_t device, int64_t requested) {
+    int32_t family = 0;
+    fa_status st;
+    check(fa_resolve_gpu_family(device, requested, &family, &st), st);
+    return fa_gpu_profile_of(family)->name;
+}
+
 void register_source(const std::string &name, const std::string &text) {
     fa_status st;
     check(fa_register_source(name.c_str(), text.c_str(), &st), st);
@@ -636,6 +645,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (arguments as for backward)",
           py::arg("device"), py::arg("tensors"), py::arg("options"));
+    m.def("gpu_family_name", &gpu_family_name, "The GPU family a call plans for (requested 0: the device's)",
+          py::arg("device"), py::arg("requested"));
     m.def(
         "plan_cache_counts",
         []() {
