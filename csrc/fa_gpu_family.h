@@ -49,7 +49,9 @@ const fa_gpu_profile *fa_gpu_profile_of(int32_t family);
  * device (so a Mac can run another family's configurations to compare them); else the Metal
  * device's (MTLDevice supportsFamily) for MPS, FA_FAMILY_CPU_DEFAULT for the CPU Metal device.
  * FA_ERR_VALUE with st set on a bad value. */
-enum { FA_FAMILY_CPU_DEFAULT = FA_FAMILY_APPLE7 };
+/* The CPU device's default: Apple9's tiles are the table the suite has always run (every plan-shape
+ * test holds as it was); FLASHATTN_MPS_GPU_FAMILY=apple7 runs an M1's configurations. */
+enum { FA_FAMILY_CPU_DEFAULT = FA_FAMILY_APPLE9 };
 int32_t fa_resolve_gpu_family(int32_t device, int64_t requested, int32_t *family, fa_status *st);
 
 /* The Metal device's family (7..10, 0 when there is no Metal device): metal_backend.m, 0 in

@@ -17,7 +17,9 @@
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
  * Each kernel takes, on its own, the widest column blocks whose registers fit the family's budget
  * (fa_gpu_family.c): blocks of at most 128 columns, then 96, 64, 32 (each dim in the fewest equal
- * blocks of at most that width, padded: 192 -> 2 x 96, 256 -> 2 x 128 or 3 x 88, ...). Blocked,
+ * blocks of at most that width, padded: 192 -> 2 x 96, 256 -> 2 x 128 or 3 x 88, ...); dims above
+ * 128 with float operand fragments (fp32, bf16) start at 96, whose fragments take twice the
+ * registers (the blocking tested since it was introduced). Blocked,
  * products over a head dim (S, dP and their transposes) stream both operands block by block; each
  * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
  * (Hq x E blocks), dK/dV (Hkv x max(E blocks, Ev blocks)), each recomputing S and dP for its block;
@@ -32,7 +34,8 @@
  *   D = 256  fp16 2 x 128 (72), fp32 3 x 96 (80)   fp16 3 x 96 (88), fp32 4 x 64 (72)
  *   Apple9/10, budget 144 (dynamic caching allocates registers as used, so a wide configuration
  *   costs occupancy gradually; metal-flash-attention keeps dK and dV resident to D = 144 there):
- *   D <= 128 unblocked in every dtype (bf16 dK/dV at 128 takes 144); D = 256: 2 x 128 in every dtype.
+ *   D <= 128 unblocked in every dtype (bf16 dK/dV at 128 takes 144); D = 256: fp16 2 x 128, fp32 and
+ *   bf16 3 x 96 (at most 114).
  * Threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB, 15 KiB on Apple7/8.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
@@ -84,7 +87,12 @@ static int64_t whole_bytes(const fa_tensor *t) {
     return n;
 }
 
-enum { BACKWARD_MAX_WIDTH = 128, BACKWARD_MIN_WIDTH = 32, BACKWARD_WIDTH_STEP = 32 };
+enum {
+    BACKWARD_MAX_WIDTH = 128,
+    BACKWARD_FLOAT_BLOCK_WIDTH = 96, /* blocked dims with float operand fragments start here */
+    BACKWARD_MIN_WIDTH = 32,
+    BACKWARD_WIDTH_STEP = 32,
+};
 
 /* Fragment registers per thread (see above): operands half for fp16 inputs, accumulators and scores
  * float. dK/dV: K, V, dK, dV and S^T, dP^T of BK queries; dQ: Q, dO, dQ and S, dP of BK keys. */
@@ -98,11 +106,14 @@ static int32_t dq_fragment_registers(fa_tiles t, int32_t dtype) {
     return (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2;
 }
 
-/* One kernel's tiles (see above): the widest blocks, of at most 128 columns and then 32 fewer at a
- * time, whose fragment registers fit the family's budget. */
+/* One kernel's tiles (see above): the widest blocks, of at most 128 columns (96 for a blocked dim
+ * with float operand fragments) and then 32 fewer at a time, whose fragment registers fit the
+ * family's budget. */
 static fa_tiles backward_tiles(int32_t (*registers)(fa_tiles, int32_t), int64_t e, int64_t ev, int32_t dtype,
                                const fa_gpu_profile *gpu) {
-    for (int32_t widest = BACKWARD_MAX_WIDTH;; widest -= BACKWARD_WIDTH_STEP) {
+    const int32_t blocked = e > BACKWARD_MAX_WIDTH || ev > BACKWARD_MAX_WIDTH;
+    const int32_t first = blocked && dtype != FA_F16 ? BACKWARD_FLOAT_BLOCK_WIDTH : BACKWARD_MAX_WIDTH;
+    for (int32_t widest = first;; widest -= BACKWARD_WIDTH_STEP) {
         const fa_tiles t = fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
                                          (int32_t)fa_dtype_bytes(dtype), gpu);
         if (widest <= BACKWARD_MIN_WIDTH || registers(t, dtype) <= gpu->fragment_register_budget) {

@@ -316,7 +316,7 @@ def explain_plan(
 
     gpu: the GPU family to plan for, "apple7" (M1), "apple8" (M2), "apple9" (M3, M4) or "apple10"
     (M5); None: the one FLASHATTN_MPS_GPU_FAMILY names, else the device's (MPS: the Metal
-    device's; the CPU device: apple7). "gpu_family" names it, and each dispatch's "estimate" says
+    device's; the CPU device: apple9). "gpu_family" names it, and each dispatch's "estimate" says
     what it means there: "registers" per thread in all (the fragments of "cost" plus an overhead
     estimate), its "threadgroup_bytes", the "resident_threadgroups" and "resident_simd_groups" per
     core, the "occupancy" and the estimated "fraction_of_peak", with the "assumptions" named
