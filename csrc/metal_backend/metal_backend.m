@@ -237,9 +237,12 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     // macOS 15 replaced fastMathEnabled with mathMode; fastMathEnabled = NO is documented as
     // mathMode safe + precise FP32 functions, so set the same pair for float32 libraries. Those of
     // 2-byte elements take the fast FP32 functions (exp2 of every softmax weight, as MLX's
-    // fast::exp2) under the same safe mode: the kernels test -inf and equal maxima before each
-    // exp2 (fa_softmax.h) and the fast one's few-ulp error is far below a half or bfloat output's
-    // rounding. Before macOS 15 every library keeps the precise functions.
+    // fast::exp2) under the same safe mode: the fast one's few-ulp error is far below a half or
+    // bfloat output's rounding, and masked scores (-inf) and unchanged maxima never reach exp2
+    // (fa_softmax.h). What still does: exp2(-inf) for a row's first rescale and NaN scores, which
+    // rely on the GPU's exp2 giving 0 and NaN as MLX's kernels do (docs/mac-checklist.md item 36
+    // checks NaN and fully masked rows on a Mac). Before macOS 15 every library keeps the precise
+    // functions.
 #if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
     if (@available(macOS 15.0, *)) {
         opts.mathMode = MTLMathModeSafe;
