@@ -20,6 +20,7 @@ IS_MACOS = sys.platform == "darwin"
 C_SOURCES = [
     "csrc/fa_core.c",
     "csrc/fa_validate.c",
+    "csrc/fa_gpu_family.c",
     "csrc/fa_plan_build.c",
     "csrc/fa_plan_sequences.c",
     "csrc/fa_plan_forward.c",

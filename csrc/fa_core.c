@@ -51,7 +51,7 @@ const fa_option_field fa_option_fields[FA_OPTION_COUNT] = {
     OPTION(dropout_p, FA_OPTION_DOUBLE),  OPTION(kernel, FA_OPTION_INT32),       OPTION(num_splits, FA_OPTION_INT32),
     OPTION(write_probs, FA_OPTION_BOOL),  OPTION(max_q_len, FA_OPTION_INT64),    OPTION(max_kv_len, FA_OPTION_INT64),
     OPTION(unbatched, FA_OPTION_BOOL),    OPTION(diagonal_offset, FA_OPTION_INT64), OPTION(k_bits, FA_OPTION_INT32),       OPTION(k_group_size, FA_OPTION_INT32),
-    OPTION(v_bits, FA_OPTION_INT32),      OPTION(v_group_size, FA_OPTION_INT32),
+    OPTION(v_bits, FA_OPTION_INT32),      OPTION(v_group_size, FA_OPTION_INT32), OPTION(gpu_family, FA_OPTION_INT64),
 };
 #undef OPTION
 

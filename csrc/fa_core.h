@@ -122,6 +122,10 @@ typedef struct fa_options {
      * is 32, 64 or 128 and divides the head dim (0 when not quantized). */
     int32_t k_bits, k_group_size;
     int32_t v_bits, v_group_size;
+    /* The GPU family the planner chooses for (fa_gpu_family.h): 0 the device's, 7 to 10 Apple7 ..
+     * Apple10 (explain_plan(gpu=...); a run on another family's device is valid, only slower).
+     * 64-bit so the options keep no padding. */
+    int64_t gpu_family;
 } fa_options;
 
 #ifdef __cplusplus
@@ -129,7 +133,7 @@ static_assert(
 #else
 _Static_assert(
 #endif
-    sizeof(fa_options) == 3 * sizeof(double) + 5 * sizeof(int64_t) + 10 * sizeof(int32_t),
+    sizeof(fa_options) == 3 * sizeof(double) + 6 * sizeof(int64_t) + 10 * sizeof(int32_t),
     "fa_options has no padding: it is hashed and compared as bytes");
 
 static inline fa_options fa_default_options(void) {
@@ -153,7 +157,7 @@ typedef struct fa_option_field {
     int32_t offset; /* in fa_options */
 } fa_option_field;
 
-enum { FA_OPTION_COUNT = 18 };
+enum { FA_OPTION_COUNT = 19 };
 extern const fa_option_field fa_option_fields[FA_OPTION_COUNT];
 
 /* The tensors of a call. One table (fa_tensor_slots, indexed by fa_slot) says for each its name,

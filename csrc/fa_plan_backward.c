@@ -1,41 +1,42 @@
 /* Validation and planning of the backward pass.
  *
- * Up to head dims of 128 the backward kernels take the forward kernel's tiles: the forward's tile
- * table (fa_plan_forward.c) fits them as it is, because each streams two tiles of the forward's shapes
- * through threadgroup memory:
+ * The backward kernels take tiles of the forward's table (fa_plan_tiles: padded widths, BK by
+ * element size halved to the GPU family's tile cap), because each streams two tiles of the
+ * forward's shapes through threadgroup memory:
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
- *          (2 * BK floats, at most 256 bytes): at most 18.3 KiB of Apple7-9's 32 KiB.
- * Registers per thread for the live fragments (BD = BDV = D; 2 per float fragment, 1 per half one;
- * the operands a kernel keeps, Q and dO or K and V, are half for fp16 inputs, fa_fragments.h), and
- * which operands stay in registers (metal-flash-attention's table; here every one does, in every
- * configuration):
- *            dQ: Q, dO (operands), dQ, S, dP       dK/dV: K, V (operands), dK, dV, S^T, dP^T
+ *          (2 * BK floats, at most 256 bytes).
+ * Registers per thread for the live fragments (2 per float fragment, 1 per half one; the operands a
+ * kernel keeps, Q and dO or K and V, are half for fp16 inputs, fa_fragments.h):
+ *   dQ     Q, dO (operands), dQ, S, dP:          (BD + BDV) / 8 * operand + BD / 4 + BK / 2
+ *   dK/dV  K, V (operands), dK, dV, S^T, dP^T:   (BD + BDV) / 8 * (operand + 2) + BK / 2
+ * Unblocked (BD = BDV = D, the table's BK):
+ *            dQ                                    dK/dV
  *   D = 64   fp32 64, fp16 48 (BK 32)             fp32 80, fp16 64
- *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112
+ *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112, bf16 144
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
- * (bf16 as fp32 with the fp16 tiles). Over the budget of about 128: dK/dV at D = 128 in fp32 (by
- * 8, kept), and everything above 128, by up to twice the budget at D = 256: a spill of that size
- * round-trips most of the accumulators through memory on every tile, so those dims take the blocked
- * configuration below instead (as metal-flash-attention blocks its backward above D = 128), trading
- * a recomputation of S and dP per block (2x at D = 256 in fp16, 3x in fp32) for no spill.
- *
- * Above 128 (E or Ev, up to 576) the backward blocks along D (metal/fa_head_blocks.h) with tiles of
- * its own: each dim in the fewest equal blocks of at most BACKWARD_BLOCK_HALF = 128 columns (fp16)
- * or BACKWARD_BLOCK_FLOAT = 96 (fp32 and bf16, whose operand fragments are float): 192 -> 2 x 96,
- * 256 -> 2 x 128 (fp16) or 3 x 88, 320 -> 3 x 112 or 4 x 80, 448 -> 4 x 112 or 5 x 96, 512 -> 4 x
- * 128 or 6 x 96, 576 -> 5 x 128 or 6 x 96.
- * Products over a head dim (S, dP and their transposes) stream both operands block by block; each
+ * Each kernel takes, on its own, the widest column blocks whose registers fit the family's budget
+ * (fa_gpu_family.c): blocks of at most 128 columns, then 96, 64, 32 (each dim in the fewest equal
+ * blocks of at most that width, padded: 192 -> 2 x 96, 256 -> 2 x 128 or 3 x 88, ...); dims above
+ * 128 with float operand fragments (fp32, bf16) start at 96, whose fragments take twice the
+ * registers (the blocking tested since it was introduced). Blocked,
+ * products over a head dim (S, dP and their transposes) stream both operands block by block; each
  * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
- * (Hq x E blocks), dK/dV (Hkv x max(E blocks, Ev blocks)), each recomputing S and dP for its block.
- * metal-flash-attention keeps no operand in registers at these dims (its tables: nothing cached above
- * 160 to 384), round-tripping accumulators through memory instead. Which operands stay in registers,
- * and the registers of the widest block (the operand fragments hold one block while streamed):
- *            dQ: Q, dO streamed; dQ, S, dP in registers    dK/dV: K, V streamed; dK, dV, S^T, dP^T
- *   fp16 128 (BK 32): 16 + 16 + 32 + 16 + 1 = 81         16 + 16 + 32 + 32 + 16 + 1 = 113
- *   fp32 96 (BK 16): 24 + 24 + 24 + 8 + 2 = 82           24 + 24 + 24 + 24 + 8 + 2 = 106
- *   bf16 96 (BK 32): 24 + 24 + 24 + 16 + 2 = 90          24 + 24 + 24 + 24 + 16 + 2 = 114
- * all under the budget; threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB.
+ * (Hq x E blocks), dK/dV (Hkv x max(E blocks, Ev blocks)), each recomputing S and dP for its block;
+ * so what stays resident is the accumulators' block, the operands stream (metal/fa_head_blocks.h).
+ * The price is that recomputation: (2 blocks) dK/dV 6D instead of 4D multiply-adds per pair, dQ 5D
+ * instead of 3D. The alternative, a spill, round-trips accumulators through memory on every tile.
+ *   Apple7/8, budget 96 (metal-flash-attention keeps no dK/dV operand resident above D = 96 there):
+ *            dQ                                    dK/dV
+ *   D = 64   unblocked in every dtype (<= 64)      unblocked (fp32 BK 16: 72; bf16 80)
+ *   D = 128  fp16 unblocked (BK 16: 72);           2 x 64 in every dtype (fp16 64, bf16 80, fp32 72)
+ *            fp32, bf16 2 x 64 (56, 64)
+ *   D = 256  fp16 2 x 128 (72), fp32 3 x 96 (80)   fp16 3 x 96 (88), fp32 4 x 64 (72)
+ *   Apple9/10, budget 144 (dynamic caching allocates registers as used, so a wide configuration
+ *   costs occupancy gradually; metal-flash-attention keeps dK and dV resident to D = 144 there):
+ *   D <= 128 unblocked in every dtype (bf16 dK/dV at 128 takes 144); D = 256: fp16 2 x 128, fp32 and
+ *   bf16 3 x 96 (at most 114).
+ * Threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB, 15 KiB on Apple7/8.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
  *   dK/dV  8 WM keys per threadgroup:                                        (ceil(S / 32), Hkv, B)
@@ -86,16 +87,39 @@ static int64_t whole_bytes(const fa_tensor *t) {
     return n;
 }
 
-enum { BACKWARD_RESIDENT_MAX_HEAD_DIM = 128, BACKWARD_BLOCK_HALF = 128, BACKWARD_BLOCK_FLOAT = 96 };
+enum {
+    BACKWARD_MAX_WIDTH = 128,
+    BACKWARD_FLOAT_BLOCK_WIDTH = 96, /* blocked dims with float operand fragments start here */
+    BACKWARD_MIN_WIDTH = 32,
+    BACKWARD_WIDTH_STEP = 32,
+};
 
-/* The backward's tiles (see above): the forward's up to 128, blocks of its own beyond. */
-static fa_tiles backward_tiles(int64_t e, int64_t ev, int32_t dtype) {
-    const int32_t blocked = e > BACKWARD_RESIDENT_MAX_HEAD_DIM || ev > BACKWARD_RESIDENT_MAX_HEAD_DIM;
-    const int32_t widest = !blocked          ? BACKWARD_RESIDENT_MAX_HEAD_DIM
-                           : dtype == FA_F16 ? BACKWARD_BLOCK_HALF
-                                             : BACKWARD_BLOCK_FLOAT;
-    return fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
-                         (int32_t)fa_dtype_bytes(dtype));
+/* Fragment registers per thread (see above): operands half for fp16 inputs, accumulators and scores
+ * float. dK/dV: K, V, dK, dV and S^T, dP^T of BK queries; dQ: Q, dO, dQ and S, dP of BK keys. */
+static int32_t dkdv_fragment_registers(fa_tiles t, int32_t dtype) {
+    const int32_t operand = dtype == FA_F16 ? 1 : 2;
+    return (t.bd + t.bdv) / 8 * operand + (t.bd + t.bdv) / 8 * 2 + t.bk / 8 * 2 * 2;
+}
+
+static int32_t dq_fragment_registers(fa_tiles t, int32_t dtype) {
+    const int32_t operand = dtype == FA_F16 ? 1 : 2;
+    return (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2;
+}
+
+/* One kernel's tiles (see above): the widest blocks, of at most 128 columns (96 for a blocked dim
+ * with float operand fragments) and then 32 fewer at a time, whose fragment registers fit the
+ * family's budget. */
+static fa_tiles backward_tiles(int32_t (*registers)(fa_tiles, int32_t), int64_t e, int64_t ev, int32_t dtype,
+                               const fa_gpu_profile *gpu) {
+    const int32_t blocked = e > BACKWARD_MAX_WIDTH || ev > BACKWARD_MAX_WIDTH;
+    const int32_t first = blocked && dtype != FA_F16 ? BACKWARD_FLOAT_BLOCK_WIDTH : BACKWARD_MAX_WIDTH;
+    for (int32_t widest = first;; widest -= BACKWARD_WIDTH_STEP) {
+        const fa_tiles t = fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
+                                         (int32_t)fa_dtype_bytes(dtype), gpu);
+        if (widest <= BACKWARD_MIN_WIDTH || registers(t, dtype) <= gpu->fragment_register_budget) {
+            return t;
+        }
+    }
 }
 
 /* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
@@ -132,38 +156,35 @@ static int64_t key_block_tiles(const fa_plan *forward, int64_t key0, int64_t key
     return end > begin ? (end - begin + bk - 1) / bk : 0;
 }
 
-static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a, fa_tiles t,
-                               int32_t e_blocks, int32_t key_blocks) {
+static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a, fa_tiles kv,
+                               fa_tiles tq, int32_t e_blocks, int32_t key_blocks) {
     const fa_plan_dispatch *tiled = &forward->dispatches[0];
     const fa_params *f = &forward->params;
-    const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * t.wm;
+    const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * kv.wm;
     const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
     const double e = f->head_dim, ev = f->v_head_dim, pairs = heads * fa_plan_visible_pairs(forward);
     const double issued_e = (double)((f->head_dim + 7) / 8 * 8), issued_ev = (double)((f->v_head_dim + 7) / 8 * 8);
     const int64_t rows_bytes = (int64_t)rows * 4; /* lse or D, float32 */
     const int64_t dout_bytes = (int64_t)rows * f->v_head_dim * elem;
     const int64_t sink_bytes = fa_tensor_present(&a->sinks) ? rows_bytes : 0;
-    /* Operand fragments are half for fp16 inputs (fa_fragments.h), accumulators and scores float. */
-    const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
-    const int64_t tile_bytes = fa_plan_tile_bytes(t, elem) + 2 * t.wm; /* two tiles of BK rows and the tile votes */
     double key_tiles = 0;
     for (int64_t key0 = 0; key0 < f->kv_len; key0 += block) {
-        key_tiles += (double)key_block_tiles(forward, key0, block, t.bk);
+        key_tiles += (double)key_block_tiles(forward, key0, block, kv.bk);
     }
     key_tiles *= heads * key_blocks; /* every query head of each kv head's group, every column block */
-    const double query_tiles = fa_plan_key_tiles(forward, t) * heads * e_blocks;
+    const double query_tiles = fa_plan_key_tiles(forward, tq) * heads * e_blocks;
     const fa_dispatch_cost delta = {
         0, 0, 2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes, rows_bytes + sink_bytes};
+    /* Two tiles of BK rows and the tile votes; dK/dV also the tile's lse and D. */
     const fa_dispatch_cost dkdv = {
-        tile_bytes + 2 * t.bk * 4, /* and the tile's lse and D */
-        (t.bd + t.bdv) / 8 * operand + (t.bd + t.bdv) / 8 * 2 + t.bk / 8 * 2 * 2,
+        fa_plan_tile_bytes(kv, elem) + 2 * kv.wm + 2 * kv.bk * 4, dkdv_fragment_registers(kv, a->q.dtype),
         /* S^T and dP^T over the whole dims in each block; dK and dV once over all blocks */
-        2.0 * key_tiles * (double)(block * t.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks), key_tiles,
+        2.0 * key_tiles * (double)(block * kv.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks), key_tiles,
         2.0 * pairs * (2 * e + 2 * ev), tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
         whole_bytes(&a->k) + whole_bytes(&a->v)};
-    const fa_dispatch_cost dq = {tile_bytes,
-                                 (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2,
-                                 2.0 * query_tiles * (double)(block * t.bk) *
+    const fa_dispatch_cost dq = {fa_plan_tile_bytes(tq, elem) + 2 * tq.wm,
+                                 dq_fragment_registers(tq, a->q.dtype),
+                                 2.0 * query_tiles * (double)(block * tq.bk) *
                                      (issued_e + issued_ev + issued_e / e_blocks),
                                  query_tiles,
                                  2.0 * pairs * (2 * e + ev),
@@ -246,32 +267,36 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     const fa_plan_dispatch *tiled = &forward.dispatches[0];
     const fa_params *f = &p->forward;
     const int32_t dtype = a->q.dtype;
-    const fa_tiles t = backward_tiles(f->head_dim, f->v_head_dim, dtype);
-    const uint32_t threads = 32u * (uint32_t)t.wm;
-    const int64_t rows_per_group = 8 * t.wm; /* 8 rows per SIMD-group */
+    const fa_gpu_profile *gpu = fa_gpu_profile_of(forward.gpu_family);
+    const fa_tiles kv = backward_tiles(dkdv_fragment_registers, f->head_dim, f->v_head_dim, dtype, gpu);
+    const fa_tiles tq = backward_tiles(dq_fragment_registers, f->head_dim, f->v_head_dim, dtype, gpu);
+    const uint32_t threads = 32u * (uint32_t)kv.wm;
+    const int64_t rows_per_group = 8 * kv.wm; /* 8 rows per SIMD-group */
     /* Head dims above the tiles: a threadgroup per column block of each head (see above). */
-    const int32_t e_blocks = fa_plan_head_blocks(f->head_dim, t.bd);
-    const int32_t v_blocks = fa_plan_head_blocks(f->v_head_dim, t.bdv);
-    const int32_t key_blocks = e_blocks > v_blocks ? e_blocks : v_blocks;
+    const int32_t e_blocks = fa_plan_head_blocks(f->head_dim, tq.bd);
+    const int32_t key_blocks = fa_plan_head_blocks(f->head_dim, kv.bd) > fa_plan_head_blocks(f->v_head_dim, kv.bdv)
+                                   ? fa_plan_head_blocks(f->head_dim, kv.bd)
+                                   : fa_plan_head_blocks(f->v_head_dim, kv.bdv);
     if ((rc = fa_plan_check_column_grid(f->q_heads, e_blocks, st)) ||
         (rc = fa_plan_check_column_grid(f->kv_heads, key_blocks, st))) {
         return rc;
     }
-    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, t, "delta", dtype);
+    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, tq, "delta", dtype);
     /* D is per row: with sequences it runs over q's whole view, not the grid's. */
     const int64_t delta_rows = forward.sequences ? f->seq_q_rows : f->q_len;
     fa_plan_set_geometry(delta, (uint32_t)((delta_rows + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
                          (uint32_t)f->q_heads, (uint32_t)(forward.sequences ? f->seq_q_batches : f->batch),
                          32u * FA_BACKWARD_DELTA_ROWS);
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
-    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, t, "dkdv", dtype);
+    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, kv, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
     fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)(f->kv_heads * key_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
-    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, t, "dq", dtype);
+    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, tq, "dq", dtype);
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
-    set_backward_costs(plan, &forward, a, t, e_blocks, key_blocks);
+    set_backward_costs(plan, &forward, a, kv, tq, e_blocks, key_blocks);
+    plan->gpu_family = forward.gpu_family;
     plan->sequences = forward.sequences;
     if (plan->sequences) {
         fa_sequence_set_builder(&plan->sequence_builder, tiled, fa_backward_source, dtype, (uint32_t)f->batch);

@@ -16,6 +16,7 @@ enum { FA_BACKWARD_DELTA = 0, FA_BACKWARD_DKDV = 1, FA_BACKWARD_DQ = 2, FA_BACKW
 typedef struct fa_backward_plan {
     fa_plan_dispatch dispatches[FA_BACKWARD_DISPATCHES];
     fa_backward_params params;
+    int32_t gpu_family; /* the family the tiles were chosen for (fa_gpu_family.h) */
     int32_t sequences;
     fa_plan_dispatch sequence_builder; /* as fa_plan's */
 } fa_backward_plan;

@@ -34,33 +34,44 @@ static const char *decode_source = "fa_decode.metal";
  * registers above about 160 to 384 (its tables), round-tripping O through memory; here O stays in
  * registers, one column block per threadgroup.
  *
- * Keys per tile (BK) by element size and the wider tile width, max(BD, BDV). Each entry keeps
- * the K and V tiles, BK * (BD + 8 + BDV + 8) elements of threadgroup memory, under Apple7-9's 32 KiB
- * (the largest use is 18 KiB, leaving room for a second resident threadgroup at D <= 64):
- *   4-byte elements: D <= 64: BK 32 (18.0 KiB); D <= 128: BK 16 (17.0 KiB); D <= 256: BK 8 (16.5 KiB)
- *   2-byte elements: D <= 128: BK 32 (17.0 KiB); D <= 256: BK 16 (16.5 KiB)
+ * Keys per tile (BK) by element size and the wider tile width, max(BD, BDV), then halved (down to 8)
+ * while the K and V tiles, BK * (BD + 8 + BDV + 8) elements of threadgroup memory, exceed the GPU
+ * family's tile cap (fa_gpu_family.c: 15 KiB on Apple7/8, so four threadgroups share a core's
+ * ~60 KiB; 18.5 KiB on Apple9/10):
+ *                                 table                       Apple7/8 (15 KiB)
+ *   4-byte elements: D <= 64:     BK 32 (18.0 KiB)            BK 16 (9.0 KiB)
+ *                    D <= 128:    BK 16 (17.0 KiB)            BK 8 (8.5 KiB)
+ *                    D <= 256:    BK 8 (16.5 KiB)             BK 8 (16.5 KiB: BK stops at 8)
+ *   2-byte elements: D <= 128:    BK 32 (17.0 KiB)            BK 16 (8.5 KiB)
+ *                    D <= 256:    BK 16 (16.5 KiB)            BK 8 (8.3 KiB)
  *   blocked (BD 64, BDV <= 256): 10.8 KiB in every dtype
- * Register budget per thread (Apple GPUs: about 128 32-bit registers at full occupancy), counted for
- * the live fragments alone (addresses, loop state and temporaries add a few dozen more). An 8x8
- * fragment costs a lane 2 registers in float, 1 in half: Q is an operand fragment (half for fp16
- * inputs, float for fp32 and bf16: fa_fragments.h), O and S are float, plus one K/V fragment in flight:
+ * (MLX's steel attention takes BK 16 at D = 128, 14.8 KiB; metal-flash-attention about 8 KiB.)
+ * Registers per thread, counted for the live fragments alone (explain_plan adds the family's
+ * overhead for addresses, loop state and temporaries: fa_gpu_estimate_dispatch). An 8x8 fragment
+ * costs a lane 2 registers in float, 1 in half: Q is an operand fragment (half for fp16 inputs,
+ * float for fp32 and bf16: fa_fragments.h), O and S are float, plus one K/V fragment in flight
+ * (table BK; Apple7/8's smaller BK takes 2 to 4 fewer):
  *                        Q        O       S (BK)    total
  *   D = 64               16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 as fp32, BK 32: 42)
  *   D = 128              32 / 16  32      4 (16)    70 fp32; fp16 (BK 32): 16 + 32 + 8 + 1 = 57
- *   D = 256              64 / 32  64      2 (8)     132 fp32 (over budget); fp16 (BK 16): 32 + 64 + 4 + 1 = 101
+ *   D = 256              64 / 32  64      2 (8)     132 fp32; fp16 (BK 16): 32 + 64 + 4 + 1 = 101
  *   E 320, Ev 320        16 / 8   40      2 (8)     60 fp32; fp16 (BK 16): 8 + 40 + 4 + 1 = 53
  *   E 448, Ev 448        16 / 8   56      2 (8)     76 fp32; fp16: 69
  *   E 512 or 576, Ev 512 16 / 8   64      2 (8)     84 fp32; fp16 (BK 16): 8 + 64 + 4 + 1 = 77
  *   E 128, Ev 512        32 / 16  64      2 (8)     100 fp32, 102 bf16 (BK 16): the most of any blocked one
- * so fp32 and bf16 at 128 < D <= 256 are where spilling or lower occupancy starts (to be measured on a
- * Mac; the blocked configuration serves them too, at the price of a barrier pair per 64-column block
- * and per key tile: a one-line change below once measured), and every blocked configuration is under
- * budget.
+ * With the overhead (about 32), 128 registers per thread is not "full occupancy": it leaves about 13
+ * SIMD-groups per core of Apple7/8's ~208 KiB register file, the fewest that keep a core issuing;
+ * the ALUs stay busy from about 24 (69 registers). Every forward configuration at D <= 128 stays
+ * within Apple7/8's budget of 96 fragment registers; fp32 and bf16 at 128 < D <= 256 take up to 132
+ * (fewer resident SIMD-groups, or a spill: to be measured on a Mac; the blocked configuration
+ * serves them too, at the price of a barrier pair per 64-column block and per key tile).
  * WM = 4 SIMD-groups, so 32 query rows per threadgroup (MLX uses the same), 128 threads. */
 static const int32_t padded_head_dims[] = {16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256};
 enum {
     N_PADDED_HEAD_DIMS = sizeof padded_head_dims / sizeof padded_head_dims[0],
     FORWARD_WM = 4,
+    FORWARD_MIN_BK = 8,          /* one 8x8 fragment of keys */
+    FORWARD_TILE_PAD = 8,        /* FA_TILE_PAD of metal/fa_loader.h: row padding of threadgroup tiles */
     RESIDENT_MAX_HEAD_DIM = 256, /* the widest tile */
     FORWARD_STREAM_WIDTH = 64,
     RESIDENT_BESIDE_BLOCKED_EV = 128, /* Q of E <= 128 beside a 256-wide O block: at most 100 registers */
@@ -85,7 +96,7 @@ int32_t fa_plan_block_width(int64_t dim, int32_t max_width) {
     return padded_head_dim((dim + blocks - 1) / blocks);
 }
 
-fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes) {
+fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes, const fa_gpu_profile *gpu) {
     fa_tiles t = {bd, bdv, 0, FORWARD_WM};
     const int32_t widest = t.bd > t.bdv ? t.bd : t.bdv;
     if (element_bytes == 4) {
@@ -93,13 +104,16 @@ fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes) {
     } else {
         t.bk = widest <= 128 ? 32 : 16;
     }
+    while (t.bk > FORWARD_MIN_BK && fa_plan_tile_bytes(t, element_bytes) > gpu->tile_bytes_cap) {
+        t.bk /= 2;
+    }
     return t;
 }
 
-static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_bytes) {
+static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_bytes, const fa_gpu_profile *gpu) {
     const int64_t resident_e = ev <= RESIDENT_MAX_HEAD_DIM ? RESIDENT_MAX_HEAD_DIM : RESIDENT_BESIDE_BLOCKED_EV;
     const int32_t bd = e <= resident_e ? padded_head_dim(e) : FORWARD_STREAM_WIDTH;
-    return fa_plan_tiles(bd, fa_plan_block_width(ev, RESIDENT_MAX_HEAD_DIM), element_bytes);
+    return fa_plan_tiles(bd, fa_plan_block_width(ev, RESIDENT_MAX_HEAD_DIM), element_bytes, gpu);
 }
 
 /* The decode kernel (fa_decode.metal): one threadgroup of FA_DECODE_SIMD_GROUPS SIMD-groups per kv
@@ -119,8 +133,9 @@ static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_byte
  * element through the strides). FA_DECODE_ROWS rows per threadgroup: the next power of two >=
  * (Hq / Hkv) * L, so a plain multi-head decode keeps its registers free, capped by the lane's
  * register budget: per row 2 * COLS floats (query slice and output accumulator), plus 4 * COLS for
- * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 of Apple's ~128 32-bit
- * registers per thread at full occupancy (the rest hold softmax state, indices and pointers):
+ * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 32-bit registers per
+ * thread (the rest hold softmax state, indices and pointers; about 128 in all leave Apple7/8 13
+ * SIMD-groups per core, the fewest that keep a core issuing: fa_gpu_family.c):
  * 16 rows up to E = 64, 8 up to 128, 4 up to 256, 2 up to 384, 1 beyond. Above
  * FA_DECODE_LATE_VALUES_ABOVE = 16 columns (E or Ev > 512) the kernel loads a key pair's value rows
  * after their scores, so only 2 * COLS of the four rows are live at once: 20 columns at one row
@@ -416,7 +431,6 @@ static void set_row_blocks(fa_plan_dispatch *d, const fa_forward_args *a, int64_
  * bytes read are every distinct input element once (broadcast dims once, keys outside every row's
  * band not); the bytes written are the outputs (or a split's partial results). */
 
-enum { FORWARD_TILE_PAD = 8 /* FA_TILE_PAD of metal/fa_loader.h: row padding of threadgroup tiles */ };
 
 /* The keys some row of rows [row0, row0 + rows) sees under the band (fa_visible_keys of
  * metal/fa_mask.h), as [*begin, *end); all S without one. */
@@ -657,7 +671,8 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
 }
 
 static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
-    const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)fa_dtype_bytes(a->q.dtype));
+    const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)fa_dtype_bytes(a->q.dtype),
+                                            fa_gpu_profile_of(plan->gpu_family));
     int32_t rc = fa_plan_check_column_grid(a->q.sizes[1], fa_plan_head_blocks(a->v.sizes[3], t.bdv), st);
     if (rc != FA_OK) {
         return rc;
@@ -780,6 +795,9 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if ((rc = check_shapes(a, st)) || (rc = check_mask(a, st))) {
         return rc;
     }
+    if ((rc = fa_resolve_gpu_family(a->device, a->options.gpu_family, &plan->gpu_family, st)) != FA_OK) {
+        return rc;
+    }
 
     fa_params *p = &plan->params;
     p->batch = (fa_i32)a->q.sizes[0];
@@ -883,18 +901,27 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
     memset(&d, 0, sizeof d);
     fa_plan_start_dispatch(&d, simple_source, "fa_simple", dtype);
     int32_t rc = visit_dispatch(&d, visit, ctx);
-    for (int32_t i = 0; rc == 0 && i < N_PADDED_HEAD_DIMS; ++i) {
-        for (int32_t j = 0; rc == 0 && j < N_PADDED_HEAD_DIMS; ++j) {
-            memset(&d, 0, sizeof d);
-            fa_plan_start_dispatch(&d, forward_source, "fa_forward", dtype);
-            fa_plan_set_tile_macros(
-                &d, choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], (int32_t)fa_dtype_bytes(dtype)));
-            rc = visit_dispatch(&d, visit, ctx);
-            /* The backward kernels take the forward's specialisation (fa_plan_backward.c). */
-            snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);
-            snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", fa_kernel_type_name(dtype));
-            rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
+    /* Apple8 and Apple10 share Apple7's and Apple9's tiles (fa_gpu_family.c): two tile sets, each
+     * configuration visited once. */
+    const fa_gpu_profile *apple7 = fa_gpu_profile_of(FA_FAMILY_APPLE7), *apple9 = fa_gpu_profile_of(FA_FAMILY_APPLE9);
+    const int32_t elem = (int32_t)fa_dtype_bytes(dtype);
+    for (int32_t n = 0; rc == 0 && n < 2 * N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS; ++n) {
+        const int32_t i = n / N_PADDED_HEAD_DIMS % N_PADDED_HEAD_DIMS, j = n % N_PADDED_HEAD_DIMS;
+        const fa_tiles first = choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], elem, apple7);
+        const fa_tiles t = n < N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS
+                               ? first
+                               : choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], elem, apple9);
+        if (n >= N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS && memcmp(&t, &first, sizeof t) == 0) {
+            continue;
         }
+        memset(&d, 0, sizeof d);
+        fa_plan_start_dispatch(&d, forward_source, "fa_forward", dtype);
+        fa_plan_set_tile_macros(&d, t);
+        rc = visit_dispatch(&d, visit, ctx);
+        /* The backward kernels take the forward's specialisation (fa_plan_backward.c). */
+        snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);
+        snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", fa_kernel_type_name(dtype));
+        rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
     }
     for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= decode_columns(FA_MAX_HEAD_DIM, 0);
          cols = next_decode_columns(cols)) {

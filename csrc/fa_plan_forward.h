@@ -4,6 +4,7 @@
 #ifndef FA_PLAN_FORWARD_H
 #define FA_PLAN_FORWARD_H
 
+#include "fa_gpu_family.h"
 #include "fa_plan_build.h"
 
 #ifdef __cplusplus
@@ -19,6 +20,7 @@ typedef struct fa_plan {
     int32_t banded;          /* FA_FC_BAND: causal or a window limits each row's keys (params.band_lo/hi) */
     int64_t workspace_bytes; /* scratch the dispatches share (fa_forward_workspace_bytes) */
     fa_params params;
+    int32_t gpu_family;                /* the family the tiles were chosen for (fa_gpu_family.h) */
     int32_t sequences;                 /* FA_FC_SEQUENCES: a sequence table (fa_plan_sequences.h) */
     fa_plan_dispatch sequence_builder; /* with sequences: the table kernel, run before the dispatches */
 } fa_plan;
@@ -31,8 +33,8 @@ int32_t fa_plan_forward(const fa_forward_args *args, fa_plan *plan, fa_status *s
  * mask, nor themselves. */
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st);
 
-/* The tiles for widths bd, bdv (of the padded-width table) and elements of element_bytes. */
-fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes);
+/* The tiles for widths bd, bdv (of the padded-width table) and elements of element_bytes, on gpu. */
+fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes, const fa_gpu_profile *gpu);
 /* Blocks of `width` columns covering dim (at least 1), as fa_head_blocks() in the kernels. */
 int32_t fa_plan_head_blocks(int64_t dim, int32_t width);
 /* The padded width of the blocks that split dim evenly into the fewest of at most max_width. */

@@ -39,6 +39,7 @@ from ._options import (
     check_call,
     check_causal_and_scale,
     check_dropout,
+    check_gpu,
     check_kernel,
     check_mask,
     check_sinks,
@@ -343,6 +344,7 @@ def explain_plan(
     sinks=None,
     window_align=None,
     backward: bool = False,
+    gpu: Optional[str] = None,
 ) -> dict:
     """What `flash_attention(q, k, v, causal, scale, kernel=kernel, window_size=window_size, ...)`
     would launch, without running it:
@@ -365,7 +367,15 @@ def explain_plan(
 
     Calls of flash_attn_varlen_func and flash_attn_with_kvcache are explained by
     explain_varlen_plan and explain_kvcache_plan, which take those functions' arguments. With K or
-    V a QuantizedKV, "min_bytes_read" counts its bytes, scales and biases (forward only)."""
+    V a QuantizedKV, "min_bytes_read" counts its bytes, scales and biases (forward only).
+
+    gpu: the GPU family to plan for, "apple7" (M1), "apple8" (M2), "apple9" (M3, M4) or "apple10"
+    (M5); None: the one FLASHATTN_MPS_GPU_FAMILY names, else the device's (MPS: the Metal
+    device's; the CPU device: apple9). "gpu_family" names it, and each dispatch's "estimate" says
+    what it means there: "registers" per thread in all (the fragments of "cost" plus an overhead
+    estimate), its "threadgroup_bytes", the "resident_threadgroups" and "resident_simd_groups" per
+    core, the "occupancy" and the estimated "fraction_of_peak", with the "assumptions" named
+    (csrc/fa_gpu_family.c; docs/performance.md)."""
     causal, band = band_of(causal, window_size, window_align)
     kv_quant = None
     if type(k) is QuantizedKV or type(v) is QuantizedKV:
@@ -394,6 +404,7 @@ def explain_plan(
         "rng_state": _rng_words(torch.zeros(4, dtype=torch.int32, device=q.device)),
         "sinks": None if sinks is None else check_sinks(sinks, q),
     }
+    family = check_gpu(gpu, "explain_plan")
     options = core_options(
         scale,
         causal,
@@ -402,7 +413,9 @@ def explain_plan(
         check_dropout(dropout_p, "explain_plan"),
         code,
         quant=quant_fields(kv_quant),
+        gpu_family=family,
     )
+    family_name = _C.gpu_family_name(device, family)
     if kv_quant is not None:
         quantized_slots(tensors, kv_quant)
     if backward is True:  # planning reads no element: the tensors only carry shapes and strides
@@ -416,7 +429,7 @@ def explain_plan(
             dv=torch.empty_like(v),
             sink_grad=None if sinks is None else rows,
         )
-        return {"dispatches": plan_backward(device, tensors, options)}
+        return {"dispatches": plan_backward(device, tensors, options), "gpu_family": family_name}
     if backward is not False:
         raise TypeError(f"explain_plan: backward must be a bool, got {given(backward)}")
-    return explained(plan_forward(device, tensors, options), q.device)
+    return {**explained(plan_forward(device, tensors, options), q.device), "gpu_family": family_name}

@@ -8,7 +8,7 @@ sequence_scratch, block_table, k_scales, k_biases, v_scales, v_biases; for the b
 delta, dq, dk, dv, sink_grad) to tensors or None, and `options` is the tuple
 `AttentionOptions.core` (or `_options.core_options`) builds (scale, causal, bottom_right,
 window_left, window_right, softcap, dropout_p, kernel, num_splits, write_probs, max_q_len,
-max_kv_len, unbatched, diagonal_offset, k_bits, k_group_size, v_bits, v_group_size). Above them:
+max_kv_len, unbatched, diagonal_offset, k_bits, k_group_size, v_bits, v_group_size, gpu_family). Above them:
 forward_core, backward_core and probs_core allocate the outputs of an attention call whose options, one checked AttentionOptions
 value, they turn into that tuple, and run it; every entry point ends in one of them."""
 
@@ -300,7 +300,7 @@ def forward_core(
         quantized_slots(tensors, kv_quant)
     if band is None and kv_quant is None:  # (AttentionOptions.core, inline: this is every plain call's path)
         core = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3, 0)
-        core += _UNQUANTIZED
+        core += _UNQUANTIZED + (0,)
     else:
         core = options.core(False, max_q, max_kv, dims == 3)
     try:

@@ -450,9 +450,25 @@ CORE_FIELDS = (
     "k_group_size",
     "v_bits",
     "v_group_size",
+    "gpu_family",
 )
 if _C.OPTION_FIELDS != CORE_FIELDS:
     raise ImportError(f"flashattn_mps: the C core's options are {_C.OPTION_FIELDS}, this module builds {CORE_FIELDS}")
+
+
+# The GPU families the planner has tables for (csrc/fa_gpu_family.c): MTLGPUFamilyApple<N> as N.
+GPU_FAMILIES = {"apple7": 7, "apple8": 8, "apple9": 9, "apple10": 10}
+
+
+def check_gpu(gpu, who: str) -> int:
+    """The option code of `gpu` (None: the device's own family, 0), or a clear error."""
+    if gpu is None:
+        return 0
+    if not isinstance(gpu, str) or gpu.lower() not in GPU_FAMILIES:
+        raise ValueError(
+            f"{who}: gpu must be None (the device's family) or one of {', '.join(GPU_FAMILIES)}, got {given(gpu)}"
+        )
+    return GPU_FAMILIES[gpu.lower()]
 
 
 def core_options(
@@ -468,13 +484,15 @@ def core_options(
     max_kv_len: int = 0,
     unbatched: bool = False,
     quant: tuple = (0, 0, 0, 0),
+    gpu_family: int = 0,
 ) -> tuple:
     """The C binding's options tuple: scale, causal, bottom_right, window_left, window_right,
     softcap, dropout_p, kernel, num_splits, write_probs, max_q_len, max_kv_len, unbatched,
-    diagonal_offset, then quant's k_bits, k_group_size, v_bits, v_group_size (quant_fields). A band
-    of None is no window on SDPA's top-left diagonal (bottom_right False, both sides -1); a band's
-    optional fourth entry shifts every row's diagonal by that many keys (a block of a longer
-    sequence: flashattn_mps.distributed's blocks)."""
+    diagonal_offset, then quant's k_bits, k_group_size, v_bits, v_group_size (quant_fields), then
+    gpu_family (0: the device's; check_gpu's codes). A band of None is no window on SDPA's
+    top-left diagonal (bottom_right False, both sides -1); a band's optional fourth entry shifts
+    every row's diagonal by that many keys (a block of a longer sequence:
+    flashattn_mps.distributed's blocks)."""
     if band is None:
         return (
             scale,
@@ -492,6 +510,7 @@ def core_options(
             unbatched,
             0,
             *quant,
+            gpu_family,
         )
     return (
         scale,
@@ -509,4 +528,5 @@ def core_options(
         unbatched,
         band[3] if len(band) > 3 else 0,
         *quant,
+        gpu_family,
     )

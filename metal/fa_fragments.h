@@ -105,7 +105,10 @@ fa_frags_store_row(const thread fa_frag *f, device T *row, long col_stride, int 
 // 8 j .. 8 j + 7 of a row-major tile (8 ND columns). Scores Q K^T, and dO V^T in the backward.
 // Only the first `slices` 8-wide slices of the head dim hold data (the rest pad E up to the
 // specialisation's width and are zero): the others are skipped, so a padded width costs registers
-// but no matrix work.
+// but no matrix work. The head dim is walked outside and the accumulators inside, so consecutive
+// MMAs go to different accumulators (an MMA's latency is about twice its issue interval) where one
+// accumulator per slice would chain ND dependent ones; each acc[j] still sums its slices in
+// ascending d, so the results are the same bits.
 template <typename T, int ND, int NB, typename E>
 inline void fa_frags_multiply_transposed(thread fa_frag *acc,
                                          thread metal::simdgroup_matrix<E, 8, 8> *a,
@@ -113,9 +116,9 @@ inline void fa_frags_multiply_transposed(thread fa_frag *acc,
                                          int pitch,
                                          int slices,
                                          ushort2 at) {
-  for (int j = 0; j < NB; ++j) {
-    for (int d = 0; d < ND; ++d) {
-      if (d < slices) {
+  for (int d = 0; d < ND; ++d) {
+    if (d < slices) {
+      for (int j = 0; j < NB; ++j) {
         metal::simdgroup_matrix<E, 8, 8> b;
         fa_frag_load_transposed(b, tile, pitch, 8 * d, 8 * j, at);
         metal::simdgroup_multiply_accumulate(acc[j], a[d], b, acc[j]);
@@ -126,13 +129,14 @@ inline void fa_frags_multiply_transposed(thread fa_frag *acc,
 
 // acc[d] += A B[:, 8 d .. 8 d + 7] for d < min(ND, slices): A is one 8-row block as NA fragments
 // (8 x 8 NA), B the first 8 NA rows of a row-major tile. P V in the forward, dS K, P^T dO, dS^T Q
-// backward. Output slices past `slices` are padding (never stored) and are skipped.
+// backward. Output slices past `slices` are padding (never stored) and are skipped. As above, the
+// inner loop runs over the accumulators (each still sums in ascending j).
 template <typename T, int NA, int ND>
 inline void fa_frags_multiply(
     thread fa_frag *acc, thread fa_frag *a, const threadgroup T *tile, int pitch, int slices, ushort2 at) {
-  for (int d = 0; d < ND; ++d) {
-    if (d < slices) {
-      for (int j = 0; j < NA; ++j) {
+  for (int j = 0; j < NA; ++j) {
+    for (int d = 0; d < ND; ++d) {
+      if (d < slices) {
         fa_frag b;
         fa_frag_load(b, tile, pitch, 8 * j, 8 * d, at);
         metal::simdgroup_multiply_accumulate(acc[d], a[j], b, acc[d]);

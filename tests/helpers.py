@@ -370,6 +370,7 @@ def core_options(**fields) -> tuple:
         k_group_size=0,
         v_bits=0,
         v_group_size=0,
+        gpu_family=0,
     )
     unknown = set(fields) - set(values)
     assert not unknown, f"not an option field: {unknown}"

@@ -436,8 +436,8 @@ int64_t forward_workspace_bytes(int32_t device, py::handle tensors, py::handle o
     return bytes;
 }
 
-py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n,
-                        const fa_plan_dispatch *sequence_builder = nullptr);
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, const fa_plan_dispatch *sequence_builder,
+                        int32_t gpu_family);
 
 // The planner's decision, for tests and curiosity: kernels with their grids, function constants and
 // costs (fa_dispatch_cost), the split count and the workspace size.
@@ -448,15 +448,18 @@ py::dict plan_forward(int32_t device, py::handle tensors, py::handle options) {
     check(fa_plan_forward(&args, &plan, &st), st);
     // The table kernel runs first when the plan launches anything (fa_forward_execute).
     const bool builds = plan.sequences && !plan.empty && plan.n_dispatches > 0;
-    return py::dict(py::arg("dispatches") =
-                        dispatch_dicts(plan.dispatches, plan.n_dispatches, builds ? &plan.sequence_builder : nullptr),
-                    py::arg("empty") = plan.empty != 0, py::arg("split_count") = plan.params.split_count,
-                    py::arg("workspace_bytes") = plan.workspace_bytes);
+    return py::dict(
+        py::arg("dispatches") = dispatch_dicts(plan.dispatches, plan.n_dispatches,
+                                               builds ? &plan.sequence_builder : nullptr, plan.gpu_family),
+        py::arg("empty") = plan.empty != 0, py::arg("gpu_family") = fa_gpu_profile_of(plan.gpu_family)->name,
+        py::arg("split_count") = plan.params.split_count, py::arg("workspace_bytes") = plan.workspace_bytes);
 }
 
 // Dispatches as explain_plan shows them: kernel, macros, function constants, grid, costs; a
 // sequence table's kernel (not NULL) first, as it runs.
-py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, const fa_plan_dispatch *sequence_builder) {
+py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, const fa_plan_dispatch *sequence_builder,
+                        int32_t gpu_family) {
+    const fa_gpu_profile *gpu = fa_gpu_profile_of(gpu_family);
     py::list dispatches;
     const uint32_t first = sequence_builder != nullptr ? 0 : 1;
     for (uint32_t i = first; i <= n; ++i) {
@@ -476,12 +479,21 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
         py::dict cost(py::arg("threadgroup_bytes") = c.threadgroup_bytes, py::arg("registers") = c.registers,
                       py::arg("flops") = c.flops, py::arg("tiles") = c.tiles, py::arg("useful_flops") = c.useful_flops,
                       py::arg("min_bytes_read") = c.min_bytes_read, py::arg("min_bytes_written") = c.min_bytes_written);
-        dispatches.append(py::dict(
-            py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
-            py::arg("constants") = constants, py::arg("constant_kinds") = kinds,
-            py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
-            py::arg("threadgroup") = py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
-            py::arg("cost") = cost));
+        const uint32_t threads = d.threadgroup[0] * d.threadgroup[1] * d.threadgroup[2];
+        const fa_gpu_estimate e =
+            fa_gpu_estimate_dispatch(gpu, c.registers, c.threadgroup_bytes, threads, c.flops, c.useful_flops);
+        py::dict estimate(
+            py::arg("gpu_family") = gpu->name, py::arg("registers") = e.registers,
+            py::arg("fragment_registers") = c.registers, py::arg("threadgroup_bytes") = c.threadgroup_bytes,
+            py::arg("resident_threadgroups") = e.resident_threadgroups,
+            py::arg("resident_simd_groups") = e.resident_simd_groups, py::arg("occupancy") = e.occupancy,
+            py::arg("fraction_of_peak") = e.fraction_of_peak, py::arg("assumptions") = FA_GPU_ESTIMATE_ASSUMPTIONS);
+        dispatches.append(
+            py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
+                     py::arg("constants") = constants, py::arg("constant_kinds") = kinds,
+                     py::arg("grid") = py::make_tuple(d.grid[0], d.grid[1], d.grid[2]),
+                     py::arg("threadgroup") = py::make_tuple(d.threadgroup[0], d.threadgroup[1], d.threadgroup[2]),
+                     py::arg("cost") = cost, py::arg("estimate") = estimate));
     }
     return dispatches;
 }
@@ -513,7 +525,17 @@ py::list plan_backward(int32_t device, py::handle tensors, py::handle options) {
     fa_status st;
     check(fa_plan_backward(&args, &plan, &st), st);
     const bool builds = plan.sequences && plan.params.forward.batch > 0; // fa_backward_execute
-    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES, builds ? &plan.sequence_builder : nullptr);
+    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES, builds ? &plan.sequence_builder : nullptr,
+                          plan.gpu_family);
+}
+
+// The name of the GPU family a call on `device` plans for (fa_resolve_gpu_family): explain_plan
+// reports it even when nothing is planned (an empty call).
+std::string gpu_family_name(int32_t device, int64_t requested) {
+    int32_t family = 0;
+    fa_status st;
+    check(fa_resolve_gpu_family(device, requested, &family, &st), st);
+    return fa_gpu_profile_of(family)->name;
 }
 
 void register_source(const std::string &name, const std::string &text) {
@@ -626,6 +648,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (arguments as for backward)",
           py::arg("device"), py::arg("tensors"), py::arg("options"));
+    m.def("gpu_family_name", &gpu_family_name, "The GPU family a call plans for (requested 0: the device's)",
+          py::arg("device"), py::arg("requested"));
     m.def(
         "plan_cache_counts",
         []() {

@@ -15,6 +15,7 @@
 
 #include "../fa_backend.h"
 #include "../fa_cache.h"
+#include "../fa_gpu_family.h"
 #include "metal_backend.h"
 
 static id<MTLDevice> g_device;
@@ -142,6 +143,22 @@ static int32_t metal_init(fa_status *st) {
     return FA_OK;
 }
 
+// The newest MTLGPUFamilyApple<N> the device supports (fa_gpu_family.h), 0 without a device. The
+// families are asked by value (MTLGPUFamilyApple<N> = 1000 + N) so an SDK without Apple10's name
+// still asks; an OS that does not know a family answers NO.
+int32_t fa_metal_gpu_family(void) {
+    fa_status st;
+    if (metal_init(&st) != FA_OK) {
+        return 0;
+    }
+    for (int32_t family = 10; family >= 7; --family) {
+        if ([g_device supportsFamily:(MTLGPUFamily)(1000 + family)]) {
+            return family;
+        }
+    }
+    return 7; // older than Apple7 cannot run these kernels' SIMD-group matrices; plan as the oldest
+}
+
 static const char *class_name(id obj) { return NSStringFromClass([obj class]).UTF8String; }
 
 int32_t fa_metal_object_class(void *handle, char *out, size_t n) {
@@ -196,8 +213,12 @@ static NSString *fixed_string(const char *p, size_t max) {
 static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     MTLCompileOptions *opts = [MTLCompileOptions new];
     NSMutableDictionary<NSString *, NSObject *> *macros = [NSMutableDictionary new];
+    bool two_byte_elements = false; // FA_DTYPE half or bfloat: the library's one element type
     for (uint32_t i = 0; i < key->n_macros; ++i) {
         NSString *value = fixed_string(key->macros[i].value, sizeof key->macros[i].value);
+        if (strncmp(key->macros[i].name, "FA_DTYPE", sizeof key->macros[i].name) == 0) {
+            two_byte_elements = [value isEqualToString:@"half"] || [value isEqualToString:@"bfloat"];
+        }
         // An empty value means "defined", as on the CPU device (which defines it as 1).
         macros[fixed_string(key->macros[i].name, sizeof key->macros[i].name)] = value.length ? value : @"1";
     }
@@ -214,11 +235,19 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     // No fast math: masked scores are -inf (exp2(-inf) == 0), fully masked rows and NaN inputs
     // must propagate as SDPA does, and fast math lets the compiler assume no inf/NaN exist.
     // macOS 15 replaced fastMathEnabled with mathMode; fastMathEnabled = NO is documented as
-    // mathMode safe + precise FP32 functions, so set the same pair.
+    // mathMode safe + precise FP32 functions, so set the same pair for float32 libraries. Those of
+    // 2-byte elements take the fast FP32 functions (exp2 of every softmax weight, as MLX's
+    // fast::exp2) under the same safe mode: the fast one's few-ulp error is far below a half or
+    // bfloat output's rounding, and masked scores (-inf) and unchanged maxima never reach exp2
+    // (fa_softmax.h). What still does: exp2(-inf) for a row's first rescale and NaN scores, which
+    // rely on the GPU's exp2 giving 0 and NaN as MLX's kernels do (docs/mac-checklist.md item 41
+    // checks NaN and fully masked rows on a Mac). Before macOS 15 every library keeps the precise
+    // functions.
 #if __MAC_OS_X_VERSION_MAX_ALLOWED >= 150000
     if (@available(macOS 15.0, *)) {
         opts.mathMode = MTLMathModeSafe;
-        opts.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+        opts.mathFloatingPointFunctions =
+            two_byte_elements ? MTLMathFloatingPointFunctionsFast : MTLMathFloatingPointFunctionsPrecise;
     } else
 #endif
     {
@@ -226,6 +255,7 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"
         opts.fastMathEnabled = NO;
 #pragma clang diagnostic pop
+        (void)two_byte_elements;
     }
     return opts;
 }

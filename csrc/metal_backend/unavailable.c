@@ -2,6 +2,7 @@
  * Metal backend is an error, not a crash, and its controls report that nothing was found. */
 #include "../fa_backend.h"
 #include "metal_backend.h"
+#include "../fa_gpu_family.h"
 
 #if !defined(__APPLE__)
 static const char k_unsupported[] = "the Metal backend exists only in macOS builds";
@@ -12,6 +13,8 @@ const fa_backend *fa_metal_backend(fa_status *st) {
 }
 
 uint32_t fa_metal_torch_symbols(void) { return 0; }
+
+int32_t fa_metal_gpu_family(void) { return 0; }
 
 int32_t fa_metal_configure(int32_t mode, int32_t debug, int32_t check_buffers) {
     (void)mode, (void)debug, (void)check_buffers;

@@ -91,7 +91,7 @@ SKIP_EXECUTION = """
     _sources.ensure_registered()
     fields = dict(scale=0.25, causal=False, bottom_right=False, window_left=-1, window_right=-1, softcap=0.0,
                   dropout_p=0.0, kernel=_C.KERNEL_AUTO, num_splits=0, write_probs=False, max_q_len=0,
-                  max_kv_len=0, unbatched=False, diagonal_offset=0, k_bits=0, k_group_size=0, v_bits=0, v_group_size=0)
+                  max_kv_len=0, unbatched=False, diagonal_offset=0, k_bits=0, k_group_size=0, v_bits=0, v_group_size=0, gpu_family=0)
     options = tuple(fields[name] for name in _C.OPTION_FIELDS)
     q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 50, 16), torch.randn(1, 2, 50, 16)
     out = torch.full((1, 2, 40, 16), float("nan"))

@@ -26,6 +26,7 @@ CHANGED = {  # a valid value other than the base's, for every option field
     "max_kv_len": 4,
     "unbatched": True,
     "diagonal_offset": 3,
+    "gpu_family": 9,
 }
 # Quantized K/V's fields: no value of them is valid with the same tensors (they say what the k and v
 # slots hold), so they are keyed with their tensors in tests/kernels/test_quantized.py.
@@ -114,13 +115,14 @@ def test_the_options_tuple_is_the_c_struct():
         "unbatched",
         "diagonal_offset",
         *QUANTIZED_FIELDS,
+        "gpu_family",
     )
     assert _C.FORWARD_SLOTS[:5] == ("q", "k", "v", "out", "lse") and "dq" in _C.BACKWARD_SLOTS
     with pytest.raises(ValueError, match="'dq' is not a forward slot"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, {**tensors("forward"), "dq": None}, base_options())
     with pytest.raises(TypeError, match="options.causal must be a bool, got str"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options(causal="yes"))
-    with pytest.raises(ValueError, match="expected 18 fields"):
+    with pytest.raises(ValueError, match="expected 19 fields"):
         _C.forward_workspace_bytes(_C.DEVICE_CPU, tensors("forward"), base_options()[:-1])
 
 

@@ -26,12 +26,12 @@ SOURCE_KERNELS = {
 }
 
 
-def plan(dtype, hq=4, hkv=2, lq=1, lk=64, e=64, ev=None, kernel="auto"):
+def plan(dtype, hq=4, hkv=2, lq=1, lk=64, e=64, ev=None, kernel="auto", gpu=None):
     ev = e if ev is None else ev
     q = torch.empty(1, hq, lq, e, dtype=dtype)
     k = torch.empty(1, 1, 1, e, dtype=dtype).expand(1, hkv, lk, e)  # planning reads no element
     v = torch.empty(1, 1, 1, ev, dtype=dtype).expand(1, hkv, lk, ev)
-    return explain_plan(q, k, v, kernel=kernel)
+    return explain_plan(q, k, v, kernel=kernel, gpu=gpu)
 
 
 # One plan per kernel family and dtype: 128 and 256 in 2-byte types are where float kernels would
@@ -128,9 +128,10 @@ def reachable_specialisations():
 
     for dtype in KERNEL_TYPES:
         add(plan(dtype, lq=9, kernel="simple"))
-        for e in PADDED_HEAD_DIMS:
-            for ev in PADDED_HEAD_DIMS:
-                add(plan(dtype, lq=9, e=e, ev=ev, kernel="forward"))
+        for gpu in ("apple7", "apple9"):  # Apple8 and Apple10 take the same tiles (csrc/fa_gpu_family.c)
+            for e in PADDED_HEAD_DIMS:
+                for ev in PADDED_HEAD_DIMS:
+                    add(plan(dtype, lq=9, e=e, ev=ev, kernel="forward", gpu=gpu))
         for e in range(32, 577, 32):  # head dims to 576: 12, 16 and 20 columns per lane
             for rows in (1, 2, 4, 8, 16):  # rows sharing a kv head: the GQA factor times L
                 add(plan(dtype, hq=rows, hkv=1, lq=1, e=e, kernel="decode"))

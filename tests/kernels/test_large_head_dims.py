@@ -214,3 +214,31 @@ def test_backward_blocks_above_128(e, dtype, blocks):
     dkdv, dq = plan[1], plan[2]
     assert dkdv["grid"] == (3, 2 * blocks, 1) and dq["grid"] == (2, 4 * blocks, 1)
     assert dkdv["cost"]["registers"] <= (114 if blocks > 1 else 136)  # fp32 at 128: 8 over, kept resident
+
+
+@pytest.mark.parametrize(
+    "gpu, e, dtype, kv_blocks, q_blocks",
+    [
+        ("apple9", 128, torch.float16, 1, 1),
+        ("apple9", 128, torch.float32, 1, 1),
+        ("apple9", 192, torch.float32, 2, 2),
+        ("apple9", 256, torch.float16, 2, 2),
+        ("apple9", 256, torch.float32, 3, 3),
+        ("apple7", 128, torch.float16, 2, 1),
+        ("apple7", 128, torch.float32, 2, 2),
+        ("apple7", 192, torch.float32, 3, 2),
+        ("apple7", 256, torch.float16, 3, 2),
+        ("apple7", 256, torch.float32, 4, 3),
+    ],
+)
+def test_backward_blocks_to_the_family_budget(gpu, e, dtype, kv_blocks, q_blocks):
+    """The backward's accumulators take the widest column blocks (128, or 96 for a blocked dim with
+    float operands, then 32 fewer) whose fragment registers fit the family's budget (96 on
+    Apple7/8, 144 on Apple9/10): dQ's grid carries Hq x its E blocks, dK/dV's Hkv x its blocks,
+    each kernel blocked on its own."""
+    q, k, v = (torch.empty(1, h, n, e, dtype=dtype) for h, n in ((4, 40), (2, 70), (2, 70)))
+    plan = explain_plan(q, k, v, backward=True, gpu=gpu)["dispatches"]
+    dkdv, dq = plan[1], plan[2]
+    assert dkdv["grid"] == (3, 2 * kv_blocks, 1) and dq["grid"] == (2, 4 * q_blocks, 1)
+    budget = 96 if gpu == "apple7" else 144
+    assert dkdv["cost"]["registers"] <= budget and dq["cost"]["registers"] <= budget

@@ -165,11 +165,12 @@ def backward_costs(q, k, v, **options):
 
 
 def test_backward_figures_by_hand():
-    # fp32, E = Ev = 64: the forward's tiles (BK 32, 4 SIMD-groups: blocks of 32 rows or keys).
+    # fp32, E = Ev = 64: the forward's tiles on Apple9 (BK 32, 4 SIMD-groups: blocks of 32 rows or
+    # keys; Apple7/8 halve BK to fit their tile cap: test_gpu_family.py).
     # B = 1, Hq = 4, Hkv = 2, L = S = 64, causal: 2 query blocks see 1 and 2 key tiles (dQ); 2 key
     # blocks are seen by 2 and 1 query tiles (dK/dV), per query head.
     q, k, v = inputs(1, 4, 2, 64, 64, 64, 64, torch.float32)
-    (delta, dkdv, dq), macros = backward_costs(q, k, v, causal=True)
+    (delta, dkdv, dq), macros = backward_costs(q, k, v, causal=True, gpu="apple9")
     assert macros["FA_BK"] == "32" and macros["FA_WM"] == "4"
     rows, pairs = 4 * 64, 4 * 64 * 65 // 2
     assert delta == {
