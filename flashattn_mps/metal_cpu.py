@@ -195,6 +195,8 @@ def compile_library(
         raise ValueError(f"macros: {reserved[0]} is set by compile_library's options")
     major, minor = language_version.split(".")
     pairs.append(("__METAL_VERSION__", str(int(major) * 100 + int(minor) * 10)))
+    if "__METAL__" not in dict(pairs):  # as Apple's compiler predefines it
+        pairs.append(("__METAL__", "1"))
     if int(major) >= 4:
         pairs.append(("__MSL_CPU_GPU_FAMILY__", family[len("apple") :]))
         pairs.append(("__MSL_CPU_TENSOR_LAYOUT__", str(TENSOR_LAYOUTS.index(layout))))
