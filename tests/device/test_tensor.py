@@ -135,15 +135,22 @@ SOURCE = textwrap.dedent("""
       }
     }
 
-    // Where each lane's slots are: row * 32 + column of a 16 x 32 destination, -1 for no element.
-    kernel void layout_table(device int *out [[buffer(0)]], ushort lane [[thread_index_in_simdgroup]]) {
-      constexpr auto desc = matmul2d_descriptor(16, 32, 16);
+    // Where each lane's slots are: row * 32 + column of a 16 x 32 destination, and n * 16 + k of
+    // the right operand of Q * K^T (K's row n, column k), -1 for no element.
+    kernel void layout_table(device int *out [[buffer(0)]], device int *right [[buffer(1)]],
+                             ushort lane [[thread_index_in_simdgroup]]) {
+      constexpr auto desc = matmul2d_descriptor(16, 32, 16, false, true);
       matmul2d<desc, execution_simdgroup> op;
       auto cc = op.get_destination_cooperative_tensor<half, half, float>();
+      auto cb = op.get_right_input_cooperative_tensor<half, half, float>();
       out[lane * 33] = cc.get_capacity();
       for (uint16_t i = 0; i < cc.get_capacity() && i < 32; i++) {
         auto at = cc.get_multidimensional_index(i);
         out[lane * 33 + 1 + i] = cc.is_valid_element(i) ? at[1] * 32 + at[0] : -1;
+      }
+      for (uint16_t i = 0; i < cb.get_capacity() && i < 16; i++) {
+        auto at = cb.get_multidimensional_index(i);
+        right[lane * 16 + i] = cb.is_valid_element(i) ? at[0] * 16 + at[1] : -1;
       }
     }
 
@@ -259,20 +266,41 @@ def apple_table(family):
     return table
 
 
+def apple_right_table(family):
+    """Where each lane's slots of K^T's cooperative tensor are, as K's n * 16 + k: Apple10 lays it
+    out as K is stored, Apple9 as K^T (torch's `BaseMPPFragK_Apple8`)."""
+    table = []
+    for lane in range(32):
+        slots = []
+        for s in range(16):
+            if family == "apple10":
+                fm, fn = (lane >> 2 & 4) | (lane >> 1 & 3), ((lane >> 2 & 2) | (lane & 1)) * 4
+                e = s % 8
+                n, k = 16 * (s // 8) + fm + (e >> 2) * 8, fn + (e & 3)
+            else:
+                fm0, fn0 = (lane >> 3 & 1) * 4 + (lane & 1) * 2, (lane >> 4 & 1) * 4 + (lane >> 1 & 3)
+                e = s // 8 * 4 + s % 4
+                n, k = 16 * (s % 8 // 4) + fm0 + (e & 1) + 8 * (e >> 1 & 1), fn0 + 8 * (e >> 2)
+            slots.append(n * 16 + k)
+        table.append(slots)
+    return table
+
+
 @pytest.mark.parametrize("family", ["apple10", "apple9"])
 def test_the_family_layouts_are_the_ones_apples_kernels_assume(family):
     lib = compile_library(SOURCE, name="tensor.metal", gpu_family=family, tensor_layout="family")
-    out = torch.full((32 * 33,), -2, dtype=torch.int32)
-    lib.dispatch("layout_table", 1, 32, [out])
+    out, right = torch.full((32 * 33,), -2, dtype=torch.int32), torch.full((32 * 16,), -2, dtype=torch.int32)
+    lib.dispatch("layout_table", 1, 32, [out, right])
     got = out.view(32, 33)
     assert (got[:, 0] == 16).all()
     assert got[:, 1:17].tolist() == apple_table(family)
+    assert right.view(32, 16).tolist() == apple_right_table(family)
 
 
 def test_the_scrambled_layout_holds_each_element_once_and_is_no_family_layout():
     lib = compile_library(SOURCE, name="tensor.metal", tensor_layout="scrambled")
     out = torch.full((32 * 33,), -2, dtype=torch.int32)
-    lib.dispatch("layout_table", 1, 32, [out])
+    lib.dispatch("layout_table", 1, 32, [out, torch.zeros(32 * 16, dtype=torch.int32)])
     got = out.view(32, 33)
     capacity = int(got[0, 0])
     assert (got[:, 0] == capacity).all() and capacity > 16
@@ -316,5 +344,7 @@ def test_the_family_and_layout_come_from_the_environment(monkeypatch):
     monkeypatch.setenv("FLASHATTN_MPS_CPU_GPU_FAMILY", "apple9")
     monkeypatch.setenv("FLASHATTN_MPS_CPU_TENSOR_LAYOUT", "scrambled")
     out = torch.full((32 * 33,), -2, dtype=torch.int32)
-    compile_library(SOURCE, name="tensor.metal").dispatch("layout_table", 1, 32, [out])
+    compile_library(SOURCE, name="tensor.metal").dispatch(
+        "layout_table", 1, 32, [out, torch.zeros(32 * 16, dtype=torch.int32)]
+    )
     assert out.view(32, 33)[:, 1:17].tolist() != apple_table("apple9")

@@ -11,7 +11,7 @@
  * elements per thread. Which thread holds which element is the GPU family's choice, not part of
  * the API: by default (__MSL_CPU_TENSOR_LAYOUT__ 0) the emulated family's, Apple10's (16 x 16
  * tiles, lane L holding rows fm, fm + 8 and columns fn .. fn + 3 of each, tiles in row-major order
- * of the stored matrix, as MLX's and torch's NAX/MPP kernels copy them); with
+ * of the stored matrix, as MLX's and torch's NAX/MPP kernels copy them; Apple9's when asked); with
  * __MSL_CPU_TENSOR_LAYOUT__ 1 by a rule that is nobody's, an affine permutation of the elements
  * drawn per process (FLASHATTN_MPS_CPU_TENSOR_LAYOUT_SEED fixes it) with one slot per thread more
  * than needed, so a kernel that assumes a layout instead of asking get_multidimensional_index and
@@ -254,7 +254,10 @@ inline uint32_t inverse_mod(uint32_t a, uint32_t m) { /* a coprime to m */
  * (Kind 1: one value per row of a Rows x Cols matrix), at Scope. */
 template <int Rows, int Cols, bool Transposed, class Scope, int Kind> struct layout {
     static constexpr uint32_t groups_at_most = Scope::simdgroups ? Scope::simdgroups : 1;
-    static constexpr uint32_t stored_rows = Transposed ? Cols : Rows, stored_cols = Transposed ? Rows : Cols;
+    /* Apple10 lays a transposed operand out as stored (MLX and torch load K^T's fragments from K's
+     * rows), Apple9 as the logical matrix (torch's a9 kernels load them transposed) */
+    static constexpr bool as_stored = Transposed && __MSL_CPU_GPU_FAMILY__ == 10;
+    static constexpr uint32_t stored_rows = as_stored ? Cols : Rows, stored_cols = as_stored ? Rows : Cols;
     static constexpr uint32_t tiles = ceil_div(stored_rows, 16) * ceil_div(stored_cols, 16);
     static constexpr uint32_t family_capacity(uint32_t groups) {
         return Kind ? 2 * ceil_div(Rows, 16) : ceil_div(tiles, groups) * 8;
@@ -300,8 +303,8 @@ template <int Rows, int Cols, bool Transposed, class Scope, int Kind> struct lay
         uint32_t sr = 16 * (t / ceil_div(stored_cols, 16)) + fm + (j >> 2) * 8,
                  sc = 16 * (t % ceil_div(stored_cols, 16)) + fn + dc;
         if (sr >= stored_rows || sc >= stored_cols) return false;
-        *row = int(Transposed ? sc : sr);
-        *col = int(Transposed ? sr : sc);
+        *row = int(as_stored ? sc : sr);
+        *col = int(as_stored ? sr : sc);
         return true;
     }
 
