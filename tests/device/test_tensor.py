@@ -108,6 +108,31 @@ SOURCE = textwrap.dedent("""
     template [[host_name("cooperative_half")]] kernel void cooperative<half>(device half *, device half *, device float *, device float *);
     template [[host_name("cooperative_bfloat")]] kernel void cooperative<bfloat>(device bfloat *, device bfloat *, device float *, device float *);
 
+    // O = (S * scale) V with S = Q K^T: the scores stay in cooperative tensors, scaled by their
+    // coordinates through the API, and become the second product's left input.
+    kernel void two_products(device half *q [[buffer(0)]], device half *k [[buffer(1)]], device half *v [[buffer(2)]],
+                             device float *o [[buffer(3)]]) {
+      auto tq = tensor(q, extents<int, 16, 16>());
+      auto tk = tensor(k, extents<int, 16, 32>());
+      auto tv = tensor(v, extents<int, 16, 32>());
+      auto to = tensor(o, extents<int, 16, 16>());
+      constexpr auto qk_desc = matmul2d_descriptor(16, 32, 16, false, true);
+      constexpr auto pv_desc = matmul2d_descriptor(16, 16, 32);
+      matmul2d<qk_desc, execution_simdgroup> qk;
+      matmul2d<pv_desc, execution_simdgroup> pv;
+      auto scores = qk.get_destination_cooperative_tensor<decltype(tq), decltype(tk), float>();
+      qk.run(tq, tk, scores);
+      for (uint16_t i = 0; i < scores.get_capacity(); i++) {
+        if (!scores.is_valid_element(i)) continue;
+        auto at = scores.get_multidimensional_index(i);
+        scores[i] *= at[0] <= at[1] + 8 ? 0.125f : 0.0f;  // a band of keys per row
+      }
+      auto p = pv.get_left_input_cooperative_tensor<half, half, float>(scores);
+      auto out = pv.get_destination_cooperative_tensor<decltype(p), decltype(tv), float>();
+      pv.run(p, tv, out);
+      out.store(to);
+    }
+
     // The same product, with the fragments copied into the cooperative tensors' slots by Apple10's
     // lane layout (as kernels tuned for one GPU generation do) instead of asking the API.
     kernel void assumes_apple10(device half *a [[buffer(0)]], device half *bt [[buffer(1)]], device float *c [[buffer(2)]],
@@ -238,6 +263,17 @@ def test_cooperative_tensors_and_row_reductions(layout_lib, dtype):
     assert (c.double() - want).abs().max() <= 1e-5
     assert (rows[:, 0].double() - want.max(1).values).abs().max() <= 1e-5
     assert (rows[:, 1].double() - want.sum(1)).abs().max() <= 1e-4
+
+
+def test_a_destination_becomes_the_next_products_left_input(layout_lib):
+    _, lib = layout_lib
+    q, k, v = randn(16, 16, dtype=torch.float16), randn(32, 16, dtype=torch.float16), randn(32, 16, dtype=torch.float16)
+    o = torch.zeros(16, 16)
+    lib.dispatch("two_products", 1, 32, [q, k, v, o])
+    s = q.double() @ k.double().T
+    band = torch.arange(32)[None, :] <= torch.arange(16)[:, None] + 8
+    p = (s * 0.125 * band).half().double()  # the left input holds half values
+    assert (o.double() - p @ v.double()).abs().max() <= 1e-5
 
 
 def test_a_kernel_assuming_apple10s_lane_layout_fails_under_the_scrambled_layout(layout_lib):

@@ -498,6 +498,23 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
         using E = typename detail::element_of<A>::type;
         return cooperative_tensor<E, detail::layout<D.m, K, D.transpose_left, Scope, 0>>{};
     }
+    /* the left input holding another operation's destination (as P = softmax(Q K^T) feeds P V) */
+    template <class A, class B, class T, class S, class LS>
+    auto get_left_input_cooperative_tensor(const cooperative_tensor<S, LS> &source, MSL_CALLER) const {
+        auto input = get_left_input_cooperative_tensor<A, B, T>();
+        using L = typename decltype(input)::layout_type;
+        static_assert(LS::kind == 0 && LS::rows == L::rows && LS::cols == L::cols,
+                      "the source's matrix must be this operation's left operand");
+        float matrix[LS::rows * LS::cols];
+        detail::gather(source, matrix, file, line);
+        auto w = msl_rt::tensor_detail::who<Scope>(file, line);
+        for (uint32_t s = 0; s < L::capacity(1); s++) {
+            int r, c;
+            if (L::element(1, 0, w.lane, s, &r, &c))
+                input.elements[s] = typename decltype(input)::value_type(matrix[r * L::cols + c]);
+        }
+        return input;
+    }
     template <class A, class B, class T> auto get_right_input_cooperative_tensor() const {
         static_assert(!dynamic_k, "a cooperative input needs the descriptor's K");
         using E = typename detail::element_of<B>::type;
