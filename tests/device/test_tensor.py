@@ -346,6 +346,20 @@ def test_the_scrambled_layout_holds_each_element_once_and_is_no_family_layout():
     assert got[:, 1:17].tolist() != apple_table("apple10")
 
 
+def test_a_cooperative_tensor_of_another_operation_is_refused():
+    source = SOURCE.split("struct sizes")[0] + textwrap.dedent("""
+        kernel void k(device float *out [[buffer(0)]]) {
+          matmul2d<matmul2d_descriptor(16, 32, 16), execution_simdgroup> op;
+          matmul2d<matmul2d_descriptor(16, 16, 16), execution_simdgroup> other;
+          auto a = op.get_left_input_cooperative_tensor<half, half, float>();
+          auto b = op.get_right_input_cooperative_tensor<half, half, float>();
+          auto c = other.get_destination_cooperative_tensor<decltype(a), decltype(b), float>();
+          op.run(a, b, c);
+        }""")
+    with pytest.raises(MetalCompileError, match="the destination cooperative tensor is not this operation's"):
+        compile_library(source, name="misuse.metal")
+
+
 def test_metal_4_is_the_default_language_with_its_library_pieces(family_lib):
     out = torch.zeros(4 * 4)
     family_lib.dispatch("language", 1, 4, [out])

@@ -484,6 +484,17 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
     static constexpr bool dynamic_k = D.k == int(metal::dynamic_extent);
     static constexpr int K = dynamic_k ? 0 : D.k;
 
+    /* an operand in memory, or a cooperative tensor of this operation's matrix at its scope */
+    template <class X, int Rows, int Cols, bool Transposed> static constexpr bool fits() {
+        if constexpr (detail::is_cooperative<X>) {
+            using L = typename X::layout_type;
+            return L::kind == 0 && L::rows == Rows && L::cols == Cols && L::transposed == Transposed &&
+                   std::is_same_v<typename L::scope, Scope>;
+        } else {
+            return true;
+        }
+    }
+
     template <class A, class B, class T>
     using destination_t = cooperative_tensor<T, detail::layout<D.m, D.n, false, Scope, 0>>;
 
@@ -523,6 +534,10 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
 
     /* C = A * B, or C += A * B (multiply_accumulate); A and B in memory or cooperative, C either */
     template <class A, class B, class C> void run(const A &a, const B &b, C &c, MSL_CALLER) const {
+        static_assert(fits<A, D.m, K, D.transpose_left>(), "run: the left cooperative tensor is not this operation's");
+        static_assert(fits<B, K, D.n, D.transpose_right>(),
+                      "run: the right cooperative tensor is not this operation's");
+        static_assert(fits<C, D.m, D.n, false>(), "run: the destination cooperative tensor is not this operation's");
         auto w = msl_rt::tensor_detail::who<Scope>(file, line);
         constexpr int ka = detail::is_cooperative<A> ? D.m * (K ? K : 1) : 1;
         constexpr int kb = detail::is_cooperative<B> ? D.n * (K ? K : 1) : 1;
