@@ -25,6 +25,7 @@ with both, only races between SIMD-groups are reported (docs/cpu-device.md, "Loc
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Optional, Union
@@ -129,12 +130,29 @@ class Library:
         self._handle.dispatch(kernel, grid3, group3, list(bound), lengths, values, list(bound_lengths))
 
 
+LANGUAGE_VERSIONS = ("2.4", "3.0", "3.1", "3.2", "4.0")
+GPU_FAMILIES = ("apple9", "apple10")
+TENSOR_LAYOUTS = ("family", "scrambled")
+
+
+def _choice(what: str, value, choices, variable: str, default: str) -> str:
+    if value is None:
+        value = os.environ.get(variable) or default
+        what = f"{what} (from {variable})" if os.environ.get(variable) else what
+    if value not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 def compile_library(
     source: str,
     macros: Optional[Mapping[str, object]] = None,
     name: str = "library.metal",
     checked: Optional[bool] = None,
     lockstep: bool = False,
+    language_version: str = "4.0",
+    gpu_family: Optional[str] = None,
+    tensor_layout: Optional[str] = None,
 ) -> Library:
     """Compile MSL source (like newLibraryWithSource:options: with preprocessorMacros).
 
@@ -148,7 +166,15 @@ def compile_library(
     compiler's message with the MSL file and line: the first error first, then as much of the
     output as the message holds (about 8 KiB). The whole output is the exception's `log`, kept in
     the file `log_path` of the cache directory (None when the cache is read-only: then `log` is the
-    message)."""
+    message).
+
+    language_version ("4.0", the default, as Apple's compiler for a macOS 26 target, or an older
+    one of LANGUAGE_VERSIONS) sets __METAL_VERSION__; from 4.0 on, <metal_tensor> and
+    MetalPerformancePrimitives are there. gpu_family ("apple10" by default, or
+    $FLASHATTN_MPS_CPU_GPU_FAMILY) is the GPU family emulated, which lays out cooperative tensors;
+    tensor_layout "scrambled" (or $FLASHATTN_MPS_CPU_TENSOR_LAYOUT) lays them out by a rule of no
+    GPU that changes per process instead of the family's ("family", the default), so a kernel that
+    assumes a layout fails here (docs/cpu-device.md, "Metal 4 tensors")."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     if checked is not None and not isinstance(checked, bool):
@@ -160,6 +186,20 @@ def compile_library(
         if not isinstance(key, str) or not key.isidentifier():
             raise ValueError(f"macros: {key!r} is not a valid macro name")
         pairs.append((key, "1" if value is None or value is True else "0" if value is False else str(value)))
+    if language_version not in LANGUAGE_VERSIONS:
+        raise ValueError(f"language_version must be one of {', '.join(LANGUAGE_VERSIONS)}, got {language_version!r}")
+    family = _choice("gpu_family", gpu_family, GPU_FAMILIES, "FLASHATTN_MPS_CPU_GPU_FAMILY", "apple10")
+    layout = _choice("tensor_layout", tensor_layout, TENSOR_LAYOUTS, "FLASHATTN_MPS_CPU_TENSOR_LAYOUT", "family")
+    reserved = [key for key, _ in pairs if key == "__METAL_VERSION__" or key.startswith("__MSL_CPU_")]
+    if reserved:
+        raise ValueError(f"macros: {reserved[0]} is set by compile_library's options")
+    major, minor = language_version.split(".")
+    pairs.append(("__METAL_VERSION__", str(int(major) * 100 + int(minor) * 10)))
+    if "__METAL__" not in dict(pairs):  # as Apple's compiler predefines it
+        pairs.append(("__METAL__", "1"))
+    if int(major) >= 4:
+        pairs.append(("__MSL_CPU_GPU_FAMILY__", family[len("apple") :]))
+        pairs.append(("__MSL_CPU_TENSOR_LAYOUT__", str(TENSOR_LAYOUTS.index(layout))))
     mode = _device.checked() if checked is None else checked
     try:
         return Library(_device.compile_library(source, name, pairs, int(mode), lockstep), name, mode, lockstep)

@@ -13,6 +13,8 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#define DEFAULT_VERSION_FLAG "-D__METAL_VERSION__=310"
+enum { MAX_SHIM_MACROS = 4 };
 /* -fms-extensions: -E expands macros in pragmas (`#pragma unroll (MIN(N, 4))`), as the compiler proper
  * does where the pragma is read; the two macros it predefines are taken back. */
 static const char *const PRE_FLAGS[] = {"-E",
@@ -23,7 +25,7 @@ static const char *const PRE_FLAGS[] = {"-E",
                                         "-fms-extensions",
                                         "-U_WCHAR_T_DEFINED",
                                         "-U_NATIVE_WCHAR_T_DEFINED",
-                                        "-D__METAL_VERSION__=310",
+                                        DEFAULT_VERSION_FLAG,
                                         "-D__HAVE_BFLOAT__=1"};
 /* -fsycl-is-device gives clang's language address spaces the default one converts from (msl_shim.h);
  * without device code to diagnose, it changes nothing else the kernels see. Kernels view buffers
@@ -60,6 +62,20 @@ static const char NOT_CONVERGENT[] = "\"msl-not-convergent\""; /* an attribute g
 static const char *const CHECKED_FLAGS[] = {"-DMSL_CHECKED", "-fsanitize=thread", "-g1", "-gdwarf-4"};
 static const char CODEGEN_CHECKED_FLAG[] = "-fsanitize=thread"; /* the instrumentation is a pass */
 
+
+/* The language version a library asks for: the value of its macro __METAL_VERSION__ (compile_library
+ * passes 400 for Metal 4, the default, or an older one), NULL for the default flag's 310 (the C API's
+ * callers, the project's own kernels). Metal 4's C++ has class-type template arguments (MPP's
+ * matmul2d<descriptor, scope>): C++20 from 400 on. */
+static const char *language_version(const mcpu_macro *macros, uint32_t n_macros) {
+    for (uint32_t i = 0; i < n_macros; i++)
+        if (!strcmp(macros[i].name, "__METAL_VERSION__"))
+            return macros[i].value && *macros[i].value ? macros[i].value : "1";
+    return NULL;
+}
+static const char *language(const char *flag, const char *version) {
+    return version && atol(version) >= 400 && !strcmp(flag, "-std=gnu++17") ? "-std=gnu++20" : flag;
+}
 
 /* Length of a line's "file:line:col" prefix, or 0. */
 static uint64_t location(const char *line) {
@@ -357,11 +373,14 @@ int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *sh
     if (ferror(f) | fclose(f)) return io_fail(st, "write", src);
 
     /* 2. c++ -E with the macros */
+    const char *version = language_version(macros, n_macros);
     uint64_t argc = 0, cap = COUNT(PRE_FLAGS) + n_macros + 8;
     char **argv = calloc((size_t)cap, sizeof *argv), **defs = calloc((size_t)n_macros + 1, sizeof *defs);
     int32_t rc = argv && defs ? MCPU_OK : mcpu_fail(st, MCPU_ERR_RUNTIME, "out of memory");
     if (!rc) {
-        for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++) argv[argc++] = (char *)PRE_FLAGS[i];
+        for (uint64_t i = 0; i < COUNT(PRE_FLAGS); i++)
+            if (!version || strcmp(PRE_FLAGS[i], DEFAULT_VERSION_FLAG))
+                argv[argc++] = (char *)language(PRE_FLAGS[i], version);
         for (uint32_t i = 0; i < n_macros && !rc; i++) {
             const char *v = macros[i].value && *macros[i].value ? macros[i].value : "1";
             uint64_t n = strlen(macros[i].name) + strlen(v) + 4;
@@ -409,10 +428,18 @@ int32_t build(const command *cxx, int32_t clash, int32_t checked, const char *sh
     if (rc) return rc;
 
     /* 4. the front end, to IR */
-    char *cc[COUNT(CC_FLAGS) + COUNT(IR_FLAGS) + COUNT(CHECKED_FLAGS) + 12], cwd[PATH_BYTES],
-        prefix_map[PATH_BYTES + 32];
+    char *cc[COUNT(CC_FLAGS) + COUNT(IR_FLAGS) + COUNT(CHECKED_FLAGS) + 12 + MAX_SHIM_MACROS], cwd[PATH_BYTES],
+        prefix_map[PATH_BYTES + 32], shim_macros[MAX_SHIM_MACROS][160];
     uint64_t n = 0;
-    for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) cc[n++] = (char *)CC_FLAGS[i];
+    /* the language version and the device's own settings (__MSL_CPU_*) reach the shim too */
+    for (uint32_t i = 0, m = 0; i < n_macros && m < MAX_SHIM_MACROS; i++)
+        if (!strcmp(macros[i].name, "__METAL_VERSION__") || !strncmp(macros[i].name, "__MSL_CPU_", 10)) {
+            const char *v = macros[i].value && *macros[i].value ? macros[i].value : "1";
+            if (snprintf(shim_macros[m], sizeof shim_macros[m], "-D%s=%s", macros[i].name, v) <
+                (int)sizeof shim_macros[m])
+                cc[n++] = shim_macros[m++];
+        }
+    for (uint64_t i = 0; i < COUNT(CC_FLAGS); i++) cc[n++] = (char *)language(CC_FLAGS[i], version);
     for (uint64_t i = 0; i < COUNT(IR_FLAGS); i++) cc[n++] = (char *)IR_FLAGS[i];
     if (clash) cc[n++] = (char *)STACK_CLASH_FLAG;
     if (checked) {

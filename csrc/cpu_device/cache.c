@@ -16,7 +16,10 @@
 static const char *const STUBS[] = {"metal_stdlib",    "metal_simdgroup",  "metal_simdgroup_matrix", "metal_atomic",
                                     "metal_math",      "metal_compute",    "metal_integer",          "metal_common",
                                     "metal_geometric", "metal_relational", "metal_matrix",           "metal_array",
-                                    "metal_uniform",   "metal_types"};
+                                    "metal_uniform",   "metal_types",      "metal_tensor",           "metal_logging"};
+/* <MetalPerformancePrimitives/MetalPerformancePrimitives.h>: its contents are the shim's (msl_tensor.h) */
+#define MPP_DIR "MetalPerformancePrimitives"
+#define MPP_STUB MPP_DIR "/MetalPerformancePrimitives.h"
 
 static void shim_hash(char out[33]) {
     sha256 s;
@@ -78,7 +81,11 @@ static int32_t shim_intact(const char *dir) {
     char inc[PATH_BYTES];
     mcpu_status ignored;
     if (trusted_dir(dir, &ignored) || join(inc, dir, "include", &ignored) || trusted_dir(inc, &ignored)) return 0;
-    if (entries(dir) != (int64_t)mcpu_shim_file_count + 1 || entries(inc) != (int64_t)COUNT(STUBS)) return 0;
+    char mpp[PATH_BYTES];
+    if (join(mpp, inc, MPP_DIR, &ignored) || trusted_dir(mpp, &ignored) || entries(mpp) != 1 ||
+        !holds(inc, MPP_STUB, ""))
+        return 0;
+    if (entries(dir) != (int64_t)mcpu_shim_file_count + 1 || entries(inc) != (int64_t)COUNT(STUBS) + 1) return 0;
     for (uint32_t i = 0; i < mcpu_shim_file_count; i++)
         if (!holds(dir, mcpu_shim_files[i].name, mcpu_shim_files[i].text)) return 0;
     for (uint32_t i = 0; i < COUNT(STUBS); i++)
@@ -107,6 +114,9 @@ int32_t shim_dir(const char *base, char *dir, mcpu_status *st) {
         if (!mkdtemp(tmp)) return io_fail(st, "create directory in", base);
         int32_t rc = join(inc, tmp, "include", st);
         if (!rc && mkdir(inc, 0700)) rc = io_fail(st, "create directory", inc);
+        if (!rc && !(rc = join(path, inc, MPP_DIR, st)) && mkdir(path, 0700))
+            rc = io_fail(st, "create directory", path);
+        if (!rc && !(rc = join(path, inc, MPP_STUB, st))) rc = write_file(path, "", 0, st);
         for (uint32_t i = 0; !rc && i < mcpu_shim_file_count; i++)
             if (!(rc = join(path, tmp, mcpu_shim_files[i].name, st)))
                 rc = write_file(path, mcpu_shim_files[i].text, strlen(mcpu_shim_files[i].text), st);

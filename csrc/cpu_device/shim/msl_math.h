@@ -105,6 +105,8 @@ MSL_FMINMAX(float) MSL_FMINMAX(half)
 template <class T> auto isinf(T x) -> decltype(x != x);
 template <class T> auto isfinite(T x) -> decltype(x != x);
 template <class T> auto signbit(T x) -> decltype(x != x);
+template <class T> bool isunordered(T x, T y);
+template <class T> bool isordered(T x, T y);
 template <class T> auto dot(T a, T b) -> decltype(a.x);
 template <class T> auto length(T a) -> decltype(a.x);
 } // namespace metal
@@ -301,6 +303,15 @@ MSL_TEST(isnan, std::isnan(x))
 MSL_TEST(isinf, std::isinf(x))
 MSL_TEST(isfinite, std::isfinite(x))
 MSL_TEST(signbit, std::signbit(x))
+/* whether either scalar is NaN (isunordered) or neither (isordered) */
+template <class A, class B, std::enable_if_t<detail::scalar_v<A> && detail::scalar_v<B>, int> = 0>
+constexpr bool isunordered(A x, B y) {
+    return std::isnan(float(x)) || std::isnan(float(y));
+}
+template <class A, class B, std::enable_if_t<detail::scalar_v<A> && detail::scalar_v<B>, int> = 0>
+constexpr bool isordered(A x, B y) {
+    return !isunordered(x, y);
+}
 
 MSL_ANY(abs, common, is_floating_point_v<E> ? E(std::fabs(float(x))) : x < 0 ? E(-x) : x)
 MSL_ANY2(max, matching, detail::lane_max(x, y))

@@ -49,5 +49,8 @@
 #include "msl_math.h"
 #include "msl_sync.h"
 #include "msl_kernel.h"
+#if __METAL_VERSION__ >= 400
+#include "msl_tensor.h"
+#endif
 
 #endif

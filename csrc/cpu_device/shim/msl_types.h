@@ -50,6 +50,7 @@ using std::conditional;
 using std::conditional_t;
 using std::decay;
 using std::decay_t;
+using std::declval;
 using std::enable_if;
 using std::enable_if_t;
 using std::false_type;
@@ -421,6 +422,15 @@ MSL_VEC_STORAGE(2, (x, y), (r, g))
 MSL_VEC_STORAGE(3, (x, y, z), (r, g, b))
 MSL_VEC_STORAGE(4, (x, y, z, w), (r, g, b, a))
 #undef MSL_VEC_STORAGE
+/* Metal 4's 8- and 16-lane vectors (vec<T, 8>, as MPP fragments use them): elements, no names. */
+#define MSL_WIDE_VEC_STORAGE(n)                                        \
+    template <class T, int A> struct alignas(A) vec_storage<T, n, A> { \
+        static constexpr int N = n;                                    \
+        T e[n];                                                        \
+    };
+MSL_WIDE_VEC_STORAGE(8)
+MSL_WIDE_VEC_STORAGE(16)
+#undef MSL_WIDE_VEC_STORAGE
 #undef MSL_ID
 #undef MSL_SWIZZLE_MEMBER
 #undef MSL_SWIZZLES
