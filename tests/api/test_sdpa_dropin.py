@@ -420,8 +420,10 @@ def test_compile_fullgraph_without_graph_breaks(gen, dynamic, core_calls, caplog
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(attend, fullgraph=True, dynamic=dynamic, backend="aot_eager")
-    for n in (9, 13, 17):  # new lengths: recompiles (static) or one symbolic graph (dynamic)
-        q, k, v = (randn(gen, 1, 2, n, 16).requires_grad_() for _ in range(3))
+    # new lengths and head dims: recompiles (static) or one symbolic graph (dynamic; the default
+    # scale 1/sqrt(E) is resolved by the op at run time, so nothing guards on E)
+    for n, e in ((9, 16), (13, 32), (17, 8)):
+        q, k, v = (randn(gen, 1, 2, n, e).requires_grad_() for _ in range(3))
         mask = torch.rand(n, n, generator=gen) > 0.3
         with caplog.at_level(logging.WARNING):
             out = compiled(q, k, v, mask)
