@@ -49,16 +49,27 @@ def sdpa_rows_without_keys_zero(q, k, v, attn_mask=None, **options):
     scale; torch 2.4's for rows of a float mask whose block of keys is all -inf), with the
     project's rule for a query row whose mask keeps no key: output 0 and no gradient through that
     row. torch >= 2.5 does the same; torch 2.4 gives NaN there (and NaN gradients for every key),
-    so such a row is computed unmasked and zeroed."""
+    so such a row is computed unmasked and zeroed. float16 and bfloat16 are computed in float32 and
+    rounded, which is what torch >= 2.5's math backend does on the CPU (the same bits); torch 2.4's
+    computes in float16, whose scores overflow where the kernels' do not."""
+
+    def attend(mask):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return torch_sdpa(q, k, v, attn_mask=mask, **options)
+        wide = None if mask is None or mask.dtype == torch.bool else mask.float()
+        return torch_sdpa(q.float(), k.float(), v.float(), attn_mask=mask if wide is None else wide, **options).to(
+            q.dtype
+        )
+
     with sdpa_kernel(SDPBackend.MATH):
         if attn_mask is None:
-            return torch_sdpa(q, k, v, **options)
+            return attend(None)
         keeps = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
         no_key = ~keeps.any(-1, keepdim=True)
         if not no_key.any():
-            return torch_sdpa(q, k, v, attn_mask=attn_mask, **options)
+            return attend(attn_mask)
         opened = attn_mask | no_key if attn_mask.dtype == torch.bool else attn_mask.masked_fill(no_key, 0.0)
-        return torch.where(no_key, 0.0, torch_sdpa(q, k, v, attn_mask=opened, **options))
+        return torch.where(no_key, 0.0, attend(opened))
 
 
 def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:
