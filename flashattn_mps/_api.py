@@ -291,8 +291,8 @@ def attention_options(
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
     # (a q without dims is refused by forward_core's checks). While traced the default stays None
-    # for the ops to resolve on the real q: 1/sqrt(E) of a symbolic E would be a float guard, which
-    # torch 2.4 cannot evaluate, so it recompiled every call under dynamic shapes.
+    # for the ops to resolve on the real q: 1/sqrt(E) of a symbolic E would be a float guard on E,
+    # one torch 2.4 cannot evaluate (it would recompile on every call under dynamic shapes).
     if scale is None and not _is_traced():
         scale = scale_value(q.shape[-1] if q.dim() else 0, None)
     alibi = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
