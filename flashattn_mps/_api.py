@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from . import _C
+from ._autograd import _is_traced
 from ._autograd import attention_through_torch as _attention_through_torch
 from ._core import (  # noqa: F401
     _rng_words,
@@ -290,7 +291,10 @@ def attention_options(
         check_call(q, k, v, causal, scale, attn_mask)
     if attn_mask is not None and causal:
         raise RuntimeError("_scaled_dot_product_attention: Explicit attn_mask should not be set when is_causal=True")
-    if scale is None:  # (a q without dims is refused by forward_core's checks)
+    # (a q without dims is refused by forward_core's checks). While traced the default stays None
+    # for the ops to resolve on the real q: 1/sqrt(E) of a symbolic E would be a float guard on E,
+    # one torch 2.4 cannot evaluate (it would recompile on every call under dynamic shapes).
+    if scale is None and not _is_traced():
         scale = scale_value(q.shape[-1] if q.dim() else 0, None)
     alibi = None if alibi_slopes is None else check_alibi(alibi_slopes, q)
     return AttentionOptions(

@@ -46,6 +46,7 @@ from ._options import (
     check_call,
     check_mask,
     check_sinks,
+    scale_value,
 )
 
 
@@ -211,9 +212,9 @@ def attention_through_torch(
 ):
     """Attention for calls that need autograd or are being traced (torch.compile, export, make_fx,
     fake tensors): traced calls record the attention_forward op, eager ones run _Attention.
-    options: the call's checked AttentionOptions (scale resolved, the (B, Hq) ALiBi view, float32
-    sinks); attn_mask: the user's mask (checked here); sequences: a packed or cached call's (q, k,
-    v then (B, H, L, D) views)."""
+    options: the call's checked AttentionOptions (scale resolved, or None for the default while
+    traced; the (B, Hq) ALiBi view, float32 sinks); attn_mask: the user's mask (checked here);
+    sequences: a packed or cached call's (q, k, v then (B, H, L, D) views)."""
     if _is_traced():
         if sequences is None:  # traced once; fake tensors are never checked by C
             check_call(q, k, v, options.causal, options.scale, attn_mask)
@@ -283,7 +284,7 @@ def _op_alibi(slopes, q, table):
 def _op_options(
     q,
     causal: bool,
-    scale: float,
+    scale: Optional[float],
     band,
     softcap: float,
     alibi_slopes,
@@ -293,9 +294,9 @@ def _op_options(
     num_splits: int = 0,
 ) -> AttentionOptions:
     """The AttentionOptions of an op's flat arguments, its ALiBi slopes and sinks checked (the op
-    may be called with anything)."""
+    may be called with anything); scale None is the default 1/sqrt(E), resolved on the real q."""
     return AttentionOptions(
-        scale,
+        scale_value(q.shape[-1], scale),
         causal,
         None if band is None else tuple(band),
         softcap,
@@ -319,7 +320,7 @@ def attention_forward(
     v: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     causal: bool,
-    scale: float,
+    scale: Optional[float],
     band: Optional[List[int]] = None,  # noqa: UP006
     seq_major: bool = False,
     softcap: float = 0.0,
@@ -389,7 +390,7 @@ def attention_backward(
     lse: torch.Tensor,
     attn_mask: Optional[torch.Tensor],
     causal: bool,
-    scale: float,
+    scale: Optional[float],
     band: Optional[List[int]] = None,  # noqa: UP006
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
@@ -484,7 +485,7 @@ def attention_probs(
     out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
-    scale: float,
+    scale: Optional[float],
     band: Optional[List[int]] = None,  # noqa: UP006
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,

@@ -29,11 +29,11 @@ When the group's backend cannot take the tensors' device (gloo and MPS tensors: 
 `Backend.backend_capability`), collectives go through CPU copies, blocking both ways.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch 2.4's custom_op reads the ops' annotations as
+# objects (it does not evaluate strings) and knows typing.List and typing.Tuple, not list and tuple.
 import contextlib
 import math
-from typing import Optional
+from typing import List, Optional, Tuple  # noqa: UP035
 
 import torch
 import torch.distributed as dist
@@ -521,9 +521,9 @@ def context_parallel_forward(
     group_name: str,
     causal: bool,
     scale: float,
-    window: list[int],
+    window: List[int],  # noqa: UP006
     softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor]:  # noqa: UP006
     """This rank's (out, float32 lse) of attention over the sequence sharded across the group."""
     call = _Call(q, layout, group_name, causal, scale, window, softcap, alibi_slopes, sinks)
     return _FORWARDS[method](call, q, k, v)
@@ -549,9 +549,9 @@ def context_parallel_backward(
     group_name: str,
     causal: bool,
     scale: float,
-    window: list[int],
+    window: List[int],  # noqa: UP006
     softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: UP006
     """(dq, dk, dv, dsinks) of context_parallel_forward's call; dsinks is this rank's partial sum
     (empty without sinks)."""
     call = _Call(q, layout, group_name, causal, scale, window, softcap, alibi_slopes, sinks)

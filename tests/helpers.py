@@ -13,19 +13,63 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashattn_mps import _C, _metal_cpu, _sources, strict_check
+from flashattn_mps._metal_mode import torch_version_tuple
 from flashattn_mps._sdpa import torch_sdpa
+
+TORCH_VERSION = torch_version_tuple(torch.__version__)  # (2, 4) for torch 2.4.0
+
+
+def needs_torch_2_6(package: str) -> None:
+    """Skips the calling test (or, before its imports, the test module) on torch < 2.6: the tested
+    transformers 5.24.0 and diffusers 0.42.1 declare torch >= 2.6 and do not import on torch 2.4
+    (diffusers uses torch.accelerator; transformers' masks import torch._dynamo helpers torch 2.4
+    lacks), so with the oldest admitted torch there is no release of theirs to test against."""
+    if TORCH_VERSION < (2, 6):
+        pytest.skip(
+            f"{package} as tested (transformers 5.24.0, diffusers 0.42.1) needs torch >= 2.6, "
+            f"not torch {torch.__version__}",
+            allow_module_level=True,
+        )
 
 
 def sdpa(q, k, v, causal=False, scale=None, attn_mask=None):
-    """torch's SDPA through its math backend, as PyTorch's own tests take their reference: the
-    default CPU kernel of torch 2.13 returns NaN for causal rows with a negative scale. torch_sdpa
-    gives torch 2.4, which has no enable_gqa, the same GQA."""
+    """The reference of sdpa_rows_without_keys_zero with SDPA's positional causal and scale, GQA
+    on (torch_sdpa gives torch 2.4, which has no enable_gqa, the same GQA)."""
+    return sdpa_rows_without_keys_zero(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def sdpa_rows_without_keys_zero(q, k, v, attn_mask=None, **options):
+    """torch's SDPA (torch_sdpa's arguments) through its math backend, as PyTorch's own tests take
+    their reference (torch 2.13's default CPU kernel returns NaN for causal rows with a negative
+    scale; torch 2.4's for rows of a float mask whose block of keys is all -inf), with the
+    project's rule for a query row whose mask keeps no key: output 0 and no gradient through that
+    row. torch >= 2.5 does the same; torch 2.4 gives NaN there (and NaN gradients for every key),
+    so such a row is computed unmasked and zeroed. float16 and bfloat16 are computed in float32 and
+    rounded, which is what torch >= 2.5's math backend does on the CPU (the same bits); torch 2.4's
+    computes in float16, whose scores overflow where the kernels' do not."""
+
+    def attend(mask):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return torch_sdpa(q, k, v, attn_mask=mask, **options)
+        wide = None if mask is None or mask.dtype == torch.bool else mask.float()
+        return torch_sdpa(q.float(), k.float(), v.float(), attn_mask=mask if wide is None else wide, **options).to(
+            q.dtype
+        )
+
     with sdpa_kernel(SDPBackend.MATH):
-        return torch_sdpa(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale, enable_gqa=True)
+        if attn_mask is None:
+            return attend(None)
+        keeps = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+        no_key = ~keeps.any(-1, keepdim=True)
+        if not no_key.any():
+            return attend(attn_mask)
+        opened = attn_mask | no_key if attn_mask.dtype == torch.bool else attn_mask.masked_fill(no_key, 0.0)
+        return torch.where(no_key, 0.0, attend(opened))
 
 
 def max_error(actual: torch.Tensor, golden: torch.Tensor) -> float:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import TORCH_VERSION
+
 pytestmark = pytest.mark.slow  # one compile of both extensions: about 50 s of CPU on x86-64
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,6 +176,12 @@ def test_installed_wheel_imports_every_module_and_runs(release, installed):
         "flashattn_mps.integrations.diffusers",
         "flashattn_mps.doctor",
     } <= set(modules)
+    if TORCH_VERSION < (2, 6):  # carried, but the tested transformers and diffusers need torch >= 2.6
+        modules = [
+            m
+            for m in modules
+            if m not in ("flashattn_mps.integrations.transformers", "flashattn_mps.integrations.diffusers")
+        ]
     script = textwrap.dedent(
         """
         import importlib, sys

@@ -64,7 +64,11 @@ def test_functional_tensors_go_to_torch(gen, core_calls):
 def test_a_dtensor_goes_to_torch(gen, core_calls, tmp_path, monkeypatch):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    try:
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    except ImportError:  # torch 2.4: DTensor's module before it became public in torch 2.5
+        from torch.distributed._tensor import DTensor, Shard, distribute_tensor
 
     from flashattn_mps import _sdpa
 

@@ -16,6 +16,7 @@ from helpers import (
     check_packed,
     core_options,
     max_error,
+    needs_torch_2_6,
     packed_inputs,
     per_sequence_reference,
     prefix_sums,
@@ -233,6 +234,7 @@ def test_transformers_padding_free_llama_matches_eager_per_sequence(monkeypatch,
     """A tiny random Llama on a packed batch (position_ids restarting at 0, or flash-attn's
     cu_seq_lens / max_length kwargs) against eager attention on each sequence alone; the
     varlen kernels run (one forward call per layer) and the logits match."""
+    needs_torch_2_6("transformers")
     transformers = pytest.importorskip("transformers")
     from flashattn_mps.integrations import transformers as fa_transformers
 

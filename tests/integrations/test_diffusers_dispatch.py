@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import copy
 
-import diffusers
 import pytest
 import torch
 
-from flashattn_mps.integrations.diffusers import use_in
-from helpers import max_error
+from helpers import max_error, needs_torch_2_6
+
+needs_torch_2_6("diffusers")  # before the imports: the tested releases need torch >= 2.6
+
+import diffusers  # noqa: E402
+
+from flashattn_mps.integrations.diffusers import use_in  # noqa: E402
 
 
 def _flux():

@@ -8,15 +8,19 @@ from __future__ import annotations
 import copy
 import logging
 
-import diffusers
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
-from flashattn_mps.integrations import transformers as fa_transformers
-from flashattn_mps.integrations.diffusers import MPSAttnProcessor, use_in
-from helpers import max_error
+from helpers import max_error, needs_torch_2_6
+
+needs_torch_2_6("transformers and diffusers")  # before the imports: the tested releases need torch >= 2.6
+
+import diffusers  # noqa: E402
+import transformers  # noqa: E402
+
+from flashattn_mps.integrations import transformers as fa_transformers  # noqa: E402
+from flashattn_mps.integrations.diffusers import MPSAttnProcessor, use_in  # noqa: E402
 
 NAME = fa_transformers.register(cpu=True)
 VOCAB = 64

@@ -9,12 +9,16 @@ import copy
 
 import pytest
 import torch
-import transformers
 
-from flashattn_mps import _C
-from flashattn_mps.integrations import transformers as fa_transformers
-from flashattn_mps.integrations.transformers import QuantizedKVCache
-from helpers import max_error
+from helpers import max_error, needs_torch_2_6
+
+needs_torch_2_6("transformers")  # before the imports: the tested releases need torch >= 2.6
+
+import transformers  # noqa: E402
+
+from flashattn_mps import _C  # noqa: E402
+from flashattn_mps.integrations import transformers as fa_transformers  # noqa: E402
+from flashattn_mps.integrations.transformers import QuantizedKVCache  # noqa: E402
 
 NAME = fa_transformers.register(cpu=True)
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import inspect
 
-import transformers
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from helpers import needs_torch_2_6
 
-from flashattn_mps.integrations import transformers as fa_transformers
+needs_torch_2_6("transformers")  # before the imports: the tested releases need torch >= 2.6
+
+import transformers  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import sdpa_mask  # noqa: E402
+
+from flashattn_mps.integrations import transformers as fa_transformers  # noqa: E402
 
 
 def _named(function) -> list:
