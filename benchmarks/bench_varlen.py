@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 import flashattn_mps
-from flashattn_mps import mps_probe
-from flashattn_mps import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flashattn_mps import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, mps_probe
 
 # (name, sequence lengths, heads, kv heads, head dim)
 VARLEN_CASES = [("mixed", [200, 13, 64, 7, 128], 4, 2, 64), ("one long", [256, 8, 8, 8], 4, 4, 64)]

@@ -46,12 +46,16 @@ int32_t fa_fail(fa_status *st, int32_t code, const char *fmt, ...) {
 #define OPTION(field, type) \
     { #field, type, (int32_t)offsetof(fa_options, field) }
 const fa_option_field fa_option_fields[FA_OPTION_COUNT] = {
-    OPTION(scale, FA_OPTION_DOUBLE),      OPTION(causal, FA_OPTION_BOOL),        OPTION(bottom_right, FA_OPTION_BOOL),
-    OPTION(window_left, FA_OPTION_INT64), OPTION(window_right, FA_OPTION_INT64), OPTION(softcap, FA_OPTION_DOUBLE),
-    OPTION(dropout_p, FA_OPTION_DOUBLE),  OPTION(kernel, FA_OPTION_INT32),       OPTION(num_splits, FA_OPTION_INT32),
-    OPTION(write_probs, FA_OPTION_BOOL),  OPTION(max_q_len, FA_OPTION_INT64),    OPTION(max_kv_len, FA_OPTION_INT64),
-    OPTION(unbatched, FA_OPTION_BOOL),    OPTION(diagonal_offset, FA_OPTION_INT64), OPTION(k_bits, FA_OPTION_INT32),       OPTION(k_group_size, FA_OPTION_INT32),
-    OPTION(v_bits, FA_OPTION_INT32),      OPTION(v_group_size, FA_OPTION_INT32), OPTION(gpu_family, FA_OPTION_INT64),
+    OPTION(scale, FA_OPTION_DOUBLE),       OPTION(causal, FA_OPTION_BOOL),
+    OPTION(bottom_right, FA_OPTION_BOOL),  OPTION(window_left, FA_OPTION_INT64),
+    OPTION(window_right, FA_OPTION_INT64), OPTION(softcap, FA_OPTION_DOUBLE),
+    OPTION(dropout_p, FA_OPTION_DOUBLE),   OPTION(kernel, FA_OPTION_INT32),
+    OPTION(num_splits, FA_OPTION_INT32),   OPTION(write_probs, FA_OPTION_BOOL),
+    OPTION(max_q_len, FA_OPTION_INT64),    OPTION(max_kv_len, FA_OPTION_INT64),
+    OPTION(unbatched, FA_OPTION_BOOL),     OPTION(diagonal_offset, FA_OPTION_INT64),
+    OPTION(k_bits, FA_OPTION_INT32),       OPTION(k_group_size, FA_OPTION_INT32),
+    OPTION(v_bits, FA_OPTION_INT32),       OPTION(v_group_size, FA_OPTION_INT32),
+    OPTION(gpu_family, FA_OPTION_INT64),
 };
 #undef OPTION
 

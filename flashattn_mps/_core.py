@@ -299,7 +299,22 @@ def forward_core(
     if kv_quant is not None:
         quantized_slots(tensors, kv_quant)
     if band is None and kv_quant is None:  # (AttentionOptions.core, inline: this is every plain call's path)
-        core = (scale, causal, False, -1, -1, softcap, dropout_p, kernel, num_splits, False, max_q, max_kv, dims == 3, 0)
+        core = (
+            scale,
+            causal,
+            False,
+            -1,
+            -1,
+            softcap,
+            dropout_p,
+            kernel,
+            num_splits,
+            False,
+            max_q,
+            max_kv,
+            dims == 3,
+            0,
+        )
         core += _UNQUANTIZED + (0,)
     else:
         core = options.core(False, max_q, max_kv, dims == 3)
