@@ -3,7 +3,7 @@ cached (KV-cache, paged too) calls.
 
 `flashattn_mps::attention_forward(q, k, v, attn_mask, causal, scale, band, seq_major, softcap,
 alibi_slopes, dropout_p, rng_state, sinks, sequences, max_q_len, max_kv_len, block_table,
-num_splits, kernel) -> (out, lse)` runs the forward kernels and keeps the float32 log-sum-exp of each row
+num_splits) -> (out, lse)` runs the forward kernels and keeps the float32 log-sum-exp of each row
 (rng_state: dropout's generator state, drawn by the caller outside the op so the fake
 implementations need none). `flashattn_mps::attention_backward(dout, q, k, v, out, lse, attn_mask,
 causal, scale, band, softcap, alibi_slopes, dropout_p, rng_state, sinks, sequences, max_q_len,
@@ -199,15 +199,6 @@ def _is_traced() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def _kernel_for_backward(options: AttentionOptions) -> AttentionOptions:
-    """The options of a forward a backward will follow: the prefill kernel where the planner would
-    choose. The backward recomputes each score as the prefill kernel computes it (the same products
-    in the same order), so a row's largest score gets probability exactly 1 from the forward's lse;
-    the decode kernel, the planner's choice for a few query rows, sums the products in another
-    order, which leaves that probability a few units in the last place off 1."""
-    return options._replace(kernel=_C.KERNEL_FORWARD) if options.kernel == _C.KERNEL_AUTO else options
-
-
 def attention_through_torch(
     q,
     k,
@@ -225,8 +216,6 @@ def attention_through_torch(
     traced; the (B, Hq) ALiBi view, float32 sinks); attn_mask: the user's mask (checked here);
     sequences: a packed or cached call's (q, k, v then (B, H, L, D) views)."""
     if _is_traced():
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, options.sinks)):
-            options = _kernel_for_backward(options)
         if sequences is None:  # traced once; fake tensors are never checked by C
             check_call(q, k, v, options.causal, options.scale, attn_mask)
         table, max_q, max_kv, block_table = (None, 0, 0, None) if sequences is None else sequences
@@ -249,13 +238,11 @@ def attention_through_torch(
             max_kv,
             block_table,
             options.num_splits,
-            options.kernel,
         )
     else:
         mask = None if attn_mask is None else check_mask(attn_mask, q, k)
         if q.is_neg() or k.is_neg() or v.is_neg():  # resolved here, so autograd sees the copy
             q, k, v = q.resolve_neg(), k.resolve_neg(), v.resolve_neg()
-        options = _kernel_for_backward(options)
         out, lse = _Attention.apply(q, k, v, mask, options, seq_major, rng_state, options.sinks, sequences)
     return (out, lse) if return_lse else out
 
@@ -305,7 +292,6 @@ def _op_options(
     sinks,
     table,
     num_splits: int = 0,
-    kernel: int = _C.KERNEL_AUTO,
 ) -> AttentionOptions:
     """The AttentionOptions of an op's flat arguments, its ALiBi slopes and sinks checked (the op
     may be called with anything); scale None is the default 1/sqrt(E), resolved on the real q."""
@@ -317,7 +303,7 @@ def _op_options(
         None if alibi_slopes is None else _op_alibi(alibi_slopes, q, table),
         None if sinks is None else check_sinks(sinks, q),
         dropout_p,
-        kernel,
+        _C.KERNEL_AUTO,
         num_splits,
     )
 
@@ -347,12 +333,9 @@ def attention_forward(
     max_kv_len: int = 0,
     block_table: Optional[torch.Tensor] = None,
     num_splits: int = 0,
-    kernel: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mask = None if attn_mask is None else check_mask(attn_mask, q, k)
-    options = _op_options(
-        q, causal, scale, band, softcap, alibi_slopes, dropout_p, sinks, sequences, num_splits, kernel
-    )
+    options = _op_options(q, causal, scale, band, softcap, alibi_slopes, dropout_p, sinks, sequences, num_splits)
     if sequences is not None:
         check_sequences(sequences, q, k, max_q_len, max_kv_len, block_table)
     return forward_core(
@@ -388,7 +371,6 @@ def _(
     max_kv_len=0,
     block_table=None,
     num_splits=0,
-    kernel=0,
 ):
     if seq_major:
         out = q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[-1])).transpose(1, 2)
@@ -479,7 +461,6 @@ def _setup_context(ctx, inputs, output) -> None:
         max_kv_len,
         block_table,
         _num_splits,
-        _kernel,
     ) = inputs
     out, lse = output  # the options as the op got them: attention_backward checks the slopes and sinks again
     options = AttentionOptions(
@@ -490,7 +471,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: torch.Tensor, _dlse: Optional[torch.Tensor]):
     dq, dk, dv, dsinks = _gradients(ctx, dout, traced=True)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None, None, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_setup_context)
