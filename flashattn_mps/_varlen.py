@@ -193,31 +193,7 @@ def flash_attn_varlen_func(
     sequence). Not with block_table. explain_varlen_plan, given the same arguments, shows what it
     launches.
     """
-    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
-        return _quantized_varlen(
-            q,
-            k,
-            v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
-            dropout_p,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-            alibi_slopes,
-            deterministic,
-            return_attn_probs,
-            block_table,
-            sinks,
-        )
-    call = _check_varlen(
-        "flash_attn_varlen_func",
-        q,
-        k,
-        v,
+    arguments = (
         cu_seqlens_q,
         cu_seqlens_k,
         max_seqlen_q,
@@ -233,6 +209,9 @@ def flash_attn_varlen_func(
         block_table,
         sinks,
     )
+    if isinstance(k, QuantizedKV) or isinstance(v, QuantizedKV):
+        return _quantized_varlen(q, k, v, *arguments)
+    call = _check_varlen("flash_attn_varlen_func", q, k, v, *arguments)
     if call.paged is not None:
         return _paged_attention(call, "flash_attn_varlen_func")
     return packed_attention(*call[:7], call.options, call.return_attn_probs)
