@@ -386,11 +386,14 @@ MSL_UNINSTRUMENTED inline void checked_access(const volatile void *p, uint64_t n
     MSL_HOOK(void, write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }         \
     MSL_HOOK(void, unaligned_read##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_READ); } \
     MSL_HOOK(void, unaligned_write##n, void *p) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
+// clang-format off
 MSL_HOOK_ACCESS(1)
-MSL_HOOK_ACCESS(2) MSL_HOOK_ACCESS(4) MSL_HOOK_ACCESS(8) MSL_HOOK_ACCESS(16)
-    MSL_HOOK(void, read_range, void *p, unsigned long n) {
-    MSL_CHECK(p, n, MSL_ACCESS_READ);
-}
+MSL_HOOK_ACCESS(2)
+MSL_HOOK_ACCESS(4)
+MSL_HOOK_ACCESS(8)
+MSL_HOOK_ACCESS(16)
+// clang-format on
+MSL_HOOK(void, read_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_READ); }
 MSL_HOOK(void, write_range, void *p, unsigned long n) { MSL_CHECK(p, n, MSL_ACCESS_WRITE); }
 /* Block copies the compiler turned into calls (clang names them __tsan_memcpy and kin): checked as
  * the ranges they read and write, then done with the builtins, which are not instrumented here. */

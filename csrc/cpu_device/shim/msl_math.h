@@ -386,14 +386,15 @@ template <class A, class V = detail::floating_t<A>> constexpr V normalize(const 
  * not reproduce the GPU's fast-math error): an overload that user code adds to one of them (a
  * bfloat exp in metal::fast) joins the set instead of hiding every other, as it would behind a
  * using-directive. By value, so that an argument's address space and cv-qualifiers drop. */
-#define MSL_MATH_FUNCTIONS(X)                                                                                          \
-    X(exp)                                                                                                             \
-    X(exp2) X(exp10) X(log) X(log2) X(log10) X(pow) X(powr) X(sqrt) X(rsqrt) X(fabs) X(floor) X(ceil) X(round) X(rint) \
-        X(trunc) X(sin) X(cos) X(tan) X(sinh) X(cosh) X(tanh) X(asin) X(acos) X(atan) X(sign) X(fract) X(saturate)     \
-            X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix) X(isnan) X(isinf)      \
-                X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length) X(normalize) X(acosh)  \
-                    X(asinh) X(atanh) X(cospi) X(sinpi) X(tanpi) X(ldexp) X(frexp) X(fmax3) X(fmin3) X(fmedian3)       \
-                        X(max3) X(min3) X(median3) X(nextafter)
+// clang-format off
+#define MSL_MATH_FUNCTIONS(X) \
+    X(exp) X(exp2) X(exp10) X(log) X(log2) X(log10) X(pow) X(powr) X(sqrt) X(rsqrt) X(fabs) X(floor) X(ceil) \
+    X(round) X(rint) X(trunc) X(sin) X(cos) X(tan) X(sinh) X(cosh) X(tanh) X(asin) X(acos) X(atan) X(sign) \
+    X(fract) X(saturate) X(fmod) X(atan2) X(copysign) X(fmax) X(fmin) X(step) X(divide) X(fma) X(mad) X(mix) \
+    X(isnan) X(isinf) X(isfinite) X(signbit) X(abs) X(max) X(min) X(clamp) X(select) X(dot) X(length) \
+    X(normalize) X(acosh) X(asinh) X(atanh) X(cospi) X(sinpi) X(tanpi) X(ldexp) X(frexp) X(fmax3) X(fmin3) \
+    X(fmedian3) X(max3) X(min3) X(median3) X(nextafter)
+// clang-format on
 #define MSL_FORWARD(name) \
     template <class... A> constexpr auto name(A... a)->decltype(::metal::name(a...)) { return ::metal::name(a...); }
 namespace metal {
@@ -424,19 +425,54 @@ MSL_MATH_FUNCTIONS(MSL_FORWARD)
     constexpr auto __metal_##name(A a, B b, C c, bool = true)->decltype(::metal::name(a, b, c)) { \
         return ::metal::name(a, b, c);                                                            \
     }
+// clang-format off
 MSL_BUILTIN1(exp)
-MSL_BUILTIN1(exp2) MSL_BUILTIN1(exp10) MSL_BUILTIN1(log) MSL_BUILTIN1(log2) MSL_BUILTIN1(log10) MSL_BUILTIN1(sqrt)
-    MSL_BUILTIN1(rsqrt) MSL_BUILTIN1(fabs) MSL_BUILTIN1(floor) MSL_BUILTIN1(ceil) MSL_BUILTIN1(round) MSL_BUILTIN1(rint)
-        MSL_BUILTIN1(trunc) MSL_BUILTIN1(sin) MSL_BUILTIN1(cos) MSL_BUILTIN1(tan) MSL_BUILTIN1(sinh) MSL_BUILTIN1(cosh)
-            MSL_BUILTIN1(tanh) MSL_BUILTIN1(asin) MSL_BUILTIN1(acos) MSL_BUILTIN1(atan) MSL_BUILTIN1(acosh)
-                MSL_BUILTIN1(asinh) MSL_BUILTIN1(atanh) MSL_BUILTIN1(cospi) MSL_BUILTIN1(sinpi) MSL_BUILTIN1(tanpi)
-                    MSL_BUILTIN1(fract) MSL_BUILTIN1(saturate) MSL_BUILTIN2(pow) MSL_BUILTIN2(powr) MSL_BUILTIN2(fmod)
-                        MSL_BUILTIN2(atan2) MSL_BUILTIN2(copysign) MSL_BUILTIN2(fmax) MSL_BUILTIN2(fmin)
-                            MSL_BUILTIN2(divide) MSL_BUILTIN2(ldexp) MSL_BUILTIN2(nextafter) MSL_BUILTIN3(fma)
-                                MSL_BUILTIN3(fmax3) MSL_BUILTIN3(fmin3) MSL_BUILTIN3(fmedian3) template <class A>
-                                auto __metal_frexp(A a, int *e) -> decltype(::metal::frexp(a, *e)) {
-    return ::metal::frexp(a, *e);
-}
+MSL_BUILTIN1(exp2)
+MSL_BUILTIN1(exp10)
+MSL_BUILTIN1(log)
+MSL_BUILTIN1(log2)
+MSL_BUILTIN1(log10)
+MSL_BUILTIN1(sqrt)
+MSL_BUILTIN1(rsqrt)
+MSL_BUILTIN1(fabs)
+MSL_BUILTIN1(floor)
+MSL_BUILTIN1(ceil)
+MSL_BUILTIN1(round)
+MSL_BUILTIN1(rint)
+MSL_BUILTIN1(trunc)
+MSL_BUILTIN1(sin)
+MSL_BUILTIN1(cos)
+MSL_BUILTIN1(tan)
+MSL_BUILTIN1(sinh)
+MSL_BUILTIN1(cosh)
+MSL_BUILTIN1(tanh)
+MSL_BUILTIN1(asin)
+MSL_BUILTIN1(acos)
+MSL_BUILTIN1(atan)
+MSL_BUILTIN1(acosh)
+MSL_BUILTIN1(asinh)
+MSL_BUILTIN1(atanh)
+MSL_BUILTIN1(cospi)
+MSL_BUILTIN1(sinpi)
+MSL_BUILTIN1(tanpi)
+MSL_BUILTIN1(fract)
+MSL_BUILTIN1(saturate)
+MSL_BUILTIN2(pow)
+MSL_BUILTIN2(powr)
+MSL_BUILTIN2(fmod)
+MSL_BUILTIN2(atan2)
+MSL_BUILTIN2(copysign)
+MSL_BUILTIN2(fmax)
+MSL_BUILTIN2(fmin)
+MSL_BUILTIN2(divide)
+MSL_BUILTIN2(ldexp)
+MSL_BUILTIN2(nextafter)
+MSL_BUILTIN3(fma)
+MSL_BUILTIN3(fmax3)
+MSL_BUILTIN3(fmin3)
+MSL_BUILTIN3(fmedian3)
+// clang-format on
+template <class A> auto __metal_frexp(A a, int *e) -> decltype(::metal::frexp(a, *e)) { return ::metal::frexp(a, *e); }
 #undef MSL_BUILTIN1
 #undef MSL_BUILTIN2
 #undef MSL_BUILTIN3

@@ -334,12 +334,17 @@ namespace metal {
     template <class T> msl_rt::simd_data<T> quad_##name(T x, MSL_CALLER) {                                          \
         return msl_rt::quad_fold(msl_rt::exchange(x, "quad_" #name, file, line), [](T a, T b) { return T(expr); }); \
     }
+// clang-format off
 MSL_QUAD_FOLD(sum, a + b)
-MSL_QUAD_FOLD(product, a *b) MSL_QUAD_FOLD(max, max(a, b)) MSL_QUAD_FOLD(min, min(a, b)) MSL_QUAD_FOLD(and, a &b)
-    MSL_QUAD_FOLD(or, a | b) MSL_QUAD_FOLD(xor, a ^ b)
+MSL_QUAD_FOLD(product, a * b)
+MSL_QUAD_FOLD(max, max(a, b))
+MSL_QUAD_FOLD(min, min(a, b))
+MSL_QUAD_FOLD(and, a & b)
+MSL_QUAD_FOLD(or, a | b)
+MSL_QUAD_FOLD(xor, a ^ b)
+// clang-format on
 #undef MSL_QUAD_FOLD
-        template <class T>
-        msl_rt::simd_data<T> quad_prefix_exclusive_sum(T x, MSL_CALLER) {
+template <class T> msl_rt::simd_data<T> quad_prefix_exclusive_sum(T x, MSL_CALLER) {
     auto g = msl_rt::exchange(x, "quad_prefix_exclusive_sum", file, line);
     return msl_rt::scan(g, msl_rt::quad_below(g.self), T(0), [](T a, T b) { return T(a + b); });
 }
@@ -433,25 +438,35 @@ inline bool quad_is_first(MSL_CALLER) {
             return ::metal::as_type<T>(::metal::name(::metal::as_type<B>(x), line, file)); \
         }                                                                                  \
     }
+// clang-format off
 MSL_SIMD_BUILTIN1(simd_sum)
-MSL_SIMD_BUILTIN1(simd_product) MSL_SIMD_BUILTIN1(simd_max) MSL_SIMD_BUILTIN1(simd_min) MSL_SIMD_BITS_BUILTIN(simd_and)
-    MSL_SIMD_BITS_BUILTIN(simd_or) MSL_SIMD_BITS_BUILTIN(simd_xor) MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum)
-        MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum) MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product)
-            MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product) MSL_SIMD_BUILTIN1(simd_broadcast_first)
-                MSL_SIMD_BUILTIN2(simd_shuffle) MSL_SIMD_BUILTIN2(simd_broadcast) MSL_SIMD_BUILTIN2(simd_shuffle_xor)
-                    MSL_SIMD_BUILTIN2(simd_shuffle_down) MSL_SIMD_BUILTIN2(simd_shuffle_up)
-                        MSL_SIMD_BUILTIN2(simd_shuffle_rotate_down) MSL_SIMD_BUILTIN2(simd_shuffle_rotate_up)
-                            MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up)
-                                MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_down)
+MSL_SIMD_BUILTIN1(simd_product)
+MSL_SIMD_BUILTIN1(simd_max)
+MSL_SIMD_BUILTIN1(simd_min)
+MSL_SIMD_BITS_BUILTIN(simd_and)
+MSL_SIMD_BITS_BUILTIN(simd_or)
+MSL_SIMD_BITS_BUILTIN(simd_xor)
+MSL_SIMD_BUILTIN1(simd_prefix_exclusive_sum)
+MSL_SIMD_BUILTIN1(simd_prefix_inclusive_sum)
+MSL_SIMD_BUILTIN1(simd_prefix_exclusive_product)
+MSL_SIMD_BUILTIN1(simd_prefix_inclusive_product)
+MSL_SIMD_BUILTIN1(simd_broadcast_first)
+MSL_SIMD_BUILTIN2(simd_shuffle)
+MSL_SIMD_BUILTIN2(simd_broadcast)
+MSL_SIMD_BUILTIN2(simd_shuffle_xor)
+MSL_SIMD_BUILTIN2(simd_shuffle_down)
+MSL_SIMD_BUILTIN2(simd_shuffle_up)
+MSL_SIMD_BUILTIN2(simd_shuffle_rotate_down)
+MSL_SIMD_BUILTIN2(simd_shuffle_rotate_up)
+MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_up)
+MSL_SIMD_BUILTIN_FILL(simd_shuffle_and_fill_down)
+// clang-format on
 #undef MSL_SIMD_BUILTIN1
 #undef MSL_SIMD_BUILTIN2
 #undef MSL_SIMD_BUILTIN_FILL
 #undef MSL_SIMD_BITS_BUILTIN
-    /* the SIMD-group's width and the caller's lane, in the argument's type */
-    template <class T>
-    T __metal_get_simdgroup_size(T) {
-    return T(msl_rt::self()->threads_per_simdgroup);
-}
+/* the SIMD-group's width and the caller's lane, in the argument's type */
+template <class T> T __metal_get_simdgroup_size(T) { return T(msl_rt::self()->threads_per_simdgroup); }
 template <class T> T __metal_get_thread_index_in_simdgroup(T) { return T(msl_rt::lane_id()); }
 
 namespace metal {
@@ -559,8 +574,7 @@ void simdgroup_multiply(simdgroup_matrix<TD, Cols, Rows> &d, simdgroup_matrix<TA
 
 template <class TD, class TA, class TB, class TC, int Cols, int Rows, int K>
 void simdgroup_multiply_accumulate(simdgroup_matrix<TD, Cols, Rows> &d, simdgroup_matrix<TA, K, Rows> &a,
-                                   simdgroup_matrix<TB, Cols, K> &b, simdgroup_matrix<TC, Cols, Rows> &c,
-                                   MSL_CALLER) {
+                                   simdgroup_matrix<TB, Cols, K> &b, simdgroup_matrix<TC, Cols, Rows> &c, MSL_CALLER) {
     msl_rt::mma(d, a, b, &c, "simdgroup_multiply_accumulate", file, line);
 }
 

@@ -307,16 +307,24 @@ template <class A, class B> using fp16_op_t = std::enable_if_t<fp16_v<A> || fp16
     template <class A, class B, class R = fp16_op_t<A, B>> constexpr bool operator op(A a, B b) { \
         return float(R(a)) op float(R(b));                                                        \
     }
+// clang-format off
 MSL_FP16_OP(+)
-MSL_FP16_OP(-) MSL_FP16_OP(*) MSL_FP16_OP(/) MSL_FP16_CMP(==) MSL_FP16_CMP(!=) MSL_FP16_CMP(<) MSL_FP16_CMP(<=)
-    MSL_FP16_CMP(>) MSL_FP16_CMP(>=)
+MSL_FP16_OP(-)
+MSL_FP16_OP(*)
+MSL_FP16_OP(/)
+MSL_FP16_CMP(==)
+MSL_FP16_CMP(!=)
+MSL_FP16_CMP(<)
+MSL_FP16_CMP(<=)
+MSL_FP16_CMP(>)
+MSL_FP16_CMP(>=)
+// clang-format on
 #undef MSL_FP16_OP
 #undef MSL_FP16_CMP
 
-    /* ---- vectors ---- */
+/* ---- vectors ---- */
 
-    template <class V>
-    struct packed_vec;
+template <class V> struct packed_vec;
 template <class T, int N, int A> struct vec_storage;
 
 /* What a value is as a vector operand: its lane count (0: not a scalar nor a vector), the plain
@@ -390,11 +398,11 @@ using swz = std::conditional_t<((I < N) && ...), swizzle<T, N, vec<T, int(sizeof
 #define MSL_SWZ0(F, a, b, c, d, n, i)   \
     MSL_SWZ1(F, a, b, c, d, n##a, i, 0) \
     MSL_SWZ1(F, a, b, c, d, n##b, i, 1) MSL_SWZ1(F, a, b, c, d, n##c, i, 2) MSL_SWZ1(F, a, b, c, d, n##d, i, 3)
-#define MSL_SWZ1(F, a, b, c, d, n, ...)                                                         \
-    F(n, __VA_ARGS__)                                                                           \
-    MSL_SWZ2(F, a, b, c, d, n##a, __VA_ARGS__, 0)                                               \
-    MSL_SWZ2(F, a, b, c, d, n##b, __VA_ARGS__, 1) MSL_SWZ2(F, a, b, c, d, n##c, __VA_ARGS__, 2) \
-        MSL_SWZ2(F, a, b, c, d, n##d, __VA_ARGS__, 3)
+#define MSL_SWZ1(F, a, b, c, d, n, ...)           \
+    F(n, __VA_ARGS__)                             \
+    MSL_SWZ2(F, a, b, c, d, n##a, __VA_ARGS__, 0) \
+    MSL_SWZ2(F, a, b, c, d, n##b, __VA_ARGS__, 1) \
+    MSL_SWZ2(F, a, b, c, d, n##c, __VA_ARGS__, 2) MSL_SWZ2(F, a, b, c, d, n##d, __VA_ARGS__, 3)
 #define MSL_SWZ2(F, a, b, c, d, n, ...) \
     F(n, __VA_ARGS__)                   \
     MSL_SWZ3(F, n##a, __VA_ARGS__, 0)   \
@@ -467,9 +475,18 @@ template <class V> constexpr bool proxy_v<packed_vec<V>> = true;
     template <class X, class R, std::enable_if_t<proxy_v<X>, int> = 0> constexpr X &operator op##=(X &x, const R &r) { \
         return x = value_t<X>(x) op r;                                                                                 \
     }
+// clang-format off
 MSL_COMPOUND(+)
-MSL_COMPOUND(-) MSL_COMPOUND(*) MSL_COMPOUND(/) MSL_COMPOUND(%) MSL_COMPOUND(&) MSL_COMPOUND(|) MSL_COMPOUND(^)
-    MSL_COMPOUND(<<) MSL_COMPOUND(>>)
+MSL_COMPOUND(-)
+MSL_COMPOUND(*)
+MSL_COMPOUND(/)
+MSL_COMPOUND(%)
+MSL_COMPOUND(&)
+MSL_COMPOUND(|)
+MSL_COMPOUND(^)
+MSL_COMPOUND(<<)
+MSL_COMPOUND(>>)
+// clang-format on
 #undef MSL_COMPOUND
 
 } // namespace detail
@@ -520,9 +537,10 @@ template <class T, int N> struct vec : detail::vec_storage<T, N, detail::vec_ali
 #define MSL_VEC_CMP(op) \
     friend constexpr bools operator op(const vec &a, const vec &b) { MSL_LANES(bools, a[i] op b[i]) }
     MSL_VEC_OP(+)
-    MSL_VEC_OP(-) MSL_VEC_OP(*) MSL_VEC_OP(/) MSL_VEC_OP(%) MSL_VEC_OP(&) MSL_VEC_OP(|) MSL_VEC_OP(^) MSL_VEC_OP(<<)
-        MSL_VEC_OP(>>) MSL_VEC_CMP(==) MSL_VEC_CMP(!=) MSL_VEC_CMP(<) MSL_VEC_CMP(<=) MSL_VEC_CMP(>) MSL_VEC_CMP(>=)
-            MSL_VEC_CMP(&&) MSL_VEC_CMP(||) friend constexpr vec
+    MSL_VEC_OP(-)
+    MSL_VEC_OP(*) MSL_VEC_OP(/) MSL_VEC_OP(%) MSL_VEC_OP(&) MSL_VEC_OP(|) MSL_VEC_OP(^) MSL_VEC_OP(<<) MSL_VEC_OP(>>)
+        MSL_VEC_CMP(==) MSL_VEC_CMP(!=) MSL_VEC_CMP(<) MSL_VEC_CMP(<=) MSL_VEC_CMP(>) MSL_VEC_CMP(>=) MSL_VEC_CMP(&&)
+            MSL_VEC_CMP(||) friend constexpr vec
             operator+(const vec &a) {
         return a;
     }
