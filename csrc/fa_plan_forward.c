@@ -760,13 +760,17 @@ static void set_tensor_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward
              output_bytes(a));
 }
 
-static int32_t plan_tensor(const fa_forward_args *a, fa_plan *plan) {
-    const int32_t bd = tensor_width(a);
-    fa_plan_dispatch *d = add_dispatch(plan, a, tensor_source, "fa_forward_tensor");
+static void set_tensor_macros(fa_plan_dispatch *d, int32_t bd) {
     fa_plan_add_macro_text(d, FA_LANGUAGE_MACRO, FA_LANGUAGE_METAL4);
     fa_plan_add_macro(d, "FA_BD", bd);
     fa_plan_add_macro(d, "FA_BK", TENSOR_BK);
     fa_plan_add_macro(d, "FA_WM", TENSOR_WM);
+}
+
+static int32_t plan_tensor(const fa_forward_args *a, fa_plan *plan) {
+    const int32_t bd = tensor_width(a);
+    fa_plan_dispatch *d = add_dispatch(plan, a, tensor_source, "fa_forward_tensor");
+    set_tensor_macros(d, bd);
     const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,
                     *v_tiles = a->options.v_bits != 0 ? &a->k : &a->v;
     if (a->options.k_bits != 0 && a->options.v_bits != 0) {
@@ -1016,6 +1020,12 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);
         snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", fa_kernel_type_name(dtype));
         rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
+    }
+    for (int32_t bd = 64; rc == 0 && dtype != FA_F32 && bd <= TENSOR_MAX_HEAD_DIM; bd += 32) { /* tensor_width's */
+        memset(&d, 0, sizeof d);
+        fa_plan_start_dispatch(&d, tensor_source, "fa_forward_tensor", dtype);
+        set_tensor_macros(&d, bd);
+        rc = visit_dispatch(&d, visit, ctx);
     }
     for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= decode_columns(FA_MAX_HEAD_DIM, 0);
          cols = next_decode_columns(cols)) {
