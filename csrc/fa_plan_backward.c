@@ -199,12 +199,12 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
 /* ---- The tensor path (metal/fa_backward_tensor.h): dK/dV and dQ on matmul2d, shaped like the tensor
  * forward (fa_plan_forward.c): TENSOR_SIMDGROUPS SIMD-groups of TENSOR_ROWS rows each (keys for
  * dK/dV, query rows for dQ), the other side streaming through threadgroup tiles of TENSOR_TILE rows.
- * Widths BD, BDV: each head dim rounded up to 16, at most 128; the score products run over the
- * wider, BE. Threadgroup memory: one region of max(64, 2 x 32) rows of BE + 8 elements (the
+ * Width BD: the tensor forward's one padded width of both head dims (64, 96 or 128,
+ * fa_plan_tensor_width). Threadgroup memory: one region of max(64, 2 x 32) rows of BD + 8 elements (the
  * resident operands' staging, then the two streamed tiles, then the gradients' staging), and per
  * row lse and D (dK/dV: of the tile's 32 queries; dQ: of the block's 64 rows): 17 KiB at 128.
  * Registers per lane (32-bit), of cooperative tensors of 16 rows over 32 lanes: the two resident
- * operands as 2-byte left inputs BE / 4 each; float accumulators dK, dV (BD + BDV) / 2 or dQ BD / 2;
+ * operands as 2-byte left inputs BD / 4 each; float accumulators dK, dV BD / 2 each or dQ BD / 2;
  * the float 16 x 32 tiles S^T, dP^T and their copies as left inputs (16 each; dQ: S, dP, dS).
  * What it takes is what the tensor forward takes (float16, bfloat16; head dims up to 128; no
  * dropout) with every option of the simdgroup backward besides: causal and windows, masks,
@@ -212,7 +212,6 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
 enum {
     TENSOR_ROWS = 16,
     TENSOR_TILE = 32,
-    TENSOR_WIDTH_STEP = 16,
     TENSOR_MAX_WIDTH = 128,
     TENSOR_SIMDGROUPS = 4,
     TENSOR_TILE_PAD = 8, /* FA_TILE_PAD of metal/fa_loader.h */
@@ -234,10 +233,6 @@ static const char *tensor_backward_refusal(const fa_backward_args *a, int32_t te
         return "dropout_p > 0";
     }
     return NULL;
-}
-
-static int32_t tensor_width(int64_t dim) {
-    return (int32_t)((dim + TENSOR_WIDTH_STEP - 1) / TENSOR_WIDTH_STEP * TENSOR_WIDTH_STEP);
 }
 
 /* The rows of the other side that rows [first, first + n) see under the band (all without one):
@@ -280,11 +275,14 @@ static double tensor_score_tiles(const fa_plan *forward, int32_t key_side) {
     return tiles;
 }
 
-static void set_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t dtype, fa_tiles t) {
-    fa_plan_set_tile_macros(d, t);
-    snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_tensor_source);
-    snprintf(d->function, sizeof d->function, "fa_backward_tensor_%s_%s", step, fa_kernel_type_name(dtype));
+void fa_plan_backward_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t dtype, int32_t width) {
+    char kernel[48];
+    snprintf(kernel, sizeof kernel, "fa_backward_tensor_%s", step);
+    d->n_macros = 0; /* the library is this one's, whatever the dispatch held */
+    fa_plan_start_dispatch(d, fa_backward_tensor_source, kernel, dtype);
     fa_plan_add_macro_text(d, FA_LANGUAGE_MACRO, FA_LANGUAGE_METAL4);
+    fa_plan_add_macro(d, "FA_BD", width);
+    fa_plan_add_macro(d, "FA_WM", TENSOR_SIMDGROUPS);
 }
 
 /* The dK/dV and dQ dispatches on the tensor kernels, with their grids and costs (counted as the
@@ -293,17 +291,16 @@ static void set_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t d
 static void set_tensor_backward(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a) {
     const fa_params *f = &forward->params;
     const int32_t dtype = a->q.dtype;
-    const fa_tiles t = {tensor_width(f->head_dim), tensor_width(f->v_head_dim), TENSOR_TILE, TENSOR_SIMDGROUPS};
-    const int32_t be = t.bd > t.bdv ? t.bd : t.bdv;
+    const int32_t bd = fa_plan_tensor_width(f->head_dim, f->v_head_dim);
     const uint32_t threads = 32u * TENSOR_SIMDGROUPS;
     const int64_t rows_per_group = (int64_t)TENSOR_ROWS * TENSOR_SIMDGROUPS;
     fa_plan_dispatch *dkdv = &plan->dispatches[FA_BACKWARD_DKDV];
     fa_plan_dispatch *dq = &plan->dispatches[FA_BACKWARD_DQ];
-    set_tensor_dispatch(dkdv, "dkdv", dtype, t);
+    fa_plan_backward_tensor_dispatch(dkdv, "dkdv", dtype, bd);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
     fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch, forward->banded,
                            threads);
-    set_tensor_dispatch(dq, "dq", dtype, t);
+    fa_plan_backward_tensor_dispatch(dq, "dq", dtype, bd);
     fa_plan_set_contiguous_tiles(dq, &a->k, &a->v, a->device);
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward->banded,
                            threads);
@@ -312,15 +309,15 @@ static void set_tensor_backward(fa_backward_plan *plan, const fa_plan *forward, 
     const double query_side_tiles = tensor_score_tiles(forward, 0) * heads;
     const double tile_pairs = (double)TENSOR_ROWS * TENSOR_TILE;
     const int64_t region = (rows_per_group > 2 * TENSOR_TILE ? rows_per_group : 2 * TENSOR_TILE) *
-                           (be + TENSOR_TILE_PAD) * fa_dtype_bytes(dtype);
+                           (bd + TENSOR_TILE_PAD) * fa_dtype_bytes(dtype);
     const int32_t tile_registers = TENSOR_ROWS * TENSOR_TILE / 32;
     dkdv->cost.threadgroup_bytes = region + 2 * TENSOR_TILE * (int64_t)sizeof(float);
-    dkdv->cost.registers = be / 2 + (t.bd + t.bdv) / 2 + 4 * tile_registers;
-    dkdv->cost.flops = 2.0 * key_side_tiles * tile_pairs * (2 * be + t.bd + t.bdv);
+    dkdv->cost.registers = bd / 2 + bd + 4 * tile_registers;
+    dkdv->cost.flops = 2.0 * key_side_tiles * tile_pairs * 4 * bd;
     dkdv->cost.tiles = key_side_tiles;
     dq->cost.threadgroup_bytes = region + 2 * rows_per_group * (int64_t)sizeof(float);
-    dq->cost.registers = be / 2 + t.bd / 2 + 3 * tile_registers;
-    dq->cost.flops = 2.0 * query_side_tiles * tile_pairs * (2 * be + t.bd);
+    dq->cost.registers = bd / 2 + bd / 2 + 3 * tile_registers;
+    dq->cost.flops = 2.0 * query_side_tiles * tile_pairs * 3 * bd;
     dq->cost.tiles = query_side_tiles;
 }
 

@@ -741,10 +741,12 @@ static const char *tensor_refusal(const fa_forward_args *a, int32_t tensor_famil
     return NULL;
 }
 
-static int32_t tensor_width(const fa_forward_args *a) {
-    const int64_t widest = a->q.sizes[3] > a->v.sizes[3] ? a->q.sizes[3] : a->v.sizes[3];
+int32_t fa_plan_tensor_width(int64_t e, int64_t ev) {
+    const int64_t widest = e > ev ? e : ev;
     return widest <= 64 ? 64 : widest <= 96 ? 96 : 128;
 }
+
+static int32_t tensor_width(const fa_forward_args *a) { return fa_plan_tensor_width(a->q.sizes[3], a->v.sizes[3]); }
 
 /* Both products at the padded width over every visited tile; registers and threadgroup bytes as
  * counted above. */
@@ -1026,6 +1028,9 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         fa_plan_start_dispatch(&d, tensor_source, "fa_forward_tensor", dtype);
         set_tensor_macros(&d, bd);
         rc = visit_dispatch(&d, visit, ctx);
+        memset(&d, 0, sizeof d);
+        fa_plan_backward_tensor_dispatch(&d, "dkdv", dtype, bd); /* the tensor backward's (fa_plan_backward.c) */
+        rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
     }
     for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= decode_columns(FA_MAX_HEAD_DIM, 0);
          cols = next_decode_columns(cols)) {

@@ -25,8 +25,8 @@
 // The accumulators leave through the staging tile, each element rounded once to T. Each SIMD-group
 // sums only its own rows, in a fixed order: deterministic, no atomics.
 //
-// Template parameters (fa_plan_backward.c, "The tensor path"): T half or bfloat; BD, BDV the head
-// dims rounded up to 16 (at most 128); WM SIMD-groups per threadgroup.
+// Template parameters (fa_plan_backward.c, "The tensor path"): T half or bfloat; BD the padded
+// width of both head dims (E, Ev <= BD), the tensor forward's; WM SIMD-groups per threadgroup.
 #ifndef FA_BACKWARD_TENSOR_H
 #define FA_BACKWARD_TENSOR_H
 
@@ -115,7 +115,7 @@ inline void fa_tensor_store_rows(thread const C &acc,
   }
 }
 
-template <typename T, int BD, int BDV, int WM>
+template <typename T, int BD, int WM>
 [[kernel, max_total_threads_per_threadgroup(32 * WM)]] void
 fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
                         const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
@@ -135,7 +135,7 @@ fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
                         ushort sg [[simdgroup_index_in_threadgroup]],
                         ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int M = FA_TENSOR_ROWS, N = FA_TENSOR_BACKWARD_TILE, BR = M * WM, THREADS = 32 * WM;
-  constexpr int BE = BD > BDV ? BD : BDV, PITCH = BE + FA_TILE_PAD;
+  constexpr int PITCH = BD + FA_TILE_PAD;
   // One region: K's and V's staging tiles before the loop, the Q and dO tiles in it, the
   // accumulators' staging tiles after.
   constexpr int ELEMENTS = (BR > 2 * N ? BR : 2 * N) * PITCH;
@@ -166,25 +166,25 @@ fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   const int key0 = key_block + M * int(sg); // the first of this SIMD-group's keys
   const int block_keys = min(BR, f.kv_len - key_block);
 
-  fa_scores_matmul<M, N, BE> score_op; // S^T and dP^T: 16 keys x 32 queries over the head dim
-  fa_simdgroup_matmul<M, BDV, N, false, false, true> dv_op;
+  fa_scores_matmul<M, N, BD> score_op; // S^T and dP^T: 16 keys x 32 queries over the head dim
+  fa_simdgroup_matmul<M, BD, N, false, false, true> dv_op;
   fa_simdgroup_matmul<M, BD, N, false, false, true> dk_op;
-  typedef decltype(fa_matrix_tensor(q_tile, PITCH, N, BE)) tile_tensor;
+  typedef decltype(fa_matrix_tensor(q_tile, PITCH, N, BD)) tile_tensor;
 
   // K and V through the staging tile into the score product's left inputs (zeros past E, Ev, S).
   const device T *k_rows = k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(key_block) * f.k_strides[2];
   const device T *v_rows = v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(key_block) * f.v_strides[2];
-  fa_load_tile_strided<T, BR, BE, THREADS>(tiles, PITCH, k_rows, f.k_strides[2], f.k_strides[3], block_keys, f.head_dim,
+  fa_load_tile_strided<T, BR, BD, THREADS>(tiles, PITCH, k_rows, f.k_strides[2], f.k_strides[3], block_keys, f.head_dim,
                                            tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   auto k_in = score_op.template get_left_input_cooperative_tensor<T, T, float>();
-  k_in.load(fa_matrix_tensor(mine, PITCH, M, BE));
+  k_in.load(fa_matrix_tensor(mine, PITCH, M, BD));
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  fa_load_tile_strided<T, BR, BE, THREADS>(tiles, PITCH, v_rows, f.v_strides[2], f.v_strides[3], block_keys,
+  fa_load_tile_strided<T, BR, BD, THREADS>(tiles, PITCH, v_rows, f.v_strides[2], f.v_strides[3], block_keys,
                                            f.v_head_dim, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   auto v_in = score_op.template get_left_input_cooperative_tensor<T, T, float>();
-  v_in.load(fa_matrix_tensor(mine, PITCH, M, BE));
+  v_in.load(fa_matrix_tensor(mine, PITCH, M, BD));
   typedef decltype(k_in) left_input;
   typedef decltype(dv_op.template get_left_input_cooperative_tensor<float, T, float>()) dv_left;
   typedef decltype(dk_op.template get_left_input_cooperative_tensor<float, T, float>()) dk_left;
@@ -207,9 +207,9 @@ fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
          q0 += N, q_src += long(N) * f.q_strides[2], do_src += long(N) * p.do_strides[2]) {
       const int valid_rows = min(N, f.q_len - q0);
       threadgroup_barrier(mem_flags::mem_threadgroup); // the previous tiles (or the staging) are consumed
-      fa_load_tile<T, N, BE, THREADS>(q_tile, PITCH, fa_rows(q_src, f.q_strides[2], f.q_strides[3]), valid_rows,
+      fa_load_tile<T, N, BD, THREADS>(q_tile, PITCH, fa_rows(q_src, f.q_strides[2], f.q_strides[3]), valid_rows,
                                       f.head_dim, tid);
-      fa_load_tile<T, N, BE, THREADS>(do_tile, PITCH, fa_rows(do_src, p.do_strides[2], p.do_strides[3]), valid_rows,
+      fa_load_tile<T, N, BD, THREADS>(do_tile, PITCH, fa_rows(do_src, p.do_strides[2], p.do_strides[3]), valid_rows,
                                       f.v_head_dim, tid);
       if (tid < uint(N)) {
         const bool inside = int(tid) < valid_rows; // rows past L: probability 0 through lse = +inf
@@ -220,8 +220,8 @@ fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
       if (!keys_valid || q0 >= my_queries.end || q0 + N <= my_queries.begin) {
         continue; // no key of this SIMD-group is seen by a query of the tile
       }
-      tile_tensor q_view = fa_matrix_tensor(q_tile, PITCH, N, BE);
-      tile_tensor do_view = fa_matrix_tensor(do_tile, PITCH, N, BE);
+      tile_tensor q_view = fa_matrix_tensor(q_tile, PITCH, N, BD);
+      tile_tensor do_view = fa_matrix_tensor(do_tile, PITCH, N, BD);
       auto st = score_op.template get_destination_cooperative_tensor<left_input, tile_tensor, float>();
       auto dpt = score_op.template get_destination_cooperative_tensor<left_input, tile_tensor, float>();
       score_op.run(k_in, q_view, st);
@@ -238,7 +238,7 @@ fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
         st[i] = g.prob;
         dpt[i] = g.ds;
       }
-      tile_tensor dv_right = fa_matrix_tensor(do_tile, PITCH, N, BDV);
+      tile_tensor dv_right = fa_matrix_tensor(do_tile, PITCH, N, BD);
       tile_tensor dk_right = fa_matrix_tensor(q_tile, PITCH, N, BD);
       auto pt = dv_op.template get_left_input_cooperative_tensor<float, T, float>(st);
       dv_op.run(pt, dv_right, dv_acc);
@@ -261,7 +261,7 @@ fa_backward_tensor_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   }
 }
 
-template <typename T, int BD, int BDV, int WM>
+template <typename T, int BD, int WM>
 [[kernel, max_total_threads_per_threadgroup(32 * WM)]] void
 fa_backward_tensor_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
                       const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
@@ -280,7 +280,7 @@ fa_backward_tensor_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
                       ushort sg [[simdgroup_index_in_threadgroup]],
                       ushort lane [[thread_index_in_simdgroup]]) {
   constexpr int M = FA_TENSOR_ROWS, N = FA_TENSOR_BACKWARD_TILE, BR = M * WM, THREADS = 32 * WM;
-  constexpr int BE = BD > BDV ? BD : BDV, PITCH = BE + FA_TILE_PAD;
+  constexpr int PITCH = BD + FA_TILE_PAD;
   // One region: Q's and dO's staging tiles before the loop, the K and V tiles in it, dQ's staging
   // tile after.
   constexpr int ELEMENTS = (BR > 2 * N ? BR : 2 * N) * PITCH;
@@ -309,15 +309,15 @@ fa_backward_tensor_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   const int row0 = q_block + M * int(sg);     // the first of this SIMD-group's rows
   const int block_rows = min(BR, f.q_len - q_block);
 
-  fa_scores_matmul<M, N, BE> score_op; // S and dP: 16 rows x 32 keys over the head dim
+  fa_scores_matmul<M, N, BD> score_op; // S and dP: 16 rows x 32 keys over the head dim
   fa_simdgroup_matmul<M, BD, N, false, false, true> dq_op;
-  typedef decltype(fa_matrix_tensor(k_tile, PITCH, N, BE)) tile_tensor;
+  typedef decltype(fa_matrix_tensor(k_tile, PITCH, N, BD)) tile_tensor;
 
   // Q and dO through the staging tile into the score product's left inputs; lse and D per row
   // (rows past L: probability 0 through lse = +inf).
   const device T *q_rows = q + b * f.q_strides[0] + h * f.q_strides[1] + long(q_block) * f.q_strides[2];
   const device T *do_rows = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(q_block) * p.do_strides[2];
-  fa_load_tile_strided<T, BR, BE, THREADS>(tiles, PITCH, q_rows, f.q_strides[2], f.q_strides[3], block_rows, f.head_dim,
+  fa_load_tile_strided<T, BR, BD, THREADS>(tiles, PITCH, q_rows, f.q_strides[2], f.q_strides[3], block_rows, f.head_dim,
                                            tid);
   if (tid < uint(BR)) {
     const bool inside = int(tid) < block_rows;
@@ -327,13 +327,13 @@ fa_backward_tensor_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   auto q_in = score_op.template get_left_input_cooperative_tensor<T, T, float>();
-  q_in.load(fa_matrix_tensor(mine, PITCH, M, BE));
+  q_in.load(fa_matrix_tensor(mine, PITCH, M, BD));
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  fa_load_tile_strided<T, BR, BE, THREADS>(tiles, PITCH, do_rows, p.do_strides[2], p.do_strides[3], block_rows,
+  fa_load_tile_strided<T, BR, BD, THREADS>(tiles, PITCH, do_rows, p.do_strides[2], p.do_strides[3], block_rows,
                                            f.v_head_dim, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   auto do_in = score_op.template get_left_input_cooperative_tensor<T, T, float>();
-  do_in.load(fa_matrix_tensor(mine, PITCH, M, BE));
+  do_in.load(fa_matrix_tensor(mine, PITCH, M, BD));
   typedef decltype(q_in) left_input;
   typedef decltype(dq_op.template get_left_input_cooperative_tensor<float, T, float>()) dq_left;
   auto dq_acc = dq_op.template get_destination_cooperative_tensor<dq_left, tile_tensor, float>();
@@ -350,14 +350,14 @@ fa_backward_tensor_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   for (int k0 = keys.begin; k0 < keys.end; k0 += N, fa_tile_advance(k_tiles), fa_tile_advance(v_tiles)) {
     const int valid_keys = min(N, f.kv_len - k0);
     threadgroup_barrier(mem_flags::mem_threadgroup); // the previous tiles (or the staging) are consumed
-    fa_load_tile<T, N, BE, THREADS>(k_tile, PITCH, k_tiles, valid_keys, f.head_dim, tid);
-    fa_load_tile<T, N, BE, THREADS>(v_tile, PITCH, v_tiles, valid_keys, f.v_head_dim, tid);
+    fa_load_tile<T, N, BD, THREADS>(k_tile, PITCH, k_tiles, valid_keys, f.head_dim, tid);
+    fa_load_tile<T, N, BD, THREADS>(v_tile, PITCH, v_tiles, valid_keys, f.v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (!rows_valid || k0 >= my_keys.end || k0 + N <= my_keys.begin) {
       continue; // no row of this SIMD-group sees a key of the tile
     }
-    tile_tensor k_view = fa_matrix_tensor(k_tile, PITCH, N, BE);
-    tile_tensor v_view = fa_matrix_tensor(v_tile, PITCH, N, BE);
+    tile_tensor k_view = fa_matrix_tensor(k_tile, PITCH, N, BD);
+    tile_tensor v_view = fa_matrix_tensor(v_tile, PITCH, N, BD);
     auto s = score_op.template get_destination_cooperative_tensor<left_input, tile_tensor, float>();
     auto dp = score_op.template get_destination_cooperative_tensor<left_input, tile_tensor, float>();
     score_op.run(q_in, k_view, s);

@@ -85,7 +85,7 @@ def case_plain(gen, dtype, e, causal):
 def case_padded_widths(gen, dtype):
     q, k, v = inputs(gen, 2, 2, 1, 70, 45, 80, 48, dtype)
     _, dkdv, dq = tensor_backward_plan(q, k, v)
-    assert (dkdv["macros"]["FA_BD"], dkdv["macros"]["FA_BDV"]) == ("80", "48") and dq["macros"]["FA_BD"] == "80"
+    assert dkdv["macros"]["FA_BD"] == dq["macros"]["FA_BD"] == "96"  # the tensor forward's width
     check_gradients(gen, (q, k, v))
 
 
@@ -165,11 +165,8 @@ def case_varlen(gen, dtype):
 
 
 CASES = {
-    **{
-        f"plain-{str(dtype)[6:]}-{e}-{'causal' if causal else 'full'}": (case_plain, dtype, e, causal)
-        for dtype in DTYPES
-        for e, causal in ((64, False), (128, True))
-    },
+    "plain-float16-64-full": (case_plain, torch.float16, 64, False),
+    "plain-bfloat16-128-causal": (case_plain, torch.bfloat16, 128, True),
     "padded-bfloat16": (case_padded_widths, torch.bfloat16),
     **{f"variants-{str(dtype)[6:]}": (case_variants, dtype) for dtype in DTYPES},
     "masks-float16": (case_masks, torch.float16),
@@ -187,8 +184,8 @@ def two_runs_give_identical_gradients():
     """Deterministic: each SIMD-group sums its own rows in a fixed order (GQA: over every query head
     of its kv head), no atomics."""
     gen = torch.Generator().manual_seed(7)
-    q, k, v = inputs(gen, 2, 6, 2, 90, 110, 64, 32, torch.float16)
-    dout = randn(gen, 2, 6, 90, 32, dtype=torch.float16)
+    q, k, v = inputs(gen, 1, 6, 2, 90, 110, 64, 32, torch.float16)
+    dout = randn(gen, 1, 6, 90, 32, dtype=torch.float16)
     tensor_backward_plan(q, k, v, causal=True)
     runs = []
     for _ in range(2):
@@ -209,7 +206,9 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("layout, seed", [("family", ""), ("scrambled", "11"), ("scrambled", "2026")])
+@pytest.mark.parametrize(
+    "layout, seed", [("family", ""), ("scrambled", "11"), pytest.param("scrambled", "2026", marks=pytest.mark.slow)]
+)
 def test_every_case_in_a_process_planning_for_apple10(layout, seed):
     """Every case, and the determinism check, in a process planning for Apple10 whose cooperative
     tensors are laid out as Apple10's or by the scrambled rule (a fresh process: the planner's
