@@ -234,6 +234,9 @@ def training_implementations(device):
         "flash_attention": torch_step(lambda q, k, v, c: flash_attention(q, k, v, causal=c)),
         "torch_sdpa": torch_step(lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c)),
     }
+    mtlattn_sdpa = mtlattn_implementation(device)  # its backward runs on MPP too
+    if mtlattn_sdpa is not None:
+        impls["mtlattn_sdpa"] = torch_step(lambda q, k, v, c: mtlattn_sdpa(q, k, v, c)())
     if device.type == "mps":
         try:
             import mlx.core as mx
