@@ -183,10 +183,26 @@ def test_tensor_forward_matches_float64(name):
     run_case(name)
 
 
+def auto_planned_for_apple10():
+    """With FLASHATTN_MPS_GPU_FAMILY=apple10 the CPU device plans for an M5: "auto" takes the tensor
+    path for prefill, and its outputs and the gradients computed from them (and from its lse) match
+    float64 (test_gpu_family's check)."""
+    import test_gpu_family
+
+    q = torch.empty(1, 2, 70, 64, dtype=torch.float16)
+    assert explain_plan(q, q, q, causal=True)["dispatches"][0]["function"] == "fa_forward_tensor_half"
+    gen = torch.Generator().manual_seed(5)
+    for dtype, e in ((torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)):
+        test_gpu_family.assert_matches_sdpa(dtype, e, gen)
+
+
 CHILD = """
+import os
 import test_tensor_forward as t
 for name in t.CASES:
     t.run_case(name)
+if os.environ.get("FLASHATTN_MPS_GPU_FAMILY") == "apple10":
+    t.auto_planned_for_apple10()
 print("ok")
 """
 SEEDS = ["11", "2026"]
@@ -210,6 +226,7 @@ def scrambled_runs(request):
                 FLASHATTN_MPS_CPU_TENSOR_LAYOUT="scrambled",
                 FLASHATTN_MPS_CPU_TENSOR_LAYOUT_SEED=seed,
                 PYTHONPATH=path,
+                **({"FLASHATTN_MPS_GPU_FAMILY": "apple10"} if seed == SEEDS[0] else {}),
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -227,7 +244,7 @@ def scrambled_runs(request):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_every_case_under_the_scrambled_layout(scrambled_runs, seed):
     """The same cases under the scrambled layout of this seed: a kernel that assumed a layout would
-    fail here."""
+    fail here. The first seed's process also plans for Apple10 (auto_planned_for_apple10)."""
     out, err = scrambled_runs[seed].communicate()
     assert scrambled_runs[seed].returncode == 0 and out.strip() == "ok", err[-3000:]
 
