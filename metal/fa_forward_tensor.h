@@ -131,7 +131,8 @@ fa_forward_tensor(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
                                            p.q_strides[2], p.q_strides[3], min(BQ, p.q_len - q_block), p.head_dim, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   auto q_in = qk.template get_left_input_cooperative_tensor<T, T, float>();
-  q_in.load(fa_matrix_tensor(tiles + M * int(sg) * PITCH, PITCH, M, BD));
+  tile_tensor q_rows = fa_matrix_tensor(tiles + M * int(sg) * PITCH, PITCH, M, BD);
+  q_in.load(q_rows);
   auto o_acc = pv.template get_destination_cooperative_tensor<decltype(q_in), tile_tensor, float>();
   for (uint16_t i = 0; i < o_acc.get_capacity(); ++i) {
     o_acc[i] = 0.0f;
@@ -160,8 +161,8 @@ fa_forward_tensor(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     if (!rows_valid || k0 >= my_keys.end || k0 + BK <= my_keys.begin) {
       continue; // no row of this SIMD-group sees a key of the tile
     }
-    const tile_tensor k_view = fa_matrix_tensor(k_tile, PITCH, BK, BD);
-    const tile_tensor v_view = fa_matrix_tensor(v_tile, PITCH, BK, BD);
+    tile_tensor k_view = fa_matrix_tensor(k_tile, PITCH, BK, BD);
+    tile_tensor v_view = fa_matrix_tensor(v_tile, PITCH, BK, BD);
 
     auto scores = qk.template get_destination_cooperative_tensor<decltype(q_in), tile_tensor, float>();
     qk.run(q_in, k_view, scores);
@@ -204,7 +205,8 @@ fa_forward_tensor(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   fa_tensor_map(o_acc, fa_tensor_row_factor{row_rescale});
   threadgroup_barrier(mem_flags::mem_threadgroup); // every SIMD-group is done with the K and V tiles
   threadgroup T *o_tile = tiles + M * int(sg) * PITCH;
-  o_acc.store(fa_matrix_tensor(o_tile, PITCH, M, BD));
+  tile_tensor o_staged = fa_matrix_tensor(o_tile, PITCH, M, BD);
+  o_acc.store(o_staged);
   simdgroup_barrier(mem_flags::mem_threadgroup);
   const int rows = min(M, p.q_len - row0);
   device T *o_rows = out + b * p.o_strides[0] + h * p.o_strides[1] + long(row0) * p.o_strides[2];

@@ -73,7 +73,7 @@ struct fa_tensor_row_factor {
 // holds a row's value writes it (the same value), then the SIMD-group synchronises, so every lane
 // may read any row's value after it.
 template <typename RT>
-inline void fa_tensor_publish_rows(thread const RT &reduced, threadgroup float *rows) {
+inline void fa_tensor_publish_rows(thread RT &reduced, threadgroup float *rows) {
   for (uint16_t i = 0; i < reduced.get_capacity(); ++i) {
     if (reduced.is_valid_element(i)) {
       rows[int(reduced.get_multidimensional_index(i)[0])] = reduced[i];
@@ -83,9 +83,11 @@ inline void fa_tensor_publish_rows(thread const RT &reduced, threadgroup float *
 }
 
 // The maximum and the sum of each
-// row of `ct`, the float destination of `op` with operands A and B, published to rows[].
+// row of `ct`, the float destination of `op` with operands A and B, published to rows[]. (MPP's
+// reduce_rows and matmul2d::run take their cooperative tensors and operands by non-const reference:
+// pass named, non-const objects.)
 template <typename A, typename B, typename Op, typename CT>
-inline void fa_tensor_row_max(thread const Op &op, thread const CT &ct, threadgroup float *rows) {
+inline void fa_tensor_row_max(thread const Op &op, thread CT &ct, threadgroup float *rows) {
   auto reduced = op.template get_row_reduction_destination_cooperative_tensor<A, B, float>();
   mpp::tensor_ops::reduce_rows(ct, reduced, mpp::tensor_ops::reduction_operation::max,
                                mpp::tensor_ops::reduction_operation_identity<float>::max_identity);
@@ -93,7 +95,7 @@ inline void fa_tensor_row_max(thread const Op &op, thread const CT &ct, threadgr
 }
 
 template <typename A, typename B, typename Op, typename CT>
-inline void fa_tensor_row_sum(thread const Op &op, thread const CT &ct, threadgroup float *rows) {
+inline void fa_tensor_row_sum(thread const Op &op, thread CT &ct, threadgroup float *rows) {
   auto reduced = op.template get_row_reduction_destination_cooperative_tensor<A, B, float>();
   mpp::tensor_ops::reduce_rows(ct, reduced, mpp::tensor_ops::reduction_operation::sum,
                                mpp::tensor_ops::reduction_operation_identity<float>::sum_identity);

@@ -161,12 +161,14 @@ int32_t fa_metal_gpu_family(void) {
 
 // Metal 4's tensor operations (MetalPerformancePrimitives) need macOS 26.2 (the release MLX and
 // torch gate theirs on) and an Apple9 GPU or newer (MPP runs on the simdgroup units there, on the
-// neural accelerators of Apple10).
+// neural accelerators of Apple10), and a build whose SDK compiles Metal 4 (compile_options).
 int32_t fa_metal_tensor_family(void) {
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 260000
     if (@available(macOS 26.2, *)) {
         const int32_t family = fa_metal_gpu_family();
         return family >= 9 ? family : 0;
     }
+#endif
     return 0;
 }
 

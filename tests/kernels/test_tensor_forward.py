@@ -45,6 +45,15 @@ def case_plain(gen, dtype, e, causal):
     check(out, (q, k, v), causal=causal)
 
 
+def case_nan(gen, dtype):
+    """A NaN in one query row makes that row NaN and no other (SDPA's rule), causal."""
+    q, k, v = inputs(gen, 1, 2, 2, 70, 70, 128, 128, dtype)
+    q[0, 1, 33, 5] = float("nan")
+    out = flash_attention(q, k, v, causal=True, kernel="tensor")
+    assert out[0, 1, 33].isnan().all() and out.isnan().sum() == 128
+    check(out, (q, k, v), causal=True)
+
+
 def case_padded_width(gen, dtype):
     q, k, v = inputs(gen, 2, 2, 1, 70, 45, 80, 48, dtype)
     assert tensor_plan(q, k, v)["macros"]["FA_BD"] == "96"
@@ -154,6 +163,7 @@ CASES = {
         for e, causal in ((64, False), (128, True))
     },
     "padded-float16": (case_padded_width, torch.float16),
+    "nan-float16": (case_nan, torch.float16),
     **{f"variants-{str(dtype)[6:]}": (case_variants, dtype) for dtype in DTYPES},
     **{f"masks-{str(dtype)[6:]}": (case_masks, dtype) for dtype in DTYPES},
     "lse-bfloat16": (case_lse, torch.bfloat16),
@@ -173,27 +183,70 @@ def test_tensor_forward_matches_float64(name):
     run_case(name)
 
 
+def auto_planned_for_apple10():
+    """With FLASHATTN_MPS_GPU_FAMILY=apple10 the CPU device plans for an M5: "auto" takes the tensor
+    path for prefill, and its outputs and the gradients computed from them (and from its lse) match
+    float64 (test_gpu_family's check)."""
+    import test_gpu_family
+
+    q = torch.empty(1, 2, 70, 64, dtype=torch.float16)
+    assert explain_plan(q, q, q, causal=True)["dispatches"][0]["function"] == "fa_forward_tensor_half"
+    gen = torch.Generator().manual_seed(5)
+    for dtype, e in ((torch.float16, 64), (torch.bfloat16, 64), (torch.float16, 128)):
+        test_gpu_family.assert_matches_sdpa(dtype, e, gen)
+
+
 CHILD = """
+import os
 import test_tensor_forward as t
 for name in t.CASES:
     t.run_case(name)
+if os.environ.get("FLASHATTN_MPS_GPU_FAMILY") == "apple10":
+    t.auto_planned_for_apple10()
 print("ok")
 """
+SEEDS = ["11", "2026"]
 
 
-@pytest.mark.parametrize("seed", ["11", "2026"])
-def test_every_case_under_the_scrambled_layout(seed):
-    """The same cases in a process whose cooperative tensors are laid out by the scrambled rule (a
-    fresh process: the device reads the layout once)."""
+@pytest.fixture(scope="module", autouse=True)
+def scrambled_runs(request):
+    """The cases in processes whose cooperative tensors are laid out by the scrambled rule (fresh
+    processes: the device reads the layout once), one per seed, started with the module so they run
+    beside its other tests; {seed: process}, empty when no scrambled test is selected."""
+    if not any("scrambled_layout" in item.name for item in request.session.items):
+        yield {}
+        return
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(
-        os.environ,
-        FLASHATTN_MPS_CPU_TENSOR_LAYOUT="scrambled",
-        FLASHATTN_MPS_CPU_TENSOR_LAYOUT_SEED=seed,
-        PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
-    )
-    run = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    runs = {
+        seed: subprocess.Popen(
+            [sys.executable, "-c", CHILD],
+            env=dict(
+                os.environ,
+                FLASHATTN_MPS_CPU_TENSOR_LAYOUT="scrambled",
+                FLASHATTN_MPS_CPU_TENSOR_LAYOUT_SEED=seed,
+                PYTHONPATH=path,
+                **({"FLASHATTN_MPS_GPU_FAMILY": "apple10"} if seed == SEEDS[0] else {}),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in SEEDS
+    }
+    yield runs
+    for run in runs.values():
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_every_case_under_the_scrambled_layout(scrambled_runs, seed):
+    """The same cases under the scrambled layout of this seed: a kernel that assumed a layout would
+    fail here. The first seed's process also plans for Apple10 (auto_planned_for_apple10)."""
+    out, err = scrambled_runs[seed].communicate()
+    assert scrambled_runs[seed].returncode == 0 and out.strip() == "ok", err[-3000:]
 
 
 def test_auto_takes_the_tensor_path_only_on_apple10():
