@@ -55,6 +55,7 @@
 #include <string.h>
 
 const char fa_backward_source[] = FA_BACKWARD_SOURCE;
+static const char fa_backward_tensor_source[] = "fa_backward_tensor.metal";
 
 /* t must be an ndim-D view of `dtype` whose sizes are the first ndim sizes of `like`; `expected`
  * names the shape rule in messages. */
@@ -195,6 +196,131 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     plan->dispatches[FA_BACKWARD_DQ].cost = dq;
 }
 
+/* ---- The tensor path (metal/fa_backward_tensor.h): dK/dV and dQ on matmul2d, shaped like the tensor
+ * forward (fa_plan_forward.c): TENSOR_SIMDGROUPS SIMD-groups of TENSOR_ROWS rows each (keys for
+ * dK/dV, query rows for dQ), the other side streaming through threadgroup tiles of TENSOR_TILE rows.
+ * Width BD: the tensor forward's one padded width of both head dims (64, 96 or 128,
+ * fa_plan_tensor_width). Threadgroup memory: one region of max(64, 2 x 32) rows of BD + 8 elements (the
+ * resident operands' staging, then the two streamed tiles, then the gradients' staging), and per
+ * row lse and D (dK/dV: of the tile's 32 queries; dQ: of the block's 64 rows): 17 KiB at 128.
+ * Registers per lane (32-bit), of cooperative tensors of 16 rows over 32 lanes: the two resident
+ * operands as 2-byte left inputs BD / 4 each; float accumulators dK, dV BD / 2 each or dQ BD / 2;
+ * the float 16 x 32 tiles S^T, dP^T and their copies as left inputs (16 each; dQ: S, dP, dS).
+ * What it takes is what the tensor forward takes (float16, bfloat16; head dims up to 128; no
+ * dropout) with every option of the simdgroup backward besides: causal and windows, masks,
+ * softcap, ALiBi, sinks (their gradient comes from the delta pre-pass), GQA, packed sequences. */
+enum {
+    TENSOR_ROWS = 16,
+    TENSOR_TILE = 32,
+    TENSOR_MAX_WIDTH = 128,
+    TENSOR_SIMDGROUPS = 4,
+    TENSOR_TILE_PAD = 8, /* FA_TILE_PAD of metal/fa_loader.h */
+};
+
+/* What keeps this call off the tensor backward, as the option to change, or NULL when it can run:
+ * the tensor forward's refusals (fa_plan_forward.c). */
+static const char *tensor_backward_refusal(const fa_backward_args *a, int32_t tensor_family) {
+    if (tensor_family == 0) {
+        return "this device (Metal 4 tensor operations need macOS 26.2 or later on an Apple9 or Apple10 GPU)";
+    }
+    if (a->q.dtype != FA_F16 && a->q.dtype != FA_BF16) {
+        return "q's dtype float32 (it takes float16 and bfloat16)";
+    }
+    if (a->q.sizes[3] > TENSOR_MAX_WIDTH || a->v.sizes[3] > TENSOR_MAX_WIDTH) {
+        return "head dims E or Ev above 128";
+    }
+    if (a->options.dropout_p > 0.0) {
+        return "dropout_p > 0";
+    }
+    return NULL;
+}
+
+/* The rows of the other side that rows [first, first + n) see under the band (all without one):
+ * queries that see a key of them (key_side), or keys a query of them sees. */
+static void tensor_visible(const fa_plan *forward, int32_t key_side, int64_t first, int64_t n, int64_t *begin,
+                           int64_t *end) {
+    const fa_params *f = &forward->params;
+    const int64_t own = key_side ? f->kv_len : f->q_len, other = key_side ? f->q_len : f->kv_len;
+    *begin = 0;
+    *end = other;
+    if (forward->banded) {
+        const int64_t last = (first + n < own ? first + n : own) - 1;
+        const int64_t lo = key_side ? first - f->band_hi : first + f->band_lo;
+        const int64_t hi = key_side ? last - f->band_lo + 1 : last + f->band_hi + 1;
+        *begin = lo > 0 ? lo : 0;
+        *end = hi < other ? hi : other;
+    }
+}
+
+/* Score tiles the SIMD-groups of one (batch, head) multiply: a threadgroup's tiles of TENSOR_TILE
+ * rows start at the first row its block sees, and each SIMD-group multiplies those that overlap
+ * the rows its own TENSOR_ROWS see. */
+static double tensor_score_tiles(const fa_plan *forward, int32_t key_side) {
+    const int64_t own = key_side ? forward->params.kv_len : forward->params.q_len;
+    const int64_t block = (int64_t)TENSOR_ROWS * TENSOR_SIMDGROUPS;
+    double tiles = 0;
+    for (int64_t r0 = 0; r0 < own; r0 += block) {
+        int64_t begin, end;
+        tensor_visible(forward, key_side, r0, block, &begin, &end);
+        for (int64_t s0 = r0; s0 < r0 + block && s0 < own; s0 += TENSOR_ROWS) {
+            int64_t mine_begin, mine_end;
+            tensor_visible(forward, key_side, s0, TENSOR_ROWS, &mine_begin, &mine_end);
+            if (mine_end > mine_begin && end > begin) {
+                const int64_t first = (mine_begin - begin) / TENSOR_TILE;
+                const int64_t last = (mine_end - begin + TENSOR_TILE - 1) / TENSOR_TILE;
+                tiles += (double)(last - first);
+            }
+        }
+    }
+    return tiles;
+}
+
+void fa_plan_backward_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t dtype, int32_t width) {
+    char kernel[48];
+    snprintf(kernel, sizeof kernel, "fa_backward_tensor_%s", step);
+    d->n_macros = 0; /* the library is this one's, whatever the dispatch held */
+    fa_plan_start_dispatch(d, fa_backward_tensor_source, kernel, dtype);
+    fa_plan_add_macro_text(d, FA_LANGUAGE_MACRO, FA_LANGUAGE_METAL4);
+    fa_plan_add_macro(d, "FA_BD", width);
+    fa_plan_add_macro(d, "FA_WM", TENSOR_SIMDGROUPS);
+}
+
+/* The dK/dV and dQ dispatches on the tensor kernels, with their grids and costs (counted as the
+ * simdgroup ones, set_backward_costs: issued FLOPs over the widths and tiles, the same useful
+ * FLOPs and bytes). */
+static void set_tensor_backward(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a) {
+    const fa_params *f = &forward->params;
+    const int32_t dtype = a->q.dtype;
+    const int32_t bd = fa_plan_tensor_width(f->head_dim, f->v_head_dim);
+    const uint32_t threads = 32u * TENSOR_SIMDGROUPS;
+    const int64_t rows_per_group = (int64_t)TENSOR_ROWS * TENSOR_SIMDGROUPS;
+    fa_plan_dispatch *dkdv = &plan->dispatches[FA_BACKWARD_DKDV];
+    fa_plan_dispatch *dq = &plan->dispatches[FA_BACKWARD_DQ];
+    fa_plan_backward_tensor_dispatch(dkdv, "dkdv", dtype, bd);
+    fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
+    fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)f->kv_heads, (uint32_t)f->batch, forward->banded,
+                           threads);
+    fa_plan_backward_tensor_dispatch(dq, "dq", dtype, bd);
+    fa_plan_set_contiguous_tiles(dq, &a->k, &a->v, a->device);
+    fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)f->q_heads, (uint32_t)f->batch, forward->banded,
+                           threads);
+    const double heads = (double)f->batch * f->q_heads;
+    const double key_side_tiles = tensor_score_tiles(forward, 1) * heads; /* every query head of each group */
+    const double query_side_tiles = tensor_score_tiles(forward, 0) * heads;
+    const double tile_pairs = (double)TENSOR_ROWS * TENSOR_TILE;
+    const int64_t region = (rows_per_group > 2 * TENSOR_TILE ? rows_per_group : 2 * TENSOR_TILE) *
+                           (bd + TENSOR_TILE_PAD) * fa_dtype_bytes(dtype);
+    const int32_t tile_registers = TENSOR_ROWS * TENSOR_TILE / 32;
+    dkdv->cost.threadgroup_bytes = region + 2 * TENSOR_TILE * (int64_t)sizeof(float);
+    dkdv->cost.registers = bd / 2 + bd + 4 * tile_registers;
+    dkdv->cost.flops = 2.0 * key_side_tiles * tile_pairs * 4 * bd;
+    dkdv->cost.tiles = key_side_tiles;
+    dq->cost.threadgroup_bytes = region + 2 * rows_per_group * (int64_t)sizeof(float);
+    dq->cost.registers = bd / 2 + bd / 2 + 3 * tile_registers;
+    dq->cost.flops = 2.0 * query_side_tiles * tile_pairs * 3 * bd;
+    dq->cost.tiles = query_side_tiles;
+}
+
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
     return fa_check_slot_aliases(a, FA_BACKWARD, 0, st);
 }
@@ -296,6 +422,18 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
     set_backward_costs(plan, &forward, a, kv, tq, e_blocks, key_blocks);
+    /* The tensor forward's rule (fa_plan_forward.c): kernel='tensor' forces it, AUTO takes it when
+     * planning for Apple10 on a device whose tensor operations are Apple10's. */
+    const int32_t tensor_family = fa_device_tensor_family(a->device);
+    const char *tensor_refused = tensor_backward_refusal(a, tensor_family);
+    if (a->options.kernel == FA_KERNEL_TENSOR && tensor_refused != NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "kernel='tensor': the tensor-path backward does not take %s", tensor_refused);
+    }
+    if (a->options.kernel == FA_KERNEL_TENSOR ||
+        (a->options.kernel == FA_KERNEL_AUTO && tensor_refused == NULL && forward.gpu_family == FA_FAMILY_APPLE10 &&
+         tensor_family == FA_FAMILY_APPLE10)) {
+        set_tensor_backward(plan, &forward, a);
+    }
     plan->gpu_family = forward.gpu_family;
     plan->sequences = forward.sequences;
     if (plan->sequences) {

@@ -49,6 +49,14 @@ double fa_plan_visible_pairs(const fa_plan *plan);
 
 /* Every (source, function, macros) the planner can emit, for the strict MSL check: calls visit
  * once per specialisation and stops early when visit returns non-zero. */
+/* The tensor path's one padded width of both head dims, 64, 96 or 128 (E, Ev <= 128): the forward's
+ * and the backward's (fa_plan_forward.c, fa_plan_backward.c). */
+int32_t fa_plan_tensor_width(int64_t e, int64_t ev);
+
+/* A dispatch of the tensor backward's kernel `step` ("dkdv" or "dq") for `dtype` at `width`: its
+ * source, function and macros (fa_plan_backward.c). */
+void fa_plan_backward_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t dtype, int32_t width);
+
 typedef int32_t (*fa_plan_visitor)(const fa_pipeline_key *key, void *ctx);
 int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx);
 

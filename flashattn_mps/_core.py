@@ -371,9 +371,10 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
     backward(
         device,
         tensors,
-        options._replace(kernel=_C.KERNEL_AUTO, num_splits=0).core(
-            max_q_len=max_q, max_kv_len=max_kv, unbatched=q.dim() == 3
-        ),
+        # The simdgroup and decode forwards share one backward; a forced tensor path stays forced.
+        options._replace(
+            kernel=_C.KERNEL_TENSOR if options.kernel == _C.KERNEL_TENSOR else _C.KERNEL_AUTO, num_splits=0
+        ).core(max_q_len=max_q, max_kv_len=max_kv, unbatched=q.dim() == 3),
     )
     if sinks is None:
         return dq, dk, dv

@@ -175,6 +175,12 @@ def unset_function_constants(rewritten: str, planner_sets: frozenset) -> list[st
     return found
 
 
+def _language_version(macros: tuple) -> str | None:
+    """The Metal version a planner library is written in (FA_LANGUAGE_VERSION, csrc/fa_gpu_family.h:
+    "400" for the tensor path's Metal 4), None for the device's default (3.1)."""
+    return dict(macros).get("FA_LANGUAGE_VERSION")
+
+
 def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, include_dirs: tuple) -> str | Result:
     """The source preprocessed and rewritten by the prepass in strict mode, or the failed Result."""
     if not text.startswith("#line"):
@@ -182,12 +188,21 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, i
     defines = [f"-D{k}={v}" for k, v in macros]
     includes = [a for d in include_dirs for a in ("-I", d)]
     # The CPU device's own preprocessing flags; only Metal's headers (the shim's stand-ins) are
-    # found: no C++ standard library.
+    # found: no C++ standard library. A library the planner marks as Metal 4 (FA_LANGUAGE_VERSION,
+    # csrc/fa_gpu_family.h) is preprocessed as the device builds it: that version, C++20.
+    version = _language_version(macros)
+    flags = [
+        f
+        if version is None
+        else "-std=gnu++20"
+        if f == "-std=gnu++17"
+        else f"-D__METAL_VERSION__={version}"
+        if f.startswith("-D__METAL_VERSION__=")
+        else f
+        for f in _metal_cpu.preprocessor_flags()
+    ] + ([] if version is None else ["-D__METAL__=1"])
     expanded = subprocess.run(
-        [clang, *_metal_cpu.preprocessor_flags(), "-nostdinc++", "-I", os.path.join(shim_dir, "include")]
-        + includes
-        + defines
-        + ["-"],
+        [clang, *flags, "-nostdinc++", "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
         input=text,
         capture_output=True,
         text=True,
@@ -202,14 +217,16 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, i
         return Result(name, macros, False, str(exc), found)
 
 
-def _syntax_check(clang: str, shim_dir: str, rewritten: str) -> tuple[bool, str, list[str]]:
-    """clang's front end on rewritten source against the strict shim: (ok, output, violations)."""
+def _syntax_check(clang: str, shim_dir: str, rewritten: str, version: str | None = None) -> tuple[bool, str, list[str]]:
+    """clang's front end on rewritten source against the strict shim: (ok, output, violations);
+    version: _language_version's (Metal 4 is C++20, with the shim's tensor header)."""
     checked = subprocess.run(
         [
             clang,
             "-x",
             "c++",
-            "-std=gnu++17",
+            "-std=gnu++17" if version is None else "-std=gnu++20",
+            *([] if version is None else [f"-D__METAL_VERSION__={version}", "-D__METAL__=1"]),
             "-fsyntax-only",
             "-DMSL_STRICT",
             "-Wno-unknown-attributes",
@@ -243,7 +260,7 @@ def check_one(
     rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs)
     if isinstance(rewritten, Result):
         return rewritten
-    ok, output, found = _syntax_check(clang, shim_dir, rewritten)
+    ok, output, found = _syntax_check(clang, shim_dir, rewritten, _language_version(macros))
     if planner_sets is not None:
         found = found + unset_function_constants(rewritten, planner_sets)
     ok = ok and not found
@@ -259,6 +276,10 @@ def check_batch(clang: str, shim_dir: str, work: list[tuple], planner_sets: froz
     unset: list[list[str]] = []
     parts = []
     for k, (name, text, macros) in enumerate(work):
+        if _language_version(macros) is not None:  # another language: a front-end run of its own
+            results.append(check_one(clang, shim_dir, name, text, macros, planner_sets=planner_sets))
+            unset.append([])
+            continue
         rewritten = _rewritten(clang, shim_dir, name, text, macros, ())
         if isinstance(rewritten, Result):
             results.append(rewritten)

@@ -592,6 +592,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("KERNEL_SIMPLE") = static_cast<int>(FA_KERNEL_SIMPLE);
     m.attr("KERNEL_FORWARD") = static_cast<int>(FA_KERNEL_FORWARD);
     m.attr("KERNEL_DECODE") = static_cast<int>(FA_KERNEL_DECODE);
+    m.attr("KERNEL_TENSOR") = static_cast<int>(FA_KERNEL_TENSOR);
     m.attr("CONSTANT_BOOL") = static_cast<int>(MSL_CONSTANT_BOOL);
     m.attr("CONSTANT_INT") = static_cast<int>(MSL_CONSTANT_INT);
     m.attr("CONSTANT_FLOAT") = static_cast<int>(MSL_CONSTANT_FLOAT);

@@ -21,17 +21,25 @@ BACKWARD_DELTA_THREADS = 32 * 4  # FA_BACKWARD_DELTA_ROWS SIMD-groups (fa_plan_b
 SOURCE_KERNELS = {
     "fa_simple.metal": {"fa_simple", "fa_sequence_table"},
     "fa_forward.metal": {"fa_forward", "fa_sequence_table"},
+    "fa_forward_tensor.metal": {"fa_forward_tensor", "fa_sequence_table"},
     "fa_decode.metal": {"fa_decode", "fa_decode_merge", "fa_sequence_table"},
     "fa_backward.metal": {"fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq", "fa_sequence_table"},
+    "fa_backward_tensor.metal": {"fa_backward_tensor_dkdv", "fa_backward_tensor_dq"},
 }
 
 
-def plan(dtype, hq=4, hkv=2, lq=1, lk=64, e=64, ev=None, kernel="auto", gpu=None):
+def plan(dtype, hq=4, hkv=2, lq=1, lk=64, e=64, ev=None, kernel="auto", gpu=None, backward=False):
     ev = e if ev is None else ev
     q = torch.empty(1, hq, lq, e, dtype=dtype)
     k = torch.empty(1, 1, 1, e, dtype=dtype).expand(1, hkv, lk, e)  # planning reads no element
     v = torch.empty(1, 1, 1, ev, dtype=dtype).expand(1, hkv, lk, ev)
-    return explain_plan(q, k, v, kernel=kernel, gpu=gpu)
+    return explain_plan(q, k, v, kernel=kernel, gpu=gpu, backward=backward)
+
+
+def tensor_backward_dispatches(dtype, **kwargs):
+    """The tensor backward's dispatches (its delta pre-pass is the simdgroup library's)."""
+    p = plan(dtype, kernel="tensor", backward=True, **kwargs)
+    return [d for d in p["dispatches"] if d["source"] == "fa_backward_tensor.metal"]
 
 
 # One plan per kernel family and dtype: 128 and 256 in 2-byte types are where float kernels would
@@ -45,6 +53,11 @@ CASES = [
         dict(lq=3, e=80, lk=4096, kernel="decode"),
         dict(lq=5, e=24, kernel="simple"),
     )
+]
+# The tensor path (fp16 and bf16 only): its forward and its backward.
+TENSOR_CASES = [
+    (torch.float16, dict(lq=40, e=128, kernel="tensor")),
+    (torch.bfloat16, dict(lq=40, e=80, kernel="tensor")),
 ]
 
 
@@ -73,10 +86,15 @@ def libraries(dtype, kwargs):
                     },
                 )
             )
+    if kwargs.get("kernel") == "tensor":
+        backward = tensor_backward_dispatches(dtype, **{k: v for k, v in kwargs.items() if k != "kernel"})
+        result.append(
+            (backward[0]["source"], backward[0]["macros"], {d["function"]: d["threadgroup"][0] for d in backward})
+        )
     return result
 
 
-@pytest.mark.parametrize("dtype,kwargs", CASES)
+@pytest.mark.parametrize("dtype,kwargs", CASES + TENSOR_CASES)
 def test_a_library_holds_only_the_planned_dtypes_kernels(dtype, kwargs):
     sources = _sources.kernel_sources()
     for source, macros, threads in libraries(dtype, kwargs):
@@ -107,7 +125,7 @@ def declared_threads(text: str) -> dict:
     return declared
 
 
-@pytest.mark.parametrize("dtype,kwargs", CASES[:4] + CASES[-2:])
+@pytest.mark.parametrize("dtype,kwargs", CASES[:4] + CASES[-2:] + TENSOR_CASES)
 def test_every_kernel_declares_the_threads_it_is_dispatched_with(dtype, kwargs):
     for source, macros, threads in libraries(dtype, kwargs):
         declared = declared_threads(preprocessed(source, macros))
@@ -132,6 +150,10 @@ def reachable_specialisations():
             for e in PADDED_HEAD_DIMS:
                 for ev in PADDED_HEAD_DIMS:
                     add(plan(dtype, lq=9, e=e, ev=ev, kernel="forward", gpu=gpu))
+        if dtype != torch.float32:  # the tensor path's widths (fp16 and bf16 only)
+            for e in (64, 96, 128):
+                add(plan(dtype, lq=9, e=e, kernel="tensor"))
+                add({"dispatches": tensor_backward_dispatches(dtype, lq=9, e=e)})
         for e in range(32, 577, 32):  # head dims to 576: 12, 16 and 20 columns per lane
             for rows in (1, 2, 4, 8, 16):  # rows sharing a kv head: the GQA factor times L
                 add(plan(dtype, hq=rows, hkv=1, lq=1, e=e, kernel="decode"))
