@@ -38,7 +38,7 @@ int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *bu
     d.n_bindings = FA_TABLE_BUFFERS;
     memcpy(d.grid, builder->grid, sizeof d.grid);
     memcpy(d.threadgroup, builder->threadgroup, sizeof d.threadgroup);
-    return backend->dispatch(builder->pipeline, &d, st);
+    return backend->dispatch(&builder->pipeline, &d, 1, st);
 }
 
 /* Every kernel reads the sequence scratch as `constant fa_params *`: without a table it is bound to

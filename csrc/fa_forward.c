@@ -3,6 +3,8 @@
 
 #include <string.h>
 
+_Static_assert((int)FA_MAX_PLAN_DISPATCHES <= (int)FA_MAX_CHAIN, "a plan's dispatches go to the backend in one chain");
+
 /* An empty tensor (S == 0, say) may have no storage at all; Metal still wants every buffer
  * argument bound, and the kernel reads none of its elements, so bind `fallback` in its place. */
 int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args *args, fa_status *st) {
@@ -16,25 +18,34 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     if (rc != FA_OK) {
         return rc;
     }
-    fa_dispatch d;
-    memset(&d, 0, sizeof d);
+    /* Every dispatch of the plan (a split decode and its merge) on one encoder: the same bindings,
+     * each its own pipeline, grid and threadgroup memory. */
+    fa_dispatch d[FA_MAX_PLAN_DISPATCHES];
+    fa_pipeline *pipelines[FA_MAX_PLAN_DISPATCHES];
+    memset(&d[0], 0, sizeof d[0]);
     const fa_tensor *present = args->out.storage != NULL ? &args->out : &args->lse;
-    fa_bind_slots(&d, args, FA_FORWARD, present); /* each untouched unless its function constant says so */
-    d.bindings[FA_FORWARD_BUFFER_PARAMS].bytes = &ready->params;
-    d.bindings[FA_FORWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
-    d.n_bindings = FA_FORWARD_BUFFERS;
+    fa_bind_slots(&d[0], args, FA_FORWARD, present); /* each untouched unless its function constant says so */
+    d[0].bindings[FA_FORWARD_BUFFER_PARAMS].bytes = &ready->params;
+    d[0].bindings[FA_FORWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
+    d[0].n_bindings = FA_FORWARD_BUFFERS;
     if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_plan_sequences.h) */
         rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
                                args, FA_FORWARD, st);
     }
-    for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
+    for (uint32_t i = 0; i < ready->n_dispatches; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
-        memcpy(d.threadgroup_bytes, step->threadgroup_bytes, sizeof d.threadgroup_bytes);
-        d.n_threadgroup_args = step->n_threadgroup_args;
-        memcpy(d.grid, step->grid, sizeof d.grid);
-        memcpy(d.threadgroup, step->threadgroup, sizeof d.threadgroup);
-        d.same_bindings_as_previous = i > 0;
-        rc = ready->backend->dispatch(step->pipeline, &d, st);
+        if (i > 0) {
+            d[i] = d[0];
+            d[i].same_bindings_as_previous = 1;
+        }
+        memcpy(d[i].threadgroup_bytes, step->threadgroup_bytes, sizeof d[i].threadgroup_bytes);
+        d[i].n_threadgroup_args = step->n_threadgroup_args;
+        memcpy(d[i].grid, step->grid, sizeof d[i].grid);
+        memcpy(d[i].threadgroup, step->threadgroup, sizeof d[i].threadgroup);
+        pipelines[i] = step->pipeline;
+    }
+    if (rc == FA_OK && ready->n_dispatches > 0) {
+        rc = ready->backend->dispatch(pipelines, d, ready->n_dispatches, st);
     }
     return rc;
 }
