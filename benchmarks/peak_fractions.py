@@ -11,7 +11,8 @@ fraction of the chip's FP16 simdgroup-matrix peak (forward: SDPA's useful FLOPs;
 3.5x-forward convention of the training CSV) or of its DRAM bandwidth (decode: K and V read once),
 beside what explain_plan estimates for this project's kernels on the chip's GPU family
 (fraction_of_peak of the forward dispatch; for a training step the useful FLOPs over the sum of
-each dispatch's issued FLOPs at its occupancy; for decode the occupancy bound), so a Mac's
+each dispatch's issued FLOPs at its occupancy; for decode the decode dispatch's
+fraction_of_bandwidth, reading against issuing), so a Mac's
 measurement and the plan's model sit in one table.
 
 The chip is read from macOS (sysctl machdep.cpu.brand_string, system_profiler's GPU core count)
@@ -117,7 +118,7 @@ def decode_estimate(row, family):
     b, hq, hkv = int(row["batch"]), int(row["q_heads"]), int(row["kv_heads"])
     q = empty((b, hq, 1, int(row["head_dim"])), row["dtype"])
     kv = empty((b, hkv, int(row["kv_len"]), int(row["head_dim"])), row["dtype"])
-    return explain_plan(q, kv, kv, gpu=family)["dispatches"][0]["estimate"]["occupancy"]
+    return explain_plan(q, kv, kv, gpu=family)["dispatches"][0]["estimate"]["fraction_of_bandwidth"]
 
 
 def fractions(results: str, tag: str, chip: dict) -> list:

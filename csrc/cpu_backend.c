@@ -182,7 +182,7 @@ static fa_pipeline *cpu_get_pipeline(const fa_pipeline_key *key, fa_status *st) 
     return found;
 }
 
-static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st) {
+static int32_t cpu_dispatch_one(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st) {
     if (pipeline == NULL || d == NULL || d->n_bindings > FA_MAX_BINDINGS) {
         return fa_fail(st, FA_ERR_VALUE, "CPU backend: malformed dispatch");
     }
@@ -215,6 +215,19 @@ static int32_t cpu_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_stat
         return st->code;
     }
     return api->dispatch(pipeline->library, &args, &ms) == MCPU_OK ? FA_OK : device_failed(&ms, st);
+}
+
+/* The device runs each dispatch to completion before returning, so running them one after another
+ * keeps the order and the visibility of writes the interface promises. */
+static int32_t cpu_dispatch(fa_pipeline *const *pipelines, const fa_dispatch *dispatches, uint32_t n, fa_status *st) {
+    if (pipelines == NULL || dispatches == NULL || n == 0 || n > FA_MAX_CHAIN) {
+        return fa_fail(st, FA_ERR_VALUE, "CPU backend: malformed dispatch");
+    }
+    int32_t rc = FA_OK;
+    for (uint32_t i = 0; i < n && rc == FA_OK; ++i) {
+        rc = cpu_dispatch_one(pipelines[i], &dispatches[i], st);
+    }
+    return rc;
 }
 
 static const fa_backend cpu_backend = {"cpu", cpu_get_pipeline, cpu_dispatch};

@@ -10,7 +10,7 @@ extern "C" {
 #endif
 
 /* FA_MAX_BINDINGS: [[buffer(0)]] .. [[buffer(16)]] of the backward kernels (metal/fa_params.h). */
-enum { FA_MAX_MACROS = 24, FA_MAX_CONSTANTS = 16, FA_MAX_BINDINGS = 17, FA_MAX_TG_ARGS = 4 };
+enum { FA_MAX_MACROS = 24, FA_MAX_CONSTANTS = 16, FA_MAX_BINDINGS = 17, FA_MAX_TG_ARGS = 4, FA_MAX_CHAIN = 4 };
 
 typedef struct fa_macro {
     char name[48];
@@ -79,7 +79,11 @@ typedef struct fa_backend {
      * (fa_cache.h): a hit neither hashes the source text nor touches the file system. Safe to call
      * from several threads. */
     fa_pipeline *(*get_pipeline)(const fa_pipeline_key *key, fa_status *st);
-    int32_t (*dispatch)(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st);
+    /* Runs dispatches[0 .. n-1] (1 <= n <= FA_MAX_CHAIN) of pipelines[0 .. n-1] in order, each seeing
+     * the writes of those before it: on Metal one compute encoder (serial dispatches) and one
+     * submission, so a split decode and its merge cost one encoder, not two. Checks every dispatch
+     * before running any. */
+    int32_t (*dispatch)(fa_pipeline *const *pipelines, const fa_dispatch *dispatches, uint32_t n, fa_status *st);
 } fa_backend;
 
 /* A registered kernel source (fa_register_source). Its id is unique to this name and text:

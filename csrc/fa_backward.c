@@ -34,7 +34,7 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
         if (step->pipeline != NULL) {
             memcpy(d.grid, step->grid, sizeof d.grid);
             memcpy(d.threadgroup, step->threadgroup, sizeof d.threadgroup);
-            rc = ready->backend->dispatch(step->pipeline, &d, st);
+            rc = ready->backend->dispatch(&step->pipeline, &d, 1, st);
             d.same_bindings_as_previous = 1;
         }
     }

@@ -3,8 +3,8 @@
 
 #include <string.h>
 
-int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
-                          int64_t params_bytes, const void *args, int32_t direction, fa_status *st) {
+int32_t fa_sequence_prepare(const fa_ready_dispatch *builder, const void *params, int64_t params_bytes,
+                            const void *args, int32_t direction, fa_dispatch *d, fa_status *st) {
     const fa_sequence_args *s = (const fa_sequence_args *)fa_slot_tensor(args, direction, FA_SLOT_SEQUENCES);
     /* the scratch it writes must overlap no other tensor of the call */
     const fa_tensor *checked[FA_SLOT_COUNT];
@@ -22,23 +22,32 @@ int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *bu
             checked_names[n++] = fa_tensor_slots[i].name;
         }
     }
-    int32_t rc = fa_check_no_alias(checked, checked_names, n, 1, st);
+    memset(d, 0, sizeof *d);
+    const int32_t rc = fa_check_no_alias(checked, checked_names, n, 1, st);
     if (rc != FA_OK || s->table.sizes[0] == 0) {
+        return rc; /* no sequences: d runs nothing (an empty grid) */
+    }
+    d->bindings[FA_TABLE_BUFFER_ENTRIES] = fa_tensor_binding(&s->table, &s->table);
+    for (int i = FA_TABLE_BUFFER_OUT; i < FA_TABLE_BUFFERS; ++i) {
+        d->bindings[i] = fa_tensor_binding(&s->scratch, &s->scratch); /* unused but the first: Metal wants an
+                                                                          argument table without holes */
+    }
+    d->bindings[FA_TABLE_BUFFER_PARAMS].bytes = params;
+    d->bindings[FA_TABLE_BUFFER_PARAMS].length = params_bytes;
+    d->n_bindings = FA_TABLE_BUFFERS;
+    memcpy(d->grid, builder->grid, sizeof d->grid);
+    memcpy(d->threadgroup, builder->threadgroup, sizeof d->threadgroup);
+    return FA_OK;
+}
+
+int32_t fa_sequence_build(const fa_backend *backend, const fa_ready_dispatch *builder, const void *params,
+                          int64_t params_bytes, const void *args, int32_t direction, fa_status *st) {
+    fa_dispatch d;
+    const int32_t rc = fa_sequence_prepare(builder, params, params_bytes, args, direction, &d, st);
+    if (rc != FA_OK || d.n_bindings == 0) {
         return rc;
     }
-    fa_dispatch d;
-    memset(&d, 0, sizeof d);
-    d.bindings[FA_TABLE_BUFFER_ENTRIES] = fa_tensor_binding(&s->table, &s->table);
-    for (int i = FA_TABLE_BUFFER_OUT; i < FA_TABLE_BUFFERS; ++i) {
-        d.bindings[i] = fa_tensor_binding(&s->scratch, &s->scratch); /* unused but the first: Metal wants an
-                                                                         argument table without holes */
-    }
-    d.bindings[FA_TABLE_BUFFER_PARAMS].bytes = params;
-    d.bindings[FA_TABLE_BUFFER_PARAMS].length = params_bytes;
-    d.n_bindings = FA_TABLE_BUFFERS;
-    memcpy(d.grid, builder->grid, sizeof d.grid);
-    memcpy(d.threadgroup, builder->threadgroup, sizeof d.threadgroup);
-    return backend->dispatch(builder->pipeline, &d, st);
+    return backend->dispatch(&builder->pipeline, &d, 1, st);
 }
 
 /* Every kernel reads the sequence scratch as `constant fa_params *`: without a table it is bound to

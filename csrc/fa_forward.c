@@ -3,6 +3,9 @@
 
 #include <string.h>
 
+_Static_assert(1 + (int)FA_MAX_PLAN_DISPATCHES <= (int)FA_MAX_CHAIN,
+               "the sequence table and a plan's dispatches go to the backend in one chain");
+
 /* An empty tensor (S == 0, say) may have no storage at all; Metal still wants every buffer
  * argument bound, and the kernel reads none of its elements, so bind `fallback` in its place. */
 int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args *args, fa_status *st) {
@@ -16,25 +19,44 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     if (rc != FA_OK) {
         return rc;
     }
-    fa_dispatch d;
-    memset(&d, 0, sizeof d);
-    const fa_tensor *present = args->out.storage != NULL ? &args->out : &args->lse;
-    fa_bind_slots(&d, args, FA_FORWARD, present); /* each untouched unless its function constant says so */
-    d.bindings[FA_FORWARD_BUFFER_PARAMS].bytes = &ready->params;
-    d.bindings[FA_FORWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
-    d.n_bindings = FA_FORWARD_BUFFERS;
-    if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_plan_sequences.h) */
-        rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params,
-                               args, FA_FORWARD, st);
+    /* The sequence table (fa_plan_sequences.h), then every dispatch of the plan (a split decode and
+     * its merge), in one chain: on Metal one encoder. The plan's dispatches share their bindings,
+     * each with its own pipeline, grid and threadgroup memory. */
+    fa_dispatch d[1 + FA_MAX_PLAN_DISPATCHES];
+    fa_pipeline *pipelines[1 + FA_MAX_PLAN_DISPATCHES];
+    uint32_t n = 0;
+    if (ready->sequence_builder.pipeline != NULL) {
+        rc = fa_sequence_prepare(&ready->sequence_builder, &ready->params, (int64_t)sizeof ready->params, args,
+                                 FA_FORWARD, &d[n], st);
+        if (rc != FA_OK) {
+            return rc;
+        }
+        if (d[n].n_bindings > 0) {
+            pipelines[n++] = ready->sequence_builder.pipeline;
+        }
     }
-    for (uint32_t i = 0; i < ready->n_dispatches && rc == FA_OK; ++i) {
+    fa_dispatch *plan_dispatches = &d[n];
+    memset(plan_dispatches, 0, sizeof *plan_dispatches);
+    const fa_tensor *present = args->out.storage != NULL ? &args->out : &args->lse;
+    fa_bind_slots(plan_dispatches, args, FA_FORWARD, present); /* each untouched unless its function constant says so */
+    plan_dispatches->bindings[FA_FORWARD_BUFFER_PARAMS].bytes = &ready->params;
+    plan_dispatches->bindings[FA_FORWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
+    plan_dispatches->n_bindings = FA_FORWARD_BUFFERS;
+    for (uint32_t i = 0; i < ready->n_dispatches; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
-        memcpy(d.threadgroup_bytes, step->threadgroup_bytes, sizeof d.threadgroup_bytes);
-        d.n_threadgroup_args = step->n_threadgroup_args;
-        memcpy(d.grid, step->grid, sizeof d.grid);
-        memcpy(d.threadgroup, step->threadgroup, sizeof d.threadgroup);
-        d.same_bindings_as_previous = i > 0;
-        rc = ready->backend->dispatch(step->pipeline, &d, st);
+        fa_dispatch *di = &plan_dispatches[i];
+        if (i > 0) {
+            *di = plan_dispatches[0];
+            di->same_bindings_as_previous = 1;
+        }
+        memcpy(di->threadgroup_bytes, step->threadgroup_bytes, sizeof di->threadgroup_bytes);
+        di->n_threadgroup_args = step->n_threadgroup_args;
+        memcpy(di->grid, step->grid, sizeof di->grid);
+        memcpy(di->threadgroup, step->threadgroup, sizeof di->threadgroup);
+        pipelines[n++] = step->pipeline;
+    }
+    if (n > 0) {
+        rc = ready->backend->dispatch(pipelines, d, n, st);
     }
     return rc;
 }

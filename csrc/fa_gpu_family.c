@@ -26,12 +26,16 @@
 #define KIB 1024
 
 /* family, name, chips, register file, threadgroup memory, max SIMD-groups, saturating SIMD-groups,
- * fragment register budget, tile bytes cap, overhead registers, FLOPs per core per clock */
+ * fragment register budget, tile bytes cap, overhead registers, FLOPs per core per clock, DRAM bytes
+ * per core per clock (Apple's published bandwidth over cores x GPU clock of the chip with the most
+ * per core, where an ALU-bound decode shows first: M1 Max 409.6 GB/s / (32 x 1.296 GHz), M2 Max
+ * 409.6 / (38 x 1.398), M4 Max 546 / (40 x 1.578), M5 153.6 / (10 x 1.6, the clock an estimate)) */
 const fa_gpu_profile fa_gpu_profiles[FA_GPU_PROFILES] = {
-    {FA_FAMILY_APPLE7, "apple7", "M1, A14", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0},
-    {FA_FAMILY_APPLE8, "apple8", "M2, A15, A16", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0},
-    {FA_FAMILY_APPLE9, "apple9", "M3, M4, A17 Pro, A18", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0},
-    {FA_FAMILY_APPLE10, "apple10", "M5, A19", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0},
+    {FA_FAMILY_APPLE7, "apple7", "M1, A14", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 9.9},
+    {FA_FAMILY_APPLE8, "apple8", "M2, A15, A16", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 7.7},
+    {FA_FAMILY_APPLE9, "apple9", "M3, M4, A17 Pro, A18", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0,
+     8.7},
+    {FA_FAMILY_APPLE10, "apple10", "M5, A19", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0, 9.6},
 };
 
 const fa_gpu_profile *fa_gpu_profile_of(int32_t family) {
@@ -120,4 +124,13 @@ fa_gpu_estimate fa_gpu_estimate_dispatch(const fa_gpu_profile *profile, int32_t 
     e.occupancy = busy < 1.0 ? busy : 1.0;
     e.fraction_of_peak = flops > 0.0 ? useful_flops / flops * e.occupancy : 0.0;
     return e;
+}
+
+double fa_gpu_bandwidth_fraction(const fa_gpu_profile *profile, double issue_slots, double bytes) {
+    if (issue_slots <= 0.0) {
+        return 0.0;
+    }
+    const double read_clocks = bytes / profile->dram_bytes_per_core_clock;
+    const double issue_clocks = issue_slots / (profile->flops_per_core_clock / 64.0); /* 2 x 32 lanes */
+    return read_clocks >= issue_clocks ? 1.0 : read_clocks / issue_clocks;
 }

@@ -36,6 +36,7 @@ typedef struct fa_gpu_profile {
     int64_t tile_bytes_cap;           /* most threadgroup bytes the tiled kernels' tiles may take */
     int32_t overhead_registers;       /* registers beside the fragments: addresses, loop state, softmax */
     double flops_per_core_clock;      /* FP16 and FP32 FMA throughput x 2, per core per clock */
+    double dram_bytes_per_core_clock; /* memory bandwidth per core per GPU clock of the family's widest-bus chip */
 } fa_gpu_profile;
 
 enum { FA_GPU_PROFILES = 4 };
@@ -89,6 +90,15 @@ typedef struct fa_gpu_estimate {
     "there); fraction_of_peak: useful / issued FLOPs x min(1, resident SIMD-groups / saturating SIMD-groups), " \
     "assuming no spill, MMAs at peak while the ALUs are busy and device memory hidden behind them: an upper "   \
     "bound a Mac's timing is compared with (benchmarks/bench_attention.py --fractions)"
+/* The fraction of the memory bandwidth a dispatch that must read `bytes` and issues `issue_slots`
+ * SIMD-group instructions can reach: 1 when reading takes longer than issuing (at
+ * flops_per_core_clock / 64 instructions per core per clock, dram_bytes_per_core_clock), else
+ * the ratio of the two times; 0 when the issue is not modelled. */
+#define FA_GPU_BANDWIDTH_ASSUMPTIONS                                                                          \
+    "fraction_of_bandwidth (decode): min(1, time to read the inputs once / time to issue the modelled "       \
+    "instructions), both spread evenly over the cores, at the family's widest-bus chip's bytes per core per " \
+    "clock; latency assumed hidden"
+double fa_gpu_bandwidth_fraction(const fa_gpu_profile *profile, double issue_slots, double bytes);
 fa_gpu_estimate fa_gpu_estimate_dispatch(const fa_gpu_profile *profile, int32_t fragment_registers,
                                          int64_t threadgroup_bytes, uint32_t threads, double flops,
                                          double useful_flops);

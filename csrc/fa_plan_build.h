@@ -40,6 +40,7 @@ typedef struct fa_plan_dispatch {
     uint64_t threadgroup_bytes[FA_MAX_TG_ARGS];
     uint32_t n_threadgroup_args;
     fa_dispatch_cost cost;
+    double issue_slots; /* SIMD-group instructions it issues, as modelled (decode only; 0: not modelled) */
 } fa_plan_dispatch;
 
 /* A dispatch's grid (threadgroups) and 1-D threadgroup size. */

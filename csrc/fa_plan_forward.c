@@ -118,8 +118,8 @@ static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_byte
 }
 
 /* The decode kernel (fa_decode.metal): one threadgroup of FA_DECODE_SIMD_GROUPS SIMD-groups per kv
- * head serves the rows of every query head sharing it, two keys per SIMD-group in flight, lanes
- * holding chunks of contiguous columns of the head dims, a simd_sum per score.
+ * head serves the rows of every query head sharing it, each SIMD-group scoring a batch of
+ * KEYS keys per pass, lanes holding chunks of contiguous columns of the head dims.
  *
  * AUTO takes it for L <= DECODE_MAX_QUERY_LEN = 8: below that a prefill block of 8-row fragments is
  * mostly padding and its one threadgroup per head leaves the GPU idle (MLX and PyTorch switch to
@@ -131,31 +131,46 @@ static fa_tiles choose_forward_tiles(int64_t e, int64_t ev, int32_t element_byte
  * predicated off, never loaded), read in chunks of min(COLS, 4) contiguous elements: one 4- to
  * 16-byte vector load per chunk when K and V allow it (FA_FC_DECODE_VECTOR_LOADS: unit column
  * stride, every row start aligned to the chunk; otherwise the same layout is read element by
- * element through the strides). FA_DECODE_ROWS rows per threadgroup: the next power of two >=
- * (Hq / Hkv) * L, so a plain multi-head decode keeps its registers free, capped by the lane's
- * register budget: per row 2 * COLS floats (query slice and output accumulator), plus 4 * COLS for
- * the two keys' K and V rows in flight, at most DECODE_LANE_FLOATS = 96 32-bit registers per
- * thread (the rest hold softmax state, indices and pointers; about 128 in all leave Apple7/8 13
- * SIMD-groups per core, the fewest that keep a core issuing: fa_gpu_family.c):
- * 16 rows up to E = 64, 8 up to 128, 4 up to 256, 2 up to 384, 1 beyond. Above
- * FA_DECODE_LATE_VALUES_ABOVE = 16 columns (E or Ev > 512) the kernel loads a key pair's value rows
- * after their scores, so only 2 * COLS of the four rows are live at once: 20 columns at one row
- * take 80 floats instead of 120. More rows than the cap take several threadgroups per kv head.
+ * element through the strides). A lane's registers (decode_lane_floats): per row 2 * COLS floats
+ * (query slice and output accumulator) and KEYS partial scores, plus 2 * COLS for the K or V rows
+ * in flight, at most FA_DECODE_LANE_BUDGET = 104 32-bit registers per thread (the rest hold softmax
+ * state, indices and pointers: about 136 in all, 12 SIMD-groups per Apple7/8 core,
+ * fa_gpu_family.c). FA_DECODE_ROWS rows per threadgroup: the next power of two >= (Hq / Hkv) * L,
+ * so a plain multi-head decode keeps its registers free, capped where two keys per batch still
+ * fit: 16 rows up to E = 64, 8 up to 128, 4 up to 256, 2 up to 512, 1 beyond; more rows take
+ * several threadgroups per kv head. KEYS (FA_DECODE_KEYS, metal/fa_params.h): the most keys per batch, a power of two up to
+ * 32, the remaining registers hold (8 rows at E = 128: 4; one row: 32).
+ *
+ * Why batches on the SIMD lanes and not simdgroup matrices when 8 GQA rows fill a fragment: an
+ * 8x8x8 simdgroup MMA does 16 multiply-adds per lane, the rate of plain FMAs on Apple7-9 (no
+ * separate matrix units before Apple10), so Q K^T and P V cost D / 32 multiply-adds per key and
+ * row either way; what MMAs would save is the reduction, which a batch already brings from 5
+ * shuffles per key and row (a simd_sum) to about (KEYS - 1 + log2(32 / KEYS)) / KEYS (1.5 at 4
+ * keys, 1 at 32), and the exp2, from 2 per key and row to 2 per batch and row, for any GQA factor
+ * and without the fragment layout's row reductions. Per key and row at E = 128 and 8 rows: about
+ * 8 multiply-adds, 6 shuffle-and-adds and 1 exp2 then, against 8, 10 and 2 plus the per-key
+ * rescale of the accumulator (4 multiplies) before.
  *
  * Split-K: with G = B * Hkv * ceil(rows / FA_DECODE_ROWS) threadgroups a long KV would run on a few
- * cores while the rest idle. When G < DECODE_TARGET_THREADGROUPS = 160 (four threadgroups on each
- * core of a 40-core GPU; a 10-core one queues them) the visible keys (S, or under a band the keys
- * from row 0's first to row L - 1's last: a window's, not S) are split into about 160 / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at
- * most DECODE_MAX_SPLITS = 128 of them; 256 keys keep the partial results' round trip through the
- * workspace to about 1/16 of the K/V traffic at 8 rows of Ev = 128. Each share's length is a
- * multiple of 2 * FA_DECODE_SIMD_GROUPS (a key pair per SIMD-group) so its SIMD-groups get equal
- * work. These numbers are estimates to be tuned on a Mac. */
+ * cores while the rest idle. When G is below what fits at once on DECODE_CORES = 40 cores (the
+ * largest single-die GPU) -- the family's resident threadgroups per core by registers and
+ * threadgroup memory (fa_gpu_estimate_dispatch) times 40 -- the visible keys (S, or under a band
+ * the keys from row 0's first to row L - 1's last: a window's, not S) are split into about that
+ * many / G shares of at least DECODE_MIN_SPLIT_KEYS = 256 keys, at most DECODE_MAX_SPLITS = 128 of
+ * them: one wave on the largest GPU, whole waves on smaller ones, where a target of 4 resident
+ * threadgroups per core split short KV caches twice as finely as fits. 256 keys keep the partial
+ * results' round trip through the workspace to about 1/16 of the K/V traffic at 8 rows of Ev =
+ * 128. Each share's length is a multiple of KEYS * FA_DECODE_SIMD_GROUPS (a batch per
+ * SIMD-group) so its SIMD-groups get equal work; a requested count (num_splits) takes multiples of
+ * DECODE_MIN_KEYS * FA_DECODE_SIMD_GROUPS = 16 keys instead, to come as close to it as the keys
+ * allow (a share's last turn may then be partial). These numbers are estimates to be tuned on a
+ * Mac. */
 enum {
     DECODE_MAX_QUERY_LEN = 8,
     DECODE_MIN_COLS = 2,
-    DECODE_LANE_FLOATS = 96,
     DECODE_MAX_ROWS = 16,
-    DECODE_TARGET_THREADGROUPS = 160,
+    DECODE_MIN_KEYS = 2,
+    DECODE_CORES = 40,
     DECODE_MIN_SPLIT_KEYS = 256,
     DECODE_MAX_SPLITS = 128,
 };
@@ -172,15 +187,15 @@ static int32_t decode_columns(int64_t e, int64_t ev) {
     return cols;
 }
 
-/* Floats a lane keeps in registers with `rows` rows of `cols` columns (see above). */
-static int32_t decode_lane_floats(int32_t cols, int32_t rows) {
-    return rows * 2 * cols + (cols > FA_DECODE_LATE_VALUES_ABOVE ? 2 : 4) * cols;
+/* Floats a lane keeps in registers (see above). */
+static int32_t decode_lane_floats(int32_t cols, int32_t rows, int32_t keys) {
+    return FA_DECODE_LANE_FLOATS(cols, rows, keys);
 }
 
 /* The most rows per threadgroup COLS columns per lane allow (a power of two). */
 static int32_t decode_row_cap(int32_t cols) {
     int32_t rows = DECODE_MAX_ROWS;
-    while (rows > 1 && decode_lane_floats(cols, rows) > DECODE_LANE_FLOATS) {
+    while (rows > 1 && !FA_DECODE_FITS(cols, rows, DECODE_MIN_KEYS)) {
         rows /= 2;
     }
     return rows;
@@ -194,6 +209,9 @@ static int32_t decode_rows(int32_t cols, int64_t head_rows) {
     }
     return rows;
 }
+
+/* Keys per batch (the kernel derives the same from its COLS and ROWS). */
+static int32_t decode_keys(int32_t cols, int32_t rows) { return FA_DECODE_KEYS(cols, rows); }
 
 /* Whether the decode kernel may read t's rows `chunk` contiguous elements at a time: unit column
  * stride and every row start a multiple of the chunk from the buffer start (which Metal and torch
@@ -233,22 +251,23 @@ static int32_t decode_operand_vector_loadable(const fa_tensor *t, int32_t bits, 
 }
 
 /* Keys per split; *splits receives their number (1: no split). requested > 0 asks for that many
- * (flash-attn's num_splits, capped at DECODE_MAX_SPLITS); 0 takes the heuristic above. */
-static int32_t decode_split_keys(int64_t threadgroups, int64_t keys, int32_t requested, int32_t *splits) {
+ * (flash-attn's num_splits, capped at DECODE_MAX_SPLITS); 0 takes the heuristic above, aiming at
+ * `target` threadgroups in all. Shares are whole turns of `turn` keys. */
+static int32_t decode_split_keys(int64_t threadgroups, int64_t target, int64_t keys, int64_t turn, int32_t requested,
+                                 int32_t *splits) {
     int64_t n = 1;
     if (requested > 0) {
         n = requested < DECODE_MAX_SPLITS ? requested : DECODE_MAX_SPLITS;
-    } else if (threadgroups < DECODE_TARGET_THREADGROUPS && keys >= 2 * DECODE_MIN_SPLIT_KEYS) {
-        n = (DECODE_TARGET_THREADGROUPS + threadgroups - 1) / threadgroups;
+    } else if (threadgroups < target && keys >= 2 * DECODE_MIN_SPLIT_KEYS) {
+        n = (target + threadgroups - 1) / threadgroups;
         n = n < keys / DECODE_MIN_SPLIT_KEYS ? n : keys / DECODE_MIN_SPLIT_KEYS;
         n = n < DECODE_MAX_SPLITS ? n : DECODE_MAX_SPLITS;
     }
-    const int64_t pair_turn = 2 * FA_DECODE_SIMD_GROUPS;
-    if (n == 1 || keys <= pair_turn) { /* one turn of key pairs cannot be shared */
+    if (n == 1 || keys <= turn) { /* one turn of batches cannot be shared */
         *splits = 1;
         return (int32_t)keys;
     }
-    const int64_t per_split = ((keys + n - 1) / n + pair_turn - 1) / pair_turn * pair_turn;
+    const int64_t per_split = ((keys + n - 1) / n + turn - 1) / turn * turn;
     *splits = (int32_t)((keys + per_split - 1) / per_split);
     return (int32_t)per_split;
 }
@@ -575,25 +594,52 @@ static void set_simple_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward
              output_bytes(a));
 }
 
-/* The decode kernel: every row takes both scores of each key pair of its kv range (a trailing odd
- * key's pair too) at the padded width 32 COLS, and accumulates the values of its visible keys.
- * Threadgroup memory: the SIMD-groups' (max, sum) per row and one output row each. The merge: one
- * multiply-add per padded column and split for each row (no SDPA work of its own). */
-static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t cols, int32_t rows) {
+/* The decode kernel's threadgroup memory: the SIMD-groups' (max, sum) per row and one output row
+ * each (fa_decode.h's sg_max, sg_sum, sg_out). */
+static int64_t decode_threadgroup_bytes(int32_t cols, int32_t rows) {
+    return (int64_t)(2 * FA_DECODE_SIMD_GROUPS * rows + FA_DECODE_SIMD_GROUPS * 32 * cols) * 4;
+}
+
+/* The decode kernel's issue in SIMD-group instructions, for explain_plan's fraction_of_bandwidth
+ * (an estimate: no Mac has counted them). Per row and key scored: 2 COLS multiply-adds (score and
+ * value), the weight's broadcast and test, and its share of the batch's butterfly (4 per scatter
+ * element: 2 selects, a shuffle, an add; 2 per reduce step) and of the batch's softmax (a shuffle
+ * and a max or add per step of the maximum's and the sum's butterflies, two exp2 at 4 each, about
+ * 6 for bounds, masks and selects, COLS multiplies of the rescale). Per key and threadgroup: its K
+ * and V chunk loads and 4 address operations. At 8 rows of E = 128 that is 21 per row and key
+ * (batches of 4); the kernel scoring one key at a time took about 40 (a 5-step simd_sum, two exp2
+ * and a COLS rescale per key and row): 1.2 to 1.6 times the time to read fp16 K and V, ALU-bound,
+ * where batches leave it memory-bound on every family's table figures. */
+static double decode_issue_slots(int32_t cols, int32_t keys, double row_keys, double keys_read) {
+    int32_t steps = 0; /* log2(keys) */
+    for (int32_t k = keys; k > 1; k /= 2) {
+        ++steps;
+    }
+    const int32_t chunk = cols < 4 ? cols : 4;
+    const double butterfly = 4.0 * (keys - 1) + 2.0 * (5 - steps);
+    const double softmax = 4.0 * steps + 2 * 4 + 6 + cols;
+    return row_keys * (2.0 * cols + 2 + (butterfly + softmax) / keys) + keys_read * (2.0 * cols / chunk + 4);
+}
+
+/* The decode kernel: every row takes the scores of each batch of its kv range (a trailing partial
+ * batch whole) at the padded width 32 COLS, and accumulates the values of its visible keys. The
+ * merge: one multiply-add per padded column and split for each row (no SDPA work of its own). */
+static void set_decode_costs(fa_plan *plan, const fa_forward_args *a, int32_t cols, int32_t rows, int32_t keys) {
     const fa_params *p = &plan->params;
     const int64_t kv_end = p->split_begin + visible_keys(plan), width = 32 * cols;
     double scored = 0; /* keys each row scores, over all splits (at most: a threadgroup's rows may see fewer) */
     for (int64_t begin = p->split_begin; begin < kv_end; begin += p->split_keys) {
         const int64_t n = kv_end - begin < p->split_keys ? kv_end - begin : p->split_keys;
-        scored += (double)(2 * ((n + 1) / 2));
+        scored += (double)(keys * ((n + keys - 1) / keys));
     }
     const double heads = (double)((int64_t)p->batch * p->q_heads), all_rows = heads * p->q_len;
     const double flops = 2.0 * (double)width * (all_rows * scored + heads * visible_pairs(plan));
-    const int32_t sg = FA_DECODE_SIMD_GROUPS;
     const int64_t split_bytes = plan->workspace_bytes;
-    set_cost(&plan->dispatches[0], (int64_t)(2 * sg * rows + sg * width) * 4, decode_lane_floats(cols, rows), flops,
+    set_cost(&plan->dispatches[0], decode_threadgroup_bytes(cols, rows), decode_lane_floats(cols, rows, keys), flops,
              all_rows * scored, useful_flops(plan, a), min_input_bytes(plan, a),
              p->split_count > 1 ? split_bytes : output_bytes(a));
+    const double keys_read = (double)plan->dispatches[0].grid[1] * p->batch * scored;
+    plan->dispatches[0].issue_slots = decode_issue_slots(cols, keys, all_rows * scored, keys_read);
     if (plan->n_dispatches > 1) {
         set_cost(&plan->dispatches[1], 0, cols, 2.0 * (double)width * p->split_count * all_rows, 0, 0, split_bytes,
                  output_bytes(a));
@@ -798,6 +844,15 @@ static void set_decode_macros(fa_plan_dispatch *d, int32_t cols, int32_t rows) {
     fa_plan_add_macro(d, "FA_DECODE_ROWS", rows);
 }
 
+/* Threadgroups of the decode kernel one core holds at once on the plan's family (at least 1), from
+ * its registers and threadgroup memory as explain_plan estimates them. */
+static int64_t decode_resident_threadgroups(const fa_plan *plan, int32_t cols, int32_t rows) {
+    const fa_gpu_estimate e = fa_gpu_estimate_dispatch(
+        fa_gpu_profile_of(plan->gpu_family), decode_lane_floats(cols, rows, decode_keys(cols, rows)),
+        decode_threadgroup_bytes(cols, rows), 32u * FA_DECODE_SIMD_GROUPS, 0.0, 0.0);
+    return e.resident_threadgroups > 1 ? e.resident_threadgroups : 1;
+}
+
 static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     fa_params *p = &plan->params;
     if (plan->empty) {
@@ -817,9 +872,12 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
         band_keys(plan, 0, p->q_len, &first_key, &end_key);
     }
     p->split_begin = (fa_i32)first_key;
-    p->split_keys =
-        decode_split_keys((int64_t)p->batch * p->kv_heads * chunks, end_key > first_key ? end_key - first_key : 0,
-                          a->options.num_splits, &p->split_count);
+    const int32_t keys = decode_keys(cols, rows);
+    p->split_keys = decode_split_keys(
+        (int64_t)p->batch * p->kv_heads * chunks, DECODE_CORES * decode_resident_threadgroups(plan, cols, rows),
+        end_key > first_key ? end_key - first_key : 0,
+        (int64_t)(a->options.num_splits > 0 ? DECODE_MIN_KEYS : keys) * FA_DECODE_SIMD_GROUPS, a->options.num_splits,
+        &p->split_count);
 
     fa_plan_dispatch *d = add_dispatch(plan, a, decode_source, "fa_decode");
     set_decode_macros(d, cols, rows);
@@ -837,7 +895,7 @@ static int32_t plan_decode(const fa_forward_args *a, fa_plan *plan, fa_status *s
         set_decode_macros(merge, cols, rows);
         set_row_blocks(merge, a, 1, 32u);
     }
-    set_decode_costs(plan, a, cols, rows);
+    set_decode_costs(plan, a, cols, rows, keys);
     return FA_OK;
 }
 

@@ -380,8 +380,9 @@ def explain_plan(
     device's; the CPU device: apple9). "gpu_family" names it, and each dispatch's "estimate" says
     what it means there: "registers" per thread in all (the fragments of "cost" plus an overhead
     estimate), its "threadgroup_bytes", the "resident_threadgroups" and "resident_simd_groups" per
-    core, the "occupancy" and the estimated "fraction_of_peak", with the "assumptions" named
-    (csrc/fa_gpu_family.c; docs/performance.md)."""
+    core, the "occupancy", the estimated "fraction_of_peak" and, for the decode kernel, the
+    "fraction_of_bandwidth" its modelled instructions allow (0 elsewhere), with the "assumptions"
+    named (csrc/fa_gpu_family.c; docs/performance.md)."""
     causal, band = band_of(causal, window_size, window_align)
     kv_quant = None
     if type(k) is QuantizedKV or type(v) is QuantizedKV:

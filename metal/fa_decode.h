@@ -4,15 +4,21 @@
 // One threadgroup serves the rows of one kv head: the Hq/Hkv query heads that share it times the L
 // query rows, ROWS at a time (more rows take several threadgroups), so each K/V element is read
 // once per kv head rather than once per query head. Its FA_DECODE_SIMD_GROUPS SIMD-groups take
-// turns over the keys two at a time (SIMD-group g takes keys 2g and 2g + 1 of every 2 * SG), so
-// two key rows and two value rows are in flight per SIMD-group, and steps along them by pointer
-// (one add per key instead of a 64-bit multiply). Lanes hold COLS columns each, in chunks of
-// W = min(COLS, 4) contiguous ones (fa_decode_column): lane l's chunk c is columns
-// W * (l + 32 c) ... + W - 1, so each key row is read as one vector load per chunk and lane,
-// coalesced across lanes, when the planner found K and V unit-strided and aligned
-// (fa_decode_vector_loads); otherwise the same layout is read element by element through the
-// strides. A score is one simd_sum; softmax is online in base 2 with float32 statistics
-// (fa_softmax.h); at the end the SIMD-groups' results are merged through threadgroup memory.
+// turns over the keys in batches of KEYS (SIMD-group g takes keys KEYS g ... KEYS g + KEYS - 1 of
+// every KEYS * SG) and step along them by pointer (one add per batch instead of a 64-bit
+// multiply). Lanes hold COLS columns each, in chunks of W = min(COLS, 4) contiguous ones
+// (fa_decode_column): lane l's chunk c is columns W * (l + 32 c) ... + W - 1, so each key row is
+// read as one vector load per chunk and lane, coalesced across lanes, when the planner found K and
+// V unit-strided and aligned (fa_decode_vector_loads); otherwise the same layout is read element by
+// element through the strides.
+//
+// A batch is scored as llama.cpp's vector kernel does: the lanes' partial dot products of the
+// KEYS keys are summed by one butterfly that leaves each key's score on its own 32 / KEYS lanes
+// (fa_decode_reduce_scatter), so masks, band, softcap, ALiBi, dropout and the exp2 run once per
+// lane for the batch, in parallel, and the row's maximum, sum and accumulator rescale once per
+// batch (fa_decode_push_batch); then each key's value row is added with its weight, broadcast
+// from its lanes. Softmax is online in base 2 with float32 statistics (fa_softmax.h); at the end
+// the SIMD-groups' results are merged through threadgroup memory.
 //
 // Split-K: when the planner shares each row's keys among p.split_count threadgroups (grid x), each
 // writes its unnormalised output and (max, sum) to the workspace and fa_decode_merge
@@ -20,9 +26,9 @@
 //
 // Template parameters (the planner picks them, see fa_plan_forward.c):
 //   T     element type of q, k, v, out
-//   COLS  columns per lane: 2, 4, 8, then multiples of 4 up to 20, at least max(E, Ev) / 32; above
-//         FA_DECODE_LATE_VALUES_ABOVE the value rows load after the scores (registers, fa_plan_forward.c)
+//   COLS  columns per lane: 2, 4, 8, then multiples of 4 up to 20, at least max(E, Ev) / 32
 //   ROWS  query rows per threadgroup
+// and from them KEYS, the keys per batch: a power of two from 2 to 32, FA_DECODE_KEYS (fa_params.h).
 // Grid: (p.split_count, Hkv * ceil(Hq / Hkv * L / ROWS), B) threadgroups of
 // 32 * FA_DECODE_SIMD_GROUPS threads.
 #ifndef FA_DECODE_H
@@ -143,20 +149,51 @@ inline void fa_decode_load_key(thread float (&dst)[COLS],
   }
 }
 
-// One key of one row: the score (already summed over the SIMD-group) enters the row's softmax and
-// the value row, weighted by the probability times its dropout factor (fa_dropout.h), its
-// accumulator.
-template <int COLS>
-inline void fa_decode_accumulate(thread fa_online_softmax &state,
-                                 thread float (&acc)[COLS],
-                                 float score,
-                                 float dropout_factor,
-                                 thread const float (&v_reg)[COLS]) {
-  const fa_softmax_step step = fa_softmax_push(state, score);
-  const float weight = step.weight * dropout_factor;
-  for (int c = 0; c < COLS; ++c) {
-    acc[c] = fma(weight, v_reg[c], acc[c] * step.rescale);
+// Scores of a batch of KEYS keys from each lane's partial dot products `partial` (lane's columns
+// only): a butterfly that halves the batch at every step (lanes with bit `offset` set keep the
+// upper half, sending the lower), then sums what is left over the remaining lanes. KEYS - 1 +
+// log2(32 / KEYS) shuffles for the batch instead of a 5-shuffle simd_sum per key. Lane l ends with
+// the score of key l / (32 / KEYS) of the batch (every lane of that group holds the same value).
+template <int KEYS>
+inline float fa_decode_reduce_scatter(thread float (&partial)[KEYS], ushort lane) {
+  for (int half = KEYS / 2, offset = 16; half >= 1; half /= 2, offset /= 2) {
+    const bool upper = (lane & offset) != 0;
+    for (int t = 0; t < half; ++t) {
+      const float kept = upper ? partial[t + half] : partial[t];
+      const float sent = upper ? partial[t] : partial[t + half];
+      partial[t] = kept + simd_shuffle_xor(sent, ushort(offset));
+    }
   }
+  float score = partial[0];
+  for (int offset = 16 / KEYS; offset >= 1; offset /= 2) {
+    score += simd_shuffle_xor(score, ushort(offset));
+  }
+  return score;
+}
+
+// Folds one batch of scores (this lane's: its key's, as fa_decode_reduce_scatter left them) into
+// the row's online softmax: one maximum, one rescale of what was accumulated and one exp2 per
+// lane for the whole batch. Returns the rescale and this lane's weight (0 for a skipped key). The
+// maximum leaves NaN out (as metal::max does in fa_softmax_push), so a NaN score enters through its
+// weight and the sum; a skipped key (past the end, outside the band, excluded by a bool mask) adds
+// nothing.
+template <int KEYS>
+inline fa_softmax_step fa_decode_push_batch(thread fa_online_softmax &state, float score, bool skipped) {
+  float batch_max = skipped || isnan(score) ? -INFINITY : score;
+  for (int offset = 16; offset >= 32 / KEYS; offset /= 2) {
+    batch_max = max(batch_max, simd_shuffle_xor(batch_max, ushort(offset)));
+  }
+  const float new_max = max(state.max, batch_max);
+  fa_softmax_step step;
+  step.rescale = fa_softmax_rescale(state.max, new_max);
+  step.weight = skipped ? 0.0f : fa_softmax_weight(score, new_max);
+  float batch_sum = step.weight; // one lane of each key's group
+  for (int offset = 16; offset >= 32 / KEYS; offset /= 2) {
+    batch_sum += simd_shuffle_xor(batch_sum, ushort(offset));
+  }
+  state.sum = state.sum * step.rescale + batch_sum;
+  state.max = new_max;
+  return step;
 }
 
 template <typename T, int COLS, int ROWS>
@@ -182,6 +219,7 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
           uint tid [[thread_index_in_threadgroup]],
           ushort sg [[simdgroup_index_in_threadgroup]],
           ushort lane [[thread_index_in_simdgroup]]) {
+  constexpr int KEYS = FA_DECODE_KEYS(COLS, ROWS);
   constexpr int SG = FA_DECODE_SIMD_GROUPS;
   constexpr int W = COLS < 4 ? COLS : 4;
   constexpr int WIDTH = 32 * COLS; // columns one SIMD-group holds
@@ -242,72 +280,80 @@ fa_decode(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   const fa_dropout_rng dropout = fa_dropout_state(rng);
 
   // This split's share of the keys, within those the rows see, is [begin, end); this SIMD-group
-  // takes keys j and j + 1 for j = begin + 2 sg, then every 2 SG.
+  // takes the batch of KEYS keys from j = begin + KEYS sg, then every KEYS SG.
   const int split_begin = p.split_begin + int(group.x) * p.split_keys;
   const int begin = max(split_begin, keys.begin);
   // No int overflow near S = 2^31; a plain comparison, since MSL's min() is not documented for long.
   const long split_end = long(split_begin) + p.split_keys;
   const int end = split_end < long(keys.end) ? int(split_end) : keys.end;
-  const int j0 = begin + 2 * int(sg);
+  const int j0 = begin + KEYS * int(sg);
   const device T *k_row = k + b * p.k_strides[0] + kv_h * p.k_strides[1] + long(j0) * p.k_strides[2];
   const device T *v_row = v + b * p.v_strides[0] + kv_h * p.v_strides[1] + long(j0) * p.v_strides[2];
   long mask_key = long(j0) * p.mask_strides[3];
-  const long k_step = 2 * SG * p.k_strides[2];
-  const long v_step = 2 * SG * p.v_strides[2];
-  const long mask_step = 2 * SG * p.mask_strides[3];
+  const long k_step = KEYS * SG * p.k_strides[2];
+  const long v_step = KEYS * SG * p.v_strides[2];
+  const long mask_step = KEYS * SG * p.mask_strides[3];
   const bool as_vectors = fa_decode_vector_loads;
   // Paged or quantized K/V: each key's row through its source (fa_loader.h, fa_quant.h).
   const fa_kv_source<T> k_keys = fa_kv_source_of(k_view, k_scales, k_biases, fa_k_bits, p.k_group_shift, p, p.k_strides,
                                                  p.k_scale_strides, p.k_bias_strides, block_table, b, kv_h, 0, 0);
   const fa_kv_source<T> v_keys = fa_kv_source_of(v_view, v_scales, v_biases, fa_v_bits, p.v_group_shift, p, p.v_strides,
                                                  p.v_scale_strides, p.v_bias_strides, block_table, b, kv_h, 0, 0);
-  for (int j = j0; j < end; j += 2 * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
-    // Both keys' rows (and, up to FA_DECODE_LATE_VALUES_ABOVE columns per lane, their value rows)
-    // are loaded before any arithmetic so their latencies overlap; a second key past the end reads
-    // nothing.
-    const bool second = j + 1 < end;
-    constexpr bool late_values = COLS > FA_DECODE_LATE_VALUES_ABOVE;
-    static_assert(!late_values || ROWS == 1, "late value loads serve one row");
-    float k_reg[2][COLS];
-    float v_reg[2][COLS];
-    // A paged cache: each key's row through the block table (the K/V cursor, fa_loader.h).
-    const device T *k_rows[2] = {k_row, k_row + p.k_strides[2]};
-    const device T *v_rows[2] = {v_row, v_row + p.v_strides[2]};
-    for (int t = 0; fa_paged && t < 2; ++t) {
-      k_rows[t] = fa_tile_row(k_keys.rows, j + t);
-      v_rows[t] = fa_tile_row(v_keys.rows, j + t);
-    }
-    fa_decode_load_key<T, COLS>(k_reg[0], k_rows[0], p.k_strides[3], k_keys, j, p.head_dim, lane, as_vectors);
-    fa_decode_load_key<T, COLS>(k_reg[1], k_rows[1], p.k_strides[3], k_keys, j + 1, second ? p.head_dim : 0, lane,
-                                as_vectors);
-    if (!late_values) {
-      fa_decode_load_key<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], v_keys, j, p.v_head_dim, lane, as_vectors);
-      fa_decode_load_key<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], v_keys, j + 1, second ? p.v_head_dim : 0, lane,
+  // The key of a batch whose score this lane holds after fa_decode_reduce_scatter.
+  const int lane_key = int(lane) / (32 / KEYS);
+  for (int j = j0; j < end; j += KEYS * SG, k_row += k_step, v_row += v_step, mask_key += mask_step) {
+    const int in_batch = min(KEYS, end - j); // keys of the batch before the end: the rest read nothing
+    // Scores: every key's row against every row's query slice, one K row in registers at a time.
+    float partial[ROWS][KEYS];
+    for (int t = 0; t < KEYS; ++t) {
+      const int key = min(j + t, end - 1); // a key past the end is addressed at the last one, not read
+      const device T *k_at = fa_paged ? fa_tile_row(k_keys.rows, key) : k_row + t * p.k_strides[2];
+      float k_reg[COLS];
+      fa_decode_load_key<T, COLS>(k_reg, k_at, p.k_strides[3], k_keys, key, t < in_batch ? p.head_dim : 0, lane,
                                   as_vectors);
-    }
-    for (int r = 0; r < ROWS && r < rows; ++r) {
-      float partial[2] = {0.0f, 0.0f};
-      for (int c = 0; c < COLS; ++c) {
-        partial[0] = fma(q_reg[r][c], k_reg[0][c], partial[0]);
-        partial[1] = fma(q_reg[r][c], k_reg[1][c], partial[1]);
-      }
-      const float score[2] = {simd_sum(partial[0]), simd_sum(partial[1])};
-      if (late_values) { // one row (the planner's cap): the key rows are dead, their registers take the values
-        fa_decode_load_key<T, COLS>(v_reg[0], v_rows[0], p.v_strides[3], v_keys, j, p.v_head_dim, lane, as_vectors);
-        fa_decode_load_key<T, COLS>(v_reg[1], v_rows[1], p.v_strides[3], v_keys, j + 1, second ? p.v_head_dim : 0, lane,
-                                    as_vectors);
-      }
-      for (int t = 0; t < 2; ++t) {
-        // Row and key are the same on every lane, so skipping keeps the SIMD-group together; a
-        // masked key is skipped rather than weighted 0, so NaN in its value stays out of the row.
-        const int key = j + t;
-        const long mask_at = mask_row[r] + mask_key + t * p.mask_strides[3];
-        if ((t == 1 && !second) || fa_band_hides(p, position[r], key) || fa_mask_excludes(mask, mask_at)) {
-          continue;
+      for (int r = 0; r < ROWS && r < rows; ++r) {
+        float dot = 0.0f;
+        for (int c = 0; c < COLS; ++c) {
+          dot = fma(q_reg[r][c], k_reg[c], dot);
         }
-        const float varied = fa_softcap_score(p, score[t]) + fa_alibi_bias(p, slope[r], position[r], key);
-        fa_decode_accumulate<COLS>(state[r], acc[r], fa_mask_score(varied, mask, mask_at),
-                                   fa_dropout_factor(p, dropout, b, head[r], position[r], key), v_reg[t]);
+        partial[r][t] = dot;
+      }
+    }
+    // Softmax, once per batch and row: each lane treats its own key, the accumulator is rescaled
+    // once. weight[r]: this lane's key's probability weight times its dropout factor, or -1 for
+    // a skipped key, which must stay out of the accumulator (0 times a NaN value would not).
+    float weight[ROWS];
+    for (int r = 0; r < ROWS && r < rows; ++r) {
+      const float dot = fa_decode_reduce_scatter<KEYS>(partial[r], lane);
+      const int key = j + lane_key;
+      const long mask_at = mask_row[r] + mask_key + lane_key * p.mask_strides[3];
+      const bool skipped =
+          lane_key >= in_batch || fa_band_hides(p, position[r], key) || fa_mask_excludes(mask, mask_at);
+      const float score =
+          skipped
+              ? -INFINITY
+              : fa_mask_score(fa_softcap_score(p, dot) + fa_alibi_bias(p, slope[r], position[r], key), mask, mask_at);
+      const fa_softmax_step step = fa_decode_push_batch<KEYS>(state[r], score, skipped);
+      if (step.rescale != 1.0f) { // the same on every lane
+        for (int c = 0; c < COLS; ++c) {
+          acc[r][c] *= step.rescale;
+        }
+      }
+      weight[r] = skipped ? -1.0f : step.weight * fa_dropout_factor(p, dropout, b, head[r], position[r], key);
+    }
+    // Values: each key's row into every row's accumulator, one V row in registers at a time.
+    for (int t = 0; t < in_batch; ++t) {
+      const int key = j + t;
+      const device T *v_at = fa_paged ? fa_tile_row(v_keys.rows, key) : v_row + t * p.v_strides[2];
+      float v_reg[COLS];
+      fa_decode_load_key<T, COLS>(v_reg, v_at, p.v_strides[3], v_keys, key, p.v_head_dim, lane, as_vectors);
+      for (int r = 0; r < ROWS && r < rows; ++r) {
+        const float w = simd_shuffle(weight[r], ushort(t * (32 / KEYS)));
+        if (!(w < 0.0f)) { // NaN weights enter
+          for (int c = 0; c < COLS; ++c) {
+            acc[r][c] = fma(w, v_reg[c], acc[r][c]);
+          }
+        }
       }
     }
   }

@@ -23,9 +23,19 @@ typedef uint32_t fa_u32;
 
 // The decode kernel's geometry (fa_decode.metal).
 #define FA_DECODE_SIMD_GROUPS 8 // SIMD-groups per threadgroup, taking turns over the keys
-// Above this many columns per lane the decode kernel reads a key pair's values only after their
-// scores, so K and V rows are not in registers at once (fa_decode.h, the budget in fa_plan_forward.c).
-#define FA_DECODE_LATE_VALUES_ABOVE 16
+// A decode lane's registers (32-bit) for `rows` query rows of `cols` columns and batches of `keys`:
+// per row its query slice, its accumulator and the batch's partial scores, beside a K or V row
+// in flight each (csrc/fa_plan_forward.c); the budget the planner keeps them in.
+#define FA_DECODE_LANE_FLOATS(cols, rows, keys) ((rows) * (2 * (cols) + (keys)) + 2 * (cols))
+#define FA_DECODE_LANE_BUDGET 104
+// Keys per batch: the largest power of two from 2 to 32 that the budget holds beside the rows.
+#define FA_DECODE_FITS(cols, rows, keys) (FA_DECODE_LANE_FLOATS(cols, rows, keys) <= FA_DECODE_LANE_BUDGET)
+#define FA_DECODE_KEYS(cols, rows)       \
+  (FA_DECODE_FITS(cols, rows, 32)   ? 32 \
+   : FA_DECODE_FITS(cols, rows, 16) ? 16 \
+   : FA_DECODE_FITS(cols, rows, 8)  ? 8  \
+   : FA_DECODE_FITS(cols, rows, 4)  ? 4  \
+                                    : 2)
 
 // Buffer slots, [[buffer(n)]] of the kernels and the host's bindings alike (csrc/fa_core.c's slot
 // table, csrc/fa_forward.c, csrc/fa_backward.c). The forward kernels (prefill, decode and its

@@ -487,7 +487,10 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
             py::arg("fragment_registers") = c.registers, py::arg("threadgroup_bytes") = c.threadgroup_bytes,
             py::arg("resident_threadgroups") = e.resident_threadgroups,
             py::arg("resident_simd_groups") = e.resident_simd_groups, py::arg("occupancy") = e.occupancy,
-            py::arg("fraction_of_peak") = e.fraction_of_peak, py::arg("assumptions") = FA_GPU_ESTIMATE_ASSUMPTIONS);
+            py::arg("fraction_of_peak") = e.fraction_of_peak,
+            py::arg("fraction_of_bandwidth") =
+                fa_gpu_bandwidth_fraction(gpu, d.issue_slots, (double)(c.min_bytes_read + c.min_bytes_written)),
+            py::arg("assumptions") = FA_GPU_ESTIMATE_ASSUMPTIONS "; " FA_GPU_BANDWIDTH_ASSUMPTIONS);
         dispatches.append(
             py::dict(py::arg("source") = d.source_name, py::arg("function") = d.function, py::arg("macros") = macros,
                      py::arg("constants") = constants, py::arg("constant_kinds") = kinds,

@@ -391,22 +391,42 @@ static fa_pipeline *metal_get_pipeline(const fa_pipeline_key *key, fa_status *st
 
 static NSUInteger round16(uint64_t n) { return (NSUInteger)((n + 15) & ~(uint64_t)15); }
 
-static void encode(id<MTLComputeCommandEncoder> enc, id<MTLComputePipelineState> pso, const fa_dispatch *d) {
-    enc.label = pso.label; // Metal's reports of a failed command buffer name encoders by label
-    [enc setComputePipelineState:pso];
-    for (uint32_t i = 0; i < d->n_bindings; ++i) {
-        const fa_binding *b = &d->bindings[i];
-        if (b->bytes) {
-            [enc setBytes:b->bytes length:(NSUInteger)b->length atIndex:i];
-        } else {
-            [enc setBuffer:(__bridge id<MTLBuffer>)b->storage offset:(NSUInteger)b->byte_offset atIndex:i];
+static id<MTLComputePipelineState> pso_of(fa_pipeline *pipeline) {
+    return (__bridge id<MTLComputePipelineState>)(void *)pipeline;
+}
+
+// A dispatch with an empty grid runs nothing and is left out of the encoder.
+static bool runs_nothing(const fa_dispatch *d) { return d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0; }
+
+// The chain's kernels, "a+b": Metal's reports of a failed command buffer name encoders by label.
+static NSString *chain_label(fa_pipeline *const *pipelines, uint32_t n) {
+    NSMutableArray<NSString *> *names = [NSMutableArray arrayWithCapacity:n];
+    for (uint32_t i = 0; i < n; ++i) [names addObject:pso_of(pipelines[i]).label ?: @"?"];
+    return [names componentsJoinedByString:@"+"];
+}
+
+// Encodes the chain's dispatches in order on one encoder; a compute encoder's dispatches are
+// serial by default, each seeing the writes of those before it.
+static void encode(id<MTLComputeCommandEncoder> enc, fa_pipeline *const *pipelines, const fa_dispatch *ds, uint32_t n) {
+    enc.label = chain_label(pipelines, n);
+    for (uint32_t k = 0; k < n; ++k) {
+        const fa_dispatch *d = &ds[k];
+        if (runs_nothing(d)) continue;
+        [enc setComputePipelineState:pso_of(pipelines[k])];
+        for (uint32_t i = 0; i < d->n_bindings; ++i) {
+            const fa_binding *b = &d->bindings[i];
+            if (b->bytes) {
+                [enc setBytes:b->bytes length:(NSUInteger)b->length atIndex:i];
+            } else {
+                [enc setBuffer:(__bridge id<MTLBuffer>)b->storage offset:(NSUInteger)b->byte_offset atIndex:i];
+            }
         }
+        for (uint32_t i = 0; i < d->n_threadgroup_args; ++i) {
+            [enc setThreadgroupMemoryLength:round16(d->threadgroup_bytes[i]) atIndex:i];
+        }
+        [enc dispatchThreadgroups:MTLSizeMake(d->grid[0], d->grid[1], d->grid[2])
+            threadsPerThreadgroup:MTLSizeMake(d->threadgroup[0], d->threadgroup[1], d->threadgroup[2])];
     }
-    for (uint32_t i = 0; i < d->n_threadgroup_args; ++i) {
-        [enc setThreadgroupMemoryLength:round16(d->threadgroup_bytes[i]) atIndex:i];
-    }
-    [enc dispatchThreadgroups:MTLSizeMake(d->grid[0], d->grid[1], d->grid[2])
-        threadsPerThreadgroup:MTLSizeMake(d->threadgroup[0], d->threadgroup[1], d->threadgroup[2])];
     [enc endEncoding];
 }
 
@@ -482,13 +502,14 @@ static int32_t report_fault(fa_status *st) {
 
 // Encodes on torch's stream inside its serial queue and commits there (PyTorch's pattern for custom
 // kernels: an encoder on get_command_buffer(), then torch::mps::commit() in the same dispatch_sync),
-// so each of our dispatches is submitted at once, in order with torch's work, and a loop of our
-// calls alone does not pile up in one command buffer. A completion handler, added before the
+// so each call's dispatches (one encoder) are submitted at once, in order with torch's work, and a
+// loop of our calls alone does not pile up in one command buffer. A completion handler, added before the
 // commit, reports a failure naming the kernel; in debug mode it also signals the wait below.
-static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const fa_dispatch *d, int32_t mode, bool debug,
-                                        fa_status *st) {
+static int32_t dispatch_on_torch_stream(fa_pipeline *const *pipelines, const fa_dispatch *ds, uint32_t n, int32_t mode,
+                                        bool debug, fa_status *st) {
     dispatch_queue_t queue = (__bridge dispatch_queue_t)((torch_getter)g_torch[FA_TORCH_GET_DISPATCH_QUEUE])();
     if (!queue) return fa_fail(st, FA_ERR_RUNTIME, "torch returned no MPS dispatch queue");
+    NSString *name = chain_label(pipelines, n);
     __block int32_t rc = FA_OK;
     __block MTLCommandBufferStatus status = MTLCommandBufferStatusNotEnqueued;
     __block NSString *error = nil;
@@ -505,11 +526,10 @@ static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const f
               cb.device.registryID == g_device.registryID ? [cb computeCommandEncoder] : nil;
           if (!enc) {
               rc = fa_fail(st, FA_ERR_RUNTIME, "no compute encoder on torch's MPS command buffer for %s",
-                           pso.label.UTF8String);
+                           name.UTF8String);
               return;
           }
-          encode(enc, pso, d);
-          NSString *name = pso.label;
+          encode(enc, pipelines, ds, n);
           [cb addCompletedHandler:^(id<MTLCommandBuffer> finished) {
             record_fault(name, finished);
             if (done) {
@@ -524,43 +544,51 @@ static int32_t dispatch_on_torch_stream(id<MTLComputePipelineState> pso, const f
     if (rc != FA_OK || !done) return rc;
     ((torch_void_fn)g_torch[FA_TORCH_SYNCHRONIZE])(); // waits for the stream; outside torch's queue
     if (dispatch_semaphore_wait(done, dispatch_time(DISPATCH_TIME_NOW, 60 * NSEC_PER_SEC)) != 0) {
-        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s: torch's command buffer did not complete",
-                       pso.label.UTF8String);
+        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s: torch's command buffer did not complete", name.UTF8String);
     }
     if (status != MTLCommandBufferStatusCompleted) {
-        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s failed (command buffer status %ld): %s",
-                       pso.label.UTF8String, (long)status, error ? error.UTF8String : "(no error)");
+        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s failed (command buffer status %ld): %s", name.UTF8String,
+                       (long)status, error ? error.UTF8String : "(no error)");
     }
     return FA_OK;
 }
 
-static int32_t dispatch_on_own_queue(id<MTLComputePipelineState> pso, const fa_dispatch *d, fa_status *st) {
+static int32_t dispatch_on_own_queue(fa_pipeline *const *pipelines, const fa_dispatch *ds, uint32_t n, fa_status *st) {
     id<MTLCommandBuffer> cb = [g_queue commandBuffer];
     id<MTLComputeCommandEncoder> enc = [cb computeCommandEncoder];
     if (!enc) return fa_fail(st, FA_ERR_RUNTIME, "could not create a Metal compute encoder");
-    encode(enc, pso, d);
+    encode(enc, pipelines, ds, n);
     [cb commit];
     [cb waitUntilCompleted];
     if (cb.status != MTLCommandBufferStatusCompleted) {
-        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s failed: %s", pso.label.UTF8String, describe(cb.error));
+        return fa_fail(st, FA_ERR_RUNTIME, "Metal kernel %s failed: %s", chain_label(pipelines, n).UTF8String,
+                       describe(cb.error));
     }
     return FA_OK;
 }
 
-static int32_t metal_dispatch(fa_pipeline *pipeline, const fa_dispatch *d, fa_status *st) {
+static int32_t metal_dispatch(fa_pipeline *const *pipelines, const fa_dispatch *ds, uint32_t n, fa_status *st) {
     if (metal_init(st) != FA_OK) return st->code;
-    if (!pipeline || !d || d->n_bindings > FA_MAX_BINDINGS || d->n_threadgroup_args > FA_MAX_TG_ARGS) {
+    if (!pipelines || !ds || n == 0 || n > FA_MAX_CHAIN) {
         return fa_fail(st, FA_ERR_VALUE, "Metal backend: malformed dispatch");
+    }
+    for (uint32_t k = 0; k < n; ++k) {
+        if (!pipelines[k] || ds[k].n_bindings > FA_MAX_BINDINGS || ds[k].n_threadgroup_args > FA_MAX_TG_ARGS) {
+            return fa_fail(st, FA_ERR_VALUE, "Metal backend: malformed dispatch");
+        }
     }
     if (report_fault(st) != FA_OK) return st->code;
     @autoreleasepool {
-        id<MTLComputePipelineState> pso = (__bridge id<MTLComputePipelineState>)(void *)pipeline;
-        if (check_dispatch(pso, d, st) != FA_OK) return st->code;
+        bool runs = false;
+        for (uint32_t k = 0; k < n; ++k) {
+            if (check_dispatch(pso_of(pipelines[k]), &ds[k], st) != FA_OK) return st->code;
+            runs = runs || !runs_nothing(&ds[k]);
+        }
         if (fa_skip_execution()) return FA_OK; // profiling: all host work but the encoding
-        if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return FA_OK; // nothing to run
+        if (!runs) return FA_OK;               // nothing to run
         const int32_t mode = atomic_load(&g_mode);
-        if (mode == FA_METAL_OWN_QUEUE) return dispatch_on_own_queue(pso, d, st);
-        return dispatch_on_torch_stream(pso, d, mode, atomic_load(&g_debug) != 0, st);
+        if (mode == FA_METAL_OWN_QUEUE) return dispatch_on_own_queue(pipelines, ds, n, st);
+        return dispatch_on_torch_stream(pipelines, ds, n, mode, atomic_load(&g_debug) != 0, st);
     }
 }
 

@@ -53,17 +53,17 @@ def test_forward_causal_with_padded_head_dims():
 
 
 def test_split_decode_and_its_merge():
-    # GQA 8 on one kv head: 8 rows in one threadgroup, COLS 4 (E = 100 pads to 128), split into 11
-    # shares of 288 keys (the last 121: its odd key is scored as a pair).
+    # GQA 8 on one kv head: 8 rows in one threadgroup, COLS 4 (E = 100 pads to 128), batches of 4
+    # keys, split into 11 shares of 288 keys (the last 121: scored as whole batches, 124).
     q, k, v = inputs(1, 8, 1, 1, 3001, 100, 100, torch.float16)
     plan = explain_plan(q, k, v)
     assert plan["split_count"] == 11 and plan["workspace_bytes"] == 11 * 8 * (100 + 2) * 4
     decode, merge = costs(plan)
     assert decode == {
         "threadgroup_bytes": (2 * 8 * 8 + 8 * 128) * 4,  # (max, sum) per SIMD-group and row, an output row each
-        "registers": 8 * 2 * 4 + 4 * 4,  # query slices and accumulators of 8 rows, two keys' K and V
-        "flops": 2 * 128 * (8 * (10 * 288 + 122) + 8 * 3001),  # scores of every pair, values of every key
-        "tiles": 8 * (10 * 288 + 122),  # the scores computed
+        "registers": 8 * (2 * 4 + 4) + 2 * 4,  # per row query slice, accumulator, 4 partial scores; a K or V row
+        "flops": 2 * 128 * (8 * (10 * 288 + 124) + 8 * 3001),  # scores of every batch, values of every key
+        "tiles": 8 * (10 * 288 + 124),  # the scores computed
         "useful_flops": 2 * (100 + 100) * 8 * 3001,
         "min_bytes_read": 8 * 100 * 2 + 3001 * (100 + 100) * 2,
         "min_bytes_written": 11 * 8 * (100 + 2) * 4,
