@@ -128,7 +128,8 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
                                       const char *step, int32_t dtype) {
     *d = *forward;
     fa_plan_set_tile_macros(d, tiles);
-    memset(&d->cost, 0, sizeof d->cost); /* the forward's: set_backward_costs counts the backward's */
+    memset(&d->cost, 0, sizeof d->cost);                /* the forward's: set_backward_costs counts the backward's */
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 0); /* the mask's block classes are the forward's alone */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
     return d;
@@ -158,7 +159,7 @@ static int64_t key_block_tiles(const fa_plan *forward, int64_t key0, int64_t key
 
 static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a, fa_tiles kv,
                                fa_tiles tq, int32_t e_blocks, int32_t key_blocks) {
-    const fa_plan_dispatch *tiled = &forward->dispatches[0];
+    const fa_plan_dispatch *tiled = &forward->dispatches[forward->n_dispatches - 1];
     const fa_params *f = &forward->params;
     const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * kv.wm;
     const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
@@ -264,7 +265,8 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         fa_plan_copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
     }
 
-    const fa_plan_dispatch *tiled = &forward.dispatches[0];
+    /* the forward kernel's dispatch: the last, after the mask pre-pass when there is one */
+    const fa_plan_dispatch *tiled = &forward.dispatches[forward.n_dispatches - 1];
     const fa_params *f = &p->forward;
     const int32_t dtype = a->q.dtype;
     const fa_gpu_profile *gpu = fa_gpu_profile_of(forward.gpu_family);

@@ -599,6 +599,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("FC_DROPOUT") = static_cast<int>(FA_FC_DROPOUT);
     m.attr("FC_K_BITS") = static_cast<int>(FA_FC_K_BITS);
     m.attr("FC_V_BITS") = static_cast<int>(FA_FC_V_BITS);
+    m.attr("FC_MASK_BLOCKS") = static_cast<int>(FA_FC_MASK_BLOCKS);
     m.attr("DROPOUT_NONE") = static_cast<int>(FA_DROPOUT_NONE);
     m.attr("DROPOUT_APPLY") = static_cast<int>(FA_DROPOUT_APPLY);
     m.attr("DROPOUT_PROBS") = static_cast<int>(FA_DROPOUT_PROBS);
