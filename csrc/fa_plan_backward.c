@@ -196,6 +196,43 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     plan->dispatches[FA_BACKWARD_DQ].cost = dq;
 }
 
+/* The additive mask's block classes (metal/fa_mask_blocks.h), when the forward's plan has them: the
+ * forward's items and workspace, then max |dO| per 8 rows and max |V| per 8 keys, written after D
+ * (which poisons q's maxima where it is not finite). */
+static void plan_mask_blocks(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a,
+                             const fa_plan_dispatch *tiled, fa_tiles tq) {
+    const fa_params *f = &forward->params;
+    if (forward->workspace_bytes == 0 || f->mask_block_counts[0] == 0) {
+        return;
+    }
+    fa_backward_params *p = &plan->params;
+    const int64_t q_items = (int64_t)f->batch * f->q_heads * ((f->q_len + 7) / 8);
+    const int64_t k_items = (int64_t)f->batch * f->kv_heads * ((f->kv_len + 7) / 8);
+    const int64_t classes =
+        (int64_t)f->mask_block_counts[0] * f->mask_block_counts[1] * f->mask_block_counts[2] * f->mask_block_counts[3];
+    const int64_t items = classes + 2 * (q_items + k_items), threads = 64;
+    if ((items + threads - 1) / threads > UINT32_MAX) {
+        p->forward.mask_block_counts[0] = 0;
+        return;
+    }
+    p->do_block_max_offset = forward->workspace_bytes / (int64_t)sizeof(float);
+    p->v_block_max_offset = p->do_block_max_offset + q_items;
+    plan->workspace_bytes = (p->v_block_max_offset + k_items) * (int64_t)sizeof(float);
+    fa_plan_dispatch *d =
+        set_dispatch(&plan->dispatches[FA_BACKWARD_MASK_BLOCKS], tiled, tq, "mask_blocks", a->q.dtype);
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 1);
+    fa_plan_set_geometry(d, (uint32_t)((items + threads - 1) / threads), 1, 1, (uint32_t)threads);
+    const fa_dispatch_cost cost = {0,
+                                   4,
+                                   0,
+                                   0,
+                                   0,
+                                   forward->dispatches[0].cost.min_bytes_read + whole_bytes(&a->dout) +
+                                       whole_bytes(&a->v) + whole_bytes(&a->delta),
+                                   plan->workspace_bytes};
+    d->cost = cost;
+}
+
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
     return fa_check_slot_aliases(a, FA_BACKWARD, 0, st);
 }
@@ -298,6 +335,9 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
     set_backward_costs(plan, &forward, a, kv, tq, e_blocks, key_blocks);
+    plan_mask_blocks(plan, &forward, a, tiled, tq);
+    fa_plan_add_constant_bool(dkdv, FA_FC_MASK_BLOCKS, plan->workspace_bytes > 0);
+    fa_plan_add_constant_bool(dq, FA_FC_MASK_BLOCKS, plan->workspace_bytes > 0);
     plan->gpu_family = forward.gpu_family;
     plan->sequences = forward.sequences;
     if (plan->sequences) {

@@ -120,7 +120,7 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     // The additive mask's class for the slice (fa_mask_blocks.h): SKIP blocks it, ZERO adds nothing.
     int mask_class = FA_MASK_BLOCK_ADD;
     if (fa_mask_blocks && bounds_class != FA_TILE_BLOCKED) {
-      mask_class = fa_mask_slice_class(p, mask_blocks, b, h, kv_h, row0, k0, BK, slope_log2);
+      mask_class = fa_mask_region_class(p, mask_blocks, b, h, kv_h, row0, 8, k0, BK, slope_log2);
       bounds_class = mask_class == FA_MASK_BLOCK_SKIP ? int(FA_TILE_BLOCKED) : bounds_class;
     }
     const bool slice_adds = fa_mask_is_additive() && mask_class == FA_MASK_BLOCK_ADD;

@@ -67,7 +67,8 @@ typedef uint32_t fa_u32;
 #define FA_BACKWARD_BUFFER_SINK_GRAD 14
 #define FA_BACKWARD_BUFFER_SEQUENCES 15
 #define FA_BACKWARD_BUFFER_RNG 16
-#define FA_BACKWARD_BUFFERS 17
+#define FA_BACKWARD_BUFFER_WORKSPACE 17 // the additive mask's block classes (fa_mask_blocks.h)
+#define FA_BACKWARD_BUFFERS 18
 
 // The sequence-table kernel's (fa_sequence.h): the (B, 6) table in, one fa_params per sequence
 // out, the call's fa_params at the params slot of the forward's numbering.
@@ -204,6 +205,10 @@ typedef struct fa_backward_params {
   float pad0;
   // Attention sinks: FA_BACKWARD_BUFFER_SINKS the sinks, FA_BACKWARD_BUFFER_SINK_GRAD each row's share of their gradient.
   fa_i64 sink_grad_strides[3]; // (batch, head, row) of the float32 per-row terms of dsinks
+  // Under FA_FC_MASK_BLOCKS, max |dO| per (batch, head, 8 rows) and max |V| per (batch, kv head,
+  // 8 keys) at these float offsets of the workspace (fa_mask_blocks.h), after forward's.
+  fa_i64 do_block_max_offset;
+  fa_i64 v_block_max_offset;
 } fa_backward_params;
 
 // The backward pre-pass's geometry: rows (one per SIMD-group) of D per threadgroup.

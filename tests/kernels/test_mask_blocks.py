@@ -195,3 +195,115 @@ def test_the_pre_pass_is_planned_for_additive_masks_only(gen):
     assert plan["workspace_bytes"] == 4 * ((40 + 3) // 4 + 2 * 5 + 2 * 8)
     assert plan["dispatches"][1]["constants"][_C.FC_MASK_BLOCKS] == 1
     assert plan["dispatches"][0]["cost"]["min_bytes_written"] == plan["workspace_bytes"]
+
+
+# --- the backward -----------------------------------------------------------------------------
+
+
+def gradients(attention, dout, *inputs):
+    inputs = [t.detach().clone().requires_grad_() for t in inputs]
+    attention(*inputs).backward(dout.to(inputs[0].dtype))
+    return [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("mask_kind", ["causal", "padding", "masked-rows"])
+def test_gradients_under_float_masks(gen, dtype, mask_kind):
+    lq, lk = 45, 70
+    q, k, v = (
+        randn(gen, 2, 4, lq, 32, dtype=dtype),
+        randn(gen, 2, 2, lk, 32, dtype=dtype),
+        randn(gen, 2, 2, lk, 24, dtype=dtype),
+    )
+    dout = randn(gen, 2, 4, lq, 24)
+    if mask_kind == "causal":
+        mask = float_causal(lq, lk, dtype)
+    elif mask_kind == "padding":
+        mask = padding_mask(lq, lk, [lk, 30]).expand(2, 4, lq, lk).to(dtype)
+    else:
+        mask = float_causal(lq, lk, dtype)
+        mask[8:24] = NEG_INF
+    mine = gradients(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask), dout, q, k, v)
+    # the helper's reference: rows that see no key give 0 and pass no gradient (the project's rule)
+    golden = gradients(lambda a, b, c: sdpa(a, b, c, attn_mask=mask.double()), dout, q.double(), k.double(), v.double())
+    reference = gradients(lambda a, b, c: sdpa(a, b, c, attn_mask=mask), dout, q, k, v)
+    if mask_kind == "masked-rows":
+        assert (mine[0][:, :, 8:24] == 0).all()
+    for name, m, g, r in zip("qkv", mine, golden, reference):
+        assert max_error(m, g) <= max(1e-5, 5 * max_error(r, g)), name
+
+
+def run_backward(q, k, v, mask, dout, workspace):
+    """The gradients through the core, with the given workspace (None: without the classes)."""
+    _sources.ensure_registered()
+    options = core_options(scale=q.shape[-1] ** -0.5, kernel=_C.KERNEL_FORWARD)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32)
+    forward_tensors = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "mask": mask}
+    _C.forward(_C.DEVICE_CPU, forward_tensors, options, lambda n: torch.empty((n + 3) // 4))
+    grads = {"dq": torch.empty_like(q), "dk": torch.empty_like(k), "dv": torch.empty_like(v)}
+    tensors = {**forward_tensors, "dout": dout, "delta": torch.empty(q.shape[:-1]), **grads}
+    _C.backward(_C.DEVICE_CPU, tensors, options, workspace)
+    return grads, tensors
+
+
+def test_the_classes_change_no_bit_of_any_result(gen):
+    """Forward and backward with the classes (a workspace) and without them (the mask added
+    everywhere, as before) agree bit for bit, NaN for NaN, including a NaN in V and a NaN dO row
+    under -inf blocks (their dP keeps those blocks added) and a huge K key (its scores may not be
+    finite by the bound: added)."""
+    lq, lk = 40, 56
+    q, k, v = randn(gen, 1, 2, lq, 16), randn(gen, 1, 2, lk, 16), randn(gen, 1, 2, lk, 16)
+    dout = randn(gen, 1, 2, lq, 16)
+    mask = float_causal(lq, lk)
+    mask[:, 48:] = NEG_INF  # a padded tail
+    mask = mask[None, None].expand(1, 2, lq, lk)
+    cases = {"plain": (q, k, v, dout)}
+    v_nan = v.clone()
+    v_nan[0, 1, 50, 3] = NAN  # a padded key: only its dP and dV would see it
+    cases["nan-v"] = (q, k, v_nan, dout)
+    dout_nan = dout.clone()
+    dout_nan[0, 0, 5, 0] = NAN
+    cases["nan-dout"] = (q, k, v, dout_nan)
+    k_huge = k.clone()
+    k_huge[0, 0, 52] = 1e30
+    cases["huge-k"] = (q, k_huge, v, dout)
+    for name, (q_, k_, v_, dout_) in cases.items():
+        with_classes, call = run_backward(q_, k_, v_, mask, dout_, lambda n: torch.empty((n + 3) // 4))
+        out = call["out"]
+        without, _ = run_backward(q_, k_, v_, mask, dout_, None)
+        for grad in with_classes:
+            assert torch.equal(with_classes[grad].nan_to_num(7.0), without[grad].nan_to_num(7.0)), (name, grad)
+        # NaN in V or dO reaches the gradients through dP (0 * NaN) wherever the blocks stay added
+        assert any(g.isnan().any() for g in with_classes.values()) == (name in ("nan-v", "nan-dout")), name
+        workspace_out = torch.empty_like(out)
+        options = core_options(scale=0.25, kernel=_C.KERNEL_FORWARD)
+        tensors = {"q": q_, "k": k_, "v": v_, "mask": mask}
+        _C.forward(_C.DEVICE_CPU, {**tensors, "out": workspace_out}, options, lambda n: torch.empty((n + 3) // 4))
+        plain_out = torch.empty_like(out)
+        _C.forward(_C.DEVICE_CPU, {**tensors, "out": plain_out}, options)  # no workspace: no classes
+        assert torch.equal(workspace_out.nan_to_num(7.0), plain_out.nan_to_num(7.0)), name
+
+
+def test_the_backward_pre_pass_writes_the_classes_and_four_maxima(gen):
+    lq, lk = 21, 27
+    q, k, v = randn(gen, 1, 2, lq, 16), randn(gen, 1, 1, lk, 16), randn(gen, 1, 1, lk, 8)
+    dout = randn(gen, 1, 2, lq, 8)
+    dout[0, 1, 3, 2] = INF
+    mask = crafted_mask(lq, lk, torch.float32)[None, None].expand(1, 2, lq, lk)
+    plan = explain_plan(q, k, v, attn_mask=mask, backward=True)["dispatches"]
+    assert [d["function"] for d in plan][:2] == ["fa_backward_delta_float", "fa_backward_mask_blocks_float"]
+    nbytes = plan[1]["cost"]["min_bytes_written"]
+    workspace = torch.full((nbytes // 4,), NAN)
+    _, tensors = run_backward(q, k, v, mask, dout, workspace)
+    classes, got, q_max, rest = split_workspace(workspace, q, k, mask)
+    assert torch.equal(got, classes)
+    q_items, k_items = 2 * 3, 4
+    k_max, do_max, v_max = rest[:k_items], rest[k_items : k_items + q_items], rest[k_items + q_items :]
+    # q's maximum is +inf where a row's D is not finite: the NaN and +inf entries' rows 9 and 11
+    # (row block 1 of both heads), and head 1's row 3 through dO's +inf
+    delta_finite = torch.nn.functional.pad(tensors["delta"].isfinite(), (0, 3), value=True).view(1, 2, 3, 8).all(-1)
+    assert torch.equal(q_max, torch.where(delta_finite.flatten(), block_max(q), INF))
+    assert (q_max == INF).tolist() == [False, True, False, True, True, False]
+    assert torch.equal(k_max, block_max(k))
+    assert torch.equal(do_max, block_max(dout)) and do_max[3] == INF and torch.equal(v_max, block_max(v))
