@@ -700,7 +700,7 @@ static void plan_mask_blocks(const fa_forward_args *a, fa_plan *plan) {
     p->q_block_max_offset = (classes + 3) / 4; /* floats: the classes' bytes, rounded up */
     p->k_block_max_offset = p->q_block_max_offset + q_items;
     plan->workspace_bytes = (p->k_block_max_offset + k_items) * (int64_t)sizeof(float);
-    fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_mask_blocks_pass");
+    fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward_mask_blocks");
     fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 1);
     fa_plan_set_geometry(d, (uint32_t)((items + threads - 1) / threads), 1, 1, (uint32_t)threads);
     const int64_t elem = fa_dtype_bytes(a->q.dtype);

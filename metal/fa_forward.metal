@@ -8,7 +8,10 @@
 template
     [[host_name(FA_HOST_NAME("fa_forward"))]] [[kernel]] decltype(fa_forward<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>)
         fa_forward<FA_DTYPE, FA_BD, FA_BDV, FA_BK, FA_WM>;
-template [[host_name(FA_HOST_NAME(
-    "fa_mask_blocks_pass"))]] [[kernel]] decltype(fa_mask_blocks_pass<FA_DTYPE>) fa_mask_blocks_pass<FA_DTYPE>;
+// The host name stays whole on one line, where tools look for it.
+// clang-format off
+template [[host_name(FA_HOST_NAME("fa_forward_mask_blocks"))]] [[kernel]] decltype(fa_forward_mask_blocks<FA_DTYPE>)
+    fa_forward_mask_blocks<FA_DTYPE>;
+// clang-format on
 template [[host_name(
     FA_HOST_NAME("fa_sequence_table"))]] [[kernel]] decltype(fa_sequence_table<FA_DTYPE>) fa_sequence_table<FA_DTYPE>;

@@ -102,14 +102,14 @@ inline long fa_mask_block_classes(constant fa_params &p) {
 
 // One thread per item: the mask's distinct blocks, then q's blocks of 8 rows, then k's of 8 keys.
 template <typename T>
-[[kernel]] void fa_mask_blocks_pass(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-                                    const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-                                    device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
-                                    constant fa_params &p [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-                                    const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-                                    uint3 group [[threadgroup_position_in_grid]],
-                                    uint tid [[thread_index_in_threadgroup]],
-                                    uint3 group_size [[threads_per_threadgroup]]) {
+[[kernel]] void fa_forward_mask_blocks(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+                                       const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+                                       device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
+                                       constant fa_params &p [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+                                       const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+                                       uint3 group [[threadgroup_position_in_grid]],
+                                       uint tid [[thread_index_in_threadgroup]],
+                                       uint3 group_size [[threads_per_threadgroup]]) {
   long item = long(group.x) * group_size.x + tid;
   const long classes = fa_mask_block_classes(p);
   const long q_items = long(p.batch) * p.q_heads * ((p.q_len + 7) / 8);

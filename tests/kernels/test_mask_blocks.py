@@ -93,7 +93,7 @@ def test_classes_and_maxima_of_a_crafted_mask(gen, dtype):
     k[0, 0, 9, 0] = NAN  # key block 1
     mask = crafted_mask(lq, lk, dtype)[None, None].expand(1, 2, lq, lk)
     workspace, plan, _ = run_pre_pass(q, k, v, mask)
-    assert [d["function"].rsplit("_", 1)[0] for d in plan["dispatches"]] == ["fa_mask_blocks_pass", "fa_forward"]
+    assert [d["function"].rsplit("_", 1)[0] for d in plan["dispatches"]] == ["fa_forward_mask_blocks", "fa_forward"]
     classes, got, q_max, k_max = split_workspace(workspace, q, k, mask)
     assert classes.shape == (1, 1, 3, 4)  # broadcast over the heads: classified once
     assert classes[0, 0].tolist() == [[ZERO, SKIP, ZERO, ADD], [ADD, ADD, ADD, ADD], [ADD, ADD, SKIP, SKIP]]
@@ -187,7 +187,7 @@ def test_a_minus_inf_block_is_not_skipped_when_its_scores_may_not_be_finite(gen,
 def test_the_pre_pass_is_planned_for_additive_masks_only(gen):
     q, k, v = randn(gen, 1, 2, 40, 32), randn(gen, 1, 2, 64, 32), randn(gen, 1, 2, 64, 32)
     functions = lambda **kw: [d["function"] for d in explain_plan(q, k, v, kernel="forward", **kw)["dispatches"]]  # noqa: E731
-    assert functions(attn_mask=float_causal(40, 64)) == ["fa_mask_blocks_pass_float", "fa_forward_float"]
+    assert functions(attn_mask=float_causal(40, 64)) == ["fa_forward_mask_blocks_float", "fa_forward_float"]
     assert functions(attn_mask=float_causal(40, 64) == 0) == ["fa_forward_float"]  # bool: the tiles' own vote
     assert functions() == ["fa_forward_float"]
     plan = explain_plan(q, k, v, kernel="forward", attn_mask=float_causal(40, 64))
