@@ -9,8 +9,8 @@
 extern "C" {
 #endif
 
-/* FA_MAX_BINDINGS: [[buffer(0)]] .. [[buffer(16)]] of the backward kernels (metal/fa_params.h). */
-enum { FA_MAX_MACROS = 24, FA_MAX_CONSTANTS = 16, FA_MAX_BINDINGS = 17, FA_MAX_TG_ARGS = 4, FA_MAX_CHAIN = 4 };
+/* FA_MAX_BINDINGS: [[buffer(0)]] .. [[buffer(17)]] of the backward kernels (metal/fa_params.h). */
+enum { FA_MAX_MACROS = 24, FA_MAX_CONSTANTS = 16, FA_MAX_BINDINGS = 18, FA_MAX_TG_ARGS = 4, FA_MAX_CHAIN = 4 };
 
 typedef struct fa_macro {
     char name[48];

@@ -17,21 +17,30 @@ int32_t fa_backward_execute(const fa_backward_ready *ready, const fa_backward_ar
     if (present == NULL) {
         return FA_OK;
     }
+    /* The mask's block classes are a speed-up only: without a workspace the kernels add the mask
+     * everywhere (fa_core.h). */
+    fa_backward_params params = ready->params;
+    const int32_t with_mask_blocks = ready->workspace_bytes > 0 && args->workspace.storage != NULL;
+    int32_t rc = FA_OK;
+    if (with_mask_blocks && ((rc = fa_plan_check_workspace(ready->workspace_bytes, &args->workspace, st)) != FA_OK ||
+                             (rc = fa_check_slot_aliases(args, FA_BACKWARD, 1, st)) != FA_OK)) {
+        return rc;
+    }
+    params.forward.mask_block_counts[0] = with_mask_blocks ? params.forward.mask_block_counts[0] : 0;
     fa_dispatch d;
     memset(&d, 0, sizeof d);
     fa_bind_slots(&d, args, FA_BACKWARD,
                   present); /* the optional ones untouched unless their function constants say so */
-    d.bindings[FA_BACKWARD_BUFFER_PARAMS].bytes = &ready->params;
-    d.bindings[FA_BACKWARD_BUFFER_PARAMS].length = (int64_t)sizeof ready->params;
+    d.bindings[FA_BACKWARD_BUFFER_PARAMS].bytes = &params;
+    d.bindings[FA_BACKWARD_BUFFER_PARAMS].length = (int64_t)sizeof params;
     d.n_bindings = FA_BACKWARD_BUFFERS;
-    int32_t rc = FA_OK;
     if (ready->sequence_builder.pipeline != NULL) { /* the per-sequence params first (fa_plan_sequences.h) */
-        rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &ready->params.forward,
-                               (int64_t)sizeof ready->params.forward, args, FA_BACKWARD, st);
+        rc = fa_sequence_build(ready->backend, &ready->sequence_builder, &params.forward,
+                               (int64_t)sizeof params.forward, args, FA_BACKWARD, st);
     }
     for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES && rc == FA_OK; ++i) {
         const fa_ready_dispatch *step = &ready->dispatches[i];
-        if (step->pipeline != NULL) {
+        if (step->pipeline != NULL && (i != FA_BACKWARD_MASK_BLOCKS || with_mask_blocks)) {
             memcpy(d.grid, step->grid, sizeof d.grid);
             memcpy(d.threadgroup, step->threadgroup, sizeof d.threadgroup);
             rc = ready->backend->dispatch(&step->pipeline, &d, 1, st);

@@ -77,8 +77,9 @@ const fa_tensor_slot fa_tensor_slots[FA_SLOT_COUNT] = {
     /* lse: optional in the forward (present when it has storage), required in the backward */
     [FA_SLOT_LSE] = {"lse", 3, FA_RULE_FLOAT32, FA_OPTIONAL_FORWARD, NONE, FA_ROLE_OUTPUT, FA_ROLE_INPUT, 1,
                      FA_FORWARD_BUFFER_LSE, FA_BACKWARD_BUFFER_LSE, FWD(lse), BWD(lse), 1},
-    [FA_SLOT_WORKSPACE] = {"workspace", 1, FA_RULE_FLOAT32, FA_OPTIONAL, NONE, FA_ROLE_OUTPUT, FA_ROLE_INPUT, 0,
-                           FA_FORWARD_BUFFER_WORKSPACE, NONE, FWD(workspace), NONE, 0},
+    [FA_SLOT_WORKSPACE] = {"workspace", 1, FA_RULE_FLOAT32, FA_OPTIONAL, NONE, FA_ROLE_OUTPUT, FA_ROLE_OUTPUT, 0,
+                           FA_FORWARD_BUFFER_WORKSPACE, FA_BACKWARD_BUFFER_WORKSPACE, FWD(workspace), BWD(workspace),
+                           0},
     [FA_SLOT_DOUT] = {"dout", 4, FA_RULE_ANY, 0, NONE, FA_ROLE_INPUT, FA_ROLE_INPUT, 1, NONE, FA_BACKWARD_BUFFER_DOUT,
                       NONE, BWD(dout), 1},
     [FA_SLOT_DELTA] = {"delta", 3, FA_RULE_FLOAT32, 0, NONE, FA_ROLE_INPUT, FA_ROLE_OUTPUT, 1, NONE,

@@ -312,6 +312,10 @@ typedef struct fa_backward_args {
      * sum over B and L (the caller sums, deterministically). */
     fa_tensor sinks, sink_grad;
     fa_sequence_args sequences; /* the forward's */
+    /* Scratch for the additive mask's block classes (metal/fa_mask_blocks.h): as the forward's
+     * workspace, a 1-D float32 tensor of at least the plan's workspace bytes; without one (no
+     * storage) the kernels add the mask everywhere, with the same results. */
+    fa_tensor workspace;
 } fa_backward_args;
 
 /* Validate, plan and run. Returns FA_OK or an error code with st->message set. */

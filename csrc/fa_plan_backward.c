@@ -129,7 +129,8 @@ static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatc
                                       const char *step, int32_t dtype) {
     *d = *forward;
     fa_plan_set_tile_macros(d, tiles);
-    memset(&d->cost, 0, sizeof d->cost); /* the forward's: set_backward_costs counts the backward's */
+    memset(&d->cost, 0, sizeof d->cost);                /* the forward's: set_backward_costs counts the backward's */
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 0); /* the mask's block classes are the forward's alone */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
     return d;
@@ -159,7 +160,7 @@ static int64_t key_block_tiles(const fa_plan *forward, int64_t key0, int64_t key
 
 static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a, fa_tiles kv,
                                fa_tiles tq, int32_t e_blocks, int32_t key_blocks) {
-    const fa_plan_dispatch *tiled = &forward->dispatches[0];
+    const fa_plan_dispatch *tiled = &forward->dispatches[forward->n_dispatches - 1];
     const fa_params *f = &forward->params;
     const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * kv.wm;
     const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
@@ -321,6 +322,43 @@ static void set_tensor_backward(fa_backward_plan *plan, const fa_plan *forward, 
     dq->cost.tiles = query_side_tiles;
 }
 
+/* The additive mask's block classes (metal/fa_mask_blocks.h), when the forward's plan has them: the
+ * forward's items and workspace, then max |dO| per 8 rows and max |V| per 8 keys, written after D
+ * (which poisons q's maxima where it is not finite). */
+static void plan_mask_blocks(fa_backward_plan *plan, const fa_plan *forward, const fa_backward_args *a,
+                             const fa_plan_dispatch *tiled, fa_tiles tq) {
+    const fa_params *f = &forward->params;
+    if (forward->workspace_bytes == 0 || f->mask_block_counts[0] == 0) {
+        return;
+    }
+    fa_backward_params *p = &plan->params;
+    const int64_t q_items = (int64_t)f->batch * f->q_heads * ((f->q_len + 7) / 8);
+    const int64_t k_items = (int64_t)f->batch * f->kv_heads * ((f->kv_len + 7) / 8);
+    const int64_t classes =
+        (int64_t)f->mask_block_counts[0] * f->mask_block_counts[1] * f->mask_block_counts[2] * f->mask_block_counts[3];
+    const int64_t items = classes + 2 * (q_items + k_items), threads = 64;
+    if ((items + threads - 1) / threads > UINT32_MAX) {
+        p->forward.mask_block_counts[0] = 0;
+        return;
+    }
+    p->do_block_max_offset = forward->workspace_bytes / (int64_t)sizeof(float);
+    p->v_block_max_offset = p->do_block_max_offset + q_items;
+    plan->workspace_bytes = (p->v_block_max_offset + k_items) * (int64_t)sizeof(float);
+    fa_plan_dispatch *d =
+        set_dispatch(&plan->dispatches[FA_BACKWARD_MASK_BLOCKS], tiled, tq, "mask_blocks", a->q.dtype);
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 1);
+    fa_plan_set_geometry(d, (uint32_t)((items + threads - 1) / threads), 1, 1, (uint32_t)threads);
+    const fa_dispatch_cost cost = {0,
+                                   4,
+                                   0,
+                                   0,
+                                   0,
+                                   forward->dispatches[0].cost.min_bytes_read + whole_bytes(&a->dout) +
+                                       whole_bytes(&a->v) + whole_bytes(&a->delta),
+                                   plan->workspace_bytes};
+    d->cost = cost;
+}
+
 int32_t fa_plan_check_backward_aliases(const fa_backward_args *a, fa_status *st) {
     return fa_check_slot_aliases(a, FA_BACKWARD, 0, st);
 }
@@ -390,7 +428,8 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         fa_plan_copy_strides(p->sink_grad_strides, &a->sink_grad, 3);
     }
 
-    const fa_plan_dispatch *tiled = &forward.dispatches[0];
+    /* the forward kernel's dispatch: the last, after the mask pre-pass when there is one */
+    const fa_plan_dispatch *tiled = &forward.dispatches[forward.n_dispatches - 1];
     const fa_params *f = &p->forward;
     const int32_t dtype = a->q.dtype;
     const fa_gpu_profile *gpu = fa_gpu_profile_of(forward.gpu_family);
@@ -432,7 +471,11 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     if (a->options.kernel == FA_KERNEL_TENSOR ||
         (a->options.kernel == FA_KERNEL_AUTO && tensor_refused == NULL && forward.gpu_family == FA_FAMILY_APPLE10 &&
          tensor_family == FA_FAMILY_APPLE10)) {
-        set_tensor_backward(plan, &forward, a);
+        set_tensor_backward(plan, &forward, a); /* it adds a mask everywhere: no block classes */
+    } else {
+        plan_mask_blocks(plan, &forward, a, tiled, tq);
+        fa_plan_add_constant_bool(dkdv, FA_FC_MASK_BLOCKS, plan->workspace_bytes > 0);
+        fa_plan_add_constant_bool(dq, FA_FC_MASK_BLOCKS, plan->workspace_bytes > 0);
     }
     plan->gpu_family = forward.gpu_family;
     plan->sequences = forward.sequences;

@@ -9,12 +9,20 @@
 extern "C" {
 #endif
 
-/* The backward pass: three dispatches of fa_backward.metal, in this order, binding the same
- * buffers and fa_backward_params (fa_backward.c). A dispatch whose grid is empty is skipped. */
-enum { FA_BACKWARD_DELTA = 0, FA_BACKWARD_DKDV = 1, FA_BACKWARD_DQ = 2, FA_BACKWARD_DISPATCHES = 3 };
+/* The backward pass: dispatches of fa_backward.metal, in this order, binding the same buffers and
+ * fa_backward_params (fa_backward.c): D, the additive mask's block classes (only under one), dK/dV,
+ * dQ. A dispatch whose grid is empty is skipped. */
+enum {
+    FA_BACKWARD_DELTA = 0,
+    FA_BACKWARD_MASK_BLOCKS = 1,
+    FA_BACKWARD_DKDV = 2,
+    FA_BACKWARD_DQ = 3,
+    FA_BACKWARD_DISPATCHES = 4
+};
 
 typedef struct fa_backward_plan {
     fa_plan_dispatch dispatches[FA_BACKWARD_DISPATCHES];
+    int64_t workspace_bytes; /* the mask's block classes and maxima (metal/fa_mask_blocks.h), or 0 */
     fa_backward_params params;
     int32_t gpu_family; /* the family the tiles were chosen for (fa_gpu_family.h) */
     int32_t sequences;

@@ -252,6 +252,7 @@ int32_t fa_backward_prepare(const fa_backward_args *a, fa_backward_ready *ready,
     }
     memset(ready, 0, sizeof *ready);
     ready->params = plan.params;
+    ready->workspace_bytes = plan.workspace_bytes;
     if ((ready->backend = backend_of(a->device, st)) == NULL) {
         return st->code;
     }

@@ -33,6 +33,7 @@ typedef struct fa_forward_ready {
 typedef struct fa_backward_ready {
     const fa_backend *backend;
     fa_backward_params params;
+    int64_t workspace_bytes; /* as fa_backward_plan's */
     fa_ready_dispatch dispatches[FA_BACKWARD_DISPATCHES];
     fa_ready_dispatch sequence_builder; /* pipeline NULL without a sequence table */
 } fa_backward_ready;

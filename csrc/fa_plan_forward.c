@@ -435,6 +435,7 @@ static fa_plan_dispatch *add_dispatch(fa_plan *plan, const fa_forward_args *a, c
     fa_plan_add_constant_bool(d, FA_FC_PAGED, plan->sequences && fa_sequence_paged(&a->sequences));
     fa_plan_add_constant_int(d, FA_FC_K_BITS, a->options.k_bits);
     fa_plan_add_constant_int(d, FA_FC_V_BITS, a->options.v_bits);
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 0); /* plan_prefill sets it with the pre-pass */
     return d;
 }
 
@@ -719,6 +720,45 @@ static int32_t set_band(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     return FA_OK;
 }
 
+/* The additive mask's block classes (metal/fa_mask_blocks.h): a pre-pass of one thread per distinct
+ * 8 x 8 block of the mask and per 8 rows of q and of k (their maxima), run before the forward,
+ * which then skips blocks of -inf whose scores are finite and adds nothing for blocks of zeros.
+ * Only for an additive mask over plain K (quantized K's bytes have no maxima here) and a workspace
+ * whose items fit the grid; without it the forward adds the mask everywhere, as before. */
+static void plan_mask_blocks(const fa_forward_args *a, fa_plan *plan) {
+    fa_params *p = &plan->params;
+    const int32_t kind = mask_kind(a);
+    if (kind == FA_MASK_NONE || kind == FA_MASK_BOOL || a->options.k_bits != 0 || plan->sequences || plan->empty ||
+        p->kv_len == 0) {
+        return;
+    }
+    const int64_t q_blocks = ((int64_t)p->q_len + 7) / 8, k_blocks = ((int64_t)p->kv_len + 7) / 8;
+    const int64_t blocks[4] = {p->batch, p->q_heads, q_blocks, k_blocks};
+    int64_t classes = 1;
+    for (int32_t i = 3; i >= 0; --i) {
+        p->mask_block_counts[i] = (fa_i32)(a->mask.strides[i] == 0 ? 1 : blocks[i]);
+        p->mask_block_strides[i] = a->mask.strides[i] == 0 ? 0 : classes;
+        classes *= p->mask_block_counts[i];
+    }
+    const int64_t q_items = (int64_t)p->batch * p->q_heads * q_blocks,
+                  k_items = (int64_t)p->batch * p->kv_heads * k_blocks;
+    const int64_t items = classes + q_items + k_items, threads = 64;
+    if ((items + threads - 1) / threads > UINT32_MAX) {
+        return;
+    }
+    p->q_block_max_offset = (classes + 3) / 4; /* floats: the classes' bytes, rounded up */
+    p->k_block_max_offset = p->q_block_max_offset + q_items;
+    plan->workspace_bytes = (p->k_block_max_offset + k_items) * (int64_t)sizeof(float);
+    fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward_mask_blocks");
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 1);
+    fa_plan_set_geometry(d, (uint32_t)((items + threads - 1) / threads), 1, 1, (uint32_t)threads);
+    const int64_t elem = fa_dtype_bytes(a->q.dtype);
+    set_cost(d, 0, 4, 0, 0, 0,
+             classes * 64 * fa_dtype_bytes(a->mask.dtype) +
+                 (distinct_elements(&a->q) + distinct_elements(&a->k)) * elem,
+             plan->workspace_bytes);
+}
+
 static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *st) {
     const fa_tiles t = choose_forward_tiles(a->q.sizes[3], a->v.sizes[3], (int32_t)fa_dtype_bytes(a->q.dtype),
                                             fa_gpu_profile_of(plan->gpu_family));
@@ -726,7 +766,13 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
     if (rc != FA_OK) {
         return rc;
     }
+    plan_mask_blocks(a, plan);
+    const int32_t mask_blocks = plan->n_dispatches > 0;
+    if (mask_blocks) { /* the pre-pass is compiled into the forward's library: the same macros */
+        fa_plan_set_tile_macros(&plan->dispatches[0], t);
+    }
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
+    fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, mask_blocks);
     fa_plan_set_tile_macros(d, t);
     /* a quantized operand has its own loads (fa_quant.h): only the other decides */
     const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,

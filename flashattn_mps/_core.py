@@ -2,7 +2,7 @@
 
 The binding's contract: `forward(device, tensors, options, workspace)`,
 `forward_workspace_bytes(device, tensors, options)`, `plan_forward(device, tensors, options)`,
-`backward(device, tensors, options)` and `plan_backward(device, tensors, options)`, where
+`backward(device, tensors, options, workspace)` and `plan_backward(device, tensors, options)`, where
 `tensors` maps slot names (q, k, v, out, lse, mask, alibi_slopes, rng_state, sinks, sequences,
 sequence_scratch, block_table, k_scales, k_biases, v_scales, v_biases; for the backward also dout,
 delta, dq, dk, dv, sink_grad) to tensors or None, and `options` is the tuple
@@ -48,8 +48,8 @@ def plan_forward(device: int, tensors: dict, options: tuple) -> dict:
     return _C.plan_forward(device, tensors, options)
 
 
-def backward(device: int, tensors: dict, options: tuple) -> None:
-    _C.backward(device, tensors, options)
+def backward(device: int, tensors: dict, options: tuple, workspace=None) -> None:
+    _C.backward(device, tensors, options, workspace)
 
 
 def plan_backward(device: int, tensors: dict, options: tuple) -> list:
@@ -90,8 +90,8 @@ def _mps_workspace(nbytes: int) -> torch.Tensor:
     return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device="mps")
 
 
-# The core asks for scratch memory (split-K partial results) only when a plan needs it: it
-# allocates nothing itself.
+# The core asks for scratch memory (split-K partial results, an additive mask's block classes) only
+# when a plan needs it: it allocates nothing itself.
 _WORKSPACES = {_C.DEVICE_CPU: _cpu_workspace, _C.DEVICE_MPS: _mps_workspace}
 
 
@@ -375,6 +375,7 @@ def backward_core(dout, q, k, v, out, lse, mask, options: AttentionOptions, rng_
         options._replace(
             kernel=_C.KERNEL_TENSOR if options.kernel == _C.KERNEL_TENSOR else _C.KERNEL_AUTO, num_splits=0
         ).core(max_q_len=max_q, max_kv_len=max_kv, unbatched=q.dim() == 3),
+        _WORKSPACES[device],
     )
     if sinks is None:
         return dq, dk, dv

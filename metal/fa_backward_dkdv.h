@@ -44,6 +44,7 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
                  const device float *alibi_slopes [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
                  constant fa_params *sequence_table [[buffer(FA_BACKWARD_BUFFER_SEQUENCES)]],
                  const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]],
+                 const device float *mask_blocks [[buffer(FA_BACKWARD_BUFFER_WORKSPACE)]],
                  uint3 group [[threadgroup_position_in_grid]],
                  uint3 groups [[threadgroups_per_grid]],
                  uint tid [[thread_index_in_threadgroup]],
@@ -122,7 +123,15 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
     for (int q0 = q_begin; q0 < queries.end;
          q0 += BK, ++tile, q_src += q_step, do_src += do_step, mask_at += BK * mask_query_stride) {
       const int valid_rows = min(BK, f.q_len - q0);
-      const int bounds_class = fa_key_tile_class(f, key0, q0, BK);
+      int bounds_class = fa_key_tile_class(f, key0, q0, BK);
+      // The additive mask's class for the slice (fa_mask_blocks.h): SKIP blocks it, ZERO adds nothing.
+      int mask_class = FA_MASK_BLOCK_ADD;
+      if (fa_mask_blocks && bounds_class != FA_TILE_BLOCKED) {
+        mask_class = fa_mask_region_class(f, mask_blocks, b, h, kv_h, q0, BK, key0, 8, slope_log2, true,
+                                          p.do_block_max_offset, p.v_block_max_offset);
+        bounds_class = mask_class == FA_MASK_BLOCK_SKIP ? int(FA_TILE_BLOCKED) : bounds_class;
+      }
+      const bool slice_adds = fa_mask_is_additive() && mask_class == FA_MASK_BLOCK_ADD;
       const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_query_stride, valid_rows,
                                                             key_valid, tile_votes, tile, sg, lane, at);
       if (!start.load) {
@@ -165,7 +174,7 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
       // s_frag becomes P^T and dp_frag dS^T in place. MIXED tiles test the band and the bool mask's
       // bits (ragged rows are handled by lse = +inf; keys past S are never stored); an additive
       // mask is added throughout.
-      const bool add_mask = fa_mask_is_additive() && key_valid;
+      const bool add_mask = slice_adds && key_valid;
       long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         const float2 kept = fa_dropout_factor_pair(f, dropout, b, h, q0 + 8 * j + at.x, my_key, false);

@@ -43,6 +43,7 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
                const device float *alibi_slopes [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
                constant fa_params *sequence_table [[buffer(FA_BACKWARD_BUFFER_SEQUENCES)]],
                const device uint *rng [[buffer(FA_BACKWARD_BUFFER_RNG)]],
+               const device float *mask_blocks [[buffer(FA_BACKWARD_BUFFER_WORKSPACE)]],
                uint3 group [[threadgroup_position_in_grid]],
                uint3 groups [[threadgroups_per_grid]],
                uint tid [[thread_index_in_threadgroup]],
@@ -110,7 +111,15 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   for (int k0 = keys.begin, tile = 0; k0 < keys.end;
        k0 += BK, ++tile, fa_tile_advance(k_tiles), fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, f.kv_len - k0);
-    const int bounds_class = fa_query_tile_class(f, row0, k0, BK);
+    int bounds_class = fa_query_tile_class(f, row0, k0, BK);
+    // The additive mask's class for the slice (fa_mask_blocks.h): SKIP blocks it, ZERO adds nothing.
+    int mask_class = FA_MASK_BLOCK_ADD;
+    if (fa_mask_blocks && bounds_class != FA_TILE_BLOCKED) {
+      mask_class = fa_mask_region_class(f, mask_blocks, b, h, kv_h, row0, 8, k0, BK, slope_log2, true,
+                                        p.do_block_max_offset, p.v_block_max_offset);
+      bounds_class = mask_class == FA_MASK_BLOCK_SKIP ? int(FA_TILE_BLOCKED) : bounds_class;
+    }
+    const bool slice_adds = fa_mask_is_additive() && mask_class == FA_MASK_BLOCK_ADD;
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
                                                           row_valid, tile_votes, tile, sg, lane, at);
     if (!start.load) {
@@ -139,7 +148,7 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
     fa_frags_scale<BK / 8>(s_frag, f.scale_log2);
 
     // s_frag becomes dS in place, with the forward's per-score masking.
-    const bool add_mask = fa_mask_is_additive() && row_valid;
+    const bool add_mask = slice_adds && row_valid;
     long entry = mask_at;
     for (int j = 0; j < BK / 8; ++j) {
       const float2 kept = fa_dropout_factor_pair(f, dropout, b, h, my_row, k0 + 8 * j + at.x, true);

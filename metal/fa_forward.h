@@ -48,6 +48,7 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
            const device T *k_biases [[buffer(FA_FORWARD_BUFFER_K_BIASES)]],
            const device T *v_scales [[buffer(FA_FORWARD_BUFFER_V_SCALES)]],
            const device T *v_biases [[buffer(FA_FORWARD_BUFFER_V_BIASES)]],
+           const device float *mask_blocks [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
            uint3 group [[threadgroup_position_in_grid]],
            uint3 groups [[threadgroups_per_grid]],
            uint tid [[thread_index_in_threadgroup]],
@@ -115,7 +116,14 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   for (int k0 = keys.begin, tile = 0; k0 < keys.end;
        k0 += BK, ++tile, fa_tile_advance(k_tiles), fa_tile_advance(v_tiles), mask_at += BK * mask_key_stride) {
     const int valid_keys = min(BK, p.kv_len - k0);
-    const int bounds_class = fa_query_tile_class(p, row0, k0, BK);
+    int bounds_class = fa_query_tile_class(p, row0, k0, BK);
+    // The additive mask's class for the slice (fa_mask_blocks.h): SKIP blocks it, ZERO adds nothing.
+    int mask_class = FA_MASK_BLOCK_ADD;
+    if (fa_mask_blocks && bounds_class != FA_TILE_BLOCKED) {
+      mask_class = fa_mask_region_class(p, mask_blocks, b, h, kv_h, row0, 8, k0, BK, slope_log2);
+      bounds_class = mask_class == FA_MASK_BLOCK_SKIP ? int(FA_TILE_BLOCKED) : bounds_class;
+    }
+    const bool slice_adds = fa_mask_is_additive() && mask_class == FA_MASK_BLOCK_ADD;
     const fa_tile_start start = fa_start_tile<BK / 8, WM>(bounds_class, mask, mask_at, mask_key_stride, valid_keys,
                                                           row_valid, tile_votes, tile, sg, lane, at);
     if (!start.load) {
@@ -140,9 +148,9 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     fa_variant_frags<BK / 8>(p, s_frag, slope_log2, my_row, k0 + at.x);
 
     // Per-score masking: bounds and the band in MIXED tiles, a bool mask's bits unless the
-    // slice is wholly kept, an additive mask everywhere it is present (padding rows read nothing).
-    const bool add_mask = fa_mask_is_additive() && row_valid;
-    if (start.tile_class == FA_TILE_MIXED || fa_mask_is_additive()) { // uniform over the SIMD-group: simd_any below
+    // slice is wholly kept, an additive mask wherever its slice adds (padding rows read nothing).
+    const bool add_mask = slice_adds && row_valid;
+    if (start.tile_class == FA_TILE_MIXED || slice_adds) { // uniform over the SIMD-group: simd_any below
       long entry = mask_at;
       for (int j = 0; j < BK / 8; ++j) {
         for (int e = 0; e < 2; ++e) {

@@ -9,7 +9,9 @@
 // threadgroup is blocked the K/V (or Q/dO) tile is not even loaded; VISIBLE tiles (inside the
 // bounds, inside the band and, under a bool mask, wholly kept) skip the per-score tests; MIXED
 // ones test each score. Additive masks are read for every score they touch, and a tile is never
-// skipped on their account alone: -inf added to a NaN or +inf score gives NaN, as SDPA's does.
+// skipped on their account alone (-inf added to a NaN or +inf score gives NaN, as SDPA's does),
+// except in the prefill forward under the pre-pass's block classes (fa_mask_blocks.h): there a
+// slice of -inf entries whose scores are certainly finite is BLOCKED, and one of zeros adds nothing.
 //
 // Mask entries: each lane reads the entries of its own row (one per column of the tile) from one
 // 64-bit offset per tile, stepping by adds of the column stride; no multiply per entry. (32-bit
@@ -19,6 +21,7 @@
 #define FA_MASK_H
 
 #include <metal_stdlib>
+#include "fa_mask_blocks.h"
 #include "fa_params.h"
 
 enum { FA_TILE_BLOCKED = 0, FA_TILE_MIXED = 1, FA_TILE_VISIBLE = 2 };
@@ -116,7 +119,8 @@ struct fa_tile_start {
 // previous tiles are consumed. `tile_class` comes from bounds and the diagonal; under a bool mask
 // each lane reads its bits (as fa_mask_bool_bits; nothing when lane_valid is false), the SIMD-group
 // refines its class by them (VISIBLE only when every lane keeps every column) and the SIMD-groups
-// vote: no load when every one is blocked. `votes` holds 2 WM entries, used by halves on
+// vote: no load when every one is blocked. Under an additive mask's block classes
+// (fa_mask_blocks.h) the SIMD-groups vote on the class the caller refined by them. `votes` holds 2 WM entries, used by halves on
 // alternate tiles, so a SIMD-group that skips ahead never overwrites votes still being read.
 template <int NB, int WM>
 inline fa_tile_start fa_start_tile(int tile_class,
@@ -131,11 +135,11 @@ inline fa_tile_start fa_start_tile(int tile_class,
                                    ushort lane,
                                    ushort2 at) {
   fa_tile_start start = {tile_class, ~0u, true};
-  if (fa_mask_kind != FA_MASK_BOOL) {
+  if (fa_mask_kind != FA_MASK_BOOL && !fa_mask_blocks) {
     metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
     return start;
   }
-  if (tile_class != FA_TILE_BLOCKED) {
+  if (fa_mask_kind == FA_MASK_BOOL && tile_class != FA_TILE_BLOCKED) {
     start.keep = lane_valid ? fa_mask_bool_bits<NB>(mask, offset, stride, valid_cols, at) : 0;
     const uint every_column = (1u << (2 * NB)) - 1;
     if (!metal::simd_any(start.keep != 0)) {

@@ -77,7 +77,8 @@ typedef uint32_t fa_u32;
 #define FA_BACKWARD_BUFFER_SINK_GRAD 14
 #define FA_BACKWARD_BUFFER_SEQUENCES 15
 #define FA_BACKWARD_BUFFER_RNG 16
-#define FA_BACKWARD_BUFFERS 17
+#define FA_BACKWARD_BUFFER_WORKSPACE 17 // the additive mask's block classes (fa_mask_blocks.h)
+#define FA_BACKWARD_BUFFERS 18
 
 // The sequence-table kernel's (fa_sequence.h): the (B, 6) table in, one fa_params per sequence
 // out, the call's fa_params at the params slot of the forward's numbering.
@@ -94,12 +95,13 @@ typedef uint32_t fa_u32;
 #define FA_FC_DECODE_VECTOR_LOADS 7 // bool: the decode kernel reads K and V rows as vectors (fa_decode.h)
 #define FA_FC_SOFTCAP 8             // bool: scores are soft-capped (fa_variants.h)
 #define FA_FC_ALIBI 9               // bool: ALiBi biases from per-(batch, head) slopes (fa_variants.h)
-#define FA_FC_SINKS 10     // bool: attention sinks, one logit per query head in every row's softmax (fa_variants.h)
-#define FA_FC_DROPOUT 11   // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
-#define FA_FC_SEQUENCES 12 // bool: each batch entry is a sequence of its own lengths and start (fa_sequence.h)
-#define FA_FC_PAGED 13     // bool: with sequences, keys are read through a block table (paged KV; fa_sequence.h)
-#define FA_FC_K_BITS 14    // int: 0, or K is quantized to 8 or 4 bits and dequantized as it is read (fa_quant.h)
-#define FA_FC_V_BITS 15    // int: the same for V
+#define FA_FC_SINKS 10       // bool: attention sinks, one logit per query head in every row's softmax (fa_variants.h)
+#define FA_FC_DROPOUT 11     // int, one of FA_DROPOUT_*: dropout of the probabilities (fa_dropout.h)
+#define FA_FC_SEQUENCES 12   // bool: each batch entry is a sequence of its own lengths and start (fa_sequence.h)
+#define FA_FC_PAGED 13       // bool: with sequences, keys are read through a block table (paged KV; fa_sequence.h)
+#define FA_FC_K_BITS 14      // int: 0, or K is quantized to 8 or 4 bits and dequantized as it is read (fa_quant.h)
+#define FA_FC_V_BITS 15      // int: the same for V
+#define FA_FC_MASK_BLOCKS 20 // bool: the prefill forward reads the additive mask's block classes (fa_mask_blocks.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -190,6 +192,15 @@ typedef struct fa_params {
   fa_i64 v_bias_strides[4];
   fa_i32 k_group_shift;
   fa_i32 v_group_shift;
+  // The additive mask's block classes under FA_FC_MASK_BLOCKS (fa_mask_blocks.h), in the workspace:
+  // one byte per 8 x 8 block of each distinct broadcast block of the mask, mask_block_counts along
+  // (batch, head, row block, key block) (1 where the mask broadcasts) and mask_block_strides
+  // between them (0 there); max |q| per (batch, head, 8 rows) and max |k| per (batch, kv head,
+  // 8 keys) at these float offsets from the workspace's start.
+  fa_i64 mask_block_strides[4];
+  fa_i32 mask_block_counts[4];
+  fa_i64 q_block_max_offset;
+  fa_i64 k_block_max_offset;
 } fa_params;
 
 // Arguments of the backward kernels (fa_backward.metal): the forward's, plus the gradients'.
@@ -204,6 +215,10 @@ typedef struct fa_backward_params {
   float pad0;
   // Attention sinks: FA_BACKWARD_BUFFER_SINKS the sinks, FA_BACKWARD_BUFFER_SINK_GRAD each row's share of their gradient.
   fa_i64 sink_grad_strides[3]; // (batch, head, row) of the float32 per-row terms of dsinks
+  // Under FA_FC_MASK_BLOCKS, max |dO| per (batch, head, 8 rows) and max |V| per (batch, kv head,
+  // 8 keys) at these float offsets of the workspace (fa_mask_blocks.h), after forward's.
+  fa_i64 do_block_max_offset;
+  fa_i64 v_block_max_offset;
 } fa_backward_params;
 
 // The backward pre-pass's geometry: rows (one per SIMD-group) of D per threadgroup.

@@ -501,35 +501,68 @@ py::list dispatch_dicts(const fa_plan_dispatch *plan_dispatches, uint32_t n, con
     return dispatches;
 }
 
-fa_backward_args backward_args(int32_t device, py::handle tensors, py::handle options) {
+// The backward's arguments; *workspace as forward_args'.
+fa_backward_args backward_args(int32_t device, py::handle tensors, py::handle options, PyObject **workspace = nullptr) {
     fa_backward_args args;
     std::memset(&args, 0, sizeof args);
     args.device = device;
     args.options = read_options(options);
-    read_tensors(tensors, &args, FA_BACKWARD, device, args.options.unbatched != 0);
+    PyObject *w = read_tensors(tensors, &args, FA_BACKWARD, device, args.options.unbatched != 0);
+    if (workspace != nullptr && (*workspace == nullptr || *workspace == Py_None)) {
+        *workspace = w;
+    }
     return args;
 }
 
-void backward(int32_t device, py::handle tensors, py::handle options) {
-    const fa_backward_args args = backward_args(device, tensors, options);
+// As forward: a callable `workspace` is asked for the mask's block classes only when the plan has
+// them; without a workspace the kernels add the mask everywhere (same results).
+void backward(int32_t device, py::handle tensors, py::handle options, py::handle workspace_arg) {
+    PyObject *workspace_obj = workspace_arg.ptr();
+    fa_backward_args args = backward_args(device, tensors, options, &workspace_obj);
+    py::handle workspace = workspace_obj != nullptr ? py::handle(workspace_obj) : py::handle(Py_None);
+    const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
+    if (!allocate) {
+        args.workspace = to_tensor(workspace, "workspace", device);
+    }
+    fa_backward_ready ready;
     fa_status st;
     int32_t rc;
+    bool needs_workspace = false;
     {
         py::gil_scoped_release release;
-        rc = fa_backward(&args, &st);
+        rc = fa_backward_prepare(&args, &ready, &st);
+        needs_workspace = rc == FA_OK && allocate && ready.workspace_bytes > 0;
+        if (rc == FA_OK && !needs_workspace) {
+            rc = fa_backward_execute(&ready, &args, &st);
+        }
     }
     check(rc, st);
+    if (needs_workspace) {
+        py::object scratch = workspace(ready.workspace_bytes);
+        args.workspace = to_tensor(scratch, "workspace", device);
+        {
+            py::gil_scoped_release release;
+            rc = fa_backward_execute(&ready, &args, &st);
+        }
+        check(rc, st);
+    }
 }
 
 // The backward's three dispatches with their costs (explain_plan(backward=True)).
-py::list plan_backward(int32_t device, py::handle tensors, py::handle options) {
+py::list plan_backward(int32_t device, py::handle tensors, py::handle options, py::handle /* workspace */) {
     const fa_backward_args args = backward_args(device, tensors, options);
     fa_backward_plan plan;
     fa_status st;
     check(fa_plan_backward(&args, &plan, &st), st);
     const bool builds = plan.sequences && plan.params.forward.batch > 0; // fa_backward_execute
-    return dispatch_dicts(plan.dispatches, FA_BACKWARD_DISPATCHES, builds ? &plan.sequence_builder : nullptr,
-                          plan.gpu_family);
+    fa_plan_dispatch planned[FA_BACKWARD_DISPATCHES]; // without the mask's block pass when it has none
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < FA_BACKWARD_DISPATCHES; ++i) {
+        if (plan.dispatches[i].function[0] != '\0') {
+            planned[n++] = plan.dispatches[i];
+        }
+    }
+    return dispatch_dicts(planned, n, builds ? &plan.sequence_builder : nullptr, plan.gpu_family);
 }
 
 // The name of the GPU family a call on `device` plans for (fa_resolve_gpu_family): explain_plan
@@ -603,6 +636,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("FC_DROPOUT") = static_cast<int>(FA_FC_DROPOUT);
     m.attr("FC_K_BITS") = static_cast<int>(FA_FC_K_BITS);
     m.attr("FC_V_BITS") = static_cast<int>(FA_FC_V_BITS);
+    m.attr("FC_MASK_BLOCKS") = static_cast<int>(FA_FC_MASK_BLOCKS);
     m.attr("DROPOUT_NONE") = static_cast<int>(FA_DROPOUT_NONE);
     m.attr("DROPOUT_APPLY") = static_cast<int>(FA_DROPOUT_APPLY);
     m.attr("DROPOUT_PROBS") = static_cast<int>(FA_DROPOUT_PROBS);
@@ -648,10 +682,12 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("backward", &backward,
           "Gradients of forward: dq, dk, dv from q, k, v, out, lse and dout (BACKWARD_SLOTS); delta is (B, Hq, L) "
-          "float32 scratch",
-          py::arg("device"), py::arg("tensors"), py::arg("options"));
-    m.def("plan_backward", &plan_backward, "The backward's dispatches with their costs (arguments as for backward)",
-          py::arg("device"), py::arg("tensors"), py::arg("options"));
+          "float32 scratch; workspace as forward's (the additive mask's block classes; without one the mask is "
+          "added everywhere)",
+          py::arg("device"), py::arg("tensors"), py::arg("options"), py::arg("workspace") = py::none());
+    m.def("plan_backward", &plan_backward,
+          "The backward's dispatches with their costs (arguments as for backward; the workspace is not looked at)",
+          py::arg("device"), py::arg("tensors"), py::arg("options"), py::arg("workspace") = py::none());
     m.def("gpu_family_name", &gpu_family_name, "The GPU family a call plans for (requested 0: the device's)",
           py::arg("device"), py::arg("requested"));
     m.def("device_tensor_family", &fa_device_tensor_family,
