@@ -5,7 +5,7 @@
 // generation's business (Apple9 and Apple10 differ, and the CPU device can scramble it). These
 // helpers never assume a layout: elements are reached through the API's coordinate mapping
 // (is_valid_element, get_multidimensional_index), per-row values are published to threadgroup
-// memory by whichever lanes hold a row's reduction and read back by row index, and operands in
+// memory by the first lane holding a row's reduction and read back by row index, and operands in
 // memory are threadgroup tiles viewed as tensors.
 //
 // Scope: every product here runs at execution_simdgroup, one SIMD-group owning FA_TENSOR_ROWS rows of
