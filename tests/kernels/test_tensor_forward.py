@@ -185,6 +185,13 @@ def test_tensor_forward_matches_float64(name):
     run_case(name)
 
 
+def test_tensor_forward_runs_clean_in_checked_mode(checked_core):
+    """No threadgroup race (the rows' statistics have one writer per word), uninitialised read or
+    out-of-bounds access, with a band, partial tiles and GQA."""
+    run_case("plain-float16-128-causal")
+    assert checked_core() > 0
+
+
 def auto_planned_for_apple10():
     """With FLASHATTN_MPS_GPU_FAMILY=apple10 the CPU device plans for an M5: "auto" takes the tensor
     path for prefill, and its outputs and the gradients computed from them (and from its lse) match
