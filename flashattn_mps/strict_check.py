@@ -256,6 +256,7 @@ def _syntax_check(clang: str, shim_dir: str, rewritten: str, language: str = "me
             dialect,
             f"-D__METAL_VERSION__={version}",
             "-fsyntax-only",
+            "-ferror-limit=0",  # every violation, not clang's first 20 errors
             "-DMSL_STRICT",
             "-Wno-unknown-attributes",
             "-Wfloat-conversion",

@@ -27,7 +27,8 @@ PRELUDE = textwrap.dedent("""
 def kernel(
     body: str, params: str = "device half *a [[buffer(0)]], device half *b [[buffer(1)]], device float *c [[buffer(2)]]"
 ) -> str:
-    return PRELUDE + f"kernel void k({params}) {{\n" + textwrap.indent(textwrap.dedent(body), "  ") + "}\n"
+    """A kernel `k` (the PRELUDE goes before it)."""
+    return f"kernel void k({params}) {{\n" + textwrap.indent(textwrap.dedent(body), "  ") + "}\n"
 
 
 # 16 x 32 x 16 products of A (16 x 16) and B (16 x 32) into C (16 x 32), each tensor's extents
@@ -159,9 +160,9 @@ def write_examples(directory: str) -> None:
     """accepted.metal and one refused_<name>.metal per misuse, for Apple's compiler."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "accepted.metal").write_text(ACCEPTED)
+    (out / "accepted.metal").write_text(PRELUDE + ACCEPTED)
     for name, (_, source) in MISUSES.items():
-        (out / f"refused_{name}.metal").write_text(source)
+        (out / f"refused_{name}.metal").write_text(PRELUDE + source)
 
 
 @pytest.fixture(scope="module")
@@ -170,17 +171,33 @@ def check():
     return lambda name, source: strict_check.check_one(clang, shim, name, source)
 
 
+@pytest.fixture(scope="module")
+def misuse_violations(check):
+    """name -> the violations placed in that misuse: all of them checked in one run, each kernel
+    named after its misuse and its lines after name.metal."""
+    parts = [PRELUDE]
+    for name, (_, source) in MISUSES.items():
+        parts.append(f'#line 1 "{name}.metal"\n' + source.replace("kernel void k(", f"kernel void {name}(", 1))
+    result = check("misuses.metal", "\n".join(parts))
+    return {name: [v for v in result.violations if v.startswith(f"{name}.metal:")] for name in MISUSES}
+
+
 @pytest.mark.parametrize("name", sorted(MISUSES))
-def test_a_misuse_of_the_tensor_api_is_refused_naming_its_rule(check, name):
-    rule, source = MISUSES[name]
-    result = check(f"{name}.metal", source)
-    assert not result.ok
-    assert any(f"[rule: {rule}]" in v and f"{name}.metal:" in v for v in result.violations), result.message
+def test_a_misuse_of_the_tensor_api_is_refused_naming_its_rule(misuse_violations, name):
+    rule = MISUSES[name][0]
+    found = misuse_violations[name]
+    assert any(f"[rule: {rule}]" in v for v in found), found
 
 
 def test_the_same_operations_as_declared_pass(check):
-    result = check("accepted.metal", ACCEPTED)
+    result = check("accepted.metal", PRELUDE + ACCEPTED)
     assert result.ok, result.message
+
+
+def test_one_misuse_checked_alone_is_refused_with_its_place(check):
+    result = check("alone.metal", PRELUDE + MISUSES["temporary_slice"][1])
+    assert not result.ok
+    assert [v for v in result.violations if v.startswith("alone.metal:") and "[rule: tensor-operand-lvalue]" in v]
 
 
 def test_the_tensor_tests_kernels_pass():
@@ -202,13 +219,13 @@ def _write(source: str) -> str:
 
 def test_the_device_refuses_a_misuse_too():
     with pytest.raises(MetalCompileError, match=r"rule: tensor-scope"):
-        compile_library(MISUSES["threadgroup_scope"][1], name="misuse.metal")
+        compile_library(PRELUDE + MISUSES["threadgroup_scope"][1], name="misuse.metal")
 
 
 def test_tensor_sources_are_checked_as_metal_4():
-    assert strict_check.language_of(ACCEPTED) == "metal4.0"
+    assert strict_check.language_of(PRELUDE + ACCEPTED) == "metal4.0"
     assert strict_check.language_of("#include <metal_stdlib>\n") == "metal3.1"
     assert strict_check.language_of("", macros=(("__METAL_VERSION__", "400"),)) == "metal4.0"
-    assert strict_check.language_of(ACCEPTED, "metal3.1") == "metal3.1"
+    assert strict_check.language_of(PRELUDE + ACCEPTED, "metal3.1") == "metal3.1"
     with pytest.raises(ValueError, match="--std"):
         strict_check.language_of("", "metal5")

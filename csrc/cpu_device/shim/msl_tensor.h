@@ -482,6 +482,12 @@ template <class X> struct operand_element<X, std::enable_if_t<is_cooperative<std
 };
 template <class X> using operand_element_t = std::remove_cv_t<typename operand_element<X>::type>;
 
+/* an operand run() can compute with: a cooperative tensor or a rank-2 tensor */
+template <class X> constexpr bool computable() {
+    if constexpr (is_tensor<std::remove_cv_t<X>>) return std::remove_cv_t<X>::extents_type::rank() == 2;
+    else return is_cooperative<std::remove_cv_t<X>>;
+}
+
 /* what run() requires of one operand (Destination: it is written) */
 template <class X, bool Destination> constexpr void check_operand() {
     static_assert(is_operand<X>,
@@ -631,8 +637,10 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
         detail::check_operand<A, false>();
         detail::check_operand<B, false>();
         detail::check_operand<C, true>();
-        static_assert(detail::declared_types<detail::operand_element_t<A>, detail::operand_element_t<B>,
-                                             detail::operand_element_t<C>>(),
+        /* past a refused operand, only its own refusal is reported */
+        constexpr bool computable = detail::computable<A>() && detail::computable<B>() && detail::computable<C>();
+        static_assert(!computable || detail::declared_types<detail::operand_element_t<A>, detail::operand_element_t<B>,
+                                                            detail::operand_element_t<C>>(),
                       "matmul2d takes no such (left, right, destination) element types [rule: tensor-operand-types]");
         static_assert(!(detail::is_cooperative<std::remove_cv_t<C>> && std::is_const_v<C>),
                       "a cooperative destination must not be const [rule: tensor-cooperative-operand]");
@@ -643,7 +651,9 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
         static_assert(
             fits<std::remove_cv_t<C>, D.m, D.n, false>(),
             "run: the destination cooperative tensor is not this operation's [rule: tensor-cooperative-operand]");
-        if constexpr (detail::is_cooperative<std::remove_cv_t<C>>) {
+        if constexpr (!computable) {
+            (void)a, (void)b, (void)c;
+        } else if constexpr (detail::is_cooperative<std::remove_cv_t<C>>) {
             execute(a, b, c, file, line);
         } else {
             std::remove_cv_t<C> view = c; /* a view: writing through a const one writes its memory */
