@@ -37,7 +37,8 @@ mode, against the shim in strict mode:
   gets every constant it references is per function, which only Apple's compiler settles:
   `python -m flashattn_mps.doctor --pipelines` builds each one with the planner's constants.
 - Metal 4 tensor code meets the API Apple's headers declare (msl_tensor.h, `[rule: tensor-*]`):
-  matmul2d's scope (execution_simdgroups<N> or execution_thread: there is no threadgroup scope),
+  matmul2d's descriptor as Apple orders its fields, its scope (execution_simdgroups<N> or
+  execution_thread: there is no threadgroup scope),
   the (left, right, destination) element types the macOS 26 SDK lists for matmul2d, operands that
   are rank-2 tensors or cooperative tensors bound as lvalues, none in constant memory, the
   cooperative tensors' getters (element types for the inputs, operand types for the
@@ -76,10 +77,12 @@ CLANG_RULES = [
     (re.compile(r"to 'bfloat'"), "bfloat-conversion"),
     (re.compile(r"address space"), "address-space"),
     (re.compile(r"file not found"), "std-library"),
+    # its fields in Apple's order: m, n, k, transpose_left, transpose_right, relaxed_precision, mode
+    (re.compile(r"'(mpp::tensor_ops::)?matmul2d_descriptor'"), "tensor-descriptor"),
 ]
 _FUNCTION_CONSTANT = re.compile(r"::msl_rt::function_constant<[^;{]*?,\s*([^;{]+?)>\s+(\w+)\{[^}]*\}")
 _LINE_DIRECTIVE = re.compile(r'#\s*(?:line\s+)?(\d+)\s+"([^"]*)"')
-# Metal 4: the headers only its sources include; the language the check then compiles them as.
+# Headers only Metal 4 sources include: a source including one is checked as Metal 4.
 _METAL4_INCLUDE = re.compile(
     r"^\s*#\s*include\s*<(metal_tensor|metal_cooperative_tensor|MetalPerformancePrimitives/[\w.]+)>", re.M
 )

@@ -87,6 +87,16 @@ MISUSES = {
             "const device half *ca_ [[buffer(0)]], const device half *cb_ [[buffer(1)]], device float *c [[buffer(2)]]",
         ),
     ),
+    "mode_in_relaxed_precisions_place": (
+        "tensor-descriptor",
+        kernel(
+            TENSORS.replace(
+                "matmul2d_descriptor(16, 32, 16)",
+                "matmul2d_descriptor(16, 32, 16, false, false, matmul2d_descriptor::mode::multiply_accumulate)",
+            )
+            + "matmul2d<desc, execution_simdgroup> op;\nop.run(ta, tb, tc);\n"
+        ),
+    ),
     "temporary_slice": (
         "tensor-operand-lvalue",
         kernel(TENSORS + "matmul2d<desc, execution_simdgroup> op;\nop.run(ta.slice(0, 0), tb, tc);\n"),
@@ -152,6 +162,8 @@ ACCEPTED = kernel(
     auto bc = tensor(c, extents<int, 32, 64>());
     auto bb = tensor((device bfloat *)b, extents<int, 32, 16>());
     wide.run(ba, bb, bc);
+    matmul2d<desc, execution_thread> alone;
+    alone.run(ta, tb, tc);
     """
 )
 
@@ -220,6 +232,24 @@ def _write(source: str) -> str:
 def test_the_device_refuses_a_misuse_too():
     with pytest.raises(MetalCompileError, match=r"rule: tensor-scope"):
         compile_library(PRELUDE + MISUSES["threadgroup_scope"][1], name="misuse.metal")
+
+
+def test_matmul2d_at_thread_scope_runs_on_the_device():
+    """execution_thread, which the check accepts, also runs here: each thread its own product."""
+    import torch
+
+    source = PRELUDE + kernel(
+        TENSORS.replace("tensor(c,", "tensor(c + 512 * tid,")
+        + "matmul2d<desc, execution_thread> alone;\nalone.run(ta, tb, tc);\n",
+        "device half *a [[buffer(0)]], device half *b [[buffer(1)]], device float *c [[buffer(2)]], "
+        "uint tid [[thread_index_in_threadgroup]]",
+    )
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 16, generator=g).half(), torch.randn(16, 32, generator=g).half()
+    c = torch.zeros(2, 16, 32)
+    compile_library(source, name="alone.metal").dispatch("k", 1, 2, [a, b, c])
+    want = a.double() @ b.double()
+    assert (c.double() - want).abs().max() <= 1e-5
 
 
 def test_tensor_sources_are_checked_as_metal_4():
