@@ -16,8 +16,8 @@ text, macros with an empty value defined as 1, no fast math) with
 and again with -std=metal3.0 (macOS 13, no bfloat: the sources must compile without
 __HAVE_BFLOAT__) unless the specialisation is a bfloat one; with --metal4 (Xcode 26 with the Metal
 toolchain) also with -std=metal4.0 -mmacosx-version-min=26.2. A source that includes Metal 4's
-tensor headers (strict_check.language_of) is compiled at Metal 4.0 only. Any error fails the check
-(exit 1); warnings are listed once each.
+tensor headers (strict_check.language_of) is compiled at Metal 4.0 only, so only with --metal4.
+Any error fails the check (exit 1); warnings are listed once each.
 
 --files compiles standalone sources instead (the tensor test kernels), each at its language;
 with --expect-refused each must be refused (the strict check's misuse examples: Apple's compiler
@@ -70,10 +70,11 @@ def needs_bfloat(function: str, macros) -> bool:
 
 
 def standards_of(text: str, bfloat: bool, metal4: bool) -> list[str]:
-    """The standards one source is compiled at: Metal 4.0 only for a tensor source, else 3.1, 3.0
-    unless it is a bfloat specialisation, and 4.0 with metal4."""
+    """The standards one source is compiled at: Metal 4.0 only for a tensor source (none without
+    metal4: an older Xcode has no Metal 4), else 3.1, 3.0 unless it is a bfloat specialisation, and
+    4.0 with metal4."""
     if language_of(text) == METAL4:
-        return [METAL4]
+        return [METAL4] if metal4 else []
     return [std for std in STANDARDS if not (bfloat and std == "metal3.0")] + ([METAL4] if metal4 else [])
 
 
