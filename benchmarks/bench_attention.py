@@ -1,9 +1,11 @@
-"""Attention benchmark: flash_attention's kernels against torch SDPA (and MLX's fused SDPA on a Mac).
+"""Attention benchmark: flash_attention's kernels against torch SDPA (and MLX's fused SDPA and
+mtlattn's SDPA on a Mac, when installed).
 
     python benchmarks/bench_attention.py [--quick] [--out benchmarks/results] [--fractions]
 
 On a Mac with MPS it sweeps L = 512..32768, D = 64 and 128, causal and not, fp16/bf16/fp32, and
-reports ms, TFLOPS and peak memory per implementation; then decode (L = 1 against a KV cache of
+reports ms, TFLOPS and peak memory per implementation (kernel="tensor", the tensor-path prefill, in
+the rows it takes: fp16/bf16 where the GPU has Metal 4 tensor operations); then decode (L = 1 against a KV cache of
 S = 512..32768, 32 query heads on 4 kv heads, GQA 8), reporting ms and the bandwidth of reading K
 and V once (the decode kernel's goal: >= 85 % of the chip's bandwidth); then forward+backward steps
 (gradients of q, k and v) against SDPA's autograd and MLX's value_and_grad of its fused SDPA (goal:
@@ -67,7 +69,11 @@ def peak_memory(fn, device):
     return torch.mps.driver_allocated_memory() - before
 
 
-KERNEL_OF = {"flash_attention": "forward", "simple_kernel": "simple"}  # forward rows; decode rows take "decode"
+KERNEL_OF = {
+    "flash_attention": "forward",
+    "simple_kernel": "simple",
+    "tensor_kernel": "tensor",
+}  # decode rows: "decode"
 
 
 def cost_columns(q, k, v, causal, kernel, seconds):
@@ -91,17 +97,48 @@ def cost_columns(q, k, v, causal, kernel, seconds):
     )
 
 
+def tensor_kernel(q, k, v, c):
+    """The tensor-path prefill (Metal 4 tensor operations), where the device has them and the call
+    is one it takes (fp16/bf16, D <= 128); None otherwise."""
+    try:
+        explain_plan(q, k, v, c, kernel="tensor")
+    except ValueError:
+        return None
+    return lambda: flash_attention(q, k, v, causal=c, kernel="tensor")
+
+
 def implementations(device):
-    """name -> make(q, k, v, causal) returning the call to time (inputs prepared outside it)."""
+    """name -> make(q, k, v, causal) returning the call to time (inputs prepared outside it), or None
+    where the implementation does not take the row."""
     impls = {
         "flash_attention": lambda q, k, v, c: lambda: flash_attention(q, k, v, causal=c, kernel="forward"),
+        "tensor_kernel": tensor_kernel,
         "simple_kernel": lambda q, k, v, c: lambda: flash_attention(q, k, v, causal=c, kernel="simple"),
         "torch_sdpa": lambda q, k, v, c: lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c),
     }
     mlx_sdpa = mlx_implementation(device)
     if mlx_sdpa is not None:
         impls["mlx_fused_sdpa"] = mlx_sdpa
+    mtlattn_sdpa = mtlattn_implementation(device)
+    if mtlattn_sdpa is not None:
+        impls["mtlattn_sdpa"] = mtlattn_sdpa
     return impls
+
+
+def mtlattn_implementation(device):
+    """mtlattn's SDPA drop-in (MPS only; its M5 path runs on Metal 4 tensor operations), when the
+    package is installed."""
+    if device.type != "mps":
+        return None
+    try:
+        import mtlattn
+    except ImportError:
+        return None
+    sdpa = getattr(mtlattn, "scaled_dot_product_attention", None)
+    if sdpa is None:
+        print("mtlattn has no scaled_dot_product_attention: not timed")
+        return None
+    return lambda q, k, v, c: lambda: sdpa(q, k, v, is_causal=c)
 
 
 def mlx_implementation(device):
@@ -305,6 +342,8 @@ def main(argv=None):
         flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
         for name, make in implementations(device).items():
             call = make(q, k, v, causal)
+            if call is None:
+                continue
             seconds = timed(call, device, repeats)
             peak = peak_memory(call, device)
             row = dict(

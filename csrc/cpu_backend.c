@@ -5,6 +5,7 @@
  * flashattn_mps._C attaches when it is imported. */
 #include "fa_backend.h"
 #include "fa_cache.h"
+#include "fa_gpu_family.h"
 #include "cpu_device/metal_cpu.h"
 
 #include <stdatomic.h>
@@ -54,6 +55,32 @@ struct fa_pipeline {
 static fa_cache libraries[2] = {FA_CACHE_INITIALIZER, FA_CACHE_INITIALIZER};
 static fa_cache pipelines = FA_CACHE_INITIALIZER; /* fa_pipeline_identity -> struct fa_pipeline */
 
+/* A Metal 4 library (FA_LANGUAGE_MACRO, fa_gpu_family.h) as compile_library builds one: the language
+ * version, __METAL__, the emulated family (fa_cpu_tensor_family) and the cooperative tensors' layout
+ * (FLASHATTN_MPS_CPU_TENSOR_LAYOUT: "family", the default, or "scrambled"), appended to macros.
+ * Read once per library: a process keeps the layout it compiled first. */
+enum { METAL4_MACROS = 4 };
+static int32_t add_metal4_macros(const char *version, mcpu_macro *macros, uint32_t *n, fa_status *st) {
+    const int32_t family = fa_cpu_tensor_family();
+    const char *layout = getenv("FLASHATTN_MPS_CPU_TENSOR_LAYOUT");
+    const int32_t scrambled = layout != NULL && strcmp(layout, "scrambled") == 0;
+    if (family == 0) {
+        fa_fail(st, FA_ERR_VALUE,
+                "FLASHATTN_MPS_CPU_GPU_FAMILY: Metal 4 tensor code runs as apple9 or apple10, got '%s'",
+                getenv("FLASHATTN_MPS_CPU_GPU_FAMILY"));
+        return 0;
+    }
+    if (layout != NULL && layout[0] != '\0' && !scrambled && strcmp(layout, "family") != 0) {
+        fa_fail(st, FA_ERR_VALUE, "FLASHATTN_MPS_CPU_TENSOR_LAYOUT: must be family or scrambled, got '%s'", layout);
+        return 0;
+    }
+    macros[(*n)++] = (mcpu_macro){"__METAL_VERSION__", version};
+    macros[(*n)++] = (mcpu_macro){"__METAL__", "1"};
+    macros[(*n)++] = (mcpu_macro){"__MSL_CPU_GPU_FAMILY__", family == FA_FAMILY_APPLE9 ? "9" : "10"};
+    macros[(*n)++] = (mcpu_macro){"__MSL_CPU_TENSOR_LAYOUT__", scrambled ? "1" : "0"};
+    return 1;
+}
+
 static const mcpu_library *get_library(const mcpu_api *api, const fa_pipeline_key *key, fa_status *st) {
     fa_source source;
     if (key == NULL || !fa_find_source(key->source_name, &source)) {
@@ -77,13 +104,18 @@ static const mcpu_library *get_library(const mcpu_api *api, const fa_pipeline_ke
     if (found != NULL) {
         return found;
     }
-    mcpu_macro macros[FA_MAX_MACROS];
+    mcpu_macro macros[FA_MAX_MACROS + METAL4_MACROS];
+    uint32_t n_macros = id.n_macros;
     for (uint32_t i = 0; i < id.n_macros; ++i) {
         macros[i].name = id.macros[i].name;
         macros[i].value = id.macros[i].value;
+        if (strcmp(id.macros[i].name, FA_LANGUAGE_MACRO) == 0 &&
+            !add_metal4_macros(id.macros[i].value, macros, &n_macros, st)) {
+            return NULL;
+        }
     }
     mcpu_library *library = NULL;
-    if (api->compile_library(source.text, source.name, macros, id.n_macros, (uint32_t)mode, &library, &ms) != MCPU_OK) {
+    if (api->compile_library(source.text, source.name, macros, n_macros, (uint32_t)mode, &library, &ms) != MCPU_OK) {
         device_failed(&ms, st);
         return NULL;
     }

@@ -62,8 +62,10 @@ typedef enum fa_kernel_choice {
     FA_KERNEL_AUTO = 0,    /* let the planner choose */
     FA_KERNEL_SIMPLE = 1,  /* one query row per SIMD-group: the reference baseline */
     FA_KERNEL_FORWARD = 2, /* FlashAttention-2 on simdgroup matrices: the prefill kernel */
-    FA_KERNEL_DECODE = 3   /* vector kernel for few query rows, keys split over threadgroups when
+    FA_KERNEL_DECODE = 3,  /* vector kernel for few query rows, keys split over threadgroups when
                               long (AUTO's choice for small L) */
+    FA_KERNEL_TENSOR = 4   /* the prefill on Metal 4 tensor operations (fa_forward_tensor.h): AUTO's
+                              choice on Apple10 with tensor support (fa_plan_forward.c) */
 } fa_kernel_choice;
 
 /* The options of an attention call, one value for the forward and the backward (the backward reads

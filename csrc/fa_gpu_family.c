@@ -86,6 +86,18 @@ int32_t fa_resolve_gpu_family(int32_t device, int64_t requested, int32_t *family
     return FA_OK;
 }
 
+int32_t fa_cpu_tensor_family(void) {
+    const char *named = getenv("FLASHATTN_MPS_CPU_GPU_FAMILY");
+    if (named == NULL || named[0] == '\0' || strcmp(named, "apple10") == 0) {
+        return FA_FAMILY_APPLE10;
+    }
+    return strcmp(named, "apple9") == 0 ? FA_FAMILY_APPLE9 : 0;
+}
+
+int32_t fa_device_tensor_family(int32_t device) {
+    return device == FA_DEVICE_MPS ? fa_metal_tensor_family() : fa_cpu_tensor_family();
+}
+
 /* Assumptions: every fragment register the cost counts is live at once, beside the profile's
  * overhead (addresses, loop state, softmax statistics, temporaries); registers are allocated per
  * thread for the whole kernel (on Apple9+ dynamic caching allocates them as used, so this is the

@@ -58,6 +58,21 @@ int32_t fa_resolve_gpu_family(int32_t device, int64_t requested, int32_t *family
  * builds without Metal. */
 int32_t fa_metal_gpu_family(void);
 
+/* Whether `device` runs Metal 4 tensor operations (MPP's matmul2d, cooperative tensors), as the
+ * family whose cooperative-tensor lanes it has, 0 when it does not: MPS, macOS 26.2 or later on an
+ * Apple9 or Apple10 GPU (fa_metal_tensor_family, metal_backend.m; 0 in builds without Metal); the
+ * CPU Metal device, the family it emulates (FLASHATTN_MPS_CPU_GPU_FAMILY: apple10 unless apple9;
+ * 0 for another value, which its compiler refuses). */
+int32_t fa_device_tensor_family(int32_t device);
+int32_t fa_metal_tensor_family(void);
+int32_t fa_cpu_tensor_family(void);
+
+/* The pipeline-key macro of a library written in Metal 4 (its value the language version, "400"):
+ * the backends compile it as such (MTLLanguageVersion4_0; the CPU device's Metal 4 build of the
+ * family fa_cpu_tensor_family names, in the layout FLASHATTN_MPS_CPU_TENSOR_LAYOUT asks for). */
+#define FA_LANGUAGE_MACRO "FA_LANGUAGE_VERSION"
+#define FA_LANGUAGE_METAL4 "400"
+
 /* explain_plan's estimate for one dispatch of `threads` threads per threadgroup, from its cost's
  * fragment registers and threadgroup bytes (fa_gpu_family.c names the assumptions). */
 typedef struct fa_gpu_estimate {

@@ -10,6 +10,7 @@
 static const char *simple_source = "fa_simple.metal";
 static const char *forward_source = "fa_forward.metal";
 static const char *decode_source = "fa_decode.metal";
+static const char *tensor_source = "fa_forward_tensor.metal";
 
 /* The forward kernel's tile table.
  *
@@ -530,16 +531,18 @@ static double useful_flops(const fa_plan *plan, const fa_forward_args *a) {
  * over E and Ev rounded up to 8 (the 8-wide slices it multiplies); with Ev in several column blocks
  * each block's threadgroups visit the tiles and recompute S. Threadgroup memory: the K and V
  * tiles and the mask's tile votes. Registers: the tile table's count (Q, O and S fragments and one K/V fragment). */
-double fa_plan_key_tiles(const fa_plan *plan, fa_tiles t) {
-    const int64_t bq = 8 * t.wm;
+/* Key tiles of bk keys the query blocks of bq rows of one (batch, head) visit. */
+static double key_tiles(const fa_plan *plan, int64_t bq, int64_t bk) {
     double tiles = 0;
     for (int64_t q0 = 0; q0 < plan->params.q_len; q0 += bq) {
         int64_t begin, end;
         band_keys(plan, q0, bq, &begin, &end);
-        tiles += end > begin ? (double)((end - begin + t.bk - 1) / t.bk) : 0;
+        tiles += end > begin ? (double)((end - begin + bk - 1) / bk) : 0;
     }
     return tiles;
 }
+
+double fa_plan_key_tiles(const fa_plan *plan, fa_tiles t) { return key_tiles(plan, 8 * t.wm, t.bk); }
 
 int64_t fa_plan_tile_bytes(fa_tiles t, int64_t element_bytes) {
     return (int64_t)t.bk * (t.bd + FORWARD_TILE_PAD + t.bdv + FORWARD_TILE_PAD) * element_bytes;
@@ -695,6 +698,92 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
     return FA_OK;
 }
 
+/* ---- The tensor path (metal/fa_forward_tensor.h) ----
+ * The prefill on Metal 4 tensor operations: MPP's matmul2d at SIMD-group scope, 16 query rows per
+ * SIMD-group, TENSOR_WM = 4 of them (BQ = 64 rows per threadgroup, as torch 2.14's MPP prefill and
+ * MLX's NAX kernels take), TENSOR_BK = 32 keys per tile, both head dims padded to one width BD of
+ * 64, 96 or 128 (E and Ev up to 128; 64 and 128 are the common models' and the peers' widths, 96
+ * lets 72 and 80 reach the path as MLX pads them). Threadgroup memory: one region holding Q's
+ * staging tile (64 rows), then the K and V tiles (2 x 32 rows), then O's staging tile, each row
+ * BD + 8 wide: 17.0 KiB at BD 128 in 2-byte elements, with 1 KiB of row statistics.
+ * Registers per lane (32-bit): Q as the cooperative left input 16 BD / 32 2-byte elements, O 16 BD /
+ * 32 floats, S 16 BK / 32 floats and P as many 2-byte ones: 16 + 32 + 16 + 8 = 72 at BD 64, 120 at BD 128.
+ *
+ * What it takes: fp16 and bf16 (fp32 stays on the simdgroup kernel: the neural accelerators' fast
+ * path is for 2-byte operands, and fp32 tiles at BQ 64 would not fit the threadgroup memory), E and
+ * Ev <= 128, causal and windows, bool and additive masks, softcap, ALiBi, sinks, GQA, lse, packed
+ * sequences, paged and quantized K/V (the tiles load through the same loaders as the simdgroup
+ * kernel's); not dropout (nor the probability pass, which is the simple kernel's).
+ *
+ * Where AUTO takes it: prefill calls (L > DECODE_MAX_QUERY_LEN) it takes, planned for Apple10 (the
+ * device's family, or gpu_family / FLASHATTN_MPS_GPU_FAMILY) on a device whose tensor operations are
+ * Apple10's (fa_device_tensor_family: an M5 on macOS 26.2+, or the CPU Metal device emulating
+ * Apple10). Not on Apple9: MPP runs on the same simdgroup units as the simdgroup kernel there, and
+ * nothing measured says it wins (torch ships a9 kernels; an M3/M4 timing of kernel="tensor" against
+ * "forward" would argue it, docs/mac-checklist.md). kernel="tensor" forces it wherever the device
+ * has tensor operations, and names what the call has that it does not take. */
+enum { TENSOR_ROWS = 16, TENSOR_WM = 4, TENSOR_BK = 32, TENSOR_MAX_HEAD_DIM = 128 };
+
+/* What keeps this call off the tensor kernel, as the option to change, or NULL when it can run. */
+static const char *tensor_refusal(const fa_forward_args *a, int32_t tensor_family) {
+    if (tensor_family == 0) {
+        return "this device (Metal 4 tensor operations need macOS 26.2 or later on an Apple9 or Apple10 GPU)";
+    }
+    if (a->q.dtype != FA_F16 && a->q.dtype != FA_BF16) {
+        return "q's dtype float32 (it takes float16 and bfloat16)";
+    }
+    if (a->q.sizes[3] > TENSOR_MAX_HEAD_DIM || a->v.sizes[3] > TENSOR_MAX_HEAD_DIM) {
+        return "head dims E or Ev above 128";
+    }
+    if (a->options.dropout_p > 0.0) {
+        return "dropout_p > 0";
+    }
+    return NULL;
+}
+
+static int32_t tensor_width(const fa_forward_args *a) {
+    const int64_t widest = a->q.sizes[3] > a->v.sizes[3] ? a->q.sizes[3] : a->v.sizes[3];
+    return widest <= 64 ? 64 : widest <= 96 ? 96 : 128;
+}
+
+/* Both products at the padded width over every visited tile; registers and threadgroup bytes as
+ * counted above. */
+static void set_tensor_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forward_args *a, int32_t bd) {
+    const int64_t bq = TENSOR_ROWS * TENSOR_WM, elem = fa_dtype_bytes(a->q.dtype);
+    const double tiles = key_tiles(plan, bq, TENSOR_BK);
+    const double flops = 2.0 * (double)(a->q.sizes[0] * a->q.sizes[1]) * tiles * (double)(bq * TENSOR_BK * 2 * bd);
+    /* 16-row matrices over 32 lanes: Q's 2-byte elements two to a register, O and S float, P 2-byte */
+    const int32_t registers = bd / 4 + bd / 2 + TENSOR_ROWS * TENSOR_BK / 32 + TENSOR_ROWS * TENSOR_BK / 64;
+    const int64_t rows = bq > 2 * TENSOR_BK ? bq : 2 * TENSOR_BK;
+    set_cost(d, rows * (bd + FORWARD_TILE_PAD) * elem + 4 * bq * (int64_t)sizeof(float), registers, flops,
+             tiles * (double)(a->q.sizes[0] * a->q.sizes[1]), useful_flops(plan, a), min_input_bytes(plan, a),
+             output_bytes(a));
+}
+
+static void set_tensor_macros(fa_plan_dispatch *d, int32_t bd) {
+    fa_plan_add_macro_text(d, FA_LANGUAGE_MACRO, FA_LANGUAGE_METAL4);
+    fa_plan_add_macro(d, "FA_BD", bd);
+    fa_plan_add_macro(d, "FA_BK", TENSOR_BK);
+    fa_plan_add_macro(d, "FA_WM", TENSOR_WM);
+}
+
+static int32_t plan_tensor(const fa_forward_args *a, fa_plan *plan) {
+    const int32_t bd = tensor_width(a);
+    fa_plan_dispatch *d = add_dispatch(plan, a, tensor_source, "fa_forward_tensor");
+    set_tensor_macros(d, bd);
+    const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,
+                    *v_tiles = a->options.v_bits != 0 ? &a->k : &a->v;
+    if (a->options.k_bits != 0 && a->options.v_bits != 0) {
+        fa_plan_add_constant_bool(d, FA_FC_CONTIGUOUS_TILES, 0);
+    } else {
+        fa_plan_set_contiguous_tiles(d, k_tiles, v_tiles, a->device);
+    }
+    fa_plan_set_block_grid(d, a->q.sizes[2], TENSOR_ROWS * TENSOR_WM, (uint32_t)a->q.sizes[1], (uint32_t)a->q.sizes[0],
+                           plan->banded, 32u * TENSOR_WM);
+    set_tensor_cost(plan, d, a, bd);
+    return FA_OK;
+}
+
 static int32_t plan_simple(const fa_forward_args *a, fa_plan *plan) {
     fa_plan_dispatch *d = add_dispatch(plan, a, simple_source, "fa_simple");
     set_row_blocks(d, a, FA_SIMPLE_ROWS_PER_GROUP, 32u * FA_SIMPLE_ROWS_PER_GROUP);
@@ -758,7 +847,7 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (a->device != FA_DEVICE_CPU && a->device != FA_DEVICE_MPS) {
         return fa_fail(st, FA_ERR_TYPE, "unknown device code %d", a->device);
     }
-    if (a->options.kernel < FA_KERNEL_AUTO || a->options.kernel > FA_KERNEL_DECODE) {
+    if (a->options.kernel < FA_KERNEL_AUTO || a->options.kernel > FA_KERNEL_TENSOR) {
         return fa_fail(st, FA_ERR_VALUE, "unknown kernel choice %d", a->options.kernel);
     }
     int32_t rc;
@@ -872,13 +961,22 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
     if (!plan->empty && (rc = fa_check_no_empty_slot(real, FA_FORWARD, st)) != FA_OK) {
         return rc;
     }
+    const int32_t tensor_family = fa_device_tensor_family(a->device);
+    const char *tensor_refused = tensor_refusal(a, tensor_family);
+    if (a->options.kernel == FA_KERNEL_TENSOR && tensor_refused != NULL) {
+        return fa_fail(st, FA_ERR_VALUE, "kernel='tensor': the tensor-path kernel does not take %s", tensor_refused);
+    }
+    const int32_t tensor_by_default =
+        tensor_refused == NULL && plan->gpu_family == FA_FAMILY_APPLE10 && tensor_family == FA_FAMILY_APPLE10;
     const int32_t kernel = a->options.write_probs                ? FA_KERNEL_SIMPLE
                            : a->options.kernel != FA_KERNEL_AUTO ? a->options.kernel
                            : p->q_len <= DECODE_MAX_QUERY_LEN    ? FA_KERNEL_DECODE
+                           : tensor_by_default                   ? FA_KERNEL_TENSOR
                                                                  : FA_KERNEL_FORWARD;
     switch (kernel) {
     case FA_KERNEL_SIMPLE: rc = plan_simple(a, plan); break;
     case FA_KERNEL_DECODE: rc = plan_decode(a, plan, st); break;
+    case FA_KERNEL_TENSOR: rc = plan_tensor(a, plan); break;
     default: rc = plan_prefill(a, plan, st);
     }
     if (rc == FA_OK && plan->sequences && plan->n_dispatches > 0) {
@@ -922,6 +1020,12 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);
         snprintf(d.function, sizeof d.function, "fa_backward_dq_%s", fa_kernel_type_name(dtype));
         rc = rc != 0 ? rc : visit_dispatch(&d, visit, ctx);
+    }
+    for (int32_t bd = 64; rc == 0 && dtype != FA_F32 && bd <= TENSOR_MAX_HEAD_DIM; bd += 32) { /* tensor_width's */
+        memset(&d, 0, sizeof d);
+        fa_plan_start_dispatch(&d, tensor_source, "fa_forward_tensor", dtype);
+        set_tensor_macros(&d, bd);
+        rc = visit_dispatch(&d, visit, ctx);
     }
     for (int32_t cols = DECODE_MIN_COLS; rc == 0 && cols <= decode_columns(FA_MAX_HEAD_DIM, 0);
          cols = next_decode_columns(cols)) {

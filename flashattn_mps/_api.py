@@ -111,10 +111,12 @@ def flash_attention(
             (True takes part) or float32 / q's dtype added to the scaled scores, as SDPA's. Read
             through its strides inside the kernels, never expanded in memory; a row with no visible
             key gives zeros (and zero gradients). Not combinable with causal=True (SDPA refuses it too).
-        kernel: "auto" (the planner's choice: "decode" for L <= 8, else "forward"), "forward" (the
-            FlashAttention-2 prefill kernel), "decode" (the vector kernel for few query rows, keys
-            split over threadgroups when long) or "simple" (the one-row-per-SIMD-group reference
-            kernel), for tests and benchmarks.
+        kernel: "auto" (the planner's choice: "decode" for L <= 8, else "tensor" where it applies on
+            an Apple10 GPU with Metal 4 tensor support, else "forward"), "forward" (the
+            FlashAttention-2 prefill kernel), "tensor" (the prefill on Metal 4 tensor operations:
+            fp16/bf16, E and Ev <= 128, no dropout; an error names what it does not take), "decode"
+            (the vector kernel for few query rows, keys split over threadgroups when long) or
+            "simple" (the one-row-per-SIMD-group reference kernel), for tests and benchmarks.
         return_lse: also return the float32 log-sum-exp of each row's scaled scores,
             (B, Hq, L) or (Hq, L): log(sum_j exp(scale * q_i . k_j)), -inf for a row with no key.
         window_size: None, or (left, right): query i sees only keys d_i - left .. d_i + right (-1:

@@ -41,6 +41,7 @@ _KERNELS = {
     "simple": _C.KERNEL_SIMPLE,
     "forward": _C.KERNEL_FORWARD,
     "decode": _C.KERNEL_DECODE,
+    "tensor": _C.KERNEL_TENSOR,
 }
 
 

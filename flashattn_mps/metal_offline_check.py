@@ -114,6 +114,21 @@ class Pipeline:
         return f"{self.source} {self.function}" + (f" [{spec}]" if spec else "")
 
 
+def tensor_sequences_plan() -> dict:
+    """The plan of the tensor-path prefill over packed sequences (its kernel and its library's table
+    kernel), on the CPU device, which has Metal 4 tensor operations."""
+    import torch
+
+    from . import _C
+    from ._core import plan_run, sequence_args
+    from ._options import AttentionOptions
+
+    x = torch.zeros(1, 2, 16, 32, dtype=torch.float16)
+    table = torch.tensor([[0, 0, 5, 0, 0, 5], [0, 5, 11, 0, 5, 11]], dtype=torch.int32)
+    options = AttentionOptions(0.25, False, (1, -1, -1), kernel=_C.KERNEL_TENSOR)
+    return plan_run(x, x, x, x.clone(), None, options, sequence_args(table, 11, 11))
+
+
 def planner_dispatches() -> dict:
     """{(source, kernel): {index: (kind, value)}}: every kernel the planner dispatches from each
     source (its name without the element type, e.g. "fa_backward_dkdv") and the function constants
@@ -135,6 +150,7 @@ def planner_dispatches() -> dict:
         explain_plan(q[:, :, :1], kv, kv),
         explain_plan(q[:, :, :1], t(1, 2, 8192, 32), t(1, 2, 8192, 32)),  # split-K and its merge
         explain_plan(q, kv, kv, kernel="simple"),
+        tensor_sequences_plan(),
         explain_plan(q, kv, kv, backward=True),
         explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11),
         explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11, backward=True),

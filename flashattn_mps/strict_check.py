@@ -147,13 +147,14 @@ def violations_of(output: str, shim_dir: str) -> list[str]:
 
 def language_of(text: str, given: str | None = None, macros: tuple = ()) -> str:
     """The language a source is checked as: `given` (a key of STANDARDS), else Metal 4.0 for a
-    source that includes Metal 4's tensor headers or is given __METAL_VERSION__ >= 400, else
-    Metal 3.1."""
+    source that includes Metal 4's tensor headers or is given __METAL_VERSION__ (or the planner's
+    FA_LANGUAGE_VERSION) >= 400, else Metal 3.1."""
     if given is not None:
         if given not in STANDARDS:
             raise ValueError(f"--std must be one of {', '.join(STANDARDS)}, got {given!r}")
         return given
-    version = dict(macros).get("__METAL_VERSION__", "")
+    # the planner marks a Metal 4 library with FA_LANGUAGE_VERSION (csrc/fa_gpu_family.h)
+    version = dict(macros).get("__METAL_VERSION__") or dict(macros).get("FA_LANGUAGE_VERSION") or ""
     metal4 = _METAL4_INCLUDE.search(text) or (version.isdigit() and int(version) >= 400)
     return "metal4.0" if metal4 else "metal3.1"
 

@@ -159,6 +159,19 @@ int32_t fa_metal_gpu_family(void) {
     return 7; // older than Apple7 cannot run these kernels' SIMD-group matrices; plan as the oldest
 }
 
+// Metal 4's tensor operations (MetalPerformancePrimitives) need macOS 26.2 (the release MLX and
+// torch gate theirs on) and an Apple9 GPU or newer (MPP runs on the simdgroup units there, on the
+// neural accelerators of Apple10), and a build whose SDK compiles Metal 4 (compile_options).
+int32_t fa_metal_tensor_family(void) {
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 260000
+    if (@available(macOS 26.2, *)) {
+        const int32_t family = fa_metal_gpu_family();
+        return family >= 9 ? family : 0;
+    }
+#endif
+    return 0;
+}
+
 static const char *class_name(id obj) { return NSStringFromClass([obj class]).UTF8String; }
 
 int32_t fa_metal_object_class(void *handle, char *out, size_t n) {
@@ -214,18 +227,33 @@ static MTLCompileOptions *compile_options(const fa_pipeline_key *key) {
     MTLCompileOptions *opts = [MTLCompileOptions new];
     NSMutableDictionary<NSString *, NSObject *> *macros = [NSMutableDictionary new];
     bool two_byte_elements = false; // FA_DTYPE half or bfloat: the library's one element type
+    bool metal4 = false;            // FA_LANGUAGE_MACRO: a tensor-path library (fa_gpu_family.h)
     for (uint32_t i = 0; i < key->n_macros; ++i) {
         NSString *value = fixed_string(key->macros[i].value, sizeof key->macros[i].value);
         if (strncmp(key->macros[i].name, "FA_DTYPE", sizeof key->macros[i].name) == 0) {
             two_byte_elements = [value isEqualToString:@"half"] || [value isEqualToString:@"bfloat"];
         }
+        if (strncmp(key->macros[i].name, FA_LANGUAGE_MACRO, sizeof key->macros[i].name) == 0) {
+            metal4 = [value isEqualToString:@FA_LANGUAGE_METAL4];
+        }
         // An empty value means "defined", as on the CPU device (which defines it as 1).
         macros[fixed_string(key->macros[i].name, sizeof key->macros[i].name)] = value.length ? value : @"1";
     }
     opts.preprocessorMacros = macros;
-    // bfloat needs MSL 3.1 (macOS 14); kernels guard it with __HAVE_BFLOAT__.
+    // bfloat needs MSL 3.1 (macOS 14); kernels guard it with __HAVE_BFLOAT__. Tensor-path
+    // libraries are Metal 4 (the planner plans them only where fa_metal_tensor_family says so; an
+    // SDK without Metal 4 compiles them as 3.1, and the compiler's error names <metal_tensor>).
+#if __MAC_OS_X_VERSION_MAX_ALLOWED >= 260000
+    if (@available(macOS 26.0, *)) {
+        if (metal4) {
+            opts.languageVersion = MTLLanguageVersion4_0;
+        } else {
+            opts.languageVersion = MTLLanguageVersion3_1;
+        }
+    } else
+#endif
 #if __MAC_OS_X_VERSION_MAX_ALLOWED >= 140000
-    if (@available(macOS 14.0, *)) {
+        if (@available(macOS 14.0, *)) {
         opts.languageVersion = MTLLanguageVersion3_1;
     } else
 #endif

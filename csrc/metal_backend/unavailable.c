@@ -16,6 +16,8 @@ uint32_t fa_metal_torch_symbols(void) { return 0; }
 
 int32_t fa_metal_gpu_family(void) { return 0; }
 
+int32_t fa_metal_tensor_family(void) { return 0; }
+
 int32_t fa_metal_configure(int32_t mode, int32_t debug, int32_t check_buffers) {
     (void)mode, (void)debug, (void)check_buffers;
     return FA_METAL_OWN_QUEUE;

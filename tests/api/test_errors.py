@@ -200,7 +200,7 @@ def test_option_messages_name_the_argument_what_was_given_and_what_is_accepted()
     np = pytest.importorskip("numpy")
     q, k, v = qkv()
     with pytest.raises(
-        TypeError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple'\], got list \[\]"
+        TypeError, match=r"kernel must be one of \['auto', 'decode', 'forward', 'simple', 'tensor'\], got list \[\]"
     ):
         flash_attention(q, k, v, kernel=[])
     with pytest.raises(TypeError, match=r"causal must be a bool \(True or False\), got numpy.bool_? True"):

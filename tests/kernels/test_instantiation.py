@@ -21,6 +21,7 @@ BACKWARD_DELTA_THREADS = 32 * 4  # FA_BACKWARD_DELTA_ROWS SIMD-groups (fa_plan_b
 SOURCE_KERNELS = {
     "fa_simple.metal": {"fa_simple", "fa_sequence_table"},
     "fa_forward.metal": {"fa_forward", "fa_sequence_table"},
+    "fa_forward_tensor.metal": {"fa_forward_tensor", "fa_sequence_table"},
     "fa_decode.metal": {"fa_decode", "fa_decode_merge", "fa_sequence_table"},
     "fa_backward.metal": {"fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq", "fa_sequence_table"},
 }
@@ -132,6 +133,9 @@ def reachable_specialisations():
             for e in PADDED_HEAD_DIMS:
                 for ev in PADDED_HEAD_DIMS:
                     add(plan(dtype, lq=9, e=e, ev=ev, kernel="forward", gpu=gpu))
+        if dtype != torch.float32:  # the tensor path's widths (fp16 and bf16 only)
+            for e in (64, 96, 128):
+                add(plan(dtype, lq=9, e=e, kernel="tensor"))
         for e in range(32, 577, 32):  # head dims to 576: 12, 16 and 20 columns per lane
             for rows in (1, 2, 4, 8, 16):  # rows sharing a kv head: the GQA factor times L
                 add(plan(dtype, hq=rows, hkv=1, lq=1, e=e, kernel="decode"))
