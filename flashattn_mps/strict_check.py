@@ -60,6 +60,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import _C, _metal_cpu, _sources
 
@@ -381,7 +382,19 @@ def run_files(
         with open(path, encoding="utf-8") as f:
             text = f.read()
         directory = os.path.dirname(os.path.abspath(path))
-        return check_one(compiler, shim_dir, path, text, macros, (directory,) + tuple(include_dirs), language=language)
+        try:  # the language from what the file includes, through its project headers
+            whole = _sources.inline_includes(Path(path).resolve(), Path(directory).resolve())
+        except (OSError, ValueError):  # a header only -I finds: the file's own text decides
+            whole = text
+        return check_one(
+            compiler,
+            shim_dir,
+            path,
+            text,
+            macros,
+            (directory,) + tuple(include_dirs),
+            language=language_of(whole, language, macros),
+        )
 
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         return list(pool.map(one, paths))

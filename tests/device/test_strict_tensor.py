@@ -252,6 +252,13 @@ def test_matmul2d_at_thread_scope_runs_on_the_device():
     assert (c.double() - want).abs().max() <= 1e-5
 
 
+def test_a_file_is_checked_as_metal_4_through_the_headers_it_includes(tmp_path):
+    (tmp_path / "tensor_helpers.h").write_text(PRELUDE)
+    (tmp_path / "uses_them.metal").write_text('#include "tensor_helpers.h"\n' + ACCEPTED)
+    [result] = strict_check.run_files([str(tmp_path / "uses_them.metal")])
+    assert result.ok, result.message
+
+
 def test_tensor_sources_are_checked_as_metal_4():
     assert strict_check.language_of(PRELUDE + ACCEPTED) == "metal4.0"
     assert strict_check.language_of("#include <metal_stdlib>\n") == "metal3.1"
