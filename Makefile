@@ -54,9 +54,10 @@ bench: $(VENV)/.built
 strict-check: $(VENV)/.built
 	$(PY) -m flashattn_mps.strict_check
 
-# Apple's offline Metal compiler on every specialisation (macOS with Xcode only).
+# Apple's offline Metal compiler on every specialisation (macOS with Xcode only);
+# METAL_OFFLINE_FLAGS=--metal4 adds -std=metal4.0 (Xcode 26 with the Metal toolchain).
 metal-offline-check: $(VENV)/.built
-	$(PY) -m flashattn_mps.metal_offline_check
+	$(PY) -m flashattn_mps.metal_offline_check $(METAL_OFFLINE_FLAGS)
 
 doctor: $(VENV)/.built
 	$(PY) -m flashattn_mps.doctor

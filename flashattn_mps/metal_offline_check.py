@@ -3,6 +3,8 @@ emit: the check that Metal itself accepts the kernels, without a GPU (macOS with
 command-line tools plus the Metal toolchain).
 
     python -m flashattn_mps.metal_offline_check [--xcrun PATH] [--jobs N] [--sources NAME ...] [--keep DIR]
+                                                [--metal4] [--files FILE.metal ... [--expect-refused]]
+                                                [--dry-run]
 
 Each (source, macros) from the C core's specialisation list (`_C.specialisations()`, the list the
 strict check uses) is compiled as the backend compiles it at run time (the same self-contained
@@ -12,8 +14,14 @@ text, macros with an empty value defined as 1, no fast math) with
     xcrun -sdk macosx metallib X.air -o X.metallib
 
 and again with -std=metal3.0 (macOS 13, no bfloat: the sources must compile without
-__HAVE_BFLOAT__) unless the specialisation is a bfloat one. Any error fails the check (exit 1);
-warnings are listed once each.
+__HAVE_BFLOAT__) unless the specialisation is a bfloat one; with --metal4 (Xcode 26 with the Metal
+toolchain) also with -std=metal4.0 -mmacosx-version-min=26.2. A source that includes Metal 4's
+tensor headers (strict_check.language_of) is compiled at Metal 4.0 only, so only with --metal4.
+Any error fails the check (exit 1); warnings are listed once each.
+
+--files compiles standalone sources instead (the tensor test kernels), each at its language;
+with --expect-refused each must be refused (the strict check's misuse examples: Apple's compiler
+agrees with it). --dry-run prints the command lines and compiles nothing.
 """
 
 from __future__ import annotations
@@ -28,9 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import _C, _sources
+from .strict_check import language_of
 
 STANDARDS = ("metal3.1", "metal3.0")  # macOS 14+ (bfloat), macOS 13
+METAL4 = "metal4.0"  # macOS 26.2+: tensors and MetalPerformancePrimitives
 COMPILE_FLAGS = ("-fno-fast-math", "-Wall")
+# MPP's matmul2d exists from macOS 26.2 (its availability macro reads the deployment target)
+STANDARD_FLAGS = {METAL4: ("-mmacosx-version-min=26.2",)}
 
 
 @dataclass(frozen=True)
@@ -57,16 +69,20 @@ def needs_bfloat(function: str, macros) -> bool:
     return "bfloat" in function.split("_") or any(value == "bfloat" for _, value in macros)
 
 
-def standards_of(macros) -> tuple:
-    """The language standards a specialisation compiles under: Metal 4 alone for a library the
-    planner marks as Metal 4 (FA_LANGUAGE_VERSION=400: the tensor path, macOS 26), else STANDARDS."""
-    return ("metal4.0",) if dict(macros).get("FA_LANGUAGE_VERSION") == "400" else STANDARDS
+def standards_of(text: str, bfloat: bool, metal4: bool) -> list[str]:
+    """The standards one source is compiled at: Metal 4.0 only for a tensor source (none without
+    metal4: an older Xcode has no Metal 4), else 3.1, 3.0 unless it is a bfloat specialisation, and
+    4.0 with metal4."""
+    if language_of(text) == METAL4:
+        return [METAL4] if metal4 else []
+    return [std for std in STANDARDS if not (bfloat and std == "metal3.0")] + ([METAL4] if metal4 else [])
 
 
-def work_items(sources=None) -> list[Work]:
+def work_items(sources=None, metal4: bool = False) -> list[Work]:
     """Every (source, macros, standard) to compile, from the planner's specialisation list, plus
     each kernel source the planner never emits, unspecialised."""
-    names = set(_sources.kernel_sources())
+    texts = _sources.kernel_sources()
+    names = set(texts)
     bfloat_only: dict[tuple, bool] = {}
     for source, function, macros in _C.specialisations():
         key = (source, tuple(tuple(m) for m in macros))
@@ -77,7 +93,7 @@ def work_items(sources=None) -> list[Work]:
     for (source, macros), bfloat in sorted(bfloat_only.items()):
         if sources is not None and source not in sources:
             continue
-        items += [Work(source, macros, std) for std in standards_of(macros) if not (bfloat and std == "metal3.0")]
+        items += [Work(source, macros, std) for std in standards_of(texts[source], bfloat, metal4)]
     return items
 
 
@@ -186,11 +202,13 @@ def pipeline_items(sources=None) -> list[Pipeline]:
 
 def compile_command(xcrun: str, work: Work, src: str, air: str) -> list[str]:
     defines = [f"-D{name}={value or '1'}" for name, value in work.macros]
-    return [xcrun, "-sdk", "macosx", "metal", f"-std={work.standard}", *COMPILE_FLAGS, *defines, "-c", src, "-o", air]
+    standard = [f"-std={work.standard}", *STANDARD_FLAGS.get(work.standard, ())]
+    return [xcrun, "-sdk", "macosx", "metal", *standard, *COMPILE_FLAGS, *defines, "-c", src, "-o", air]
 
 
-def check_one(xcrun: str, work: Work, src: str, out_dir: str, index: int) -> Result:
-    stem = os.path.join(out_dir, f"{index:05d}_{work.source.replace('.metal', '')}_{work.standard}")
+def check_one(xcrun: str, work: Work, src: str, out_dir: str, index: int, name: str | None = None) -> Result:
+    name = name or work.source.replace(".metal", "")
+    stem = os.path.join(out_dir, f"{index:05d}_{name}_{work.standard}")
     compiled = subprocess.run(compile_command(xcrun, work, src, stem + ".air"), capture_output=True, text=True)
     output = compiled.stdout + compiled.stderr
     if compiled.returncode != 0:
@@ -211,13 +229,56 @@ def find_xcrun(explicit: str | None = None) -> str:
     return found
 
 
-def run(xcrun: str | None = None, jobs: int | None = None, sources=None, keep: str | None = None) -> list[Result]:
+def file_items(paths) -> list[Work]:
+    """Standalone sources (by path), each at the standard of its language."""
+    items = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            language = language_of(f.read())
+        items.append(Work(path, (), language if language == METAL4 else STANDARDS[0]))
+    return items
+
+
+def dry_run(items: list[Work], xcrun: str = "xcrun") -> list[str]:
+    """The compile and link command lines of each item, run nowhere."""
+    lines = []
+    for index, work in enumerate(items):
+        src = work.source if os.path.isfile(work.source) else os.path.join("OUT", work.source)
+        stem = os.path.join("OUT", f"{index:05d}_{os.path.basename(work.source).replace('.metal', '')}_{work.standard}")
+        lines.append(" ".join(compile_command(xcrun, work, src, stem + ".air")))
+        lines.append(" ".join([xcrun, "-sdk", "macosx", "metallib", stem + ".air", "-o", stem + ".metallib"]))
+    return lines
+
+
+def run_files(items: list[Work], xcrun: str | None = None, jobs: int | None = None, keep: str | None = None):
+    tool = find_xcrun(xcrun)
+    with tempfile.TemporaryDirectory(prefix="fa-metal-") as tmp:
+        out_dir = keep or tmp
+        os.makedirs(out_dir, exist_ok=True)
+        with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+            return list(
+                pool.map(
+                    lambda iw: check_one(
+                        tool, iw[1], iw[1].source, out_dir, iw[0], os.path.basename(iw[1].source).replace(".metal", "")
+                    ),
+                    enumerate(items),
+                )
+            )
+
+
+def run(
+    xcrun: str | None = None,
+    jobs: int | None = None,
+    sources=None,
+    keep: str | None = None,
+    metal4: bool = False,
+) -> list[Result]:
     tool = find_xcrun(xcrun)
     texts = _sources.kernel_sources()
     unknown = set(sources or ()) - set(texts)
     if unknown:
         raise ValueError(f"unknown kernel sources {sorted(unknown)}; known: {sorted(texts)}")
-    items = work_items(sources)
+    items = work_items(sources, metal4)
     with tempfile.TemporaryDirectory(prefix="fa-metal-") as tmp:
         out_dir = keep or tmp
         os.makedirs(out_dir, exist_ok=True)
@@ -238,12 +299,31 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, help="parallel compiles (default: all cores)")
     parser.add_argument("--sources", nargs="+", help="check only these .metal files")
     parser.add_argument("--keep", help="write sources, .air and .metallib files here and keep them")
+    parser.add_argument("--metal4", action="store_true", help="also compile every source with -std=metal4.0")
+    parser.add_argument("--files", nargs="+", metavar="FILE.metal", help="compile these standalone sources instead")
+    parser.add_argument("--expect-refused", action="store_true", help="each of --files must fail to compile")
+    parser.add_argument("--dry-run", action="store_true", help="print the command lines, compile nothing")
     args = parser.parse_args(argv)
+    if args.expect_refused and args.files is None:
+        parser.error("--expect-refused applies to --files")
     try:
-        results = run(args.xcrun, args.jobs, args.sources, args.keep)
+        if args.dry_run:
+            items = file_items(args.files) if args.files else work_items(args.sources, args.metal4)
+            print("\n".join(dry_run(items, args.xcrun or "xcrun")))
+            return 0
+        if args.files:
+            results = run_files(file_items(args.files), args.xcrun, args.jobs, args.keep)
+        else:
+            results = run(args.xcrun, args.jobs, args.sources, args.keep, args.metal4)
     except (FileNotFoundError, ValueError) as e:
         print(f"metal offline check: {e}", file=sys.stderr)
         return 2
+    if args.expect_refused:
+        accepted = [r for r in results if r.ok]
+        for r in accepted:
+            print(f"ACCEPTED, expected refused: {r.work.label}", file=sys.stderr)
+        print(f"metal offline check: {len(results) - len(accepted)} of {len(results)} misuses refused")
+        return 1 if accepted else 0
     failed = [r for r in results if not r.ok]
     for r in failed:
         print(f"FAILED {r.work.label}\n{r.output}", file=sys.stderr)

@@ -1,12 +1,16 @@
 """The strict MSL check: a conformance check that refuses what Apple's Metal compiler refuses.
 
     python -m flashattn_mps.strict_check [FILE.metal ...] [-D NAME=VALUE ...] [-I DIR ...] [--clang PATH]
-                                         [--jobs N]
+                                         [--jobs N] [--std metal3.1|metal4.0]
 
 With files, checks each under the -D macros (`#include "..."` searches the file's directory, then
 each -I DIR);
 with none, checks every (source, macros) the planner can emit. Exits non-zero on any violation;
 each is printed as `file:line:col: error: ... [rule: NAME]`.
+
+A source is checked as Metal 4 (`__METAL_VERSION__` 400, C++20, as `-std=metal4.0`) when it
+includes <metal_tensor>, <metal_cooperative_tensor> or <MetalPerformancePrimitives/...>, or when
+--std metal4.0 says so; otherwise as Metal 3.1, the language of the project's simdgroup kernels.
 
 The CPU Metal device compiles MSL as ordinary C++, which accepts much that Metal does not. This
 check runs clang's front end (`clang++ -fsyntax-only`) on the source after the prepass in strict
@@ -32,6 +36,15 @@ mode, against the shim in strict mode:
   references it, while the CPU device fails only a dispatch that reads it. Whether each function
   gets every constant it references is per function, which only Apple's compiler settles:
   `python -m flashattn_mps.doctor --pipelines` builds each one with the planner's constants.
+- Metal 4 tensor code meets the API Apple's headers declare (msl_tensor.h, `[rule: tensor-*]`):
+  matmul2d's descriptor as Apple orders its fields, its scope (execution_simdgroups<N> or
+  execution_thread: there is no threadgroup scope),
+  the (left, right, destination) element types the macOS 26 SDK lists for matmul2d, operands that
+  are rank-2 tensors or cooperative tensors bound as lvalues, none in constant memory, the
+  cooperative tensors' getters (element types for the inputs, operand types for the
+  destination), cooperative operands of the operation that made them, reductions between
+  cooperative tensors of one element type (docs/cpu-device.md, "What the check knows of the
+  tensor API").
 It cannot see numerics, register pressure, races, nor anything only Apple's back end checks.
 """
 
@@ -47,6 +60,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import _C, _metal_cpu, _sources
 
@@ -64,9 +78,16 @@ CLANG_RULES = [
     (re.compile(r"to 'bfloat'"), "bfloat-conversion"),
     (re.compile(r"address space"), "address-space"),
     (re.compile(r"file not found"), "std-library"),
+    # its fields in Apple's order: m, n, k, transpose_left, transpose_right, relaxed_precision, mode
+    (re.compile(r"'(mpp::tensor_ops::)?matmul2d_descriptor'"), "tensor-descriptor"),
 ]
 _FUNCTION_CONSTANT = re.compile(r"::msl_rt::function_constant<[^;{]*?,\s*([^;{]+?)>\s+(\w+)\{[^}]*\}")
 _LINE_DIRECTIVE = re.compile(r'#\s*(?:line\s+)?(\d+)\s+"([^"]*)"')
+# Headers only Metal 4 sources include: a source including one is checked as Metal 4.
+_METAL4_INCLUDE = re.compile(
+    r"^\s*#\s*include\s*<(metal_tensor|metal_cooperative_tensor|MetalPerformancePrimitives/[\w.]+)>", re.M
+)
+STANDARDS = {"metal3.1": ("310", "-std=gnu++17"), "metal4.0": ("400", "-std=gnu++20")}
 _DIAG = re.compile(r"^(?P<loc>[^\s:][^:]*:\d+:\d+): (?:fatal )?(?P<kind>error|warning|note): (?P<text>.*)$")
 
 
@@ -125,6 +146,20 @@ def violations_of(output: str, shim_dir: str) -> list[str]:
     return found
 
 
+def language_of(text: str, given: str | None = None, macros: tuple = ()) -> str:
+    """The language a source is checked as: `given` (a key of STANDARDS), else Metal 4.0 for a
+    source that includes Metal 4's tensor headers or is given __METAL_VERSION__ (or the planner's
+    FA_LANGUAGE_VERSION) >= 400, else Metal 3.1."""
+    if given is not None:
+        if given not in STANDARDS:
+            raise ValueError(f"--std must be one of {', '.join(STANDARDS)}, got {given!r}")
+        return given
+    # the planner marks a Metal 4 library with FA_LANGUAGE_VERSION (csrc/fa_gpu_family.h)
+    version = dict(macros).get("__METAL_VERSION__") or dict(macros).get("FA_LANGUAGE_VERSION") or ""
+    metal4 = _METAL4_INCLUDE.search(text) or (version.isdigit() and int(version) >= 400)
+    return "metal4.0" if metal4 else "metal3.1"
+
+
 def _index_value(text: str) -> int | None:
     """A function constant's index expression (integer literals, + - * << | and parentheses), or
     None when it is anything else."""
@@ -175,32 +210,30 @@ def unset_function_constants(rewritten: str, planner_sets: frozenset) -> list[st
     return found
 
 
-def _language_version(macros: tuple) -> str | None:
-    """The Metal version a planner library is written in (FA_LANGUAGE_VERSION, csrc/fa_gpu_family.h:
-    "400" for the tensor path's Metal 4), None for the device's default (3.1)."""
-    return dict(macros).get("FA_LANGUAGE_VERSION")
+def _language_flags(flags, language: str) -> list[str]:
+    """The CPU device's preprocessing flags with the language version and C++ dialect of `language`,
+    and __METAL__ as Apple's compiler predefines it."""
+    version, dialect = STANDARDS[language]
+
+    def one(flag: str) -> str:
+        if flag.startswith("-std="):
+            return dialect
+        return f"-D__METAL_VERSION__={version}" if flag.startswith("-D__METAL_VERSION__=") else flag
+
+    return [one(f) for f in flags] + ["-D__METAL__=1"]
 
 
-def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, include_dirs: tuple) -> str | Result:
+def _rewritten(
+    clang: str, shim_dir: str, name: str, text: str, macros: tuple, include_dirs: tuple, language: str = "metal3.1"
+) -> str | Result:
     """The source preprocessed and rewritten by the prepass in strict mode, or the failed Result."""
     if not text.startswith("#line"):
         text = f'#line 1 "{name}"\n' + text  # name the file in clang's messages
     defines = [f"-D{k}={v}" for k, v in macros]
     includes = [a for d in include_dirs for a in ("-I", d)]
     # The CPU device's own preprocessing flags; only Metal's headers (the shim's stand-ins) are
-    # found: no C++ standard library. A library the planner marks as Metal 4 (FA_LANGUAGE_VERSION,
-    # csrc/fa_gpu_family.h) is preprocessed as the device builds it: that version, C++20.
-    version = _language_version(macros)
-    flags = [
-        f
-        if version is None
-        else "-std=gnu++20"
-        if f == "-std=gnu++17"
-        else f"-D__METAL_VERSION__={version}"
-        if f.startswith("-D__METAL_VERSION__=")
-        else f
-        for f in _metal_cpu.preprocessor_flags()
-    ] + ([] if version is None else ["-D__METAL__=1"])
+    # found: no C++ standard library.
+    flags = _language_flags(_metal_cpu.preprocessor_flags(), language)
     expanded = subprocess.run(
         [clang, *flags, "-nostdinc++", "-I", os.path.join(shim_dir, "include")] + includes + defines + ["-"],
         input=text,
@@ -217,17 +250,18 @@ def _rewritten(clang: str, shim_dir: str, name: str, text: str, macros: tuple, i
         return Result(name, macros, False, str(exc), found)
 
 
-def _syntax_check(clang: str, shim_dir: str, rewritten: str, version: str | None = None) -> tuple[bool, str, list[str]]:
-    """clang's front end on rewritten source against the strict shim: (ok, output, violations);
-    version: _language_version's (Metal 4 is C++20, with the shim's tensor header)."""
+def _syntax_check(clang: str, shim_dir: str, rewritten: str, language: str = "metal3.1") -> tuple[bool, str, list[str]]:
+    """clang's front end on rewritten source against the strict shim: (ok, output, violations)."""
+    version, dialect = STANDARDS[language]
     checked = subprocess.run(
         [
             clang,
             "-x",
             "c++",
-            "-std=gnu++17" if version is None else "-std=gnu++20",
-            *([] if version is None else [f"-D__METAL_VERSION__={version}", "-D__METAL__=1"]),
+            dialect,
+            f"-D__METAL_VERSION__={version}",
             "-fsyntax-only",
+            "-ferror-limit=0",  # every violation, not clang's first 20 errors
             "-DMSL_STRICT",
             "-Wno-unknown-attributes",
             "-Wfloat-conversion",
@@ -254,13 +288,17 @@ def check_one(
     macros: tuple = (),
     include_dirs: tuple = (),
     planner_sets: frozenset | None = None,
+    language: str | None = None,
 ) -> Result:
     """Checks one source under one set of macros; with planner_sets (the function-constant
-    indices the planner sets), also that it uses no other function constant."""
-    rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs)
+    indices the planner sets), also that it uses no other function constant. language: a key
+    of STANDARDS, else language_of(text, macros=macros)."""
+    language = language_of(text, language, macros)
+    macros = tuple((k, v) for k, v in macros if k != "__METAL_VERSION__")  # set by the language
+    rewritten = _rewritten(clang, shim_dir, name, text, macros, include_dirs, language)
     if isinstance(rewritten, Result):
         return rewritten
-    ok, output, found = _syntax_check(clang, shim_dir, rewritten, _language_version(macros))
+    ok, output, found = _syntax_check(clang, shim_dir, rewritten, language)
     if planner_sets is not None:
         found = found + unset_function_constants(rewritten, planner_sets)
     ok = ok and not found
@@ -271,16 +309,16 @@ def check_batch(clang: str, shim_dir: str, work: list[tuple], planner_sets: froz
     """check_one for each (name, text, macros), with one clang front-end run for all of them: each
     rewritten source in a namespace of its own (parsing the shim costs most of a run). A batch
     that fails is checked again one by one, so each Result carries its own violations.
-    planner_sets: as for check_one."""
+    planner_sets: as for check_one. Every source of a batch is of one language (language_of)."""
     results: list[Result | None] = []
     unset: list[list[str]] = []
     parts = []
+    languages = {language_of(text, macros=macros) for _, text, macros in work}
+    if len(languages) > 1:
+        raise ValueError(f"check_batch: one language per batch, got {sorted(languages)}")
+    language = languages.pop() if languages else "metal3.1"
     for k, (name, text, macros) in enumerate(work):
-        if _language_version(macros) is not None:  # another language: a front-end run of its own
-            results.append(check_one(clang, shim_dir, name, text, macros, planner_sets=planner_sets))
-            unset.append([])
-            continue
-        rewritten = _rewritten(clang, shim_dir, name, text, macros, ())
+        rewritten = _rewritten(clang, shim_dir, name, text, macros, (), language)
         if isinstance(rewritten, Result):
             results.append(rewritten)
             unset.append([])
@@ -289,7 +327,7 @@ def check_batch(clang: str, shim_dir: str, work: list[tuple], planner_sets: froz
         unset.append(unset_function_constants(rewritten, planner_sets) if planner_sets is not None else [])
         parts.append(f"namespace __msl_specialisation_{k} {{\n{rewritten}\n}}\n")
     if parts:
-        ok, output, _ = _syntax_check(clang, shim_dir, "".join(parts))
+        ok, output, _ = _syntax_check(clang, shim_dir, "".join(parts), language)
         for k, (name, text, macros) in enumerate(work):
             if results[k] is None and ok:
                 results[k] = Result(name, macros, not unset[k], "\n".join(unset[k] + [output]), unset[k])
@@ -314,7 +352,10 @@ def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> l
     missing = sorted(set(sources) - {w[0] for w in work})
     # A .metal file the planner never emits would go unchecked: check it unspecialised too.
     work += [(name, sources[name], ()) for name in missing]
-    batches = [work[i : i + batch] for i in range(0, len(work), batch)]
+    batches = []
+    for language in STANDARDS:
+        alike = [w for w in work if language_of(w[1], macros=w[2]) == language]
+        batches += [alike[i : i + batch] for i in range(0, len(alike), batch)]
     planner_sets = planner_constant_set()
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         return [
@@ -325,9 +366,15 @@ def run(clang: str | None = None, jobs: int | None = None, batch: int = 24) -> l
 
 
 def run_files(
-    paths: list[str], macros: tuple = (), clang: str | None = None, jobs: int | None = None, include_dirs: tuple = ()
+    paths: list[str],
+    macros: tuple = (),
+    clang: str | None = None,
+    jobs: int | None = None,
+    include_dirs: tuple = (),
+    language: str | None = None,
 ) -> list[Result]:
-    """Check the given MSL sources under the given macros."""
+    """Check the given MSL sources under the given macros, as `language` (a key of STANDARDS) or
+    each as language_of finds it."""
     compiler = find_clang(clang)
     shim_dir = _metal_cpu.shim_dir()
 
@@ -335,7 +382,19 @@ def run_files(
         with open(path, encoding="utf-8") as f:
             text = f.read()
         directory = os.path.dirname(os.path.abspath(path))
-        return check_one(compiler, shim_dir, path, text, macros, (directory,) + tuple(include_dirs))
+        try:  # the language from what the file includes, through its project headers
+            whole = _sources.inline_includes(Path(path).resolve(), Path(directory).resolve())
+        except (OSError, ValueError):  # a header only -I finds: the file's own text decides
+            whole = text
+        return check_one(
+            compiler,
+            shim_dir,
+            path,
+            text,
+            macros,
+            (directory,) + tuple(include_dirs),
+            language=language_of(whole, language, macros),
+        )
 
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
         return list(pool.map(one, paths))
@@ -369,12 +428,17 @@ def main(argv=None) -> int:
         help='a directory for the given files\' #include "..."',
     )
     parser.add_argument("--clang", help="clang++ to use")
+    parser.add_argument(
+        "--std",
+        choices=sorted(STANDARDS),
+        help="the given files' language (default: Metal 4.0 for those that include its tensor headers, else 3.1)",
+    )
     parser.add_argument("--jobs", type=int, help="parallel clang processes (default: all cores)")
     args = parser.parse_args(argv)
-    if (args.macros or args.include_dirs) and not args.files:
-        parser.error("-D and -I apply to given files; the planner's specialisations bring their own")
+    if (args.macros or args.include_dirs or args.std) and not args.files:
+        parser.error("-D, -I and --std apply to given files; the planner's specialisations bring their own")
     if args.files:
-        results = run_files(args.files, tuple(args.macros), args.clang, args.jobs, tuple(args.include_dirs))
+        results = run_files(args.files, tuple(args.macros), args.clang, args.jobs, tuple(args.include_dirs), args.std)
     else:
         results = run(args.clang, args.jobs)
     failed = [r for r in results if not r.ok]

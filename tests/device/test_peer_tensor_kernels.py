@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flashattn_mps import _metal_cpu, strict_check
 from flashattn_mps.metal_cpu import compile_library
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
@@ -115,17 +116,30 @@ def strides(t):
     return struct.pack("3q", *t.stride()[:3])
 
 
-@pytest.fixture(scope="module", params=["family", "scrambled"])
-def mlx_nax(request, headers):
-    root = headers["mlx"]
+def mlx_nax_source(root: Path) -> str:
     seen: set = set()
-    source = (
+    return (
         inline(root / "mlx/backend/metal/kernels/utils.h", root, seen)
         + "\n"
         + inline(root / "mlx/backend/metal/kernels/steel/attn/kernels/steel_attention_nax.h", root, seen)
         + '\ninstantiate_kernel("nax_half_64", attention_nax, half, 64, 32, 64, 64, 4, 1, half, float)\n'
         + 'instantiate_kernel("nax_bfloat_128", attention_nax, bfloat, 64, 32, 128, 128, 4, 1, bfloat, float)\n'
     )
+
+
+def torch_mpp_source(root: Path) -> str:
+    seen: set = set()
+    return (
+        "#include <metal_stdlib>\n#include <metal_simdgroup_matrix>\nusing namespace metal;\n"
+        + inline(root / "c10/metal/utils.h", root, seen)
+        + "\n"
+        + inline(root / "ATen/native/mps/kernels/MppAttention.h", root, seen)
+    )
+
+
+@pytest.fixture(scope="module", params=["family", "scrambled"])
+def mlx_nax(request, headers):
+    source = mlx_nax_source(headers["mlx"])
     return request.param, compile_library(source, name="steel_attention_nax.metal", tensor_layout=request.param)
 
 
@@ -170,15 +184,7 @@ def test_mlx_nax_attention(mlx_nax, kernel, dtype, head_dim, causal):
 
 @pytest.mark.parametrize("family", ["apple10", "apple9"])
 def test_torch_mpp_prefill_attention(headers, family):
-    root = headers["torch"]
-    seen: set = set()
-    source = (
-        "#include <metal_stdlib>\n#include <metal_simdgroup_matrix>\nusing namespace metal;\n"
-        + inline(root / "c10/metal/utils.h", root, seen)
-        + "\n"
-        + inline(root / "ATen/native/mps/kernels/MppAttention.h", root, seen)
-    )
-    lib = compile_library(source, name="Attention.metal", gpu_family=family)
+    lib = compile_library(torch_mpp_source(headers["torch"]), name="Attention.metal", gpu_family=family)
     arch = "a10" if family == "apple10" else "a9"
     for dtype, name, head_dim, causal in ((torch.float16, "float16", 96, 1), (torch.bfloat16, "bfloat16", 64, 0)):
         q, k, v = qkv(dtype, 2, 100, 77, head_dim, head_dim)
@@ -189,3 +195,13 @@ def test_torch_mpp_prefill_attention(headers, family):
         no_mask = [struct.pack("4q", 0, 0, 0, 0), torch.zeros(1, dtype=dtype)]
         lib.dispatch(kernel, (2, 2, 1), (32, 4, 1), [q, k, v, out, params] + no_mask)
         check(out, q, k, v, scale, bool(causal))
+
+
+def test_the_strict_check_finds_no_tensor_misuse_in_the_peers_kernels(headers):
+    """torch's MPP attention passes the check whole; MLX's NAX attention breaks no tensor rule (its
+    one violation is complex.h's constant bfloat expression, which the check cannot evaluate)."""
+    clang, shim = strict_check.find_clang(), _metal_cpu.shim_dir()
+    torch_result = strict_check.check_one(clang, shim, "Attention.metal", torch_mpp_source(headers["torch"]))
+    assert torch_result.ok, torch_result.message
+    mlx_result = strict_check.check_one(clang, shim, "steel_attention_nax.metal", mlx_nax_source(headers["mlx"]))
+    assert mlx_result.violations and all("complex.h:" in v for v in mlx_result.violations), mlx_result.message

@@ -10,6 +10,7 @@ import stat
 import pytest
 
 from flashattn_mps import _C, _sources, metal_offline_check
+from flashattn_mps.strict_check import language_of
 
 FAKE_XCRUN = """#!/bin/sh
 echo "$*" >> "$FAKE_XCRUN_LOG"
@@ -39,14 +40,12 @@ def fake_xcrun(tmp_path, monkeypatch):
 def test_work_covers_every_specialisation_the_planner_emits_with_both_standards():
     items = metal_offline_check.work_items()
     planned = {(source, tuple(tuple(m) for m in macros)) for source, _, macros in _C.specialisations()}
+    tensor = {name for name, text in _sources.kernel_sources().items() if language_of(text) == "metal4.0"}
+    planned = {p for p in planned if p[0] not in tensor}  # Metal 4 only: with --metal4
     assert {(w.source, w.macros) for w in items} == planned
-    assert {w.source for w in items} == set(_sources.kernel_sources())
-    by_standard = {
-        std: {(w.source, w.macros) for w in items if w.standard == std} for std in ("metal4.0", "metal3.1", "metal3.0")
-    }
-    metal4 = {(s, m) for s, m in planned if dict(m).get("FA_LANGUAGE_VERSION") == "400"}  # the tensor path's
-    assert metal4 and by_standard["metal4.0"] == metal4
-    assert by_standard["metal3.1"] == planned - metal4
+    assert {w.source for w in items} == set(_sources.kernel_sources()) - tensor
+    by_standard = {std: {(w.source, w.macros) for w in items if w.standard == std} for std in ("metal3.1", "metal3.0")}
+    assert by_standard["metal3.1"] == planned
     bfloat = {
         (s, tuple(tuple(m) for m in macros))
         for s, f, macros in _C.specialisations()
@@ -99,3 +98,40 @@ def test_missing_xcrun_or_unknown_source_is_a_clear_error(monkeypatch, tmp_path,
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert metal_offline_check.main([]) == 2
     assert "needs Apple's xcrun" in capsys.readouterr().err
+
+
+TENSOR_SOURCE = "#include <metal_stdlib>\n#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n"
+
+
+def test_metal4_compiles_every_source_at_metal_4_and_tensor_sources_only_there(fake_xcrun, monkeypatch, capsys):
+    sources = {"fa_simple.metal": _sources.kernel_sources()["fa_simple.metal"], "fa_tensor_x.metal": TENSOR_SOURCE}
+    monkeypatch.setattr(metal_offline_check._sources, "kernel_sources", lambda: sources)
+    plain = metal_offline_check.work_items(["fa_simple.metal", "fa_tensor_x.metal"])
+    assert {w.standard for w in plain} == {"metal3.1", "metal3.0"} and "fa_tensor_x.metal" not in {
+        w.source for w in plain
+    }
+    assert metal_offline_check.main(["--sources", "fa_simple.metal", "fa_tensor_x.metal", "--metal4"]) == 0
+    compiles = [c.split() for c in fake_xcrun.read_text().splitlines() if c.split()[2] == "metal"]
+    metal4 = [c for c in compiles if "-std=metal4.0" in c]
+    assert all("-mmacosx-version-min=26.2" in c for c in metal4)
+    assert {os.path.basename(c[-1]).rsplit("_", 1)[0].split("_", 1)[1] for c in metal4} == {"fa_simple", "fa_tensor_x"}
+    assert [c for c in compiles if "fa_tensor_x" in c[-1]] == [c for c in metal4 if "fa_tensor_x" in c[-1]]
+    assert len(metal4) == len([c for c in compiles if "-std=metal3.1" in c]) + 1
+    capsys.readouterr()
+
+
+def test_given_files_compile_or_must_be_refused(fake_xcrun, monkeypatch, tmp_path, capsys):
+    good, bad = tmp_path / "good.metal", tmp_path / "bad_misuse.metal"
+    good.write_text(TENSOR_SOURCE)
+    bad.write_text(TENSOR_SOURCE + "// misuse\n")
+    assert metal_offline_check.main(["--dry-run", "--files", str(good), str(bad)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and not fake_xcrun.exists()
+    assert lines[0].startswith("xcrun -sdk macosx metal -std=metal4.0 -mmacosx-version-min=26.2 ")
+    monkeypatch.setenv("FAKE_XCRUN_FAIL", "bad_misuse.metal")
+    assert metal_offline_check.main(["--files", str(good), str(bad)]) == 1
+    capsys.readouterr()
+    assert metal_offline_check.main(["--expect-refused", "--files", str(bad)]) == 0
+    assert "1 of 1 misuses refused" in capsys.readouterr().out
+    assert metal_offline_check.main(["--expect-refused", "--files", str(good), str(bad)]) == 1
+    assert f"ACCEPTED, expected refused: {good}" in capsys.readouterr().err

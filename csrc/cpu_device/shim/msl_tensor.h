@@ -18,8 +18,17 @@
  * is_valid_element gives wrong results here rather than on another GPU.
  *
  * Exchanges between lanes go through the SIMD-group's exchange (msl_sync.h); cooperative operands
- * and reductions at execution_simdgroups<N> (N > 1) or execution_threadgroup scope are refused at
- * run time (only operands in memory cross SIMD-groups here). */
+ * and reductions at execution_simdgroups<N> (N > 1) scope are refused at run time (only operands
+ * in memory cross SIMD-groups here).
+ *
+ * What Apple's headers declare (MPPTensorOpsMatMul2d.h and its traits, macOS 26 SDK) is enforced
+ * at compile time, on the device and by the strict check, each refusal naming its rule: the
+ * scopes (tensor-scope), the element types matmul2d takes (tensor-operand-types), operands that
+ * are rank-2 tensors or cooperative tensors (tensor-operand-kind, tensor-rank) bound as lvalues
+ * (tensor-operand-lvalue) outside constant memory (tensor-storage), what the cooperative tensors'
+ * getters take (tensor-cooperative-getter), cooperative operands of the operation that made them
+ * (tensor-cooperative-operand), reductions of one element type (tensor-reduction-types); the
+ * descriptor's constructor is Apple's, so strict_check.py names a misbuilt one (tensor-descriptor). */
 #ifndef MSL_TENSOR_H
 #define MSL_TENSOR_H
 
@@ -92,7 +101,7 @@ struct tensor_offset {};
  * innermost (packed: stride 1, then the product of the extents below) */
 template <class E, class X, class Tag = tensor_handle> struct tensor {
     using element_type = E;
-    using value_type = std::remove_cv_t<remove_addrspace_t<E>>;
+    using value_type = std::remove_cv_t<metal::remove_addrspace_t<E>>;
     using extents_type = X;
     using index_type = typename X::index_type;
     using data_handle_type = E *;
@@ -167,31 +176,33 @@ template <class E, class X, class Tag = tensor_handle> struct tensor {
 template <class E, class X> tensor(E *, X) -> tensor<E, X, tensor_inline>;
 template <class E, class X, class S> tensor(E *, X, S) -> tensor<E, X, tensor_inline>;
 
-/* The scopes an operation runs at: one SIMD-group, N of them (the threadgroup's), the threadgroup. */
-struct execution_thread {};
-struct execution_simdgroup {
-    static constexpr int simdgroups = 1;
+/* The scopes an operation runs at, as Apple declares them: one thread, or N SIMD-groups
+ * (execution_simdgroup is N = 1; all of a threadgroup's is N = its SIMD-group count). At
+ * execution_thread the CPU device takes operands in memory only. */
+template <size_t N> struct execution_threads {
+    static_assert(N == 1, "execution_threads<N> exists for N = 1 only (execution_thread) [rule: tensor-scope]");
 };
-template <int N> struct execution_simdgroups {
-    static_assert(N > 0, "execution_simdgroups<N> needs N > 0");
-    static constexpr int simdgroups = N;
+using execution_thread = execution_threads<1>;
+template <size_t N> struct execution_simdgroups {
+    static_assert(N > 0, "execution_simdgroups<N> needs N > 0 [rule: tensor-scope]");
+    static constexpr int simdgroups = int(N);
 };
-struct execution_threadgroup {
-    static constexpr int simdgroups = 0; /* all of the threadgroup's */
-};
+using execution_simdgroup = execution_simdgroups<1>;
+/* Not Apple's: named here so that a kernel using it is told why it is refused (tensor-scope). */
+struct execution_threadgroup {};
 
 /* <metal_logging>: messages go nowhere on the CPU device (Metal drops them too unless the host
- * enabled logging for the command queue) */
+ * enabled logging for the command queue). An aggregate with static members: a logger lives in
+ * constant memory, where the strict check's address spaces admit no constructor or member call. */
 struct os_log {
-    constexpr os_log() = default;
-    constexpr os_log(const char *, const char *) {}
-    template <class... A> void log(A...) const {}
-    template <class... A> void log_debug(A...) const {}
-    template <class... A> void log_info(A...) const {}
-    template <class... A> void log_error(A...) const {}
-    template <class... A> void log_fault(A...) const {}
+    const char *subsystem, *category;
+    template <class... A> static void log(A...) {}
+    template <class... A> static void log_debug(A...) {}
+    template <class... A> static void log_info(A...) {}
+    template <class... A> static void log_error(A...) {}
+    template <class... A> static void log_fault(A...) {}
 };
-constexpr constant os_log os_log_default;
+constexpr constant os_log os_log_default{};
 
 } // namespace metal
 
@@ -204,19 +215,26 @@ template <class Scope> struct participants {
     uint32_t rank, count; /* this thread among the scope's threads */
     uint32_t simdgroup, lane;
 };
+template <class Scope> constexpr bool thread_scope = std::is_same_v<Scope, metal::execution_thread>;
+
 template <class Scope> participants<Scope> who(const char *file, unsigned line) {
     msl_thread *t = self();
-    uint32_t groups = Scope::simdgroups ? uint32_t(Scope::simdgroups) : t->simdgroups_per_threadgroup;
-    if (Scope::simdgroups > 1 && uint32_t(Scope::simdgroups) != t->simdgroups_per_threadgroup)
-        api->fail(t, "execution_simdgroups<N>: the threadgroup has another number of SIMD-groups", file, line);
-    uint32_t sg = Scope::simdgroups == 1 ? 0 : t->simdgroup_index_in_threadgroup;
-    return {sg * MSL_SIMD_WIDTH + t->thread_index_in_simdgroup, groups * MSL_SIMD_WIDTH, sg,
-            t->thread_index_in_simdgroup};
+    if constexpr (thread_scope<Scope>) { /* the thread alone */
+        return {0, 1, t->simdgroup_index_in_threadgroup, t->thread_index_in_simdgroup};
+    } else {
+        uint32_t groups = uint32_t(Scope::simdgroups);
+        if (Scope::simdgroups > 1 && uint32_t(Scope::simdgroups) != t->simdgroups_per_threadgroup)
+            api->fail(t, "execution_simdgroups<N>: the threadgroup has another number of SIMD-groups", file, line);
+        uint32_t sg = Scope::simdgroups == 1 ? 0 : t->simdgroup_index_in_threadgroup;
+        return {sg * MSL_SIMD_WIDTH + t->thread_index_in_simdgroup, groups * MSL_SIMD_WIDTH, sg,
+                t->thread_index_in_simdgroup};
+    }
 }
 
 /* Every participant arrives (a SIMD-group sync, or a threadgroup barrier ordering no memory). */
 template <class Scope> void arrive(const char *what, const char *file, unsigned line) {
-    if (Scope::simdgroups == 1) simd_sync(MSL_SYNC_SIMDGROUP_BARRIER, what, file, line);
+    if constexpr (thread_scope<Scope>) return;
+    else if (Scope::simdgroups == 1) simd_sync(MSL_SYNC_SIMDGROUP_BARRIER, what, file, line);
     else api->sync(self(), MSL_SYNC_THREADGROUP_BARRIER, what, file, line);
 }
 
@@ -253,7 +271,8 @@ inline uint32_t inverse_mod(uint32_t a, uint32_t m) { /* a coprime to m */
 /* A matrix (Kind 0: Rows x Cols; Transposed: stored as Cols x Rows) or the row reductions of one
  * (Kind 1: one value per row of a Rows x Cols matrix), at Scope. */
 template <int Rows, int Cols, bool Transposed, class Scope, int Kind> struct layout {
-    static constexpr uint32_t groups_at_most = Scope::simdgroups ? Scope::simdgroups : 1;
+    static_assert(!thread_scope<Scope>, "the CPU Metal device runs matmul2d at execution_thread scope on tensors in "
+                                        "memory only, without cooperative tensors");
     /* Apple10 lays a transposed operand out as stored (MLX and torch load K^T's fragments from K's
      * rows), Apple9 as the logical matrix (torch's a9 kernels load them transposed) */
     static constexpr bool as_stored = Transposed && __MSL_CPU_GPU_FAMILY__ == 10;
@@ -347,9 +366,39 @@ struct matmul2d_descriptor {
 enum class reduction_operation { sum, max, min };
 template <class T> struct reduction_operation_identity {
     static constexpr T sum_identity = T(0);
-    static constexpr T max_identity = -std::numeric_limits<float>::infinity();
-    static constexpr T min_identity = std::numeric_limits<float>::infinity();
+    static constexpr T max_identity = metal::numeric_limits<T>::lowest(); /* as Apple's: finite */
+    static constexpr T min_identity = metal::numeric_limits<T>::max();
 };
+
+namespace detail {
+/* Element types by a code (0: none matmul2d takes) */
+template <class T> constexpr int type_code() {
+    using U = std::remove_cv_t<metal::remove_addrspace_t<T>>;
+    if constexpr (!std::is_same_v<U, T>) return 0; /* const or address-space qualified */
+    else if constexpr (std::is_same_v<T, half>) return 1;
+    else if constexpr (std::is_same_v<T, bfloat>) return 2;
+    else if constexpr (std::is_same_v<T, float>) return 3;
+    else if constexpr (std::is_same_v<T, int8_t>) return 4;
+    else if constexpr (std::is_same_v<T, uint8_t>) return 5;
+    else if constexpr (std::is_same_v<T, int32_t>) return 6;
+    else return 0;
+}
+/* The (left, right, destination) element types matmul2d takes, as the macOS 26 SDK's
+ * MPPTensorOpsMatMul2d.h lists them (those of MSL's arithmetic types; its 4-bit formats are not
+ * emulated). int8_t x int8_t into half, float or bfloat comes with a macOS 27.3 deployment
+ * target, beyond the 26.2 the tensor path needs. */
+constexpr int declared_triples[][3] = {
+    {1, 1, 1}, {1, 4, 1}, {1, 5, 1}, {4, 1, 1}, {5, 1, 1}, {1, 1, 3}, {1, 3, 3}, {1, 4, 3}, {1, 5, 3}, {3, 1, 3},
+    {3, 3, 3}, {3, 4, 3}, {3, 5, 3}, {4, 1, 3}, {5, 1, 3}, {4, 3, 3}, {5, 3, 3}, {4, 4, 6}, {5, 5, 6}, {2, 2, 2},
+    {2, 2, 3}, {2, 3, 3}, {2, 4, 2}, {2, 4, 3}, {3, 2, 3}, {4, 2, 2}, {4, 2, 3}, {2, 1, 2}, {2, 1, 1}, {2, 1, 3},
+    {1, 2, 2}, {1, 2, 1}, {1, 2, 3}, {2, 5, 2}, {2, 5, 3}, {5, 2, 2}, {5, 2, 3}};
+template <class L, class R, class D> constexpr bool declared_types() {
+    const int l = type_code<L>(), r = type_code<R>(), d = type_code<D>();
+    for (const auto &t : declared_triples)
+        if (t[0] == l && t[1] == r && t[2] == d) return l != 0;
+    return false;
+}
+} // namespace detail
 
 /* A matrix spread over the threads of a scope: this thread's slots of it. */
 template <class T, class Layout> struct cooperative_tensor {
@@ -416,16 +465,52 @@ struct layout : msl_rt::tensor_detail::layout<Rows, Cols, Transposed, Scope, Kin
     static constexpr bool transposed = Transposed;
 };
 
-/* an operand's element type: the type itself, or a tensor's or cooperative tensor's */
-template <class X, class = void> struct element_of {
-    using type = X;
-};
-template <class X> struct element_of<X, std::void_t<typename X::value_type>> {
-    using type = typename X::value_type;
-};
-
 template <class X> constexpr bool is_cooperative = false;
 template <class T, class L> constexpr bool is_cooperative<cooperative_tensor<T, L>> = true;
+template <class X> constexpr bool is_tensor = false;
+template <class E, class X, class Tag> constexpr bool is_tensor<metal::tensor<E, X, Tag>> = true;
+template <class X> constexpr bool is_operand = is_cooperative<std::remove_cv_t<X>> || is_tensor<std::remove_cv_t<X>>;
+
+/* the scopes MPP takes (MPPTensorOpsTraits.h: execution_thread or execution_simdgroups<N>) */
+template <class S> constexpr bool is_scope = std::is_same_v<S, metal::execution_thread>;
+template <size_t N> constexpr bool is_scope<metal::execution_simdgroups<N>> = true;
+
+template <class E> constexpr bool in_constant = false;
+template <class E> constexpr bool in_constant<MSL_CONSTANT E> = true;
+
+/* an operand's element type: a tensor's element type without its address space (a const one
+ * stays const), a cooperative tensor's value type */
+template <class X, class = void> struct operand_element {
+    using type = void;
+};
+template <class X> struct operand_element<X, std::enable_if_t<is_tensor<std::remove_cv_t<X>>>> {
+    using type = metal::remove_addrspace_t<typename std::remove_cv_t<X>::element_type>;
+};
+template <class X> struct operand_element<X, std::enable_if_t<is_cooperative<std::remove_cv_t<X>>>> {
+    using type = typename std::remove_cv_t<X>::value_type;
+};
+template <class X> using operand_element_t = std::remove_cv_t<typename operand_element<X>::type>;
+
+/* an operand run() can compute with: a cooperative tensor or a rank-2 tensor */
+template <class X> constexpr bool computable() {
+    if constexpr (is_tensor<std::remove_cv_t<X>>) return std::remove_cv_t<X>::extents_type::rank() == 2;
+    else return is_cooperative<std::remove_cv_t<X>>;
+}
+
+/* what run() requires of one operand (Destination: it is written) */
+template <class X, bool Destination> constexpr void check_operand() {
+    static_assert(is_operand<X>,
+                  "matmul2d::run takes metal::tensor or cooperative tensor operands [rule: tensor-operand-kind]");
+    if constexpr (is_tensor<std::remove_cv_t<X>>) {
+        using T = std::remove_cv_t<X>;
+        static_assert(T::extents_type::rank() == 2, "matmul2d's operands are rank-2 tensors [rule: tensor-rank]");
+        static_assert(Destination || !in_constant<typename T::element_type>,
+                      "matmul2d's inputs in constant memory need a macOS 27.3 deployment target: device, "
+                      "threadgroup or thread memory [rule: tensor-storage]");
+        static_assert(!Destination || !in_constant<typename T::element_type>,
+                      "matmul2d's destination cannot be in constant memory [rule: tensor-storage]");
+    }
+}
 
 /* All of a cooperative tensor, from every lane of its SIMD-group: matrix[row * cols + col]. */
 template <class T, class L>
@@ -481,6 +566,8 @@ template <class X, bool Transposed> struct operand {
 } // namespace detail
 
 template <matmul2d_descriptor D, class Scope> struct matmul2d {
+    static_assert(detail::is_scope<Scope>, "matmul2d's scope is execution_simdgroups<N> (execution_simdgroup: N = 1) "
+                                           "or execution_thread; MPP has no threadgroup scope [rule: tensor-scope]");
     static constexpr bool dynamic_k = D.k == int(metal::dynamic_extent);
     static constexpr int K = dynamic_k ? 0 : D.k;
 
@@ -495,19 +582,40 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
         }
     }
 
+    /* the input getters take element types, unqualified, of a triple matmul2d takes */
+    template <class LE, class RE, class E> static constexpr void check_input_getter() {
+        static_assert(!detail::is_operand<LE> && !detail::is_operand<RE> && !detail::is_operand<E>,
+                      "get_left/right_input_cooperative_tensor<LeftElement, RightElement, Element> take element "
+                      "types, not tensors [rule: tensor-cooperative-getter]");
+        static_assert(detail::declared_types<LE, RE, E>(),
+                      "matmul2d takes no such (left, right, destination) element types [rule: tensor-operand-types]");
+    }
+
     template <class A, class B, class T>
     using destination_t = cooperative_tensor<T, detail::layout<D.m, D.n, false, Scope, 0>>;
 
+    /* operand types (tensors or cooperative tensors) and the destination's element type */
     template <class A, class B, class T> auto get_destination_cooperative_tensor() const {
+        static_assert(detail::is_operand<A> && detail::is_operand<B>,
+                      "get_destination_cooperative_tensor<LeftOperand, RightOperand, Element> takes the operands' "
+                      "types (tensors or cooperative tensors), not element types [rule: tensor-cooperative-getter]");
+        static_assert(!(detail::is_operand<A> && detail::is_operand<B>) ||
+                          (detail::type_code<typename detail::operand_element<A>::type>() != 0 &&
+                           detail::type_code<typename detail::operand_element<B>::type>() != 0),
+                      "a cooperative destination's operands hold unqualified element types (not const) "
+                      "[rule: tensor-operand-types]");
+        static_assert(!(detail::is_operand<A> && detail::is_operand<B>) ||
+                          detail::declared_types<detail::operand_element_t<A>, detail::operand_element_t<B>, T>(),
+                      "matmul2d takes no such (left, right, destination) element types [rule: tensor-operand-types]");
         return destination_t<A, B, T>{};
     }
     template <class A, class B, class T> auto get_row_reduction_destination_cooperative_tensor() const {
         return cooperative_tensor<T, detail::layout<D.m, D.n, false, Scope, 1>>{};
     }
     template <class A, class B, class T> auto get_left_input_cooperative_tensor() const {
+        check_input_getter<A, B, T>();
         static_assert(!dynamic_k, "a cooperative input needs the descriptor's K");
-        using E = typename detail::element_of<A>::type;
-        return cooperative_tensor<E, detail::layout<D.m, K, D.transpose_left, Scope, 0>>{};
+        return cooperative_tensor<A, detail::layout<D.m, K, D.transpose_left, Scope, 0>>{};
     }
     /* the left input holding another operation's destination (as P = softmax(Q K^T) feeds P V) */
     template <class A, class B, class T, class S, class LS>
@@ -515,7 +623,7 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
         auto input = get_left_input_cooperative_tensor<A, B, T>();
         using L = typename decltype(input)::layout_type;
         static_assert(LS::kind == 0 && LS::rows == L::rows && LS::cols == L::cols,
-                      "the source's matrix must be this operation's left operand");
+                      "the source's matrix must be this operation's left operand [rule: tensor-cooperative-operand]");
         float matrix[LS::rows * LS::cols];
         detail::gather(source, matrix, file, line);
         auto w = msl_rt::tensor_detail::who<Scope>(file, line);
@@ -527,17 +635,49 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
         return input;
     }
     template <class A, class B, class T> auto get_right_input_cooperative_tensor() const {
+        check_input_getter<A, B, T>();
         static_assert(!dynamic_k, "a cooperative input needs the descriptor's K");
-        using E = typename detail::element_of<B>::type;
-        return cooperative_tensor<E, detail::layout<K, D.n, D.transpose_right, Scope, 0>>{};
+        return cooperative_tensor<B, detail::layout<K, D.n, D.transpose_right, Scope, 0>>{};
     }
 
-    /* C = A * B, or C += A * B (multiply_accumulate); A and B in memory or cooperative, C either */
-    template <class A, class B, class C> void run(const A &a, const B &b, C &c, MSL_CALLER) const {
-        static_assert(fits<A, D.m, K, D.transpose_left>(), "run: the left cooperative tensor is not this operation's");
-        static_assert(fits<B, K, D.n, D.transpose_right>(),
-                      "run: the right cooperative tensor is not this operation's");
-        static_assert(fits<C, D.m, D.n, false>(), "run: the destination cooperative tensor is not this operation's");
+    /* C = A * B, or C += A * B (multiply_accumulate); A and B in memory or cooperative, C either.
+     * Apple's run takes thread references: lvalues, const or not. */
+    template <class A, class B, class C> void run(A &a, B &b, C &c, MSL_CALLER) const {
+        detail::check_operand<A, false>();
+        detail::check_operand<B, false>();
+        detail::check_operand<C, true>();
+        /* past a refused operand, only its own refusal is reported */
+        constexpr bool computable = detail::computable<A>() && detail::computable<B>() && detail::computable<C>();
+        static_assert(!computable || detail::declared_types<detail::operand_element_t<A>, detail::operand_element_t<B>,
+                                                            detail::operand_element_t<C>>(),
+                      "matmul2d takes no such (left, right, destination) element types [rule: tensor-operand-types]");
+        static_assert(!(detail::is_cooperative<std::remove_cv_t<C>> && std::is_const_v<C>),
+                      "a cooperative destination must not be const [rule: tensor-cooperative-operand]");
+        static_assert(fits<std::remove_cv_t<A>, D.m, K, D.transpose_left>(),
+                      "run: the left cooperative tensor is not this operation's [rule: tensor-cooperative-operand]");
+        static_assert(fits<std::remove_cv_t<B>, K, D.n, D.transpose_right>(),
+                      "run: the right cooperative tensor is not this operation's [rule: tensor-cooperative-operand]");
+        static_assert(
+            fits<std::remove_cv_t<C>, D.m, D.n, false>(),
+            "run: the destination cooperative tensor is not this operation's [rule: tensor-cooperative-operand]");
+        if constexpr (!computable) {
+            (void)a, (void)b, (void)c;
+        } else if constexpr (detail::is_cooperative<std::remove_cv_t<C>>) {
+            execute(a, b, c, file, line);
+        } else {
+            std::remove_cv_t<C> view = c; /* a view: writing through a const one writes its memory */
+            execute(a, b, view, file, line);
+        }
+    }
+    /* a temporary (a slice not bound to a variable) binds to no thread reference */
+    template <class A, class B, class C> void run(A &&, B &&, C &&, MSL_CALLER) const {
+        static_assert(sizeof(A) == 0, "matmul2d::run takes its operands as lvalues (thread references): bind a "
+                                      "slice to a variable first [rule: tensor-operand-lvalue]");
+    }
+
+  private:
+    template <class A, class B, class C>
+    void execute(const A &a, const B &b, C &c, const char *file, unsigned line) const {
         auto w = msl_rt::tensor_detail::who<Scope>(file, line);
         constexpr int ka = detail::is_cooperative<A> ? D.m * (K ? K : 1) : 1;
         constexpr int kb = detail::is_cooperative<B> ? D.n * (K ? K : 1) : 1;
@@ -575,18 +715,18 @@ template <matmul2d_descriptor D, class Scope> struct matmul2d {
             msl_rt::tensor_detail::arrive<Scope>("matmul2d::run", file, line);
         }
     }
-    template <class A, class B, class C> void run(const A &a, const B &b, const C &c, MSL_CALLER) const {
-        static_assert(!detail::is_cooperative<C>, "a cooperative destination must not be const");
-        C view = c;
-        run(a, b, view, line, file);
-    }
 };
 
-/* dst[row] = op over the row of src, for every row this thread's slots of dst name */
-template <class T, class L, class U, class LR, class I>
-void reduce_rows(const cooperative_tensor<T, L> &src, cooperative_tensor<U, LR> &dst, reduction_operation op,
-                 I identity, MSL_CALLER) {
-    static_assert(LR::kind == 1 && L::kind == 0 && LR::rows == L::rows, "reduce_rows: a row reduction of src's matrix");
+/* dst[row] = op over the row of src, for every row this thread's slots of dst name. Apple's takes
+ * both as thread references of one element type, the identity of that type (sum's by default). */
+template <class T, class L, class U, class LR, class I = T>
+void reduce_rows(cooperative_tensor<T, L> &src, cooperative_tensor<U, LR> &dst,
+                 reduction_operation op = reduction_operation::sum, I identity = I(0), MSL_CALLER) {
+    static_assert(std::is_same_v<T, U> && std::is_same_v<std::remove_cv_t<metal::remove_addrspace_t<I>>, T>,
+                  "reduce_rows takes a source, a destination and an identity of one element type "
+                  "[rule: tensor-reduction-types]");
+    static_assert(LR::kind == 1 && L::kind == 0 && LR::rows == L::rows,
+                  "reduce_rows: a row reduction of src's matrix [rule: tensor-cooperative-operand]");
     float matrix[L::rows * L::cols];
     detail::gather(src, matrix, file, line);
     auto w = msl_rt::tensor_detail::who<typename L::scope>(file, line);
@@ -597,8 +737,8 @@ void reduce_rows(const cooperative_tensor<T, L> &src, cooperative_tensor<U, LR> 
         for (int j = 0; j < L::cols; j++) {
             float v = matrix[r * L::cols + j];
             acc = op == reduction_operation::sum   ? acc + v
-                  : op == reduction_operation::max ? metal::detail::lane_max(acc, v)
-                                                   : metal::detail::lane_min(acc, v);
+                  : op == reduction_operation::max ? metal::fmax(acc, v)
+                                                   : metal::fmin(acc, v);
         }
         dst.elements[s] = U(acc);
     }
