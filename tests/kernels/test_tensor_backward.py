@@ -7,8 +7,9 @@ entry). Differentiable calls take kernel="auto", so the cases run in child proce
 Apple10 (FLASHATTN_MPS_GPU_FAMILY=apple10: AUTO then takes both tensor kernels, which each case
 checks in its plan), under the emulated Apple10 lane layout and under the scrambled layout (a rule
 of no GPU) with two seeds, so a kernel that assumed a layout would fail. Also: two runs give
-bit-identical gradients, the kernels run clean in the device's checked mode, the planner's rule (AUTO takes the path where it takes the tensor
-forward), explain_plan's view of it, and the errors of kernel="tensor" for what it does not take."""
+bit-identical gradients, the kernels run clean in the device's checked mode, the planner's rule
+(AUTO takes the path where it takes the tensor forward), explain_plan's view of it, and the errors
+of kernel="tensor" for what it does not take."""
 
 from __future__ import annotations
 
