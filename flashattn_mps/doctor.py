@@ -386,6 +386,15 @@ def pipeline_checks(sources=None) -> list[Check]:
     checks = []
     for item in metal_offline_check.pipeline_items(sources):
         constants = [(index, kind, float(value)) for index, kind, value in item.constants]
+        if "FA_LANGUAGE_VERSION" in dict(item.macros) and not _C.device_tensor_family(_C.DEVICE_MPS):
+            checks.append(
+                Check(
+                    f"pipeline {item.label}",
+                    SKIPPED,
+                    "Metal 4 tensor operations need macOS 26.2+ on an Apple9 or Apple10 GPU (and an SDK 26 build)",
+                )
+            )
+            continue
 
         def build(item=item, constants=constants) -> Check:
             info = _C.metal_pipeline_info(item.source, item.function, list(item.macros), constants)

@@ -57,6 +57,12 @@ def needs_bfloat(function: str, macros) -> bool:
     return "bfloat" in function.split("_") or any(value == "bfloat" for _, value in macros)
 
 
+def standards_of(macros) -> tuple:
+    """The language standards a specialisation compiles under: Metal 4 alone for a library the
+    planner marks as Metal 4 (FA_LANGUAGE_VERSION=400: the tensor path, macOS 26), else STANDARDS."""
+    return ("metal4.0",) if dict(macros).get("FA_LANGUAGE_VERSION") == "400" else STANDARDS
+
+
 def work_items(sources=None) -> list[Work]:
     """Every (source, macros, standard) to compile, from the planner's specialisation list, plus
     each kernel source the planner never emits, unspecialised."""
@@ -71,7 +77,7 @@ def work_items(sources=None) -> list[Work]:
     for (source, macros), bfloat in sorted(bfloat_only.items()):
         if sources is not None and source not in sources:
             continue
-        items += [Work(source, macros, std) for std in STANDARDS if not (bfloat and std == "metal3.0")]
+        items += [Work(source, macros, std) for std in standards_of(macros) if not (bfloat and std == "metal3.0")]
     return items
 
 

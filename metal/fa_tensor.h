@@ -5,7 +5,7 @@
 // generation's business (Apple9 and Apple10 differ, and the CPU device can scramble it). These
 // helpers never assume a layout: elements are reached through the API's coordinate mapping
 // (is_valid_element, get_multidimensional_index), per-row values are published to threadgroup
-// memory by whichever lanes hold a row's reduction and read back by row index, and operands in
+// memory by the first lane holding a row's reduction and read back by row index, and operands in
 // memory are threadgroup tiles viewed as tensors.
 //
 // Scope: every product here runs at execution_simdgroup, one SIMD-group owning FA_TENSOR_ROWS rows of
@@ -69,14 +69,25 @@ struct fa_tensor_row_factor {
   float operator()(float value, int row, int col) const { return value * factors[row]; }
 };
 
-// Stores the rows' reductions (a row-reduction cooperative tensor) to rows[row]: every lane that
-// holds a row's value writes it (the same value), then the SIMD-group synchronises, so every lane
-// may read any row's value after it.
+// Stores the rows' reductions (a row-reduction cooperative tensor of FA_TENSOR_ROWS rows) to
+// rows[row]: several lanes may hold a row's value, and the first of them in lane order writes it (one
+// writer per word: no two lanes store to the same address without a barrier between), then the
+// SIMD-group synchronises, so every lane may read any row's value after it. Every lane calls it.
 template <typename RT>
 inline void fa_tensor_publish_rows(thread RT &reduced, threadgroup float *rows) {
+  float held[FA_TENSOR_ROWS];
+  uint holds = 0; // bit r: this lane holds row r's value
   for (uint16_t i = 0; i < reduced.get_capacity(); ++i) {
     if (reduced.is_valid_element(i)) {
-      rows[int(reduced.get_multidimensional_index(i)[0])] = reduced[i];
+      const int row = int(reduced.get_multidimensional_index(i)[0]);
+      held[row] = reduced[i];
+      holds |= 1u << row;
+    }
+  }
+  for (int row = 0; row < FA_TENSOR_ROWS; ++row) {
+    const uint mine = (holds >> row) & 1u;
+    if (metal::simd_prefix_exclusive_sum(mine) == 0 && mine != 0) {
+      rows[row] = held[row];
     }
   }
   metal::simdgroup_barrier(metal::mem_flags::mem_threadgroup);

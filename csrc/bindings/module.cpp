@@ -651,6 +651,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("device"), py::arg("tensors"), py::arg("options"));
     m.def("gpu_family_name", &gpu_family_name, "The GPU family a call plans for (requested 0: the device's)",
           py::arg("device"), py::arg("requested"));
+    m.def("device_tensor_family", &fa_device_tensor_family,
+          "The family whose Metal 4 tensor operations the device runs (9 or 10), 0 without them", py::arg("device"));
     m.def(
         "plan_cache_counts",
         []() {

@@ -4,8 +4,10 @@ dims 64, 128 and a padded one (80 beside Ev 48: width 96), with causal and windo
 additive masks (rows that see no key), softcap, ALiBi, sinks, GQA, the log-sum-exp, packed
 sequences, a paged cache and quantized K/V; under the emulated Apple10 lane layout here and under
 the scrambled layout (a rule of no GPU) in child processes with two seeds, so a kernel that
-assumed a layout would fail. Also: the planner's rule (AUTO takes the path only on Apple10),
-explain_plan's view of it, and the clear errors of kernel="tensor" for what it does not take."""
+assumed a layout would fail (the first of them also plans for Apple10, where "auto" takes the path,
+and checks its outputs and the gradients from them). Also: the planner's rule (AUTO takes the path
+only on Apple10), explain_plan's view of it and its cost, and the clear errors of kernel="tensor"
+for what it does not take."""
 
 from __future__ import annotations
 
@@ -181,6 +183,13 @@ def run_case(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_tensor_forward_matches_float64(name):
     run_case(name)
+
+
+def test_tensor_forward_runs_clean_in_checked_mode(checked_core):
+    """No threadgroup race (the rows' statistics have one writer per word), uninitialised read or
+    out-of-bounds access, with a band, partial tiles and GQA."""
+    run_case("plain-float16-128-causal")
+    assert checked_core() > 0
 
 
 def auto_planned_for_apple10():

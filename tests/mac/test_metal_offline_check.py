@@ -41,14 +41,18 @@ def test_work_covers_every_specialisation_the_planner_emits_with_both_standards(
     planned = {(source, tuple(tuple(m) for m in macros)) for source, _, macros in _C.specialisations()}
     assert {(w.source, w.macros) for w in items} == planned
     assert {w.source for w in items} == set(_sources.kernel_sources())
-    by_standard = {std: {(w.source, w.macros) for w in items if w.standard == std} for std in ("metal3.1", "metal3.0")}
-    assert by_standard["metal3.1"] == planned
+    by_standard = {
+        std: {(w.source, w.macros) for w in items if w.standard == std} for std in ("metal4.0", "metal3.1", "metal3.0")
+    }
+    metal4 = {(s, m) for s, m in planned if dict(m).get("FA_LANGUAGE_VERSION") == "400"}  # the tensor path's
+    assert metal4 and by_standard["metal4.0"] == metal4
+    assert by_standard["metal3.1"] == planned - metal4
     bfloat = {
         (s, tuple(tuple(m) for m in macros))
         for s, f, macros in _C.specialisations()
         if metal_offline_check.needs_bfloat(f, macros)
     }
-    assert by_standard["metal3.0"] == planned - bfloat
+    assert by_standard["metal3.0"] == planned - bfloat - metal4
 
 
 def test_needs_bfloat():
