@@ -47,8 +47,6 @@ int64_t fa_plan_tile_bytes(fa_tiles t, int64_t element_bytes);
 /* Visible (query, key) pairs of one (batch, query head) under the plan's band (L x S without one). */
 double fa_plan_visible_pairs(const fa_plan *plan);
 
-/* Every (source, function, macros) the planner can emit, for the strict MSL check: calls visit
- * once per specialisation and stops early when visit returns non-zero. */
 /* The tensor path's one padded width of both head dims, 64, 96 or 128 (E, Ev <= 128): the forward's
  * and the backward's (fa_plan_forward.c, fa_plan_backward.c). */
 int32_t fa_plan_tensor_width(int64_t e, int64_t ev);
@@ -57,6 +55,8 @@ int32_t fa_plan_tensor_width(int64_t e, int64_t ev);
  * source, function and macros (fa_plan_backward.c). */
 void fa_plan_backward_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t dtype, int32_t width);
 
+/* Every (source, function, macros) the planner can emit, for the strict MSL check: calls visit
+ * once per specialisation and stops early when visit returns non-zero. */
 typedef int32_t (*fa_plan_visitor)(const fa_pipeline_key *key, void *ctx);
 int32_t fa_plan_each_specialisation(fa_plan_visitor visit, void *ctx);
 

@@ -133,9 +133,10 @@ def planner_dispatches() -> dict:
     """{(source, kernel): {index: (kind, value)}}: every kernel the planner dispatches from each
     source (its name without the element type, e.g. "fa_backward_dkdv") and the function constants
     it sets, read from the plans of calls that reach each kernel (prefill, decode, split-K decode
-    and its merge, the simple kernel, the backward, an additive mask's block-class passes, packed and
-    paged sequences with their table kernel, the probabilities' pass). Constants are set by kind of call, not by value, so each kernel's set is complete;
-    the values are those of a plain call."""
+    and its merge, the simple kernel, the backward and its tensor path, an additive mask's block-class
+    passes, packed and paged sequences with their table kernel, the probabilities' pass). Constants
+    are set by kind of call, not by value, so each kernel's set is complete; the values are those
+    of a plain call."""
     import torch
 
     from . import explain_plan, explain_varlen_plan
@@ -154,6 +155,7 @@ def planner_dispatches() -> dict:
         explain_plan(q, kv, kv, backward=True),
         explain_plan(q, kv, kv, attn_mask=t(16, 24)),  # an additive mask's block-class passes
         explain_plan(q, kv, kv, attn_mask=t(16, 24), backward=True),
+        explain_plan(q.half(), kv.half(), kv.half(), backward=True, kernel="tensor"),  # the tensor backward
         explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11),
         explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11, backward=True),
         explain_varlen_plan(t(16, 2, 32), t(16, 2, 32), t(16, 2, 32), cu, cu, 11, 11, return_attn_probs=True),
