@@ -336,7 +336,7 @@ static void plan_mask_blocks(fa_backward_plan *plan, const fa_plan *forward, con
     const int64_t k_items = (int64_t)f->batch * f->kv_heads * ((f->kv_len + 7) / 8);
     const int64_t classes =
         (int64_t)f->mask_block_counts[0] * f->mask_block_counts[1] * f->mask_block_counts[2] * f->mask_block_counts[3];
-    const int64_t items = classes + 2 * (q_items + k_items), threads = 64;
+    const int64_t items = classes + 2 * (q_items + k_items), threads = FA_MASK_BLOCK_THREADS;
     if ((items + threads - 1) / threads > UINT32_MAX) {
         p->forward.mask_block_counts[0] = 0;
         return;

@@ -742,7 +742,7 @@ static void plan_mask_blocks(const fa_forward_args *a, fa_plan *plan) {
     }
     const int64_t q_items = (int64_t)p->batch * p->q_heads * q_blocks,
                   k_items = (int64_t)p->batch * p->kv_heads * k_blocks;
-    const int64_t items = classes + q_items + k_items, threads = 64;
+    const int64_t items = classes + q_items + k_items, threads = FA_MASK_BLOCK_THREADS;
     if ((items + threads - 1) / threads > UINT32_MAX) {
         return;
     }

@@ -102,14 +102,15 @@ inline long fa_mask_block_classes(constant fa_params &p) {
 
 // One thread per item: the mask's distinct blocks, then q's blocks of 8 rows, then k's of 8 keys.
 template <typename T>
-[[kernel]] void fa_forward_mask_blocks(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-                                       const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
-                                       device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
-                                       constant fa_params &p [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-                                       const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-                                       uint3 group [[threadgroup_position_in_grid]],
-                                       uint tid [[thread_index_in_threadgroup]],
-                                       uint3 group_size [[threads_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(FA_MASK_BLOCK_THREADS)]] void
+fa_forward_mask_blocks(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+                       const device T *k [[buffer(FA_FORWARD_BUFFER_K)]],
+                       device float *workspace [[buffer(FA_FORWARD_BUFFER_WORKSPACE)]],
+                       constant fa_params &p [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+                       const device uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+                       uint3 group [[threadgroup_position_in_grid]],
+                       uint tid [[thread_index_in_threadgroup]],
+                       uint3 group_size [[threads_per_threadgroup]]) {
   long item = long(group.x) * group_size.x + tid;
   const long classes = fa_mask_block_classes(p);
   const long q_items = long(p.batch) * p.q_heads * ((p.q_len + 7) / 8);
@@ -126,17 +127,18 @@ template <typename T>
 // The backward's: the same items, q's maximum +inf where a row's D is not finite, then dO's blocks
 // of 8 rows and V's of 8 keys. Runs after the D pre-pass.
 template <typename T>
-[[kernel]] void fa_backward_mask_blocks(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
-                                        const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
-                                        const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]],
-                                        const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
-                                        const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
-                                        device float *workspace [[buffer(FA_BACKWARD_BUFFER_WORKSPACE)]],
-                                        constant fa_backward_params &bp [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
-                                        const device uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
-                                        uint3 group [[threadgroup_position_in_grid]],
-                                        uint tid [[thread_index_in_threadgroup]],
-                                        uint3 group_size [[threads_per_threadgroup]]) {
+[[kernel, max_total_threads_per_threadgroup(FA_MASK_BLOCK_THREADS)]] void
+fa_backward_mask_blocks(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+                        const device T *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+                        const device T *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+                        const device T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+                        const device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+                        device float *workspace [[buffer(FA_BACKWARD_BUFFER_WORKSPACE)]],
+                        constant fa_backward_params &bp [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+                        const device uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
+                        uint3 group [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint3 group_size [[threads_per_threadgroup]]) {
   constant fa_params &p = bp.forward;
   long item = long(group.x) * group_size.x + tid;
   const long classes = fa_mask_block_classes(p);

@@ -223,6 +223,7 @@ typedef struct fa_backward_params {
 
 // The backward pre-pass's geometry: rows (one per SIMD-group) of D per threadgroup.
 #define FA_BACKWARD_DELTA_ROWS 4
+#define FA_MASK_BLOCK_THREADS 64 // threads per threadgroup of the mask's block-class passes (fa_mask_blocks.h)
 
 #ifdef __METAL_VERSION__
 // The kernels' view of the function constants above.

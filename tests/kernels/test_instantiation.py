@@ -20,10 +20,16 @@ BACKWARD_DELTA_THREADS = 32 * 4  # FA_BACKWARD_DELTA_ROWS SIMD-groups (fa_plan_b
 # also holds the sequence-table kernel of metal/fa_sequence.h).
 SOURCE_KERNELS = {
     "fa_simple.metal": {"fa_simple", "fa_sequence_table"},
-    "fa_forward.metal": {"fa_forward", "fa_sequence_table"},
+    "fa_forward.metal": {"fa_forward", "fa_forward_mask_blocks", "fa_sequence_table"},
     "fa_forward_tensor.metal": {"fa_forward_tensor", "fa_sequence_table"},
     "fa_decode.metal": {"fa_decode", "fa_decode_merge", "fa_sequence_table"},
-    "fa_backward.metal": {"fa_backward_delta", "fa_backward_dkdv", "fa_backward_dq", "fa_sequence_table"},
+    "fa_backward.metal": {
+        "fa_backward_delta",
+        "fa_backward_mask_blocks",
+        "fa_backward_dkdv",
+        "fa_backward_dq",
+        "fa_sequence_table",
+    },
     "fa_backward_tensor.metal": {"fa_backward_tensor_dkdv", "fa_backward_tensor_dq"},
 }
 
