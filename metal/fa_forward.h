@@ -188,10 +188,13 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     row_state.max = new_max;
     fa_dropout_frags<BK / 8>(p, dropout, s_frag, b, h, my_row, k0 + at.x); // after the undropped sum
 
-    // O = O * rescale + P V.
-    for (int d = 0; d < BDV / 8; ++d) {
-      o_frag[d].thread_elements()[0] *= rescale;
-      o_frag[d].thread_elements()[1] *= rescale;
+    // O = O * rescale + P V. Once the running maxima settle most tiles raise no row's max: the
+    // SIMD-group then skips the multiplies by 1 (uniform branch; a NaN factor is not 1 and is applied).
+    if (simd_any(rescale != 1.0f)) {
+      for (int d = 0; d < BDV / 8; ++d) {
+        o_frag[d].thread_elements()[0] *= rescale;
+        o_frag[d].thread_elements()[1] *= rescale;
+      }
     }
     fa_frags_multiply<T, BK / 8, BDV / 8>(o_frag, s_frag, v_tile, V_PITCH, ev_slices, at);
   }
