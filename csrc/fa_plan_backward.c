@@ -122,12 +122,13 @@ static fa_tiles backward_tiles(int32_t (*registers)(fa_tiles, int32_t), int64_t 
     }
 }
 
-/* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
- * caller sets its grid and cost. */
+/* A dispatch of step `step` with the forward's function constants and the backward's tiles (and
+ * whether f's head dims are exactly their widths); the caller sets its grid and cost. */
 static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, fa_tiles tiles,
-                                      const char *step, int32_t dtype) {
+                                      const fa_params *f, const char *step, int32_t dtype) {
     *d = *forward;
     fa_plan_set_tile_macros(d, tiles);
+    fa_plan_set_exact_head_dims(d, tiles, f->head_dim, f->v_head_dim);
     memset(&d->cost, 0, sizeof d->cost); /* the forward's: set_backward_costs counts the backward's */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
     snprintf(d->function, sizeof d->function, "fa_backward_%s_%s", step, fa_kernel_type_name(dtype));
@@ -281,18 +282,18 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = fa_plan_check_column_grid(f->kv_heads, key_blocks, st))) {
         return rc;
     }
-    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, tq, "delta", dtype);
+    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, tq, f, "delta", dtype);
     /* D is per row: with sequences it runs over q's whole view, not the grid's. */
     const int64_t delta_rows = forward.sequences ? f->seq_q_rows : f->q_len;
     fa_plan_set_geometry(delta, (uint32_t)((delta_rows + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
                          (uint32_t)f->q_heads, (uint32_t)(forward.sequences ? f->seq_q_batches : f->batch),
                          32u * FA_BACKWARD_DELTA_ROWS);
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
-    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, kv, "dkdv", dtype);
+    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, kv, f, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
     fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)(f->kv_heads * key_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
-    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, tq, "dq", dtype);
+    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, tq, f, "dq", dtype);
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
     set_backward_costs(plan, &forward, a, kv, tq, e_blocks, key_blocks);

@@ -679,6 +679,7 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
     }
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     fa_plan_set_tile_macros(d, t);
+    fa_plan_set_exact_head_dims(d, t, a->q.sizes[3], a->v.sizes[3]);
     /* a quantized operand has its own loads (fa_quant.h): only the other decides */
     const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,
                     *v_tiles = a->options.v_bits != 0 ? &a->k : &a->v;
