@@ -26,12 +26,14 @@
 #define KIB 1024
 
 /* family, name, chips, register file, threadgroup memory, max SIMD-groups, saturating SIMD-groups,
- * fragment register budget, tile bytes cap, overhead registers, FLOPs per core per clock */
+ * fragment register budget, tile bytes cap, overhead registers, FLOPs per core per clock, bfloat
+ * operand fragments (Apple9 added bfloat16 to the GPU's arithmetic; Apple7/8 compile bfloat
+ * through float, so their bfloat16 operands stay float fragments: metal/fa_fragments.h) */
 const fa_gpu_profile fa_gpu_profiles[FA_GPU_PROFILES] = {
-    {FA_FAMILY_APPLE7, "apple7", "M1, A14", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0},
-    {FA_FAMILY_APPLE8, "apple8", "M2, A15, A16", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0},
-    {FA_FAMILY_APPLE9, "apple9", "M3, M4, A17 Pro, A18", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0},
-    {FA_FAMILY_APPLE10, "apple10", "M5, A19", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0},
+    {FA_FAMILY_APPLE7, "apple7", "M1, A14", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 0},
+    {FA_FAMILY_APPLE8, "apple8", "M2, A15, A16", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 0},
+    {FA_FAMILY_APPLE9, "apple9", "M3, M4, A17 Pro, A18", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0, 1},
+    {FA_FAMILY_APPLE10, "apple10", "M5, A19", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0, 1},
 };
 
 const fa_gpu_profile *fa_gpu_profile_of(int32_t family) {

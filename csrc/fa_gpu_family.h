@@ -36,6 +36,7 @@ typedef struct fa_gpu_profile {
     int64_t tile_bytes_cap;           /* most threadgroup bytes the tiled kernels' tiles may take */
     int32_t overhead_registers;       /* registers beside the fragments: addresses, loop state, softmax */
     double flops_per_core_clock;      /* FP16 and FP32 FMA throughput x 2, per core per clock */
+    int32_t bfloat_fragments;         /* bfloat16 operand fragments: the GPU does bfloat arithmetic itself */
 } fa_gpu_profile;
 
 enum { FA_GPU_PROFILES = 4 };

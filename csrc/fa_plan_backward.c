@@ -94,15 +94,14 @@ enum {
     BACKWARD_WIDTH_STEP = 32,
 };
 
-/* Fragment registers per thread (see above): operands half for fp16 inputs, accumulators and scores
- * float. dK/dV: K, V, dK, dV and S^T, dP^T of BK queries; dQ: Q, dO, dQ and S, dP of BK keys. */
-static int32_t dkdv_fragment_registers(fa_tiles t, int32_t dtype) {
-    const int32_t operand = dtype == FA_F16 ? 1 : 2;
+/* Fragment registers per thread (see above): operands `operand` registers per fragment
+ * (fa_plan_operand_registers), accumulators and scores float. dK/dV: K, V, dK, dV and S^T, dP^T of
+ * BK queries; dQ: Q, dO, dQ and S, dP of BK keys. */
+static int32_t dkdv_fragment_registers(fa_tiles t, int32_t operand) {
     return (t.bd + t.bdv) / 8 * operand + (t.bd + t.bdv) / 8 * 2 + t.bk / 8 * 2 * 2;
 }
 
-static int32_t dq_fragment_registers(fa_tiles t, int32_t dtype) {
-    const int32_t operand = dtype == FA_F16 ? 1 : 2;
+static int32_t dq_fragment_registers(fa_tiles t, int32_t operand) {
     return (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2;
 }
 
@@ -112,11 +111,12 @@ static int32_t dq_fragment_registers(fa_tiles t, int32_t dtype) {
 static fa_tiles backward_tiles(int32_t (*registers)(fa_tiles, int32_t), int64_t e, int64_t ev, int32_t dtype,
                                const fa_gpu_profile *gpu) {
     const int32_t blocked = e > BACKWARD_MAX_WIDTH || ev > BACKWARD_MAX_WIDTH;
-    const int32_t first = blocked && dtype != FA_F16 ? BACKWARD_FLOAT_BLOCK_WIDTH : BACKWARD_MAX_WIDTH;
+    const int32_t operand = fa_plan_operand_registers(dtype, gpu);
+    const int32_t first = blocked && operand == 2 ? BACKWARD_FLOAT_BLOCK_WIDTH : BACKWARD_MAX_WIDTH;
     for (int32_t widest = first;; widest -= BACKWARD_WIDTH_STEP) {
         const fa_tiles t = fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
                                          (int32_t)fa_dtype_bytes(dtype), gpu);
-        if (widest <= BACKWARD_MIN_WIDTH || registers(t, dtype) <= gpu->fragment_register_budget) {
+        if (widest <= BACKWARD_MIN_WIDTH || registers(t, operand) <= gpu->fragment_register_budget) {
             return t;
         }
     }
@@ -162,6 +162,7 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     const fa_plan_dispatch *tiled = &forward->dispatches[0];
     const fa_params *f = &forward->params;
     const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * kv.wm;
+    const int32_t operand = fa_plan_operand_registers(a->q.dtype, fa_gpu_profile_of(forward->gpu_family));
     const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
     const double e = f->head_dim, ev = f->v_head_dim, pairs = heads * fa_plan_visible_pairs(forward);
     const double issued_e = (double)((f->head_dim + 7) / 8 * 8), issued_ev = (double)((f->v_head_dim + 7) / 8 * 8);
@@ -178,13 +179,13 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
         0, 0, 2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes, rows_bytes + sink_bytes};
     /* Two tiles of BK rows and the tile votes; dK/dV also the tile's lse and D. */
     const fa_dispatch_cost dkdv = {
-        fa_plan_tile_bytes(kv, elem) + 2 * kv.wm + 2 * kv.bk * 4, dkdv_fragment_registers(kv, a->q.dtype),
+        fa_plan_tile_bytes(kv, elem) + 2 * kv.wm + 2 * kv.bk * 4, dkdv_fragment_registers(kv, operand),
         /* S^T and dP^T over the whole dims in each block; dK and dV once over all blocks */
         2.0 * key_tiles * (double)(block * kv.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks), key_tiles,
         2.0 * pairs * (2 * e + 2 * ev), tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
         whole_bytes(&a->k) + whole_bytes(&a->v)};
     const fa_dispatch_cost dq = {fa_plan_tile_bytes(tq, elem) + 2 * tq.wm,
-                                 dq_fragment_registers(tq, a->q.dtype),
+                                 dq_fragment_registers(tq, operand),
                                  2.0 * query_tiles * (double)(block * tq.bk) *
                                      (issued_e + issued_ev + issued_e / e_blocks),
                                  query_tiles,

@@ -96,6 +96,16 @@ int32_t fa_plan_block_width(int64_t dim, int32_t max_width) {
     return padded_head_dim((dim + blocks - 1) / blocks);
 }
 
+int32_t fa_plan_operand_registers(int32_t dtype, const fa_gpu_profile *gpu) {
+    return dtype == FA_F16 || (dtype == FA_BF16 && gpu->bfloat_fragments) ? 1 : 2;
+}
+
+void fa_plan_set_operand_fragments(fa_plan_dispatch *d, int32_t dtype, const fa_gpu_profile *gpu) {
+    if (dtype == FA_BF16 && gpu->bfloat_fragments) {
+        fa_plan_add_macro(d, "FA_BFLOAT_FRAGMENTS", 1);
+    }
+}
+
 fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes, const fa_gpu_profile *gpu) {
     fa_tiles t = {bd, bdv, 0, FORWARD_WM};
     const int32_t widest = t.bd > t.bdv ? t.bd : t.bdv;
@@ -552,9 +562,9 @@ static void set_forward_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forwar
     /* The products skip 8-wide slices of the padded widths that hold only padding (fa_fragments.h). */
     const int64_t issued_width = column_blocks * ((a->q.sizes[3] + 7) / 8 * 8) + (a->v.sizes[3] + 7) / 8 * 8;
     const double flops = 2.0 * (double)(a->q.sizes[0] * a->q.sizes[1]) * tiles * (double)(bq * t.bk * issued_width);
-    /* The tile table's register count: per lane 2 registers per float 8x8 fragment, 1 per half one
-     * (Q and the K/V fragment in flight are half for fp16 inputs); O and S are float. */
-    const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
+    /* The tile table's register count: per lane 2 registers per float 8x8 fragment, 1 per half or
+     * bfloat one (Q and the K/V fragment in flight: operand fragments); O and S are float. */
+    const int32_t operand = fa_plan_operand_registers(a->q.dtype, fa_gpu_profile_of(plan->gpu_family));
     const int32_t registers = t.bd / 8 * operand + t.bdv / 8 * 2 + t.bk / 8 * 2 + operand;
     set_cost(d, fa_plan_tile_bytes(t, elem) + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers, flops,
              tiles * (double)(column_blocks * a->q.sizes[0] * a->q.sizes[1]), useful_flops(plan, a),
@@ -680,6 +690,7 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     fa_plan_set_tile_macros(d, t);
     fa_plan_set_exact_head_dims(d, t, a->q.sizes[3], a->v.sizes[3]);
+    fa_plan_set_operand_fragments(d, a->q.dtype, fa_gpu_profile_of(plan->gpu_family));
     /* a quantized operand has its own loads (fa_quant.h): only the other decides */
     const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,
                     *v_tiles = a->options.v_bits != 0 ? &a->k : &a->v;
@@ -912,12 +923,14 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         const fa_tiles t = n < N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS
                                ? first
                                : choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], elem, apple9);
-        if (n >= N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS && memcmp(&t, &first, sizeof t) == 0) {
+        if (n >= N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS && memcmp(&t, &first, sizeof t) == 0 &&
+            fa_plan_operand_registers(dtype, apple9) == fa_plan_operand_registers(dtype, apple7)) {
             continue;
         }
         memset(&d, 0, sizeof d);
         fa_plan_start_dispatch(&d, forward_source, "fa_forward", dtype);
         fa_plan_set_tile_macros(&d, t);
+        fa_plan_set_operand_fragments(&d, dtype, n < N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS ? apple7 : apple9);
         rc = visit_dispatch(&d, visit, ctx);
         /* The backward kernels take the forward's specialisation (fa_plan_backward.c). */
         snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);
