@@ -16,8 +16,9 @@
  *  - MLX's steel attention keeps 14.8 KiB of threadgroup memory at D = 128 (BK 16); four such
  *    threadgroups (16 SIMD-groups) fit in 60 KiB, where 17 KiB tiles allow three.
  * Apple9's and Apple10's sizes are not published: they are modelled with Apple8's, and the planner's
- * budgets there are the figures of the configurations tested so far (bf16 dK/dV at D = 128 takes 144
- * fragment registers; the widest tiles 18 KiB). Apple10 adds matrix units these kernels do not use. */
+ * budgets there are the figures of the configurations tested so far (144 fragment registers, which
+ * keep dK/dV at D = 128 resident in every dtype: fp32 takes 136; the widest tiles 18 KiB). Apple10
+ * adds matrix units these kernels do not use. */
 #include "fa_gpu_family.h"
 
 #include <stdlib.h>

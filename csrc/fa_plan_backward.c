@@ -6,19 +6,20 @@
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
  *          (2 * BK floats, at most 256 bytes).
- * Registers per thread for the live fragments (2 per float fragment, 1 per half one; the operands a
- * kernel keeps, Q and dO or K and V, are half for fp16 inputs, fa_fragments.h):
+ * Registers per thread for the live fragments (2 per float fragment, 1 per half or bfloat one; the
+ * operands a kernel keeps, Q and dO or K and V, are half for fp16 inputs and bfloat for bf16 on
+ * Apple9/10, float otherwise: fa_plan_operand_registers, fa_fragments.h):
  *   dQ     Q, dO (operands), dQ, S, dP:          (BD + BDV) / 8 * operand + BD / 4 + BK / 2
  *   dK/dV  K, V (operands), dK, dV, S^T, dP^T:   (BD + BDV) / 8 * (operand + 2) + BK / 2
  * Unblocked (BD = BDV = D, the table's BK):
  *            dQ                                    dK/dV
  *   D = 64   fp32 64, fp16 48 (BK 32)             fp32 80, fp16 64
- *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112, bf16 144
+ *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112 (bf16: fp32's on Apple7/8, fp16's on 9/10)
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
  * Each kernel takes, on its own, the widest column blocks whose registers fit the family's budget
  * (fa_gpu_family.c): blocks of at most 128 columns, then 96, 64, 32 (each dim in the fewest equal
  * blocks of at most that width, padded: 192 -> 2 x 96, 256 -> 2 x 128 or 3 x 88, ...); dims above
- * 128 with float operand fragments (fp32, bf16) start at 96, whose fragments take twice the
+ * 128 with float operand fragments (fp32, and bf16 on Apple7/8) start at 96, whose fragments take twice the
  * registers (the blocking tested since it was introduced). Blocked,
  * products over a head dim (S, dP and their transposes) stream both operands block by block; each
  * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
@@ -34,8 +35,8 @@
  *   D = 256  fp16 2 x 128 (72), fp32 3 x 96 (80)   fp16 3 x 96 (88), fp32 4 x 64 (72)
  *   Apple9/10, budget 144 (dynamic caching allocates registers as used, so a wide configuration
  *   costs occupancy gradually; metal-flash-attention keeps dK and dV resident to D = 144 there):
- *   D <= 128 unblocked in every dtype (bf16 dK/dV at 128 takes 144); D = 256: fp16 2 x 128, fp32 and
- *   bf16 3 x 96 (at most 114).
+ *   D <= 128 unblocked in every dtype (fp32 dK/dV at 128 takes 136); D = 256: fp16 and bf16
+ *   2 x 128, fp32 3 x 96 (at most 114).
  * Threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB, 15 KiB on Apple7/8.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)

@@ -48,21 +48,23 @@ static const char *decode_source = "fa_decode.metal";
  * (MLX's steel attention takes BK 16 at D = 128, 14.8 KiB; metal-flash-attention about 8 KiB.)
  * Registers per thread, counted for the live fragments alone (explain_plan adds the family's
  * overhead for addresses, loop state and temporaries: fa_gpu_estimate_dispatch). An 8x8 fragment
- * costs a lane 2 registers in float, 1 in half: Q is an operand fragment (half for fp16 inputs,
- * float for fp32 and bf16: fa_fragments.h), O and S are float, plus one K/V fragment in flight
- * (table BK; Apple7/8's smaller BK takes 2 to 4 fewer):
+ * costs a lane 2 registers in float, 1 in half or bfloat: Q is an operand fragment (half for fp16
+ * inputs, bfloat for bf16 on Apple9/10, float for fp32 and for bf16 on Apple7/8:
+ * fa_plan_operand_registers, fa_fragments.h), O and S are float, plus one K/V fragment in flight
+ * (table BK; Apple7/8's smaller BK takes 2 to 4 fewer). bf16 counts as fp16 on Apple9/10 and as
+ * fp32 (with 2-byte tiles) on Apple7/8:
  *                        Q        O       S (BK)    total
- *   D = 64               16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 as fp32, BK 32: 42)
+ *   D = 64               16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 on Apple7/8, BK 32: 42)
  *   D = 128              32 / 16  32      4 (16)    70 fp32; fp16 (BK 32): 16 + 32 + 8 + 1 = 57
  *   D = 256              64 / 32  64      2 (8)     132 fp32; fp16 (BK 16): 32 + 64 + 4 + 1 = 101
  *   E 320, Ev 320        16 / 8   40      2 (8)     60 fp32; fp16 (BK 16): 8 + 40 + 4 + 1 = 53
  *   E 448, Ev 448        16 / 8   56      2 (8)     76 fp32; fp16: 69
  *   E 512 or 576, Ev 512 16 / 8   64      2 (8)     84 fp32; fp16 (BK 16): 8 + 64 + 4 + 1 = 77
- *   E 128, Ev 512        32 / 16  64      2 (8)     100 fp32, 102 bf16 (BK 16): the most of any blocked one
+ *   E 128, Ev 512        32 / 16  64      2 (8)     100 fp32, 102 bf16 on Apple7/8 (BK 16): the most of any blocked one
  * With the overhead (about 32), 128 registers per thread is not "full occupancy": it leaves about 13
  * SIMD-groups per core of Apple7/8's ~208 KiB register file, the fewest that keep a core issuing;
  * the ALUs stay busy from about 24 (69 registers). Every forward configuration at D <= 128 stays
- * within Apple7/8's budget of 96 fragment registers; fp32 and bf16 at 128 < D <= 256 take up to 132
+ * within Apple7/8's budget of 96 fragment registers; fp32 (and bf16 on Apple7/8) at 128 < D <= 256 take up to 132
  * (fewer resident SIMD-groups, or a spill: to be measured on a Mac; the blocked configuration
  * serves them too, at the price of a barrier pair per 64-column block and per key tile).
  * WM = 4 SIMD-groups, so 32 query rows per threadgroup (MLX uses the same), 128 threads. */
