@@ -16,8 +16,9 @@
  *  - MLX's steel attention keeps 14.8 KiB of threadgroup memory at D = 128 (BK 16); four such
  *    threadgroups (16 SIMD-groups) fit in 60 KiB, where 17 KiB tiles allow three.
  * Apple9's and Apple10's sizes are not published: they are modelled with Apple8's, and the planner's
- * budgets there are the figures of the configurations tested so far (bf16 dK/dV at D = 128 takes 144
- * fragment registers; the widest tiles 18 KiB). Apple10 adds matrix units these kernels do not use. */
+ * budgets there are the figures of the configurations tested so far (144 fragment registers, which
+ * keep dK/dV at D = 128 resident in every dtype: fp32 takes 136; the widest tiles 18 KiB). Apple10
+ * adds matrix units these kernels do not use. */
 #include "fa_gpu_family.h"
 
 #include <stdlib.h>
@@ -29,13 +30,15 @@
  * fragment register budget, tile bytes cap, overhead registers, FLOPs per core per clock, DRAM bytes
  * per core per clock (Apple's published bandwidth over cores x GPU clock of the chip with the most
  * per core, where an ALU-bound decode shows first: M1 Max 409.6 GB/s / (32 x 1.296 GHz), M2 Max
- * 409.6 / (38 x 1.398), M4 Max 546 / (40 x 1.578), M5 153.6 / (10 x 1.6, the clock an estimate)) */
+ * 409.6 / (38 x 1.398), M4 Max 546 / (40 x 1.578), M5 153.6 / (10 x 1.6, the clock an estimate)),
+ * bfloat operand fragments (Apple9 added bfloat16 to the GPU's arithmetic; Apple7/8 compile bfloat
+ * through float, so their bfloat16 operands stay float fragments: metal/fa_fragments.h) */
 const fa_gpu_profile fa_gpu_profiles[FA_GPU_PROFILES] = {
-    {FA_FAMILY_APPLE7, "apple7", "M1, A14", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 9.9},
-    {FA_FAMILY_APPLE8, "apple8", "M2, A15, A16", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 7.7},
-    {FA_FAMILY_APPLE9, "apple9", "M3, M4, A17 Pro, A18", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0,
-     8.7},
-    {FA_FAMILY_APPLE10, "apple10", "M5, A19", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0, 9.6},
+    {FA_FAMILY_APPLE7, "apple7", "M1, A14", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 9.9, 0},
+    {FA_FAMILY_APPLE8, "apple8", "M2, A15, A16", 208 * KIB, 60 * KIB, 96, 24, 96, 15 * KIB, 32, 256.0, 7.7, 0},
+    {FA_FAMILY_APPLE9, "apple9", "M3, M4, A17 Pro, A18", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0, 8.7,
+     1},
+    {FA_FAMILY_APPLE10, "apple10", "M5, A19", 208 * KIB, 60 * KIB, 96, 24, 144, 37 * KIB / 2, 32, 256.0, 9.6, 1},
 };
 
 const fa_gpu_profile *fa_gpu_profile_of(int32_t family) {

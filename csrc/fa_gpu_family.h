@@ -37,6 +37,7 @@ typedef struct fa_gpu_profile {
     int32_t overhead_registers;       /* registers beside the fragments: addresses, loop state, softmax */
     double flops_per_core_clock;      /* FP16 and FP32 FMA throughput x 2, per core per clock */
     double dram_bytes_per_core_clock; /* memory bandwidth per core per GPU clock of the family's widest-bus chip */
+    int32_t bfloat_fragments;         /* bfloat16 operand fragments: the GPU does bfloat arithmetic itself */
 } fa_gpu_profile;
 
 enum { FA_GPU_PROFILES = 4 };

@@ -6,19 +6,20 @@
  *   dQ     K and V tiles of BK keys: BK * (BD + 8 + BDV + 8) elements, the forward's bytes;
  *   dK/dV  Q and dO tiles of BK queries, the same bytes, plus lse and D of those queries
  *          (2 * BK floats, at most 256 bytes).
- * Registers per thread for the live fragments (2 per float fragment, 1 per half one; the operands a
- * kernel keeps, Q and dO or K and V, are half for fp16 inputs, fa_fragments.h):
+ * Registers per thread for the live fragments (2 per float fragment, 1 per half or bfloat one; the
+ * operands a kernel keeps, Q and dO or K and V, are half for fp16 inputs and bfloat for bf16 on
+ * Apple9/10, float otherwise: fa_plan_operand_registers, fa_fragments.h):
  *   dQ     Q, dO (operands), dQ, S, dP:          (BD + BDV) / 8 * operand + BD / 4 + BK / 2
  *   dK/dV  K, V (operands), dK, dV, S^T, dP^T:   (BD + BDV) / 8 * (operand + 2) + BK / 2
  * Unblocked (BD = BDV = D, the table's BK):
  *            dQ                                    dK/dV
  *   D = 64   fp32 64, fp16 48 (BK 32)             fp32 80, fp16 64
- *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112, bf16 144
+ *   D = 128  fp32 104 (BK 16), fp16 80 (BK 32)    fp32 136, fp16 112 (bf16: fp32's on Apple7/8, fp16's on 9/10)
  *   D = 256  fp32 196 (BK 8), fp16 136 (BK 16)    fp32 260, fp16 200
  * Each kernel takes, on its own, the widest column blocks whose registers fit the family's budget
  * (fa_gpu_family.c): blocks of at most 128 columns, then 96, 64, 32 (each dim in the fewest equal
  * blocks of at most that width, padded: 192 -> 2 x 96, 256 -> 2 x 128 or 3 x 88, ...); dims above
- * 128 with float operand fragments (fp32, bf16) start at 96, whose fragments take twice the
+ * 128 with float operand fragments (fp32, and bf16 on Apple7/8) start at 96, whose fragments take twice the
  * registers (the blocking tested since it was introduced). Blocked,
  * products over a head dim (S, dP and their transposes) stream both operands block by block; each
  * accumulator keeps one block per threadgroup, the grid's head axis carrying the block: dQ
@@ -34,8 +35,8 @@
  *   D = 256  fp16 2 x 128 (72), fp32 3 x 96 (80)   fp16 3 x 96 (88), fp32 4 x 64 (72)
  *   Apple9/10, budget 144 (dynamic caching allocates registers as used, so a wide configuration
  *   costs occupancy gradually; metal-flash-attention keeps dK and dV resident to D = 144 there):
- *   D <= 128 unblocked in every dtype (bf16 dK/dV at 128 takes 144); D = 256: fp16 2 x 128, fp32 and
- *   bf16 3 x 96 (at most 114).
+ *   D <= 128 unblocked in every dtype (fp32 dK/dV at 128 takes 136); D = 256: fp16 and bf16
+ *   2 x 128, fp32 3 x 96 (at most 114).
  * Threadgroup memory at most BK * (2 * (128 + 8)) * 2 bytes = 17 KiB, 15 KiB on Apple7/8.
  * Geometry, WM = 4 SIMD-groups of 8 rows each, as the forward:
  *   delta  one SIMD-group per row, FA_BACKWARD_DELTA_ROWS rows per threadgroup: (ceil(L / 4), Hq, B)
@@ -95,15 +96,14 @@ enum {
     BACKWARD_WIDTH_STEP = 32,
 };
 
-/* Fragment registers per thread (see above): operands half for fp16 inputs, accumulators and scores
- * float. dK/dV: K, V, dK, dV and S^T, dP^T of BK queries; dQ: Q, dO, dQ and S, dP of BK keys. */
-static int32_t dkdv_fragment_registers(fa_tiles t, int32_t dtype) {
-    const int32_t operand = dtype == FA_F16 ? 1 : 2;
+/* Fragment registers per thread (see above): operands `operand` registers per fragment
+ * (fa_plan_operand_registers), accumulators and scores float. dK/dV: K, V, dK, dV and S^T, dP^T of
+ * BK queries; dQ: Q, dO, dQ and S, dP of BK keys. */
+static int32_t dkdv_fragment_registers(fa_tiles t, int32_t operand) {
     return (t.bd + t.bdv) / 8 * operand + (t.bd + t.bdv) / 8 * 2 + t.bk / 8 * 2 * 2;
 }
 
-static int32_t dq_fragment_registers(fa_tiles t, int32_t dtype) {
-    const int32_t operand = dtype == FA_F16 ? 1 : 2;
+static int32_t dq_fragment_registers(fa_tiles t, int32_t operand) {
     return (t.bd + t.bdv) / 8 * operand + t.bd / 8 * 2 + t.bk / 8 * 2 * 2;
 }
 
@@ -113,22 +113,24 @@ static int32_t dq_fragment_registers(fa_tiles t, int32_t dtype) {
 static fa_tiles backward_tiles(int32_t (*registers)(fa_tiles, int32_t), int64_t e, int64_t ev, int32_t dtype,
                                const fa_gpu_profile *gpu) {
     const int32_t blocked = e > BACKWARD_MAX_WIDTH || ev > BACKWARD_MAX_WIDTH;
-    const int32_t first = blocked && dtype != FA_F16 ? BACKWARD_FLOAT_BLOCK_WIDTH : BACKWARD_MAX_WIDTH;
+    const int32_t operand = fa_plan_operand_registers(dtype, gpu);
+    const int32_t first = blocked && operand == 2 ? BACKWARD_FLOAT_BLOCK_WIDTH : BACKWARD_MAX_WIDTH;
     for (int32_t widest = first;; widest -= BACKWARD_WIDTH_STEP) {
         const fa_tiles t = fa_plan_tiles(fa_plan_block_width(e, widest), fa_plan_block_width(ev, widest),
                                          (int32_t)fa_dtype_bytes(dtype), gpu);
-        if (widest <= BACKWARD_MIN_WIDTH || registers(t, dtype) <= gpu->fragment_register_budget) {
+        if (widest <= BACKWARD_MIN_WIDTH || registers(t, operand) <= gpu->fragment_register_budget) {
             return t;
         }
     }
 }
 
-/* A dispatch of step `step` with the forward's function constants and the backward's tiles; the
- * caller sets its grid and cost. */
+/* A dispatch of step `step` with the forward's function constants and the backward's tiles (and
+ * whether f's head dims are exactly their widths); the caller sets its grid and cost. */
 static fa_plan_dispatch *set_dispatch(fa_plan_dispatch *d, const fa_plan_dispatch *forward, fa_tiles tiles,
-                                      const char *step, int32_t dtype) {
+                                      const fa_params *f, const char *step, int32_t dtype) {
     *d = *forward;
     fa_plan_set_tile_macros(d, tiles);
+    fa_plan_set_exact_head_dims(d, tiles, f->head_dim, f->v_head_dim);
     memset(&d->cost, 0, sizeof d->cost);                /* the forward's: set_backward_costs counts the backward's */
     fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 0); /* the mask's block classes are the forward's alone */
     snprintf(d->source_name, sizeof d->source_name, "%s", fa_backward_source);
@@ -163,6 +165,7 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
     const fa_plan_dispatch *tiled = &forward->dispatches[forward->n_dispatches - 1];
     const fa_params *f = &forward->params;
     const int64_t elem = fa_dtype_bytes(a->q.dtype), block = 8 * kv.wm;
+    const int32_t operand = fa_plan_operand_registers(a->q.dtype, fa_gpu_profile_of(forward->gpu_family));
     const double heads = (double)f->batch * f->q_heads, rows = heads * f->q_len;
     const double e = f->head_dim, ev = f->v_head_dim, pairs = heads * fa_plan_visible_pairs(forward);
     const double issued_e = (double)((f->head_dim + 7) / 8 * 8), issued_ev = (double)((f->v_head_dim + 7) / 8 * 8);
@@ -179,13 +182,13 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
         0, 0, 2.0 * rows * ev, 0, 2.0 * rows * ev, 2 * dout_bytes + sink_bytes, rows_bytes + sink_bytes};
     /* Two tiles of BK rows and the tile votes; dK/dV also the tile's lse and D. */
     const fa_dispatch_cost dkdv = {
-        fa_plan_tile_bytes(kv, elem) + 2 * kv.wm + 2 * kv.bk * 4, dkdv_fragment_registers(kv, a->q.dtype),
+        fa_plan_tile_bytes(kv, elem) + 2 * kv.wm + 2 * kv.bk * 4, dkdv_fragment_registers(kv, operand),
         /* S^T and dP^T over the whole dims in each block; dK and dV once over all blocks */
         2.0 * key_tiles * (double)(block * kv.bk) * (issued_e + issued_ev) * (1.0 + 1.0 / key_blocks), key_tiles,
         2.0 * pairs * (2 * e + 2 * ev), tiled->cost.min_bytes_read + dout_bytes + 2 * rows_bytes,
         whole_bytes(&a->k) + whole_bytes(&a->v)};
     const fa_dispatch_cost dq = {fa_plan_tile_bytes(tq, elem) + 2 * tq.wm,
-                                 dq_fragment_registers(tq, a->q.dtype),
+                                 dq_fragment_registers(tq, operand),
                                  2.0 * query_tiles * (double)(block * tq.bk) *
                                      (issued_e + issued_ev + issued_e / e_blocks),
                                  query_tiles,
@@ -345,7 +348,7 @@ static void plan_mask_blocks(fa_backward_plan *plan, const fa_plan *forward, con
     p->v_block_max_offset = p->do_block_max_offset + q_items;
     plan->workspace_bytes = (p->v_block_max_offset + k_items) * (int64_t)sizeof(float);
     fa_plan_dispatch *d =
-        set_dispatch(&plan->dispatches[FA_BACKWARD_MASK_BLOCKS], tiled, tq, "mask_blocks", a->q.dtype);
+        set_dispatch(&plan->dispatches[FA_BACKWARD_MASK_BLOCKS], tiled, tq, f, "mask_blocks", a->q.dtype);
     fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, 1);
     fa_plan_set_geometry(d, (uint32_t)((items + threads - 1) / threads), 1, 1, (uint32_t)threads);
     const fa_dispatch_cost cost = {0,
@@ -446,18 +449,18 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
         (rc = fa_plan_check_column_grid(f->kv_heads, key_blocks, st))) {
         return rc;
     }
-    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, tq, "delta", dtype);
+    fa_plan_dispatch *delta = set_dispatch(&plan->dispatches[FA_BACKWARD_DELTA], tiled, tq, f, "delta", dtype);
     /* D is per row: with sequences it runs over q's whole view, not the grid's. */
     const int64_t delta_rows = forward.sequences ? f->seq_q_rows : f->q_len;
     fa_plan_set_geometry(delta, (uint32_t)((delta_rows + FA_BACKWARD_DELTA_ROWS - 1) / FA_BACKWARD_DELTA_ROWS),
                          (uint32_t)f->q_heads, (uint32_t)(forward.sequences ? f->seq_q_batches : f->batch),
                          32u * FA_BACKWARD_DELTA_ROWS);
     /* dK/dV streams Q and dO tiles; dQ, as the forward, K and V tiles. */
-    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, kv, "dkdv", dtype);
+    fa_plan_dispatch *dkdv = set_dispatch(&plan->dispatches[FA_BACKWARD_DKDV], tiled, kv, f, "dkdv", dtype);
     fa_plan_set_contiguous_tiles(dkdv, &a->q, &a->dout, a->device);
     fa_plan_set_block_grid(dkdv, f->kv_len, rows_per_group, (uint32_t)(f->kv_heads * key_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
-    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, tq, "dq", dtype);
+    fa_plan_dispatch *dq = set_dispatch(&plan->dispatches[FA_BACKWARD_DQ], tiled, tq, f, "dq", dtype);
     fa_plan_set_block_grid(dq, f->q_len, rows_per_group, (uint32_t)(f->q_heads * e_blocks), (uint32_t)f->batch,
                            forward.banded, threads);
     set_backward_costs(plan, &forward, a, kv, tq, e_blocks, key_blocks);

@@ -102,6 +102,10 @@ void fa_plan_set_tile_macros(fa_plan_dispatch *d, fa_tiles t) {
     fa_plan_add_macro(d, "FA_WM", t.wm);
 }
 
+void fa_plan_set_exact_head_dims(fa_plan_dispatch *d, fa_tiles t, int64_t e, int64_t ev) {
+    fa_plan_add_constant_bool(d, FA_FC_EXACT_HEAD_DIMS, e == t.bd && ev == t.bdv);
+}
+
 void fa_plan_set_geometry(fa_plan_dispatch *d, uint32_t x, uint32_t y, uint32_t z, uint32_t threads) {
     d->grid[0] = x;
     d->grid[1] = y;

@@ -76,6 +76,9 @@ typedef struct fa_tiles {
     int32_t bd, bdv, bk, wm;
 } fa_tiles;
 void fa_plan_set_tile_macros(fa_plan_dispatch *d, fa_tiles t);
+/* FA_FC_EXACT_HEAD_DIMS: whether head dims e and ev are exactly the tiles' widths, so the kernel
+ * folds its head-dim guards and its streamed path away (metal/fa_head_blocks.h). */
+void fa_plan_set_exact_head_dims(fa_plan_dispatch *d, fa_tiles t, int64_t e, int64_t ev);
 
 /* Fails unless a grid axis of heads x column_blocks threadgroups fits 32 bits. */
 int32_t fa_plan_check_column_grid(int64_t heads, int32_t column_blocks, fa_status *st);

@@ -49,21 +49,23 @@ static const char *tensor_source = "fa_forward_tensor.metal";
  * (MLX's steel attention takes BK 16 at D = 128, 14.8 KiB; metal-flash-attention about 8 KiB.)
  * Registers per thread, counted for the live fragments alone (explain_plan adds the family's
  * overhead for addresses, loop state and temporaries: fa_gpu_estimate_dispatch). An 8x8 fragment
- * costs a lane 2 registers in float, 1 in half: Q is an operand fragment (half for fp16 inputs,
- * float for fp32 and bf16: fa_fragments.h), O and S are float, plus one K/V fragment in flight
- * (table BK; Apple7/8's smaller BK takes 2 to 4 fewer):
+ * costs a lane 2 registers in float, 1 in half or bfloat: Q is an operand fragment (half for fp16
+ * inputs, bfloat for bf16 on Apple9/10, float for fp32 and for bf16 on Apple7/8:
+ * fa_plan_operand_registers, fa_fragments.h), O and S are float, plus one K/V fragment in flight
+ * (table BK; Apple7/8's smaller BK takes 2 to 4 fewer). bf16 counts as fp16 on Apple9/10 and as
+ * fp32 (with 2-byte tiles) on Apple7/8:
  *                        Q        O       S (BK)    total
- *   D = 64               16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 as fp32, BK 32: 42)
+ *   D = 64               16 / 8   16      8 (32)    42 fp32, 33 fp16 (bf16 on Apple7/8, BK 32: 42)
  *   D = 128              32 / 16  32      4 (16)    70 fp32; fp16 (BK 32): 16 + 32 + 8 + 1 = 57
  *   D = 256              64 / 32  64      2 (8)     132 fp32; fp16 (BK 16): 32 + 64 + 4 + 1 = 101
  *   E 320, Ev 320        16 / 8   40      2 (8)     60 fp32; fp16 (BK 16): 8 + 40 + 4 + 1 = 53
  *   E 448, Ev 448        16 / 8   56      2 (8)     76 fp32; fp16: 69
  *   E 512 or 576, Ev 512 16 / 8   64      2 (8)     84 fp32; fp16 (BK 16): 8 + 64 + 4 + 1 = 77
- *   E 128, Ev 512        32 / 16  64      2 (8)     100 fp32, 102 bf16 (BK 16): the most of any blocked one
+ *   E 128, Ev 512        32 / 16  64      2 (8)     100 fp32, 102 bf16 on Apple7/8 (BK 16): the most of any blocked one
  * With the overhead (about 32), 128 registers per thread is not "full occupancy": it leaves about 13
  * SIMD-groups per core of Apple7/8's ~208 KiB register file, the fewest that keep a core issuing;
  * the ALUs stay busy from about 24 (69 registers). Every forward configuration at D <= 128 stays
- * within Apple7/8's budget of 96 fragment registers; fp32 and bf16 at 128 < D <= 256 take up to 132
+ * within Apple7/8's budget of 96 fragment registers; fp32 (and bf16 on Apple7/8) at 128 < D <= 256 take up to 132
  * (fewer resident SIMD-groups, or a spill: to be measured on a Mac; the blocked configuration
  * serves them too, at the price of a barrier pair per 64-column block and per key tile).
  * WM = 4 SIMD-groups, so 32 query rows per threadgroup (MLX uses the same), 128 threads. */
@@ -95,6 +97,16 @@ int32_t fa_plan_head_blocks(int64_t dim, int32_t width) {
 int32_t fa_plan_block_width(int64_t dim, int32_t max_width) {
     const int64_t blocks = fa_plan_head_blocks(dim, max_width);
     return padded_head_dim((dim + blocks - 1) / blocks);
+}
+
+int32_t fa_plan_operand_registers(int32_t dtype, const fa_gpu_profile *gpu) {
+    return dtype == FA_F16 || (dtype == FA_BF16 && gpu->bfloat_fragments) ? 1 : 2;
+}
+
+void fa_plan_set_operand_fragments(fa_plan_dispatch *d, int32_t dtype, const fa_gpu_profile *gpu) {
+    if (dtype == FA_BF16 && gpu->bfloat_fragments) {
+        fa_plan_add_macro(d, "FA_BFLOAT_FRAGMENTS", 1);
+    }
 }
 
 fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes, const fa_gpu_profile *gpu) {
@@ -575,9 +587,9 @@ static void set_forward_cost(fa_plan *plan, fa_plan_dispatch *d, const fa_forwar
     /* The products skip 8-wide slices of the padded widths that hold only padding (fa_fragments.h). */
     const int64_t issued_width = column_blocks * ((a->q.sizes[3] + 7) / 8 * 8) + (a->v.sizes[3] + 7) / 8 * 8;
     const double flops = 2.0 * (double)(a->q.sizes[0] * a->q.sizes[1]) * tiles * (double)(bq * t.bk * issued_width);
-    /* The tile table's register count: per lane 2 registers per float 8x8 fragment, 1 per half one
-     * (Q and the K/V fragment in flight are half for fp16 inputs); O and S are float. */
-    const int32_t operand = a->q.dtype == FA_F16 ? 1 : 2;
+    /* The tile table's register count: per lane 2 registers per float 8x8 fragment, 1 per half or
+     * bfloat one (Q and the K/V fragment in flight: operand fragments); O and S are float. */
+    const int32_t operand = fa_plan_operand_registers(a->q.dtype, fa_gpu_profile_of(plan->gpu_family));
     const int32_t registers = t.bd / 8 * operand + t.bdv / 8 * 2 + t.bk / 8 * 2 + operand;
     set_cost(d, fa_plan_tile_bytes(t, elem) + 2 * t.wm /* the SIMD-groups' tile votes (fa_mask.h) */, registers, flops,
              tiles * (double)(column_blocks * a->q.sizes[0] * a->q.sizes[1]), useful_flops(plan, a),
@@ -774,6 +786,8 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
     fa_plan_dispatch *d = add_dispatch(plan, a, forward_source, "fa_forward");
     fa_plan_add_constant_bool(d, FA_FC_MASK_BLOCKS, mask_blocks);
     fa_plan_set_tile_macros(d, t);
+    fa_plan_set_exact_head_dims(d, t, a->q.sizes[3], a->v.sizes[3]);
+    fa_plan_set_operand_fragments(d, a->q.dtype, fa_gpu_profile_of(plan->gpu_family));
     /* a quantized operand has its own loads (fa_quant.h): only the other decides */
     const fa_tensor *k_tiles = a->options.k_bits != 0 ? &a->v : &a->k,
                     *v_tiles = a->options.v_bits != 0 ? &a->k : &a->v;
@@ -1115,12 +1129,14 @@ static int32_t each_specialisation_of(int32_t dtype, fa_plan_visitor visit, void
         const fa_tiles t = n < N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS
                                ? first
                                : choose_forward_tiles(padded_head_dims[i], padded_head_dims[j], elem, apple9);
-        if (n >= N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS && memcmp(&t, &first, sizeof t) == 0) {
+        if (n >= N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS && memcmp(&t, &first, sizeof t) == 0 &&
+            fa_plan_operand_registers(dtype, apple9) == fa_plan_operand_registers(dtype, apple7)) {
             continue;
         }
         memset(&d, 0, sizeof d);
         fa_plan_start_dispatch(&d, forward_source, "fa_forward", dtype);
         fa_plan_set_tile_macros(&d, t);
+        fa_plan_set_operand_fragments(&d, dtype, n < N_PADDED_HEAD_DIMS * N_PADDED_HEAD_DIMS ? apple7 : apple9);
         rc = visit_dispatch(&d, visit, ctx);
         /* The backward kernels take the forward's specialisation (fa_plan_backward.c). */
         snprintf(d.source_name, sizeof d.source_name, "%s", FA_BACKWARD_SOURCE);

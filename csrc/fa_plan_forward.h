@@ -33,6 +33,13 @@ int32_t fa_plan_forward(const fa_forward_args *args, fa_plan *plan, fa_status *s
  * mask, nor themselves. */
 int32_t fa_plan_check_forward_aliases(const fa_forward_args *a, int32_t with_workspace, fa_status *st);
 
+/* 32-bit registers per lane of one 8x8 operand fragment (Q, K, V, dO and the tiles they multiply,
+ * metal/fa_fragments.h) for dtype on gpu: 1 for half, and bfloat where gpu has bfloat fragments;
+ * 2 for float. */
+int32_t fa_plan_operand_registers(int32_t dtype, const fa_gpu_profile *gpu);
+/* Macro FA_BFLOAT_FRAGMENTS for a tiled kernel of dtype on gpu: set only where it applies, so other
+ * libraries keep their keys. */
+void fa_plan_set_operand_fragments(fa_plan_dispatch *d, int32_t dtype, const fa_gpu_profile *gpu);
 /* The tiles for widths bd, bdv (of the padded-width table) and elements of element_bytes, on gpu. */
 fa_tiles fa_plan_tiles(int32_t bd, int32_t bdv, int32_t element_bytes, const fa_gpu_profile *gpu);
 /* Blocks of `width` columns covering dim (at least 1), as fa_head_blocks() in the kernels. */

@@ -62,8 +62,10 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
 
   const fa_block_position block = fa_block_of(group, groups, false);
   const long b = block.batch;
-  const int e_blocks = fa_head_blocks(p.forward.head_dim, BD);
-  const int v_blocks = fa_head_blocks(p.forward.v_head_dim, BDV);
+  const int head_dim = fa_head_dim<BD>(p.forward.head_dim); // every sequence's too
+  const int v_head_dim = fa_head_dim<BDV>(p.forward.v_head_dim);
+  const int e_blocks = fa_head_blocks(head_dim, BD);
+  const int v_blocks = fa_head_blocks(v_head_dim, BDV);
   const fa_column_block columns = fa_column_block_of(block.head, max(e_blocks, v_blocks));
   const long kv_h = columns.head;
   const bool owns_dk = columns.block < e_blocks; // a threadgroup past either count skips that gradient
@@ -93,8 +95,8 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   const device T *k_row = k + b * f.k_strides[0] + kv_h * f.k_strides[1] + long(my_key) * f.k_strides[2];
   fa_operand_frag<T> v_frag[BDV / 8];
   const device T *v_row = v + b * f.v_strides[0] + kv_h * f.v_strides[1] + long(my_key) * f.v_strides[2];
-  fa_load_resident_row<T, BD / 8>(k_frag, k_row, f.k_strides[3], key_valid, f.head_dim, at);
-  fa_load_resident_row<T, BDV / 8>(v_frag, v_row, f.v_strides[3], key_valid, f.v_head_dim, at);
+  fa_load_resident_row<T, BD / 8>(k_frag, k_row, f.k_strides[3], key_valid, head_dim, at);
+  fa_load_resident_row<T, BDV / 8>(v_frag, v_row, f.v_strides[3], key_valid, v_head_dim, at);
   fa_frag dk_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dk_frag[d], 0.0f);
@@ -139,8 +141,8 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
       }
       const fa_tile_rows<T> q_rows = fa_rows(q_src, f.q_strides[2], f.q_strides[3]);
       const fa_tile_rows<T> do_rows = fa_rows(do_src, p.do_strides[2], p.do_strides[3]);
-      fa_load_resident_tile<T, BK, BD, 32 * WM>(q_tile, q_rows, valid_rows, f.head_dim, tid);
-      fa_load_resident_tile<T, BK, BDV, 32 * WM>(do_tile, do_rows, valid_rows, f.v_head_dim, tid);
+      fa_load_resident_tile<T, BK, BD, 32 * WM>(q_tile, q_rows, valid_rows, head_dim, tid);
+      fa_load_resident_tile<T, BK, BDV, 32 * WM>(do_tile, do_rows, valid_rows, v_head_dim, tid);
       if (tid < uint(BK)) {
         // Rows past L get probability 0 through lse = +inf.
         const long row = q0 + long(tid);
@@ -159,12 +161,12 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
       }
       // Streamed, dK and dV below multiply this threadgroup's own blocks of Q and dO.
       fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, k_frag, k_row, f.k_strides[3], key_valid, q_tile, q_rows,
-                                                     valid_rows, f.head_dim, !blocked, tid, at);
-      fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_rows, valid_rows, f.head_dim, min(columns.block, e_blocks - 1),
+                                                     valid_rows, head_dim, !blocked, tid, at);
+      fa_keep_head_block<T, BK, BD, 32 * WM>(q_tile, q_rows, valid_rows, head_dim, min(columns.block, e_blocks - 1),
                                              tid);
       fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, v_frag, v_row, f.v_strides[3], key_valid, do_tile,
-                                                      do_rows, valid_rows, f.v_head_dim, !blocked, tid, at);
-      fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_rows, valid_rows, f.v_head_dim,
+                                                      do_rows, valid_rows, v_head_dim, !blocked, tid, at);
+      fa_keep_head_block<T, BK, BDV, 32 * WM>(do_tile, do_rows, valid_rows, v_head_dim,
                                               min(columns.block, v_blocks - 1), tid);
       if (blocked) {
         continue; // it adds nothing to dK or dV
@@ -195,11 +197,10 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
         entry += 8 * mask_query_stride;
       }
       if (owns_dv) {
-        fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, fa_slices(f.v_head_dim - dv_col0),
-                                              at);
+        fa_frags_multiply<T, BK / 8, BDV / 8>(dv_frag, s_frag, do_tile, DO_PITCH, fa_slices(v_head_dim - dv_col0), at);
       }
       if (owns_dk) {
-        fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, fa_slices(f.head_dim - dk_col0), at);
+        fa_frags_multiply<T, BK / 8, BD / 8>(dk_frag, dp_frag, q_tile, Q_PITCH, fa_slices(head_dim - dk_col0), at);
       }
     }
   }
@@ -208,13 +209,13 @@ fa_backward_dkdv(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
     fa_frags_store_row<T, BD / 8>(dk_frag,
                                   dk + b * p.dk_strides[0] + kv_h * p.dk_strides[1] + long(my_key) * p.dk_strides[2] +
                                       long(dk_col0) * p.dk_strides[3],
-                                  p.dk_strides[3], f.head_dim - dk_col0, p.scale, at);
+                                  p.dk_strides[3], head_dim - dk_col0, p.scale, at);
   }
   if (key_valid && owns_dv) {
     fa_frags_store_row<T, BDV / 8>(dv_frag,
                                    dv + b * p.dv_strides[0] + kv_h * p.dv_strides[1] + long(my_key) * p.dv_strides[2] +
                                        long(dv_col0) * p.dv_strides[3],
-                                   p.dv_strides[3], f.v_head_dim - dv_col0, 1.0f, at);
+                                   p.dv_strides[3], v_head_dim - dv_col0, 1.0f, at);
   }
 }
 

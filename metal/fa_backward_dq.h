@@ -60,7 +60,9 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
 
   const fa_block_position block = fa_block_of(group, groups, true);
   const long b = block.batch;
-  const int e_blocks = fa_head_blocks(p.forward.head_dim, BD);
+  const int head_dim = fa_head_dim<BD>(p.forward.head_dim); // every sequence's too
+  const int v_head_dim = fa_head_dim<BDV>(p.forward.v_head_dim);
+  const int e_blocks = fa_head_blocks(head_dim, BD);
   const fa_column_block columns = fa_column_block_of(block.head, e_blocks);
   const long h = columns.head;
   const int col0 = columns.block * BD; // the first of this threadgroup's dQ columns
@@ -85,8 +87,8 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
   const device T *q_row = q + b * f.q_strides[0] + h * f.q_strides[1] + long(my_row) * f.q_strides[2];
   fa_operand_frag<T> do_frag[BDV / 8];
   const device T *do_row = dout + b * p.do_strides[0] + h * p.do_strides[1] + long(my_row) * p.do_strides[2];
-  fa_load_resident_row<T, BD / 8>(q_frag, q_row, f.q_strides[3], row_valid, f.head_dim, at);
-  fa_load_resident_row<T, BDV / 8>(do_frag, do_row, p.do_strides[3], row_valid, f.v_head_dim, at);
+  fa_load_resident_row<T, BD / 8>(q_frag, q_row, f.q_strides[3], row_valid, head_dim, at);
+  fa_load_resident_row<T, BDV / 8>(do_frag, do_row, p.do_strides[3], row_valid, v_head_dim, at);
   fa_frag dq_frag[BD / 8];
   for (int d = 0; d < BD / 8; ++d) {
     fa_frag_fill(dq_frag[d], 0.0f);
@@ -125,8 +127,8 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, f.head_dim, tid);
-    fa_load_resident_tile<T, BK, BDV, 32 * WM>(v_tile, v_tiles, valid_keys, f.v_head_dim, tid);
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, head_dim, tid);
+    fa_load_resident_tile<T, BK, BDV, 32 * WM>(v_tile, v_tiles, valid_keys, v_head_dim, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     const bool blocked = start.tile_class == FA_TILE_BLOCKED; // every probability of the slice is 0
@@ -137,11 +139,11 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
       fa_frag_fill(dp_frag[j], 0.0f);
     }
     fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, f.q_strides[3], row_valid, k_tile, k_tiles,
-                                                   valid_keys, f.head_dim, !blocked, tid, at);
+                                                   valid_keys, head_dim, !blocked, tid, at);
     // dQ below multiplies this threadgroup's own block of K.
-    fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, f.head_dim, columns.block, tid);
+    fa_keep_head_block<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, head_dim, columns.block, tid);
     fa_frags_multiply_head<T, BDV, BK / 8, 32 * WM>(dp_frag, do_frag, do_row, p.do_strides[3], row_valid, v_tile,
-                                                    v_tiles, valid_keys, f.v_head_dim, !blocked, tid, at);
+                                                    v_tiles, valid_keys, v_head_dim, !blocked, tid, at);
     if (blocked) {
       continue; // it adds nothing to dQ
     }
@@ -167,14 +169,14 @@ fa_backward_dq(const device T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
       }
       entry += 8 * mask_key_stride;
     }
-    fa_frags_multiply<T, BK / 8, BD / 8>(dq_frag, s_frag, k_tile, K_PITCH, fa_slices(f.head_dim - col0), at);
+    fa_frags_multiply<T, BK / 8, BD / 8>(dq_frag, s_frag, k_tile, K_PITCH, fa_slices(head_dim - col0), at);
   }
 
   if (row_valid) {
     fa_frags_store_row<T, BD / 8>(dq_frag,
                                   dq + b * p.dq_strides[0] + h * p.dq_strides[1] + long(my_row) * p.dq_strides[2] +
                                       long(col0) * p.dq_strides[3],
-                                  p.dq_strides[3], f.head_dim - col0, p.scale, at);
+                                  p.dq_strides[3], head_dim - col0, p.scale, at);
   }
 }
 

@@ -65,7 +65,8 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
 
   const fa_block_position block = fa_block_of(group, groups, true);
   const long b = block.batch;
-  const fa_column_block columns = fa_column_block_of(block.head, fa_head_blocks(params.v_head_dim, BDV));
+  const fa_column_block columns =
+      fa_column_block_of(block.head, fa_head_blocks(fa_head_dim<BDV>(params.v_head_dim), BDV));
   const long h = columns.head;
   const int col0 = columns.block * BDV; // the first of this threadgroup's output columns
   constant fa_params &p = fa_sequence_params(params, sequence_table, b);
@@ -81,7 +82,8 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   const ushort2 at = fa_frag_coord(lane);
   const int my_row = row0 + at.y; // the one row whose elements this lane holds
   const bool row_valid = my_row < p.q_len;
-  const int ev_cols = p.v_head_dim - col0;
+  const int head_dim = fa_head_dim<BD>(p.head_dim);
+  const int ev_cols = fa_head_dim<BDV>(p.v_head_dim) - col0;
   const int ev_slices = fa_slices(ev_cols);
 
   // Q fragments straight from device memory (each SIMD-group reads only its own rows), as operand
@@ -89,7 +91,7 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
   // domain after each product instead. Streamed, they hold one block at a time.
   fa_operand_frag<T> q_frag[BD / 8];
   const device T *q_row = q + b * p.q_strides[0] + h * p.q_strides[1] + long(my_row) * p.q_strides[2];
-  fa_load_resident_row<T, BD / 8>(q_frag, q_row, p.q_strides[3], row_valid, p.head_dim, at);
+  fa_load_resident_row<T, BD / 8>(q_frag, q_row, p.q_strides[3], row_valid, head_dim, at);
 
   fa_frag o_frag[BDV / 8];
   for (int d = 0; d < BDV / 8; ++d) {
@@ -129,7 +131,7 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     if (!start.load) {
       continue; // no SIMD-group needs this tile: not even loaded
     }
-    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, p.head_dim, tid);
+    fa_load_resident_tile<T, BK, BD, 32 * WM>(k_tile, k_tiles, valid_keys, head_dim, tid);
     fa_load_tile<T, BK, BDV, 32 * WM>(v_tile, V_PITCH, v_tiles, valid_keys, min(ev_cols, BDV), tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -140,7 +142,7 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
       fa_frag_fill(s_frag[j], 0.0f);
     }
     fa_frags_multiply_head<T, BD, BK / 8, 32 * WM>(s_frag, q_frag, q_row, p.q_strides[3], row_valid, k_tile, k_tiles,
-                                                   valid_keys, p.head_dim, !blocked, tid, at);
+                                                   valid_keys, head_dim, !blocked, tid, at);
     if (blocked) {
       continue; // it adds nothing
     }
@@ -196,10 +198,13 @@ fa_forward(const device T *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     row_state.max = new_max;
     fa_dropout_frags<BK / 8>(p, dropout, s_frag, b, h, my_row, k0 + at.x); // after the undropped sum
 
-    // O = O * rescale + P V.
-    for (int d = 0; d < BDV / 8; ++d) {
-      o_frag[d].thread_elements()[0] *= rescale;
-      o_frag[d].thread_elements()[1] *= rescale;
+    // O = O * rescale + P V. Once the running maxima settle most tiles raise no row's max: the
+    // SIMD-group then skips the multiplies by 1 (uniform branch; a NaN factor is not 1 and is applied).
+    if (simd_any(rescale != 1.0f)) {
+      for (int d = 0; d < BDV / 8; ++d) {
+        o_frag[d].thread_elements()[0] *= rescale;
+        o_frag[d].thread_elements()[1] *= rescale;
+      }
     }
     fa_frags_multiply<T, BK / 8, BDV / 8>(o_frag, s_frag, v_tile, V_PITCH, ev_slices, at);
   }

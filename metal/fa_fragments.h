@@ -11,9 +11,13 @@
 // fa_operand_frag<T>: half for half inputs, which halves their registers at no cost in accuracy
 // (a half holds the input exactly, the product of two halves is exact in float32, and
 // simdgroup_multiply_accumulate takes half operands with a float accumulator: Dawn exposes that
-// f16-input, f32-result configuration on Metal). Float for float and bfloat inputs (bfloat
-// fragments need MSL 3.1 and their speed is unmeasured). Products with a float fragment on the left
-// (P V, dS K, ...) load their tile fragments as float.
+// f16-input, f32-result configuration on Metal). Bfloat for bfloat inputs where the GPU computes
+// in bfloat (FA_BFLOAT_FRAGMENTS below; a bfloat product is exact in float32 too), float for float
+// inputs and for bfloat on Apple7/8, which emulate bfloat through float. Products with a float fragment on the left
+// (P V, dS K, ...) load their tile fragments as operand fragments too: a float A times a half B
+// into a float accumulator (llama.cpp's matrix kernels multiply half by float the same way), so the
+// tile's elements are not converted on every load and the product is the same (a half is exact in
+// float).
 #ifndef FA_FRAGMENTS_H
 #define FA_FRAGMENTS_H
 
@@ -29,6 +33,14 @@ template <>
 struct fa_operand<half> {
   typedef half type;
 };
+#if FA_BFLOAT_FRAGMENTS
+// bfloat inputs on GPUs with bfloat arithmetic (Apple9+: the planner sets the macro by GPU family,
+// fa_plan_forward.c): exact as half is for half, with half the registers of float fragments.
+template <>
+struct fa_operand<bfloat> {
+  typedef bfloat type;
+};
+#endif
 template <typename T>
 using fa_operand_frag = metal::simdgroup_matrix<typename fa_operand<T>::type, 8, 8>;
 
@@ -128,16 +140,17 @@ inline void fa_frags_multiply_transposed(thread fa_frag *acc,
 }
 
 // acc[d] += A B[:, 8 d .. 8 d + 7] for d < min(ND, slices): A is one 8-row block as NA fragments
-// (8 x 8 NA), B the first 8 NA rows of a row-major tile. P V in the forward, dS K, P^T dO, dS^T Q
-// backward. Output slices past `slices` are padding (never stored) and are skipped. As above, the
-// inner loop runs over the accumulators (each still sums in ascending j).
+// (8 x 8 NA), B the first 8 NA rows of a row-major tile, loaded as operand fragments (see above).
+// P V in the forward, dS K, P^T dO, dS^T Q backward. Output slices past `slices` are padding (never
+// stored) and are skipped. As above, the inner loop runs over the accumulators (each still sums in
+// ascending j).
 template <typename T, int NA, int ND>
 inline void fa_frags_multiply(
     thread fa_frag *acc, thread fa_frag *a, const threadgroup T *tile, int pitch, int slices, ushort2 at) {
   for (int j = 0; j < NA; ++j) {
     for (int d = 0; d < ND; ++d) {
       if (d < slices) {
-        fa_frag b;
+        fa_operand_frag<T> b;
         fa_frag_load(b, tile, pitch, 8 * j, 8 * d, at);
         metal::simdgroup_multiply_accumulate(acc[d], a[j], b, acc[d]);
       }

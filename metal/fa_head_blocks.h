@@ -22,6 +22,15 @@
 #include "fa_fragments.h"
 #include "fa_loader.h"
 
+// A head dim as a tiled kernel of width W (BD or BDV) reads it: W itself when the planner says the
+// head dims equal the widths (FA_FC_EXACT_HEAD_DIMS, the common D = 64 and 128), so every guard
+// against it (empty slices, ragged columns, the streamed path, column blocks) is a compile-time
+// constant and folds away; the run-time value otherwise.
+template <int W>
+inline int fa_head_dim(int dim) {
+  return fa_exact_head_dims ? W : dim;
+}
+
 // Blocks of `width` columns that cover `dim` (at least one, so an empty head dim makes one pass).
 inline int fa_head_blocks(int dim, int width) { return metal::max(1, (dim + width - 1) / width); }
 

@@ -102,6 +102,7 @@ typedef uint32_t fa_u32;
 #define FA_FC_K_BITS 14      // int: 0, or K is quantized to 8 or 4 bits and dequantized as it is read (fa_quant.h)
 #define FA_FC_V_BITS 15      // int: the same for V
 #define FA_FC_MASK_BLOCKS 20 // bool: the prefill forward reads the additive mask's block classes (fa_mask_blocks.h)
+#define FA_FC_EXACT_HEAD_DIMS 21 // bool: E and Ev equal the tiled kernels' widths BD and BDV (fa_head_blocks.h)
 
 // Elements per access of the contiguous tile loads (fa_loader.h): the planner takes that path only
 // for views whose rows start on multiples of it (8 bytes of half, 16 of float).
@@ -231,6 +232,7 @@ constant bool fa_banded [[function_constant(FA_FC_BAND)]];
 constant bool fa_write_lse [[function_constant(FA_FC_WRITE_LSE)]];
 constant int fa_mask_kind [[function_constant(FA_FC_MASK_KIND)]];
 constant bool fa_contiguous_tiles [[function_constant(FA_FC_CONTIGUOUS_TILES)]];
+constant bool fa_exact_head_dims [[function_constant(FA_FC_EXACT_HEAD_DIMS)]];
 #endif
 
 #endif
