@@ -32,8 +32,8 @@ int32_t fa_forward_execute(const fa_forward_ready *ready, const fa_forward_args 
     fa_pipeline *pipelines[1 + FA_MAX_PLAN_DISPATCHES];
     uint32_t n = 0;
     if (ready->sequence_builder.pipeline != NULL) {
-        rc = fa_sequence_prepare(&ready->sequence_builder, &params, (int64_t)sizeof params, args, FA_FORWARD, &d[n],
-                                 st);
+        rc =
+            fa_sequence_prepare(&ready->sequence_builder, &params, (int64_t)sizeof params, args, FA_FORWARD, &d[n], st);
         if (rc != FA_OK) {
             return rc;
         }

@@ -536,14 +536,27 @@ template <class T, int N> struct vec : detail::vec_storage<T, N, detail::vec_ali
     friend constexpr vec &operator op##=(vec &a, const vec &b) { return a = a op b; }
 #define MSL_VEC_CMP(op) \
     friend constexpr bools operator op(const vec &a, const vec &b) { MSL_LANES(bools, a[i] op b[i]) }
+    // clang-format off
     MSL_VEC_OP(+)
     MSL_VEC_OP(-)
-    MSL_VEC_OP(*) MSL_VEC_OP(/) MSL_VEC_OP(%) MSL_VEC_OP(&) MSL_VEC_OP(|) MSL_VEC_OP(^) MSL_VEC_OP(<<) MSL_VEC_OP(>>)
-        MSL_VEC_CMP(==) MSL_VEC_CMP(!=) MSL_VEC_CMP(<) MSL_VEC_CMP(<=) MSL_VEC_CMP(>) MSL_VEC_CMP(>=) MSL_VEC_CMP(&&)
-            MSL_VEC_CMP(||) friend constexpr vec
-            operator+(const vec &a) {
-        return a;
-    }
+    MSL_VEC_OP(*)
+    MSL_VEC_OP(/)
+    MSL_VEC_OP(%)
+    MSL_VEC_OP(&)
+    MSL_VEC_OP(|)
+    MSL_VEC_OP(^)
+    MSL_VEC_OP(<<)
+    MSL_VEC_OP(>>)
+    MSL_VEC_CMP(==)
+    MSL_VEC_CMP(!=)
+    MSL_VEC_CMP(<)
+    MSL_VEC_CMP(<=)
+    MSL_VEC_CMP(>)
+    MSL_VEC_CMP(>=)
+    MSL_VEC_CMP(&&)
+    MSL_VEC_CMP(||)
+    // clang-format on
+    friend constexpr vec operator+(const vec &a) { return a; }
     friend constexpr vec operator-(const vec &a) { MSL_LANES(vec, -a[i]) }
     friend constexpr vec operator~(const vec &a) { MSL_LANES(vec, ~a[i]) }
     friend constexpr bools operator!(const vec &a) { MSL_LANES(bools, !a[i]) }
