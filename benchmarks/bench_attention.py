@@ -27,34 +27,15 @@ saved CSVs).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from _timing import sync, timed, write_csv  # beside this script
 
 from flashattn_mps import explain_plan, flash_attention, mps_probe
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def sync(device):
-    if device.type == "mps":
-        torch.mps.synchronize()
-
-
-def timed(fn, device, repeats):
-    fn()  # warm-up: compiles / loads the kernel
-    sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def peak_memory(fn, device):
@@ -301,14 +282,6 @@ def run_training(quick: bool, device, where: str, repeats: int):
                 f"{row['ms']:>10.2f} {row['tflops']:>8.4f} {row['peak_mib']:>9.1f}"
             )
     return rows
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
 
 
 def sweep(quick: bool, device):

@@ -13,28 +13,12 @@ decode_sweep_<tag>.csv. Off a Mac the CPU Metal device runs small shapes: NOT GP
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
-import time
 
 import torch
+from _timing import timed, write_csv  # beside this script
 
 from flashattn_mps import explain_kvcache_plan, flash_attn_with_kvcache
-
-
-def timed(fn, device, repeats):
-    fn()  # warm-up: compiles the kernels
-    samples = []
-    for _ in range(repeats):
-        if device.type == "mps":
-            torch.mps.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "mps":
-            torch.mps.synchronize()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def sweep(device, quick):
@@ -87,13 +71,7 @@ def main():
             f"{hq:>3} {hkv:>3} {d:>4} {s:>6} {plan['split_count']:>7} {seconds * 1e3:>9.3f} {gb_per_s:>8.2f} "
             f"{estimate:>5.2f}  {one_share * 1e3:.3f}"
         )
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"decode_sweep_{'mps' if device.type == 'mps' else 'cpu_device'}.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
+    write_csv(os.path.join(args.out, f"decode_sweep_{'mps' if device.type == 'mps' else 'cpu_device'}.csv"), rows)
 
 
 if __name__ == "__main__":

@@ -12,31 +12,13 @@ visits). Elsewhere it runs the CPU Metal device on small shapes: relative figure
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import timed  # beside this script
 
 from flashattn_mps import flash_attention, mps_probe
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def sync(device):
-    if device.type == "mps":
-        torch.mps.synchronize()
-
-
-def timed(fn, device, repeats):
-    fn()  # warm-up: compiles the kernels
-    sync(device)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def masks(length, dtype, device):

@@ -16,31 +16,12 @@ on 2 kv heads and fewer repeats.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
-import time
 
 import torch
+from _timing import timed, write_csv  # beside this script
 
 from flashattn_mps import explain_plan, flash_attention, quantize_kv
-
-
-def sync(device):
-    if device.type == "mps":
-        torch.mps.synchronize()
-
-
-def timed(run, device, repeats: int) -> float:
-    run()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def golden(q, k, v):
@@ -94,13 +75,7 @@ def main():
             print(
                 f"{s:>6} {bits:>4} {read / 1e6:>9.2f} {seconds * 1e3:>9.2f} {read / seconds / 1e9:>8.3f} {error:>9.2e}"
             )
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"quantized_decode_{'mps' if device.type == 'mps' else 'cpu_device'}.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
+    write_csv(os.path.join(args.out, f"quantized_decode_{'mps' if device.type == 'mps' else 'cpu_device'}.csv"), rows)
 
 
 if __name__ == "__main__":
