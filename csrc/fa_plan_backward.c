@@ -216,28 +216,9 @@ static void set_backward_costs(fa_backward_plan *plan, const fa_plan *forward, c
 enum {
     TENSOR_ROWS = 16,
     TENSOR_TILE = 32,
-    TENSOR_MAX_WIDTH = 128,
     TENSOR_SIMDGROUPS = 4,
     TENSOR_TILE_PAD = 8, /* FA_TILE_PAD of metal/fa_loader.h */
 };
-
-/* What keeps this call off the tensor backward, as the option to change, or NULL when it can run:
- * the tensor forward's refusals (fa_plan_forward.c). */
-static const char *tensor_backward_refusal(const fa_backward_args *a, int32_t tensor_family) {
-    if (tensor_family == 0) {
-        return "this device (Metal 4 tensor operations need macOS 26.2 or later on an Apple9 or Apple10 GPU)";
-    }
-    if (a->q.dtype != FA_F16 && a->q.dtype != FA_BF16) {
-        return "q's dtype float32 (it takes float16 and bfloat16)";
-    }
-    if (a->q.sizes[3] > TENSOR_MAX_WIDTH || a->v.sizes[3] > TENSOR_MAX_WIDTH) {
-        return "head dims E or Ev above 128";
-    }
-    if (a->options.dropout_p > 0.0) {
-        return "dropout_p > 0";
-    }
-    return NULL;
-}
 
 /* The rows of the other side that rows [first, first + n) see under the band (all without one):
  * queries that see a key of them (key_side), or keys a query of them sees. */
@@ -467,13 +448,13 @@ int32_t fa_plan_backward(const fa_backward_args *a, fa_backward_plan *plan, fa_s
     /* The tensor forward's rule (fa_plan_forward.c): kernel='tensor' forces it, AUTO takes it when
      * planning for Apple10 on a device whose tensor operations are Apple10's. */
     const int32_t tensor_family = fa_device_tensor_family(a->device);
-    const char *tensor_refused = tensor_backward_refusal(a, tensor_family);
+    const char *tensor_refused = fa_plan_tensor_refusal(&forward_args, tensor_family);
     if (a->options.kernel == FA_KERNEL_TENSOR && tensor_refused != NULL) {
         return fa_fail(st, FA_ERR_VALUE, "kernel='tensor': the tensor-path backward does not take %s", tensor_refused);
     }
     if (a->options.kernel == FA_KERNEL_TENSOR ||
-        (a->options.kernel == FA_KERNEL_AUTO && tensor_refused == NULL && forward.gpu_family == FA_FAMILY_APPLE10 &&
-         tensor_family == FA_FAMILY_APPLE10)) {
+        (a->options.kernel == FA_KERNEL_AUTO &&
+         fa_plan_tensor_by_default(forward.gpu_family, tensor_family, tensor_refused))) {
         set_tensor_backward(plan, &forward, a); /* it adds a mask everywhere: no block classes */
     } else {
         plan_mask_blocks(plan, &forward, a, tiled, tq);

@@ -830,8 +830,7 @@ static int32_t plan_prefill(const fa_forward_args *a, fa_plan *plan, fa_status *
  * has tensor operations, and names what the call has that it does not take. */
 enum { TENSOR_ROWS = 16, TENSOR_WM = 4, TENSOR_BK = 32, TENSOR_MAX_HEAD_DIM = 128 };
 
-/* What keeps this call off the tensor kernel, as the option to change, or NULL when it can run. */
-static const char *tensor_refusal(const fa_forward_args *a, int32_t tensor_family) {
+const char *fa_plan_tensor_refusal(const fa_forward_args *a, int32_t tensor_family) {
     if (tensor_family == 0) {
         return "this device (Metal 4 tensor operations need macOS 26.2 or later on an Apple9 or Apple10 GPU)";
     }
@@ -845,6 +844,10 @@ static const char *tensor_refusal(const fa_forward_args *a, int32_t tensor_famil
         return "dropout_p > 0";
     }
     return NULL;
+}
+
+int32_t fa_plan_tensor_by_default(int32_t gpu_family, int32_t tensor_family, const char *refused) {
+    return refused == NULL && gpu_family == FA_FAMILY_APPLE10 && tensor_family == FA_FAMILY_APPLE10;
 }
 
 int32_t fa_plan_tensor_width(int64_t e, int64_t ev) {
@@ -1082,12 +1085,11 @@ int32_t fa_plan_forward(const fa_forward_args *a, fa_plan *plan, fa_status *st) 
         return rc;
     }
     const int32_t tensor_family = fa_device_tensor_family(a->device);
-    const char *tensor_refused = tensor_refusal(a, tensor_family);
+    const char *tensor_refused = fa_plan_tensor_refusal(a, tensor_family);
     if (a->options.kernel == FA_KERNEL_TENSOR && tensor_refused != NULL) {
         return fa_fail(st, FA_ERR_VALUE, "kernel='tensor': the tensor-path kernel does not take %s", tensor_refused);
     }
-    const int32_t tensor_by_default =
-        tensor_refused == NULL && plan->gpu_family == FA_FAMILY_APPLE10 && tensor_family == FA_FAMILY_APPLE10;
+    const int32_t tensor_by_default = fa_plan_tensor_by_default(plan->gpu_family, tensor_family, tensor_refused);
     const int32_t kernel = a->options.write_probs                ? FA_KERNEL_SIMPLE
                            : a->options.kernel != FA_KERNEL_AUTO ? a->options.kernel
                            : p->q_len <= DECODE_MAX_QUERY_LEN    ? FA_KERNEL_DECODE

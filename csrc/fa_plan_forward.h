@@ -58,6 +58,14 @@ double fa_plan_visible_pairs(const fa_plan *plan);
  * and the backward's (fa_plan_forward.c, fa_plan_backward.c). */
 int32_t fa_plan_tensor_width(int64_t e, int64_t ev);
 
+/* What keeps a call off the tensor path, forward and backward alike, as the option to change (for
+ * kernel='tensor''s error), or NULL when it can run; tensor_family is fa_device_tensor_family's. */
+const char *fa_plan_tensor_refusal(const fa_forward_args *a, int32_t tensor_family);
+
+/* Whether AUTO takes the tensor path: nothing refused, planning for Apple10 on a device whose
+ * tensor operations are Apple10's (the rule's reasons: "The tensor path" in fa_plan_forward.c). */
+int32_t fa_plan_tensor_by_default(int32_t gpu_family, int32_t tensor_family, const char *refused);
+
 /* A dispatch of the tensor backward's kernel `step` ("dkdv" or "dq") for `dtype` at `width`: its
  * source, function and macros (fa_plan_backward.c). */
 void fa_plan_backward_tensor_dispatch(fa_plan_dispatch *d, const char *step, int32_t dtype, int32_t width);

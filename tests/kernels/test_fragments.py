@@ -20,7 +20,8 @@ FC_EXACT_HEAD_DIMS = 21  # metal/fa_params.h
 def tiled_dispatches(dtype, e, ev, gpu="apple9"):
     q, k, v = (torch.empty(1, 4, 100, d, dtype=dtype) for d in (e, e, ev))
     forward = explain_plan(q, k, v, kernel="forward", gpu=gpu)["dispatches"]
-    backward = explain_plan(q, k, v, backward=True, gpu=gpu)["dispatches"][1:]  # dK/dV, dQ
+    # the simdgroup dK/dV and dQ (AUTO takes the tensor backward on Apple10)
+    backward = explain_plan(q, k, v, kernel="forward", backward=True, gpu=gpu)["dispatches"][1:]
     return forward + backward
 
 
