@@ -281,6 +281,15 @@ def check(actual, inputs, factor=5.0, **options):
     assert error <= max(1e-5, factor * reference_error), (error, reference_error)
 
 
+def sdpa_inputs(gen, b, hq, hkv, l, s, e, ev, dtype, q_scale=1.0):
+    """q (B, Hq, L, E) scaled by q_scale, k (B, Hkv, S, E), v (B, Hkv, S, Ev): SDPA's layout."""
+    return (
+        randn(gen, b, hq, l, e, dtype=dtype) * q_scale,
+        randn(gen, b, hkv, s, e, dtype=dtype),
+        randn(gen, b, hkv, s, ev, dtype=dtype),
+    )
+
+
 def flash_inputs(gen, b, l, s, hq, hkv, e, ev, dtype):
     return (
         randn(gen, b, l, hq, e, dtype=dtype),

@@ -387,27 +387,32 @@ fa_forward_args forward_args(int32_t device, py::handle tensors, py::handle opti
     return args;
 }
 
-// One call per attention call: prepare (the plan cache) and run. A callable `workspace` is asked
-// for a float32 tensor of at least n bytes, only when the plan needs one; the binding keeps it
-// alive while the kernels run.
-void forward(int32_t device, py::handle tensors, py::handle options, py::handle workspace_arg) {
-    PyObject *workspace_obj = workspace_arg.ptr();
-    fa_forward_args args = forward_args(device, tensors, options, &workspace_obj);
+static bool nothing_to_run(const fa_forward_ready &ready) { return ready.empty; }
+static bool nothing_to_run(const fa_backward_ready &) { return false; }
+
+// One call per attention call, forward or backward: prepare (the plan cache) and run. A callable
+// `workspace` is asked for a float32 tensor of at least n bytes, only when the plan needs one (split-K
+// partials, the probabilities' pass, an additive mask's block classes); the binding keeps it alive
+// while the kernels run.
+template <typename Args, typename Ready>
+void prepare_and_run(int32_t device, Args &args, PyObject *workspace_obj,
+                     int32_t (*prepare)(const Args *, Ready *, fa_status *),
+                     int32_t (*execute)(const Ready *, const Args *, fa_status *)) {
     py::handle workspace = workspace_obj != nullptr ? py::handle(workspace_obj) : py::handle(Py_None);
     const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
     if (!allocate) {
         args.workspace = to_tensor(workspace, "workspace", device);
     }
-    fa_forward_ready ready;
+    Ready ready;
     fa_status st;
     int32_t rc;
     bool needs_workspace = false;
     {
         py::gil_scoped_release release;
-        rc = fa_forward_prepare(&args, &ready, &st);
-        needs_workspace = rc == FA_OK && allocate && !ready.empty && ready.workspace_bytes > 0;
+        rc = prepare(&args, &ready, &st);
+        needs_workspace = rc == FA_OK && allocate && !nothing_to_run(ready) && ready.workspace_bytes > 0;
         if (rc == FA_OK && !needs_workspace) {
-            rc = fa_forward_execute(&ready, &args, &st);
+            rc = execute(&ready, &args, &st);
         }
     }
     check(rc, st);
@@ -416,10 +421,16 @@ void forward(int32_t device, py::handle tensors, py::handle options, py::handle 
         args.workspace = to_tensor(scratch, "workspace", device);
         {
             py::gil_scoped_release release;
-            rc = fa_forward_execute(&ready, &args, &st);
+            rc = execute(&ready, &args, &st);
         }
         check(rc, st);
     }
+}
+
+void forward(int32_t device, py::handle tensors, py::handle options, py::handle workspace_arg) {
+    PyObject *workspace_obj = workspace_arg.ptr();
+    fa_forward_args args = forward_args(device, tensors, options, &workspace_obj);
+    prepare_and_run(device, args, workspace_obj, fa_forward_prepare, fa_forward_execute);
 }
 
 int64_t forward_workspace_bytes(int32_t device, py::handle tensors, py::handle options) {
@@ -514,38 +525,10 @@ fa_backward_args backward_args(int32_t device, py::handle tensors, py::handle op
     return args;
 }
 
-// As forward: a callable `workspace` is asked for the mask's block classes only when the plan has
-// them; without a workspace the kernels add the mask everywhere (same results).
 void backward(int32_t device, py::handle tensors, py::handle options, py::handle workspace_arg) {
     PyObject *workspace_obj = workspace_arg.ptr();
     fa_backward_args args = backward_args(device, tensors, options, &workspace_obj);
-    py::handle workspace = workspace_obj != nullptr ? py::handle(workspace_obj) : py::handle(Py_None);
-    const bool allocate = PyCallable_Check(workspace.ptr()) != 0;
-    if (!allocate) {
-        args.workspace = to_tensor(workspace, "workspace", device);
-    }
-    fa_backward_ready ready;
-    fa_status st;
-    int32_t rc;
-    bool needs_workspace = false;
-    {
-        py::gil_scoped_release release;
-        rc = fa_backward_prepare(&args, &ready, &st);
-        needs_workspace = rc == FA_OK && allocate && ready.workspace_bytes > 0;
-        if (rc == FA_OK && !needs_workspace) {
-            rc = fa_backward_execute(&ready, &args, &st);
-        }
-    }
-    check(rc, st);
-    if (needs_workspace) {
-        py::object scratch = workspace(ready.workspace_bytes);
-        args.workspace = to_tensor(scratch, "workspace", device);
-        {
-            py::gil_scoped_release release;
-            rc = fa_backward_execute(&ready, &args, &st);
-        }
-        check(rc, st);
-    }
+    prepare_and_run(device, args, workspace_obj, fa_backward_prepare, fa_backward_execute);
 }
 
 // The backward's three dispatches with their costs (explain_plan(backward=True)).

@@ -32,17 +32,10 @@ from helpers import (
     randn,
     reference,
     sdpa,
+    sdpa_inputs,
 )
 
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-def inputs(gen, b, hq, hkv, l, s, e, ev, dtype, q_scale=1.0):
-    return (
-        randn(gen, b, hq, l, e, dtype=dtype) * q_scale,
-        randn(gen, b, hkv, s, e, dtype=dtype),
-        randn(gen, b, hkv, s, ev, dtype=dtype),
-    )
 
 
 def tensor_backward_plan(*args, **kwargs):
@@ -79,13 +72,13 @@ def sink_option(leaves):
 
 # Each case runs the tensor backward and checks it; the same list runs under every layout.
 def case_plain(gen, dtype, e, causal):
-    q, k, v = inputs(gen, 1, 4, 2, 100, 130, e, e, dtype)
+    q, k, v = sdpa_inputs(gen, 1, 4, 2, 100, 130, e, e, dtype)
     tensor_backward_plan(q, k, v, causal=causal)
     check_gradients(gen, (q, k, v), causal=causal, reference=dict(causal=causal))
 
 
 def case_padded_widths(gen, dtype):
-    q, k, v = inputs(gen, 2, 2, 1, 70, 45, 80, 48, dtype)
+    q, k, v = sdpa_inputs(gen, 2, 2, 1, 70, 45, 80, 48, dtype)
     _, dkdv, dq = tensor_backward_plan(q, k, v)
     assert dkdv["macros"]["FA_BD"] == dq["macros"]["FA_BD"] == "96"  # the tensor forward's width
     check_gradients(gen, (q, k, v))
@@ -94,7 +87,7 @@ def case_padded_widths(gen, dtype):
 def case_variants(gen, dtype):
     """Bottom-right causal with a window, softcap and per-(batch, head) ALiBi; then sinks, whose
     gradient is checked too."""
-    q, k, v = inputs(gen, 2, 4, 2, 75, 90, 64, 64, dtype, q_scale=4.0)
+    q, k, v = sdpa_inputs(gen, 2, 4, 2, 75, 90, 64, 64, dtype, q_scale=4.0)
     alibi = torch.rand(2, 4, generator=gen) * 0.5
     tensor_backward_plan(q, k, v, causal="bottom_right", window_size=(20, -1), softcap=2.0, alibi_slopes=alibi)
     check_gradients(
@@ -117,7 +110,7 @@ def masked_sdpa(mask):
 
 def case_masks(gen, dtype):
     """A broadcast bool mask and a float one; row 3 and row 40 see no key (zero gradients)."""
-    q, k, v = inputs(gen, 2, 2, 2, 66, 80, 128, 128, dtype)
+    q, k, v = sdpa_inputs(gen, 2, 2, 2, 66, 80, 128, 128, dtype)
     keep = torch.rand(2, 1, 66, 80, generator=gen) > 0.3
     keep[:, :, 3] = False
     tensor_backward_plan(q, k, v, attn_mask=keep)
@@ -186,7 +179,7 @@ def two_runs_give_identical_gradients():
     """Deterministic: each SIMD-group sums its own rows in a fixed order (GQA: over every query head
     of its kv head), no atomics."""
     gen = torch.Generator().manual_seed(7)
-    q, k, v = inputs(gen, 1, 6, 2, 90, 110, 64, 32, torch.float16)
+    q, k, v = sdpa_inputs(gen, 1, 6, 2, 90, 110, 64, 32, torch.float16)
     dout = randn(gen, 1, 6, 90, 32, dtype=torch.float16)
     tensor_backward_plan(q, k, v, causal=True)
     runs = []
@@ -261,7 +254,7 @@ def test_tensor_backward_names_what_it_does_not_take(gen):
         (torch.float16, 160, 0.0, "head dims E or Ev above 128"),
         (torch.float16, 64, 0.3, "dropout_p"),
     ):
-        q, k, v = inputs(gen, 1, 2, 2, 20, 20, e, e, dtype)
+        q, k, v = sdpa_inputs(gen, 1, 2, 2, 20, 20, e, e, dtype)
         out, lse = flash_attention(q, k, v, return_lse=True)
         options = AttentionOptions(e**-0.5, False, dropout_p=dropout_p, kernel=_C.KERNEL_TENSOR)
         with pytest.raises(ValueError, match=f"kernel='tensor': the tensor-path backward does not take .*{match}"):
@@ -274,7 +267,7 @@ def test_tensor_backward_runs_clean_in_checked_mode(checked_core):
     reported, and the same bits as unchecked. Through the core entry with the simdgroup forward's lse
     (AUTO plans for Apple9 here)."""
     gen = torch.Generator().manual_seed(12)
-    q, k, v = inputs(gen, 1, 4, 2, 70, 45, 80, 48, torch.float16)
+    q, k, v = sdpa_inputs(gen, 1, 4, 2, 70, 45, 80, 48, torch.float16)
     dout = randn(gen, 1, 4, 70, 48, dtype=torch.float16)
     keep = torch.rand(70, 45, generator=gen) > 0.2
     options = AttentionOptions(80**-0.5, False)

@@ -21,17 +21,9 @@ import torch
 from flashattn_mps import _C, explain_plan, flash_attention, quantize_kv
 from flashattn_mps._core import run_forward, sequence_args
 from flashattn_mps._options import AttentionOptions
-from helpers import check, check_packed, max_error, packed_inputs, prefix_sums, randn, sdpa
+from helpers import check, check_packed, max_error, packed_inputs, prefix_sums, randn, sdpa, sdpa_inputs
 
 DTYPES = [torch.float16, torch.bfloat16]
-
-
-def inputs(gen, b, hq, hkv, l, s, e, ev, dtype, q_scale=1.0):
-    return (
-        randn(gen, b, hq, l, e, dtype=dtype) * q_scale,
-        randn(gen, b, hkv, s, e, dtype=dtype),
-        randn(gen, b, hkv, s, ev, dtype=dtype),
-    )
 
 
 def tensor_plan(*args, **kwargs):
@@ -42,14 +34,14 @@ def tensor_plan(*args, **kwargs):
 
 # Each case runs the tensor kernel once and checks it; the same list runs under every layout.
 def case_plain(gen, dtype, e, causal):
-    q, k, v = inputs(gen, 1, 4, 2, 100, 130, e, e, dtype)
+    q, k, v = sdpa_inputs(gen, 1, 4, 2, 100, 130, e, e, dtype)
     out = flash_attention(q, k, v, causal=causal, kernel="tensor")
     check(out, (q, k, v), causal=causal)
 
 
 def case_nan(gen, dtype):
     """A NaN in one query row makes that row NaN and no other (SDPA's rule), causal."""
-    q, k, v = inputs(gen, 1, 2, 2, 70, 70, 128, 128, dtype)
+    q, k, v = sdpa_inputs(gen, 1, 2, 2, 70, 70, 128, 128, dtype)
     q[0, 1, 33, 5] = float("nan")
     out = flash_attention(q, k, v, causal=True, kernel="tensor")
     assert out[0, 1, 33].isnan().all() and out.isnan().sum() == 128
@@ -57,14 +49,14 @@ def case_nan(gen, dtype):
 
 
 def case_padded_width(gen, dtype):
-    q, k, v = inputs(gen, 2, 2, 1, 70, 45, 80, 48, dtype)
+    q, k, v = sdpa_inputs(gen, 2, 2, 1, 70, 45, 80, 48, dtype)
     assert tensor_plan(q, k, v)["macros"]["FA_BD"] == "96"
     check(flash_attention(q, k, v, kernel="tensor"), (q, k, v))
 
 
 def case_variants(gen, dtype):
     """Bottom-right causal with a window, softcap and per-(batch, head) ALiBi; then sinks."""
-    q, k, v = inputs(gen, 2, 4, 2, 75, 90, 64, 64, dtype, q_scale=4.0)
+    q, k, v = sdpa_inputs(gen, 2, 4, 2, 75, 90, 64, 64, dtype, q_scale=4.0)
     alibi = torch.rand(2, 4, generator=gen) * 0.5
     options = dict(causal=True, bottom_right=True, window=(20, -1), softcap=2.0, alibi=alibi)
     out = flash_attention(
@@ -85,7 +77,7 @@ def check_masked(out, q, k, v, mask):
 
 def case_masks(gen, dtype):
     """A broadcast bool mask and a float one; rows 3 and 40 see no key (zeros)."""
-    q, k, v = inputs(gen, 2, 2, 2, 66, 80, 128, 128, dtype)
+    q, k, v = sdpa_inputs(gen, 2, 2, 2, 66, 80, 128, 128, dtype)
     keep = torch.rand(2, 1, 66, 80, generator=gen) > 0.3
     keep[:, :, 3] = False
     out = flash_attention(q, k, v, attn_mask=keep, kernel="tensor")
@@ -100,7 +92,7 @@ def case_masks(gen, dtype):
 
 
 def case_lse(gen, dtype):
-    q, k, v = inputs(gen, 1, 4, 1, 90, 70, 64, 64, dtype)
+    q, k, v = sdpa_inputs(gen, 1, 4, 1, 90, 70, 64, 64, dtype)
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True, kernel="tensor")
     scores = (q.double() @ k.double().transpose(-1, -2)) / 8.0
     scores = scores.masked_fill(torch.ones(90, 70, dtype=torch.bool).tril().logical_not(), float("-inf"))
@@ -283,13 +275,13 @@ def test_auto_takes_the_tensor_path_only_on_apple10():
 
 
 def test_tensor_kernel_names_what_it_does_not_take(gen):
-    q, k, v = inputs(gen, 1, 2, 2, 20, 20, 64, 64, torch.float32)
+    q, k, v = sdpa_inputs(gen, 1, 2, 2, 20, 20, 64, 64, torch.float32)
     with pytest.raises(ValueError, match="kernel='tensor'.*float32"):
         flash_attention(q, k, v, kernel="tensor")
-    q, k, v = inputs(gen, 1, 2, 2, 20, 20, 160, 64, torch.float16)
+    q, k, v = sdpa_inputs(gen, 1, 2, 2, 20, 20, 160, 64, torch.float16)
     with pytest.raises(ValueError, match="kernel='tensor'.*head dims E or Ev above 128"):
         flash_attention(q, k, v, kernel="tensor")
-    q, k, v = inputs(gen, 1, 2, 2, 20, 20, 64, 64, torch.float16)
+    q, k, v = sdpa_inputs(gen, 1, 2, 2, 20, 20, 64, 64, torch.float16)
     with pytest.raises(ValueError, match="kernel='tensor'.*dropout_p"):
         flash_attention(q, k, v, kernel="tensor", dropout_p=0.2)
     with pytest.raises(ValueError, match="kernel must be one of"):
