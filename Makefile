@@ -24,7 +24,7 @@ test: check-test-python $(VENV)/.test-deps $(VENV)/.built
 	$(PY) -m pytest -q tests
 
 # Everything but the tests marked slow (fuzzing, peak memory, other projects' kernels, the strict
-# check of every specialisation, ...): 1.5 minutes on 2 cores with the kernels cached, for the edit-test loop.
+# check of every specialisation, ...): 2 minutes on 2 cores with the kernels cached, for the edit-test loop.
 test-fast: check-test-python $(VENV)/.test-deps $(VENV)/.built
 	$(PY) -m pytest -q -m "not slow" tests
 
