@@ -430,30 +430,32 @@ template <class T, class Layout> struct cooperative_tensor {
         else return metal::array<int, 2>{c, r};
     }
     /* from / into a tensor holding the matrix as stored (transposed operands transposed) */
-    template <class E, class X, class Tag> void load(const metal::tensor<E, X, Tag> &t, MSL_CALLER) {
+    /* f(slot, at) for each element this lane holds, `at` its index in a tensor holding the matrix
+     * as stored (transposed operands transposed) */
+    template <class Index, class F> void each_stored_element(F f, unsigned line, const char *file) const {
         auto w = who(file, line);
         uint32_t groups = w.count / MSL_SIMD_WIDTH;
         for (uint32_t s = 0; s < Layout::capacity(groups); s++) {
             int r, c;
             if (!Layout::element(groups, w.simdgroup, w.lane, s, &r, &c)) continue;
-            typename metal::tensor<E, X, Tag>::index_type at[2] = {Layout::transposed ? r : c,
-                                                                   Layout::transposed ? c : r};
-            elements[s] = T(float(t.get(at)));
+            Index at[2] = {Layout::transposed ? r : c, Layout::transposed ? c : r};
+            f(s, at);
         }
     }
+    template <class E, class X, class Tag> void load(const metal::tensor<E, X, Tag> &t, MSL_CALLER) {
+        using Index = typename metal::tensor<E, X, Tag>::index_type;
+        each_stored_element<Index>([&](uint32_t s, Index(&at)[2]) { elements[s] = T(float(t.get(at))); }, line, file);
+    }
     template <class E, class X, class Tag> void store(const metal::tensor<E, X, Tag> &t, MSL_CALLER) const {
+        using Index = typename metal::tensor<E, X, Tag>::index_type;
         using V = typename metal::tensor<E, X, Tag>::value_type;
-        auto w = who(file, line);
-        uint32_t groups = w.count / MSL_SIMD_WIDTH;
-        for (uint32_t s = 0; s < Layout::capacity(groups); s++) {
-            int r, c;
-            if (!Layout::element(groups, w.simdgroup, w.lane, s, &r, &c)) continue;
-            typename metal::tensor<E, X, Tag>::index_type at[2] = {Layout::transposed ? r : c,
-                                                                   Layout::transposed ? c : r};
-            bool inside;
-            t.get(at, &inside);
-            if (inside) t[{at[0], at[1]}] = V(float(elements[s]));
-        }
+        each_stored_element<Index>(
+            [&](uint32_t s, Index(&at)[2]) {
+                bool inside;
+                t.get(at, &inside);
+                if (inside) t[{at[0], at[1]}] = V(float(elements[s]));
+            },
+            line, file);
     }
 };
 
